@@ -1,0 +1,32 @@
+"""coldbrew's paged-KV inference engine: continuous batching, chunked prefill, prefix caching.
+
+Knows nothing about RunPod, environment variables or S3. Public API: LLM, AsyncLLM, EngineArgs, SamplingParams.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+# Names resolve on first use, so importing one engine module does not import them all.
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "AsyncLLM": "engine.llm",
+    "EngineArgs": "engine.config",
+    "SamplingParams": "engine.sampling",
+    "RequestOutput": "engine.outputs",
+    "CompletionOutput": "engine.outputs",
+    "Logprob": "engine.outputs",
+}
+__all__ = list(_EXPORTS)
+
+if TYPE_CHECKING:
+    from engine.config import EngineArgs
+    from engine.llm import LLM, AsyncLLM
+    from engine.outputs import CompletionOutput, Logprob, RequestOutput
+    from engine.sampling import SamplingParams
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

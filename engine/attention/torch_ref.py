@@ -1,0 +1,121 @@
+"""Reference paged attention in plain PyTorch (CPU and CUDA; float32, bf16, fp16): correct first, fast never.
+
+Writes the step's new K/V into the paged cache; one batched pass for all decodes, a loop for prefill chunks.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata
+
+
+class TorchAttentionBackend:
+    """Paged attention over a KV cache layer [2, num_blocks, block_size, Hkv, D]; GQA without repeating K/V."""
+
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D].
+
+        Query token j of sequence i sits at context position seq_len_i - query_len_i + j and sees the context
+        positions p <= its own (and, with a sliding window W, p > its own - W, as HF Mistral does).
+        """
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = k.shape[1]
+        group = num_heads // num_kv_heads
+        k_cache, v_cache = kv_cache_layer[0], kv_cache_layer[1]
+        block_size = k_cache.shape[1]
+        write_kv(k, v, kv_cache_layer, meta.slot_mapping)
+
+        out = torch.empty_like(q)
+        starts = meta.query_start_loc_cpu
+        decodes = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
+        if decodes:
+            _decode_batch(q, k_cache, v_cache, meta, decodes, scale, sliding_window, out)
+        for i, seq_len in enumerate(meta.seq_lens_cpu):
+            q_start, q_end = starts[i], starts[i + 1]
+            q_len = q_end - q_start
+            if q_len <= 1:
+                continue
+            num_blocks = (seq_len + block_size - 1) // block_size
+            blocks = meta.block_tables[i, :num_blocks].long()
+            keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [S, Hkv, D]
+            values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+
+            # [q_len, H, D] -> [Hkv, group * q_len, D]; head h = kv_head * group + g, as HF's repeat_kv.
+            qi = q[q_start:q_end].view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+            qi = qi.reshape(num_kv_heads, group * q_len, head_dim)
+            scores = torch.matmul(qi, keys.permute(1, 2, 0)).float() * scale  # [Hkv, group * q_len, S]
+
+            mask = _context_mask(seq_len, q_len, sliding_window, q.device)  # [q_len, S], True = masked
+            scores = scores.view(num_kv_heads, group, q_len, seq_len).masked_fill(mask, float("-inf"))
+            probs = torch.softmax(scores, dim=-1).to(q.dtype).view(num_kv_heads, group * q_len, seq_len)
+            oi = torch.matmul(probs, values.transpose(0, 1))  # [Hkv, group * q_len, D]
+            out[q_start:q_end] = oi.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(
+                q_len, num_heads, head_dim
+            )
+        return out
+
+
+def _decode_batch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    rows: list[int],
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor,
+) -> None:
+    """All one-token queries at once: gather each context padded to the longest, mask the padding."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    lens = [meta.seq_lens_cpu[i] for i in rows]
+    num_blocks = (max(lens) + block_size - 1) // block_size
+    index = torch.tensor(rows, device=q.device)
+    tables = meta.block_tables[index, :num_blocks].long()  # [b, nb]
+    b, width = len(rows), num_blocks * block_size
+    keys = k_cache[tables].reshape(b, width, num_kv_heads, head_dim)
+    values = v_cache[tables].reshape(b, width, num_kv_heads, head_dim)
+    token = torch.tensor([meta.query_start_loc_cpu[i] for i in rows], device=q.device)
+    qd = q[token].view(b, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bkgd,bskd->bkgs", qd, keys).float() * scale  # [b, Hkv, group, S]
+    k_pos = torch.arange(width, device=q.device)[None, :]
+    seq_len = torch.tensor(lens, device=q.device)[:, None]
+    mask = k_pos >= seq_len  # padding past each context
+    if sliding_window is not None:
+        mask |= k_pos <= seq_len - 1 - sliding_window
+    scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    od = torch.einsum("bkgs,bskd->bkgd", probs, values)
+    out[token] = od.reshape(b, num_heads, head_dim)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store k/v [T, Hkv, D] at flat slots (block_id * block_size + offset) of the layer's cache, in place."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    slots = slot_mapping.long()
+    # view (not reshape): a non-contiguous cache must fail here rather than write into a silent copy.
+    kv_cache_layer[0].view(-1, num_kv_heads, head_dim)[slots] = k.to(kv_cache_layer.dtype)
+    kv_cache_layer[1].view(-1, num_kv_heads, head_dim)[slots] = v.to(kv_cache_layer.dtype)
+
+
+def _context_mask(seq_len: int, q_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
+    """[q_len, seq_len] bool, True where query j (at position seq_len - q_len + j) must not see key p."""
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
+    k_pos = torch.arange(seq_len, device=device)[None, :]
+    mask = k_pos > q_pos
+    if sliding_window is not None:
+        mask |= k_pos <= q_pos - sliding_window
+    return mask

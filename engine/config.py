@@ -1,0 +1,201 @@
+"""Engine configuration: EngineArgs (what the caller asks for) and ModelConfig (an HF config.json normalised).
+
+ModelConfig reads both spellings transformers has used for rope settings and refuses what the engine cannot run.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# HF architecture name -> family switch of the one decoder template (engine/models/decoder.py).
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The few numbers the decoder template needs, whatever the family."""
+
+    architecture: str
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2 / Qwen2.5
+    qk_norm: bool  # Qwen3: per-head RMSNorm on q and k before RoPE
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    torch_dtype: str | None
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}: "
+                f"supported are {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        family = SUPPORTED_ARCHITECTURES[arch]
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        if cfg.get("mlp_bias"):
+            raise ValueError(f"mlp_bias: {arch} checkpoints with MLP biases are not supported")
+        # Mistral's default window is 4096 when the key is absent; Qwen applies a window only when asked to.
+        sliding = cfg.get("sliding_window", 4096 if family == "mistral" else None)
+        if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+            sliding = None
+        return cls(
+            architecture=arch,
+            family=family,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=_read_rope(cfg),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
+            sliding_window=int(sliding) if sliding else None,
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str) -> "ModelConfig":
+        path = os.path.join(model_dir, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"model: no config.json in {model_dir!r}")
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+
+def _read_rope(cfg: dict[str, Any]) -> RopeConfig:
+    """Rope settings live in `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (before)."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = merged.get("rope_type") or merged.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported: supported are {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    return RopeConfig(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=merged.get("original_max_position_embeddings"),
+    )
+
+
+def resolve_dtype(dtype: str | torch.dtype, model: ModelConfig, device: torch.device) -> torch.dtype:
+    """'auto' takes the checkpoint's dtype on a GPU and float32 on CPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return _DTYPES.get(str(model.torch_dtype), torch.bfloat16)
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+# CPU has no "free memory" to size from: without num_kv_blocks the KV cache takes this many bytes.
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class EngineArgs:
+    """Everything the engine is built from. The handler turns env vars into these; the engine reads no env."""
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    # On CPU (and when num_kv_blocks is None) the KV cache gets this budget in bytes.
+    cpu_kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    chat_template: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        _check_int("block_size", self.block_size, 1, 1024)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 1, 1 << 24)
+        if self.num_kv_blocks is not None:
+            _check_int("num_kv_blocks", self.num_kv_blocks, 1, 1 << 30)
+        if not (0.0 < self.gpu_memory_utilization <= 1.0):
+            raise ValueError(
+                f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        _check_int("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes, 1, 1 << 50)
+        _check_int("max_num_seqs", self.max_num_seqs, 1, 1 << 20)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 24)
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not (lo <= value <= hi):
+        raise ValueError(f"{name}: must be an integer in [{lo}, {hi}], got {value!r}")

@@ -1,0 +1,304 @@
+"""The engine core: requests in, one scheduled model step at a time, cumulative outputs back.
+
+It validates requests, turns each into n sequences, runs scheduler -> runner -> sampler, applies the stop rules
+and detokenizes. The sync LLM and the AsyncLLM fronts (engine/llm.py) drive it; it knows no threads or asyncio.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+
+from engine.config import EngineArgs, ModelConfig, resolve_dtype
+from engine.kv import KVCacheManager
+from engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
+from engine.runner import ModelRunner, SampledToken
+from engine.sampling import SamplingParams, SamplingRow
+from engine.scheduler import Scheduler
+from engine.sequence import Request, Sequence
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+# A prompt: text, token ids, or a dict with "prompt" or "prompt_token_ids" (as vLLM accepts).
+PromptType = Union[str, list[int], dict[str, Any]]
+
+
+@dataclass
+class EngineStats:
+    num_kv_blocks: int
+    num_free_blocks: int
+    peak_used_blocks: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    num_preemptions: int
+    num_running: int
+    num_waiting: int
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs):
+        args.validate()
+        self.args = args
+        self.device = args.torch_device()
+        self.model_config = ModelConfig.from_dir(args.model)
+        m = self.model_config
+        self.max_model_len = args.max_model_len or m.max_position_embeddings
+        if self.max_model_len > m.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len: {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"({m.max_position_embeddings})"
+            )
+        if m.sliding_window is not None and m.sliding_window < self.max_model_len:
+            raise ValueError(
+                f"max_model_len: the model uses sliding-window attention (window {m.sliding_window}), which this "
+                f"engine does not implement; set max_model_len <= {m.sliding_window}"
+            )
+        self.dtype = resolve_dtype(args.dtype, m, self.device)
+        self.tokenizer = self._load_tokenizer()
+        self.runner = ModelRunner(args, m, self.dtype, self.device, self.max_model_len)
+        self.num_kv_blocks = self.runner.num_blocks
+        # A sequence can grow to max_model_len, or to what the whole cache holds if that is less.
+        self.context_limit = min(self.max_model_len, self.num_kv_blocks * args.block_size)
+        self.kv = KVCacheManager(self.num_kv_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
+        self.eos_token_ids = set(m.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.requests: dict[str, Request] = {}
+        self._rng = random.Random(args.seed)
+        self._next_seq_id = 0
+        self._next_arrival = 0
+        log.info(
+            "engine ready: %s (%s) dtype=%s device=%s weights %.2fs, KV %d blocks x %d tokens, context limit %d",
+            args.model, m.architecture, self.dtype, self.device, self.runner.load_seconds, self.num_kv_blocks,
+            args.block_size, self.context_limit,
+        )
+
+    def _load_tokenizer(self) -> Tokenizer | None:
+        path = self.args.tokenizer or self.args.model
+        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+            log.warning("no tokenizer.json in %s: prompts must be token ids and outputs carry no text", path)
+            return None
+        return Tokenizer.from_dir(path, chat_template=self.args.chat_template)
+
+    # ---- requests ------------------------------------------------------------------------------------------
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """A prompt in any accepted form -> (text or None, token ids), validated against the vocabulary."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass token ids")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"prompt_token_ids: every id must be an integer in [0, {vocab}), got {bad!r}")
+        else:
+            raise ValueError(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        return text, ids
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> Request:
+        """Validate and queue a request. Raises ValueError naming the field for anything the engine can't serve."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        params = params if params is not None else SamplingParams()
+        params.validate()
+        text, ids = self.tokenize(prompt)
+        if len(ids) + 1 > self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens leave no room to generate within max_model_len={self.max_model_len} "
+                f"(the prompt must be at most {self.max_model_len - 1} tokens)"
+            )
+        if len(ids) + 1 > self.context_limit:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens need {self.kv.blocks_for(len(ids) + 1)} KV blocks but the whole cache has "
+                f"{self.num_kv_blocks} (of {self.args.block_size} tokens); at most {self.context_limit - 1} tokens fit"
+            )
+        req = Request(
+            request_id=request_id,
+            arrival_order=self._next_arrival,
+            prompt=text,
+            prompt_token_ids=ids,
+            params=params,
+            metrics=RequestMetrics(arrival_time=time.time()),
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )
+        self._next_arrival += 1
+        for index in range(params.n):
+            seq = Sequence(
+                seq_id=self._next_seq_id,
+                request=req,
+                index=index,
+                token_ids=list(ids),
+                num_prompt_tokens=len(ids),
+                max_total_tokens=self.context_limit,
+                generator=self._generator(params, index),
+                detokenizer=self._detokenizer(params),
+                parent=req.seqs[0] if index else None,
+                logprobs=[] if params.logprobs is not None else None,
+            )
+            self._next_seq_id += 1
+            req.seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = req
+        return req
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.is_greedy:
+            return None
+        # Seeded: sample i of a request uses seed + i. Unseeded: a seed drawn from the engine's own seeded RNG.
+        seed = params.seed + index if params.seed is not None else self._rng.getrandbits(63)
+        return torch.Generator(device=self.device).manual_seed(seed & ((1 << 63) - 1))
+
+    def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish every sample of the request with reason "abort" and free its blocks now."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            self.scheduler.finish(seq, "abort")
+        req.metrics.finished_time = time.time()
+        return self._output(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched:
+            return []
+        now = time.time()
+        rows = {s.seq.seq_id: self._sampling_row(s.seq) for s in sched.scheduled if s.completes}
+        result = self.runner.execute(sched.scheduled, rows)
+        touched: dict[str, Request] = {}
+        for s in sched.scheduled:
+            seq = s.seq
+            req = seq.request
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+            seq.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_full_blocks(seq)
+            if seq.seq_id in result.prompt_logprobs:
+                req.prompt_logprobs.extend(self._decoded(result.prompt_logprobs[seq.seq_id]))
+            sampled = result.sampled.get(seq.seq_id)
+            if sampled is not None:
+                self._append_token(seq, sampled)
+                touched[req.request_id] = req
+        outputs = []
+        for req in touched.values():
+            if req.finished:
+                req.metrics.finished_time = time.time()
+                self.requests.pop(req.request_id, None)
+            outputs.append(self._output(req))
+        return outputs
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        p = seq.params
+        banned: list[int] = []
+        if seq.num_output_tokens < p.min_tokens:
+            banned = list(p.stop_token_ids or [])
+            if not p.ignore_eos:
+                banned.extend(self.eos_token_ids)
+        return SamplingRow(
+            params=p,
+            generator=seq.generator,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            output_token_ids=seq.output_token_ids,
+            banned_token_ids=banned,
+        )
+
+    def _append_token(self, seq: Sequence, sampled: SampledToken) -> None:
+        token = sampled.token_id
+        seq.token_ids.append(token)
+        req = seq.request
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = time.time()
+        if seq.logprobs is not None and sampled.logprobs is not None:
+            seq.logprobs.append(self._decoded([sampled.logprobs])[0])
+            seq.cumulative_logprob += sampled.logprobs[token].logprob
+        if seq.detokenizer is not None:
+            seq.detokenizer.add(token)
+        p = seq.params
+        if seq.detokenizer is not None and seq.detokenizer.stop_reason is not None:
+            self.scheduler.finish(seq, "stop", seq.detokenizer.stop_reason)
+        elif token in self.eos_token_ids and not p.ignore_eos:
+            self.scheduler.finish(seq, "stop")
+        elif p.stop_token_ids and token in p.stop_token_ids:
+            self.scheduler.finish(seq, "stop", token)
+        elif p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            self.scheduler.finish(seq, "length")
+        elif seq.num_tokens >= seq.max_total_tokens:
+            self.scheduler.finish(seq, "length")
+
+    def _decoded(self, positions: list[PositionLogprobs | None]) -> list[PositionLogprobs | None]:
+        if self.tokenizer is not None:
+            for pos in positions:
+                for token_id, lp in (pos or {}).items():
+                    lp.decoded_token = self.tokenizer.decode_token(token_id)
+        return positions
+
+    def _output(self, req: Request) -> RequestOutput:
+        outs = []
+        for seq in req.seqs:
+            done = seq.is_finished
+            outs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=seq.detokenizer.output_text(done) if seq.detokenizer is not None else "",
+                    token_ids=list(seq.output_token_ids),
+                    cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                    logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
+            outputs=outs,
+            finished=req.finished,
+            metrics=req.metrics,
+            num_cached_tokens=req.seqs[0].num_cached_tokens,
+        )
+
+    def stats(self) -> EngineStats:
+        kv = self.kv.stats()
+        return EngineStats(
+            num_kv_blocks=kv.num_blocks,
+            num_free_blocks=kv.num_free_blocks,
+            peak_used_blocks=kv.peak_used_blocks,
+            prefix_cache_queried_tokens=kv.prefix_cache_queried_tokens,
+            prefix_cache_hit_tokens=kv.prefix_cache_hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+        )

@@ -1,0 +1,14 @@
+"""Fused activations of the MLP: SiLU(gate) * up on the output of one fused gate_up projection.
+
+The fused tensor holds the gate in its first half and the up projection in its second half (last dim).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * I] -> [..., I]: silu(gate_up[..., :I]) * gate_up[..., I:]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

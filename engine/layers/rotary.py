@@ -1,0 +1,74 @@
+"""Rotary position embeddings (neox-style rotate-half, as HF Llama/Qwen): a cos/sin cache for every position.
+
+Supports the rope types of ModelConfig.rope: "default", "linear" (positions / factor) and "llama3" (banded rescale).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from engine.config import RopeConfig
+
+
+def compute_inv_freq(head_dim: int, rope: RopeConfig, max_position_embeddings: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2], float32 on CPU (so every device starts from the same numbers)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "default":
+        return inv_freq
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        return _llama3_scale(inv_freq, rope, max_position_embeddings)
+    raise ValueError(f"rope type {rope.rope_type!r} is not supported")
+
+
+def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig, max_position_embeddings: int) -> torch.Tensor:
+    """Llama 3.1: long wavelengths slow down by `factor`, short ones stay, the band between is interpolated."""
+    old_len = rope.original_max_position_embeddings or max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor  # longer than this: fully scaled
+    high_freq_wavelen = old_len / rope.high_freq_factor  # shorter than this: untouched
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    interpolated = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(in_band, interpolated, scaled)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D], cos/sin [T, D/2] -> x rotated: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds cos/sin [max_positions, head_dim // 2] in the model dtype; rotates q [T, H, D] and k [T, Hkv, D]."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        rope: RopeConfig,
+        max_positions: int,
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        inv_freq = compute_inv_freq(head_dim, rope, max_positions).to(device)
+        freqs = torch.arange(max_positions, dtype=torch.float32, device=device)[:, None] * inv_freq[None, :]
+        # Computed in float32 then cast, as HF does before rotating in the activations' dtype.
+        self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions]
+        sin = self.sin[positions]
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

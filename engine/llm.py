@@ -1,0 +1,231 @@
+"""The engine's two fronts: LLM (blocking, batch in -> outputs out) and AsyncLLM (per-request async streams, abort).
+
+AsyncLLM runs the engine core's step loop on one background thread, the only one that touches the core: adds and
+aborts are queued to it and run between steps, so an abort that returns has already freed the request's blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
+
+from engine.config import EngineArgs
+from engine.core import EngineCore, EngineStats, PromptType
+from engine.outputs import RequestOutput
+from engine.sampling import SamplingParams
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+Messages = list[dict]
+
+
+def _engine_args(model: str | None, engine_args: EngineArgs | None, kwargs: dict) -> EngineArgs:
+    if engine_args is not None:
+        return engine_args
+    if model is None:
+        raise ValueError("model: a model directory is required")
+    return EngineArgs(model=model, **kwargs)
+
+
+class LLM:
+    """Offline inference: `LLM(model=dir).generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model: str | None = None, *, engine_args: EngineArgs | None = None, **kwargs):
+        self.engine = EngineCore(_engine_args(model, engine_args, kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion and return their outputs in input order.
+
+        A prompt the engine can't serve raises ValueError before anything runs; the engine stays usable."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = _per_prompt(sampling_params, len(prompts))
+        return self._run(list(prompts), params)
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        tools: list[dict] | None = None,
+        **template_kwargs,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("messages: this model has no tokenizer, so it has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            tok.encode_chat(
+                conv, add_generation_prompt=add_generation_prompt, tools=tools, chat_template=chat_template,
+                **template_kwargs,
+            )
+            for conv in conversations
+        ]
+        return self._run(prompts, _per_prompt(sampling_params, len(prompts)))
+
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[RequestOutput]:
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = f"llm-{next(self._ids)}"
+                self.engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        final: dict[str, RequestOutput] = {}
+        pending = set(ids)
+        while pending:
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+                    pending.discard(out.request_id)
+        return [final[rid] for rid in ids]
+
+
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        params = SamplingParams()
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"sampling_params: got {len(params)} for {n} prompts")
+    return list(params)
+
+
+class AsyncLLM:
+    """Online inference: `async for out in engine.generate(request_id, prompt, params)` streams cumulative
+    outputs; `await engine.abort(request_id)` ends a request and frees its KV blocks before it returns."""
+
+    def __init__(self, model: str | None = None, *, engine_args: EngineArgs | None = None, **kwargs):
+        self.engine = EngineCore(_engine_args(model, engine_args, kwargs))
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._error: BaseException | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="coldbrew-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    def stats(self) -> EngineStats:
+        return self._call(self.engine.stats).result()
+
+    @property
+    def errored(self) -> BaseException | None:
+        return self._error
+
+    # ---- the engine thread: the only one that touches the engine core -------------------------------------
+    def _call(self, fn: Callable, *args) -> Future:
+        """Run fn(*args) on the engine thread between two steps."""
+        if self._error is not None:
+            raise RuntimeError(f"engine is dead: {self._error!r}")
+        if self._stopped:
+            raise RuntimeError("engine is shut down")
+        fut: Future = Future()
+        self._commands.put((fn, args, fut))
+        self._wakeup.set()
+        return fut
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, args, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fut.set_result(fn(*args))
+            except Exception as exc:  # a bad request: its caller gets the error, the engine goes on
+                fut.set_exception(exc)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopped:
+                self._run_commands()
+                if not self.engine.has_unfinished():
+                    self._wakeup.wait()
+                    self._wakeup.clear()
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
+        except BaseException as exc:  # a fault of the machine or the engine: every stream learns of it
+            log.exception("engine loop failed")
+            self._error = exc
+            for rid in list(self._streams):
+                self._deliver(rid, exc)
+        finally:
+            gone = self._error or RuntimeError("engine is shut down")
+            while not self._commands.empty():
+                self._commands.get_nowait()[2].set_exception(gone)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, q = stream
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    # ---- the public API ------------------------------------------------------------------------------------
+    async def generate(
+        self, request_id: str, prompt: PromptType, params: SamplingParams | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        finished = False
+        try:
+            await asyncio.wrap_future(self._call(self.engine.add_request, request_id, prompt, params))
+            while not finished:
+                item = await stream.get()
+                while not stream.empty() and not isinstance(item, BaseException):
+                    item = stream.get_nowait()  # outputs are cumulative: a slow reader skips to the newest
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and self._error is None and not self._stopped:
+                await asyncio.wrap_future(self._call(self.engine.abort, request_id))
+
+    async def chat(
+        self, request_id: str, messages: Messages, params: SamplingParams | None = None, **template_kwargs
+    ) -> AsyncIterator[RequestOutput]:
+        if self.tokenizer is None:
+            raise ValueError("messages: this model has no tokenizer, so it has no chat template")
+        ids = self.tokenizer.encode_chat(messages, **template_kwargs)
+        async for out in self.generate(request_id, ids, params):
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        """End the request (its stream gets a final output with finish_reason "abort"); blocks are free on return."""
+        out = await asyncio.wrap_future(self._call(self.engine.abort, request_id))
+        if out is not None:
+            self._deliver(request_id, out)
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wakeup.set()
+        self._thread.join(timeout=10)

@@ -1,0 +1,233 @@
+"""The one decoder template (Llama, Mistral, Qwen2, Qwen3), readable top to bottom, with per-family switches.
+
+Switches come from ModelConfig: qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3), explicit head_dim, tied lm_head.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata
+from engine.config import ModelConfig
+from engine.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, silu_and_mul
+
+
+class Attention(nn.Module):
+    """Fused qkv projection -> (q/k norm) -> RoPE -> paged attention backend -> o_proj."""
+
+    def __init__(self, cfg: ModelConfig, backend, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.sliding_window = cfg.sliding_window
+        self.backend = backend
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, dtype, device)
+        # Qwen2 biases only q/k/v; Llama/Mistral/Qwen3 with attention_bias bias o_proj too.
+        o_bias = cfg.qkv_bias and cfg.family != "qwen2"
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, o_bias, dtype, device)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache_layer: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        kwargs = {"sliding_window": self.sliding_window} if self.sliding_window else {}
+        out = self.backend.forward(q, k, v, kv_cache_layer, meta, self.scale, **kwargs)
+        return self.o_proj(out.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one projection."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype, device)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, backend, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(cfg, backend, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = MLP(cfg, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache_layer: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache_layer, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Token ids of one ragged step -> final-normed hidden states; compute_logits maps them to the vocabulary.
+
+    Parameter names are HF's without the "model." prefix, except the fused `qkv_proj` and `gate_up_proj`.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, backend) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.config = cfg
+        self.dtype = dtype
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, dtype, device) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions [T] int64; kv_cache [L, 2, blocks, block_size, Hkv, D] -> hidden [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, self.rotary, kv_cache[i], meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # --- HF checkpoint names -> this model's (fused) parameters -------------------------------------------
+
+    def hf_weight_map(self) -> dict[str, tuple[str, int, int]]:
+        """HF tensor name -> (our parameter name, first row, end row) of the rows of dim 0 it fills."""
+        cfg = self.config
+        q, kv, inter = self.layers[0].self_attn.q_size, self.layers[0].self_attn.kv_size, cfg.intermediate_size
+        params = dict(self.named_parameters())
+        out: dict[str, tuple[str, int, int]] = {}
+
+        def whole(hf: str, ours: str) -> None:
+            if ours in params:
+                out[hf] = (ours, 0, params[ours].shape[0])
+
+        whole("model.embed_tokens.weight", "embed_tokens.weight")
+        whole("model.norm.weight", "norm.weight")
+        whole("lm_head.weight", "lm_head.weight")
+        for i in range(cfg.num_layers):
+            hf, ours = f"model.layers.{i}", f"layers.{i}"
+            for kind in ("weight", "bias"):
+                if f"{ours}.self_attn.qkv_proj.{kind}" in params:
+                    fused = f"{ours}.self_attn.qkv_proj.{kind}"
+                    out[f"{hf}.self_attn.q_proj.{kind}"] = (fused, 0, q)
+                    out[f"{hf}.self_attn.k_proj.{kind}"] = (fused, q, q + kv)
+                    out[f"{hf}.self_attn.v_proj.{kind}"] = (fused, q + kv, q + 2 * kv)
+                whole(f"{hf}.self_attn.o_proj.{kind}", f"{ours}.self_attn.o_proj.{kind}")
+            out[f"{hf}.mlp.gate_proj.weight"] = (f"{ours}.mlp.gate_up_proj.weight", 0, inter)
+            out[f"{hf}.mlp.up_proj.weight"] = (f"{ours}.mlp.gate_up_proj.weight", inter, 2 * inter)
+            for name in ("mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+                         "self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+                whole(f"{hf}.{name}", f"{ours}.{name}")
+        return out
+
+    @torch.no_grad()
+    def load_hf_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into our parameters (slices of the fused ones), casting to the model dtype.
+
+        Raises ValueError for a shape mismatch, for unknown tensors, and, at the end, for unfilled parameters.
+        """
+        weight_map = self.hf_weight_map()
+        params = dict(self.named_parameters())
+        seen: set[str] = set()
+        unknown: list[str] = []
+        for name, tensor in named_tensors:
+            target = weight_map.get(name)
+            if target is None:
+                if not _ignorable(name, self.config):
+                    unknown.append(name)
+                continue
+            ours, start, end = target
+            dest = params[ours][start:end]
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise ValueError(
+                    f"weights: {name} has shape {tuple(tensor.shape)} but the model expects {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            seen.add(name)
+        if unknown:
+            raise ValueError(f"weights: unexpected tensors for {self.config.architecture}: {_few(unknown)}")
+        missing = sorted(set(weight_map) - seen)
+        if missing:
+            raise ValueError(f"weights: missing tensors: {_few(missing)}")
+
+
+def _ignorable(name: str, cfg: ModelConfig) -> bool:
+    """Tensors a checkpoint may carry that the engine does not need."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    return name == "lm_head.weight" and cfg.tie_word_embeddings
+
+
+def _few(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(names[:limit])
+    more = f" ... ({len(names)} in all)" if len(names) > limit else f" ({len(names)} in all)"
+    return shown + more
+
+
+def build_model(
+    model_config: ModelConfig,
+    dtype: torch.dtype | str,
+    device: torch.device | str,
+    attn_backend=None,
+) -> DecoderModel:
+    """An empty (unloaded) DecoderModel with parameters allocated once, on `device`, in `dtype`."""
+    from engine.config import SUPPORTED_ARCHITECTURES, resolve_dtype
+
+    if model_config.family not in SUPPORTED_ARCHITECTURES.values():
+        raise ValueError(
+            f"model family {model_config.family!r} is not supported: "
+            f"supported are {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+    device = torch.device(device)
+    if isinstance(dtype, str):
+        dtype = resolve_dtype(dtype, model_config, device)
+    if attn_backend is None:
+        from engine.attention.torch_ref import TorchAttentionBackend
+
+        attn_backend = TorchAttentionBackend()
+    return DecoderModel(model_config, dtype, device, attn_backend).eval()

@@ -1,0 +1,409 @@
+"""Sampling: SamplingParams (validated per-request knobs) and the batched Sampler that turns logits into tokens.
+
+Penalties, temperature, top-k/top-p/min-p and the exponential-race draw all run as torch ops on the logits' device.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.outputs import Logprob, PositionLogprobs
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+# Temperatures below this are raised to it before dividing, so logits / T never overflows to inf.
+_MIN_TEMPERATURE = 1e-5
+_U64 = 1 << 64
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def _number(name: str, value: Any, requirement: str, ok: Callable[[float], bool]) -> float:
+    """A finite real number (not a bool) that passes ok; returned as float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name}: must be a number {requirement}, got {_describe(value)}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: must be finite and {requirement}, got {value!r}")
+    if not ok(value):
+        raise ValueError(f"{name}: must be {requirement}, got {value!r}")
+    return float(value)
+
+
+def _integer(
+    name: str, value: Any, requirement: str, ok: Callable[[int], bool], optional: bool = False
+) -> int | None:
+    """An int (not a bool) that passes ok, returned as a plain int; None passes through when optional."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        kind = "None or an int" if optional else "an int"
+        wanted = f"{kind} {requirement}" if requirement else kind
+        raise ValueError(f"{name}: must be {wanted}, got {_describe(value)}")
+    if not ok(value):
+        raise ValueError(f"{name}: must be {requirement}, got {value!r}")
+    return int(value)
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: must be a bool, got {_describe(value)}")
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling knobs, named and defaulted like vLLM's; invalid values raise ValueError naming the field."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None  # normalised to a list
+    stop_token_ids: list[int] | None = None  # normalised to a list
+    ignore_eos: bool = False
+    max_tokens: int | None = None  # None: until EOS or the context limit
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-k logprobs per generated token
+    prompt_logprobs: int | None = None  # top-k logprobs per prompt token
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    def validate(self) -> None:
+        """Check every field, normalising stop lists, number types and the seed; the first bad one raises ValueError."""
+        self.n = _integer("n", self.n, f"in [1, {MAX_N}]", lambda v: 1 <= v <= MAX_N)
+        self.temperature = _number("temperature", self.temperature, ">= 0", lambda v: v >= 0)
+        self.top_p = _number("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1)
+        self.top_k = _integer("top_k", self.top_k, "-1 or >= 0 (0 and -1 disable it)", lambda v: v >= -1)
+        self.min_p = _number("min_p", self.min_p, "in [0, 1]", lambda v: 0 <= v <= 1)
+        self.repetition_penalty = _number(
+            "repetition_penalty", self.repetition_penalty, "> 0 and finite", lambda v: v > 0)
+        self.presence_penalty = _number("presence_penalty", self.presence_penalty, "in [-2, 2]", lambda v: -2 <= v <= 2)
+        self.frequency_penalty = _number(
+            "frequency_penalty", self.frequency_penalty, "in [-2, 2]", lambda v: -2 <= v <= 2)
+        if self.seed is not None:
+            # Any int is accepted; it is reduced into [0, 2**64) so torch.Generator.manual_seed takes it.
+            self.seed = _integer("seed", self.seed, "", lambda v: True) % _U64
+        self._validate_stop()
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            _check_bool(name, getattr(self, name))
+        self.max_tokens = _integer("max_tokens", self.max_tokens, ">= 1", lambda v: v >= 1, optional=True)
+        self.min_tokens = _integer("min_tokens", self.min_tokens, ">= 0", lambda v: v >= 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens: must be <= max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            setattr(self, name, _integer(
+                name, getattr(self, name), f"in [0, {MAX_LOGPROBS}]", lambda v: 0 <= v <= MAX_LOGPROBS, optional=True))
+
+    def _validate_stop(self) -> None:
+        stop = self.stop
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        elif isinstance(stop, (list, tuple)):
+            stop = list(stop)
+        else:
+            raise ValueError(f"stop: must be a str, a list of str or None, got {_describe(stop)}")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: must hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+        for s in stop:
+            if not isinstance(s, str):
+                raise ValueError(f"stop: each entry must be a str, got {_describe(s)}")
+            if not 1 <= len(s) <= MAX_STOP_STRING_CHARS:
+                raise ValueError(
+                    f"stop: each string must have 1 to {MAX_STOP_STRING_CHARS} characters, got {len(s)}")
+        self.stop = stop
+
+        ids = self.stop_token_ids
+        if ids is None:
+            ids = []
+        elif isinstance(ids, (list, tuple)):
+            ids = list(ids)
+        else:
+            raise ValueError(f"stop_token_ids: must be a list of int or None, got {_describe(ids)}")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: must hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
+        self.stop_token_ids = [_integer("stop_token_ids", t, ">= 0 (each id)", lambda v: v >= 0) for t in ids]
+
+
+@dataclass
+class SamplingRow:
+    """One sequence's view for one sampling step; the caller fills it from the sequence's state."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # when set, this row's random draw uses only it
+    prompt_token_ids: list[int]  # or an int64 numpy array, which skips a per-step conversion of a long prompt
+    output_token_ids: list[int]
+    banned_token_ids: list[int] = field(default_factory=list)  # masked to -inf this step (e.g. EOS under min_tokens)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: top-k (params.logprobs) plus the sampled token, from the raw model distribution; None when not asked.
+    logprobs: list[PositionLogprobs | None]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The transformations. Each works on a float32 [N, V] tensor in place and returns it; per-row values come as Python
+# sequences so deciding which rows need work never reads the device.
+# ---------------------------------------------------------------------------------------------------------------
+
+def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Set logits[i, t] = -inf for every t in banned_token_ids[i] (ids outside the vocabulary are ignored)."""
+    vocab = logits.shape[-1]
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, ids in enumerate(banned_token_ids):
+        for t in ids:
+            if 0 <= t < vocab:
+                rows.append(i)
+                cols.append(t)
+    if rows:
+        index = torch.tensor([rows, cols], dtype=torch.long).to(logits.device, non_blocking=True)
+        logits[index[0], index[1]] = float("-inf")
+    return logits
+
+
+def _token_counts(seqs: Sequence[Sequence[Sequence[int]]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(seqs), vocab] float32 counts of the token ids in each row's lists (ids >= vocab are dropped)."""
+    counts = torch.zeros(len(seqs), vocab + 1, dtype=torch.float32, device=device)
+    # numpy builds the flat id array several times faster than torch.tensor(list) does; an int64 array passed in
+    # (a prompt the caller keeps converted) costs nothing here.
+    parts = [np.asarray(ids, dtype=np.int64) for lists in seqs for ids in lists]
+    lengths = [sum(len(ids) for ids in lists) for lists in seqs]
+    total = sum(lengths)
+    if total:
+        flat = torch.from_numpy(np.concatenate(parts)).to(device, non_blocking=True)
+        row = torch.repeat_interleave(
+            torch.arange(len(seqs), device=device), torch.tensor(lengths).to(device, non_blocking=True),
+            output_size=total)
+        flat_index = row * (vocab + 1) + flat.clamp(max=vocab)
+        counts.view(-1).scatter_add_(0, flat_index, torch.ones(total, dtype=torch.float32, device=device))
+    return counts[:, :vocab]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    repetition_penalty: Sequence[float],
+    presence_penalty: Sequence[float],
+    frequency_penalty: Sequence[float],
+) -> torch.Tensor:
+    """Repetition penalty over prompt+output tokens (a positive logit is divided by p, any other multiplied), then
+    presence/frequency penalties over output tokens only (logit -= frequency * count + presence * [count > 0])."""
+    vocab, device = logits.shape[-1], logits.device
+
+    rep_rows = [i for i, p in enumerate(repetition_penalty) if p != 1.0]
+    if rep_rows:
+        seen = _token_counts([(prompt_token_ids[i], output_token_ids[i]) for i in rep_rows], vocab, device) > 0
+        index = torch.tensor(rep_rows).to(device, non_blocking=True)
+        penalty = torch.tensor([repetition_penalty[i] for i in rep_rows]).to(device, non_blocking=True)[:, None]
+        sub = logits[index]
+        penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
+        logits[index] = torch.where(seen, penalised, sub)
+
+    pf_rows = [i for i in range(len(presence_penalty)) if presence_penalty[i] != 0 or frequency_penalty[i] != 0]
+    if pf_rows:
+        counts = _token_counts([(output_token_ids[i],) for i in pf_rows], vocab, device)
+        index = torch.tensor(pf_rows).to(device, non_blocking=True)
+        pres = torch.tensor([presence_penalty[i] for i in pf_rows]).to(device, non_blocking=True)[:, None]
+        freq = torch.tensor([frequency_penalty[i] for i in pf_rows]).to(device, non_blocking=True)[:, None]
+        logits[index] -= freq * counts + pres * (counts > 0).float()
+    return logits
+
+
+def apply_temperature(logits: torch.Tensor, temperature: Sequence[float]) -> torch.Tensor:
+    """Divide each row by its temperature (raised to a tiny floor so the result stays finite)."""
+    if any(t != 1.0 for t in temperature):
+        temps = torch.tensor([max(t, _MIN_TEMPERATURE) for t in temperature], dtype=logits.dtype)
+        logits.div_(temps.to(logits.device, non_blocking=True)[:, None])
+    return logits
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor,
+    top_k: Sequence[int] | None = None,
+    top_p: Sequence[float] | None = None,
+    min_p: Sequence[float] | None = None,
+) -> torch.Tensor:
+    """Mask to -inf, in this order: tokens below the k-th largest logit (ties with it stay; k <= 0 disables), then
+    the tail outside the smallest set of most likely tokens whose mass reaches top_p (the top token always stays),
+    then tokens whose probability is below min_p times the largest probability."""
+    vocab, device = logits.shape[-1], logits.device
+    use_k = top_k is not None and any(0 < k < vocab for k in top_k)
+    use_p = top_p is not None and any(p < 1.0 for p in top_p)
+    use_min_p = min_p is not None and any(p > 0.0 for p in min_p)
+
+    if use_k and not use_p:
+        # top-k alone: the k-th largest value comes from topk, much cheaper than sorting the whole vocabulary.
+        enabled = [0 < k < vocab for k in top_k]
+        kmax = max(k for k, on in zip(top_k, enabled) if on)
+        top_vals = logits.topk(kmax, dim=-1).values
+        index = torch.tensor([k - 1 if on else 0 for k, on in zip(top_k, enabled)]).to(device, non_blocking=True)
+        kth = top_vals.gather(1, index[:, None])
+        on = torch.tensor(enabled).to(device, non_blocking=True)[:, None]
+        logits.masked_fill_((logits < kth) & on, float("-inf"))
+    elif use_k or use_p:
+        # Ascending order: the tail mass below a token is then summed smallest-first, the accurate way round.
+        sorted_logits, order = logits.sort(dim=-1)
+        if use_k:
+            index = torch.tensor([vocab - k if 0 < k < vocab else 0 for k in top_k]).to(device, non_blocking=True)
+            kth = sorted_logits.gather(1, index[:, None])
+            sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+        if use_p:
+            # A token goes when it and every less likely token together hold at most 1 - top_p of the mass.
+            tail_limit = torch.tensor([1.0 - p for p in top_p], dtype=torch.float32).to(device, non_blocking=True)
+            tail_mass = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            drop = (tail_mass <= tail_limit[:, None]) & (tail_limit[:, None] > 0)
+            drop[:, -1] = False  # the most likely token always stays
+            sorted_logits.masked_fill_(drop, float("-inf"))
+        logits.scatter_(1, order, sorted_logits)
+
+    if use_min_p:
+        mp = torch.tensor(min_p, dtype=torch.float32).to(device, non_blocking=True)[:, None]
+        probs = logits.softmax(dim=-1)
+        logits.masked_fill_(probs < mp * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    return logits
+
+
+def random_sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """argmax(probs / q) with q ~ Exponential(1): a draw from each row's distribution.
+
+    A row with a generator draws its q from that generator alone, so its token never depends on the other rows;
+    rows without one share a single draw from torch's default RNG.
+    """
+    q = torch.empty_like(probs)
+    default_rows = [i for i, g in enumerate(generators) if g is None]
+    if len(default_rows) == len(generators):
+        q.exponential_()
+    else:
+        for i, g in enumerate(generators):
+            if g is not None:
+                q[i].exponential_(generator=g)
+        if default_rows:
+            index = torch.tensor(default_rows).to(probs.device, non_blocking=True)
+            q[index] = torch.empty(len(default_rows), probs.shape[-1], device=probs.device).exponential_()
+    # q == 0 would turn a masked token's 0 / 0 into NaN, which argmax would pick.
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return probs.div_(q).argmax(dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Logprobs
+# ---------------------------------------------------------------------------------------------------------------
+
+def _logprob_dicts(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, ks: Sequence[int]
+) -> list[PositionLogprobs]:
+    """Per row: the chosen token's logprob and rank, then the top ks[i] tokens (rank = 1 + #strictly greater)."""
+    chosen = logprobs.gather(1, token_ids[:, None])
+    chosen_rank = (logprobs > chosen).sum(dim=-1) + 1
+    kmax = min(max(ks, default=0), logprobs.shape[-1])
+    if kmax > 0:
+        top_vals, top_ids = logprobs.topk(kmax, dim=-1)
+        top_ranks = (top_vals[:, None, :] > top_vals[:, :, None]).sum(dim=-1) + 1
+        top = (top_ids.tolist(), top_vals.tolist(), top_ranks.tolist())
+    ids_list, lp_list, rank_list = token_ids.tolist(), chosen[:, 0].tolist(), chosen_rank.tolist()
+
+    out: list[PositionLogprobs] = []
+    for i, k in enumerate(ks):
+        entry: PositionLogprobs = {ids_list[i]: Logprob(lp_list[i], rank_list[i])}
+        for j in range(min(k, kmax)):
+            tid = top[0][i][j]
+            if tid not in entry:
+                entry[tid] = Logprob(top[1][i][j], top[2][i][j])
+        out.append(entry)
+    return out
+
+
+def prompt_logprobs(logits: torch.Tensor, next_token_ids: list[int], k: int) -> list[PositionLogprobs]:
+    """For prompt positions: logits [T, V] predict next_token_ids[t]; each entry has that token's logprob and rank
+    plus the top-k tokens of the position."""
+    if logits.shape[0] != len(next_token_ids):
+        raise ValueError(
+            f"next_token_ids: expected {logits.shape[0]} ids (one per logits row), got {len(next_token_ids)}")
+    if logits.shape[0] == 0:
+        return []
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(next_token_ids, dtype=torch.long).to(logits.device, non_blocking=True)
+    return _logprob_dicts(logprobs, ids, [k] * len(next_token_ids))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The sampler
+# ---------------------------------------------------------------------------------------------------------------
+
+class Sampler:
+    """Samples one token per row of a [N, V] logits batch, each row under its own SamplingParams.
+
+    Order: banned ids -> repetition penalty -> presence/frequency penalties -> greedy rows take the argmax ->
+    temperature -> top-k -> top-p -> min-p -> exponential-race draw. Logprobs come from the raw logits.
+    """
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits: expected shape [{len(rows)}, vocab], got {list(logits.shape)}")
+        if not rows:
+            return SamplerOutput([], [])
+        params = [r.params for r in rows]
+        raw = logits.float()
+        work = raw.clone()
+
+        apply_banned_tokens(work, [r.banned_token_ids for r in rows])
+        apply_penalties(
+            work,
+            [r.prompt_token_ids for r in rows],
+            [r.output_token_ids for r in rows],
+            [p.repetition_penalty for p in params],
+            [p.presence_penalty for p in params],
+            [p.frequency_penalty for p in params],
+        )
+        token_ids = work.argmax(dim=-1)
+
+        sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if sampled_rows:
+            everyone = len(sampled_rows) == len(rows)
+            index = None if everyone else torch.tensor(sampled_rows).to(work.device, non_blocking=True)
+            sub = work if index is None else work[index]
+            sp = [params[i] for i in sampled_rows]
+            apply_temperature(sub, [p.temperature for p in sp])
+            apply_top_k_top_p_min_p(sub, [p.top_k for p in sp], [p.top_p for p in sp], [p.min_p for p in sp])
+            sampled = random_sample(sub.softmax(dim=-1), [rows[i].generator for i in sampled_rows])
+            if index is None:
+                token_ids = sampled
+            else:
+                token_ids[index] = sampled
+
+        logprobs: list[PositionLogprobs | None] = [None] * len(rows)
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if lp_rows:
+            index = torch.tensor(lp_rows).to(raw.device, non_blocking=True)
+            dicts = _logprob_dicts(torch.log_softmax(raw[index], dim=-1), token_ids[index],
+                                   [params[i].logprobs for i in lp_rows])
+            for i, d in zip(lp_rows, dicts):
+                logprobs[i] = d
+        return SamplerOutput(token_ids.tolist(), logprobs)

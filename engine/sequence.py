@@ -1,0 +1,101 @@
+"""Request and sequence state: the token lists, the KV block table and the progress counters the scheduler reads.
+
+A Request holds n Sequences (one per sample); each Sequence is scheduled, preempted and finished on its own.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.outputs import PositionLogprobs, RequestMetrics
+from engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.tokenizer import IncrementalDetokenizer
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request: "Request"
+    index: int  # which of the request's n samples
+    token_ids: list[int]  # prompt followed by the generated tokens
+    num_prompt_tokens: int
+    max_total_tokens: int  # the context limit for this sequence (prompt + output)
+    generator: torch.Generator | None = None
+    detokenizer: "IncrementalDetokenizer | None" = None
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full blocks of token_ids
+    num_hashed_blocks: int = 0  # how many of block_table are published in the prefix cache
+    parent: "Sequence | None" = None  # sample 0, whose prompt blocks the other samples share
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def arrival(self) -> int:
+        return self.request.arrival_order
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.index == 0 and self.params.prompt_logprobs is not None
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: drop the cached state, keep the tokens; the next admission prefills them all."""
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.block_table = []
+        self.num_hashed_blocks = 0
+        self.num_preemptions += 1
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    arrival_order: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    seqs: list[Sequence] = field(default_factory=list)
+    # Filled for positions 1..len(prompt)-1 as the prompt is computed; position 0 has none.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

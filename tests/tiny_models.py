@@ -1,0 +1,210 @@
+"""Tiny random-weight HF checkpoints of every supported family, and hand-built AttentionMetadata, for the tests.
+
+The HF models come from transformers (a test-only dependency) and are saved with save_pretrained, as a hub repo is.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata
+
+# family -> (HF architecture, config overrides). All: hidden 64, 4 heads, vocab 256, float32.
+_COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+FAMILIES: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaForCausalLM", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "llama3-rope": (
+        "LlamaForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                # Small, so that the tiny head_dim has frequencies in all three bands.
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
+    "llama-linear-rope": (
+        "LlamaForCausalLM",
+        dict(rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 4.0}),
+    ),
+    "llama-tied": (
+        "LlamaForCausalLM",
+        dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 100000.0}),
+    ),
+    # MQA (1 kv head) and a sliding window shorter than the test sequences.
+    "mistral": (
+        "MistralForCausalLM",
+        dict(num_key_value_heads=1, sliding_window=8, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    ),
+    # MHA with q/k/v biases.
+    "qwen2": (
+        "Qwen2ForCausalLM",
+        dict(num_hidden_layers=3, num_key_value_heads=4, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    ),
+    # Explicit head_dim (32) different from hidden / heads (16), per-head q/k norm.
+    "qwen3": (
+        "Qwen3ForCausalLM",
+        dict(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    ),
+    "qwen3-tied": (
+        "Qwen3ForCausalLM",
+        dict(head_dim=32, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    ),
+}
+
+
+def hf_config(family: str):
+    import transformers
+
+    arch, overrides = FAMILIES[family]
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    cfg = config_cls(**{**_COMMON, **overrides})
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def make_tiny_model(
+    family: str,
+    out_dir: str,
+    *,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    rope_spelling: str = "new",
+):
+    """Build a seeded random HF model of `family`, save it to `out_dir` and return it (eval, float32).
+
+    rope_spelling "old" rewrites config.json with `rope_theta` + `rope_scaling` instead of `rope_parameters`.
+    """
+    import transformers
+
+    arch, _ = FAMILIES[family]
+    cfg = hf_config(family)
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(cfg).float().eval()
+    _randomize(model, seed)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, **kwargs)
+    if rope_spelling == "old":
+        write_old_rope_spelling(out_dir)
+    elif rope_spelling != "new":
+        raise ValueError(f"rope_spelling: 'new' or 'old', got {rope_spelling!r}")
+    return model
+
+
+@torch.no_grad()
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Non-trivial weights: norms around 1 with noise, matrices N(0, 0.05), embeddings N(0, 0.1), biases N(0, 0.1)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=gen)
+        if "norm" in name:
+            p.copy_(1.0 + 0.2 * noise)
+        elif name.endswith("bias") or "embed_tokens" in name or "lm_head" in name:
+            p.copy_(0.1 * noise)
+        else:
+            p.copy_(0.05 * noise)
+
+
+def write_old_rope_spelling(model_dir: str) -> None:
+    """Rewrite config.json's `rope_parameters` as the pre-transformers-5 `rope_theta` + `rope_scaling`."""
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    params = dict(cfg.pop("rope_parameters"))
+    cfg["rope_theta"] = params.pop("rope_theta")
+    rope_type = params.pop("rope_type", "default")
+    if rope_type == "default":
+        cfg["rope_scaling"] = None
+    elif rope_type == "linear":
+        cfg["rope_scaling"] = {"type": "linear", **params}  # the oldest spelling used "type"
+    else:
+        cfg["rope_scaling"] = {"rope_type": rope_type, **params}
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+@torch.no_grad()
+def hf_logits(model, tokens: list[int]) -> torch.Tensor:
+    """Full-recompute logits [len(tokens), vocab] float32 of an HF model (causal: row t sees tokens[: t + 1])."""
+    return model(torch.tensor([tokens]), use_cache=False).logits[0].float()
+
+
+# --- paged KV bookkeeping, by hand --------------------------------------------------------------------------
+
+
+@dataclass
+class PagedSeq:
+    """One sequence's tokens, how many of them are in the KV cache, and its block table."""
+
+    tokens: list[int]
+    block_table: list[int]
+    num_cached: int = 0
+
+
+def shuffled_block_tables(
+    lengths: list[int], block_size: int, num_blocks: int, seed: int = 0
+) -> list[list[int]]:
+    """Disjoint, non-contiguous block tables (random block ids) big enough for each length."""
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables, at = [], 0
+    for n in lengths:
+        need = (n + block_size - 1) // block_size
+        if at + need > num_blocks:
+            raise ValueError("shuffled_block_tables: not enough blocks")
+        tables.append(perm[at : at + need])
+        at += need
+    return tables
+
+
+def make_step(
+    seqs: list[PagedSeq], num_new: list[int], block_size: int, device: str | torch.device = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """input_ids, positions and AttentionMetadata for one step where seqs[i] adds its next num_new[i] tokens.
+
+    Advances each sequence's num_cached.
+    """
+    ids, positions, slots, query_start, seq_lens = [], [], [], [0], []
+    for seq, n in zip(seqs, num_new):
+        start = seq.num_cached
+        for p in range(start, start + n):
+            ids.append(seq.tokens[p])
+            positions.append(p)
+            slots.append(seq.block_table[p // block_size] * block_size + p % block_size)
+        query_start.append(query_start[-1] + n)
+        seq_lens.append(start + n)
+        seq.num_cached = start + n
+    width = max(len(s.block_table) for s in seqs)
+    tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        max_query_len=max(num_new),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=query_start,
+        seq_lens_cpu=seq_lens,
+        block_size=block_size,
+    )
+    as_long = dict(dtype=torch.int64, device=device)
+    return torch.tensor(ids, **as_long), torch.tensor(positions, **as_long), meta
