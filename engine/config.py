@@ -82,7 +82,9 @@ class ModelConfig:
             raise ValueError(f"mlp_bias: {arch} checkpoints with MLP biases are not supported")
         # Mistral's default window is 4096 when the key is absent; Qwen applies a window only when asked to.
         sliding = cfg.get("sliding_window", 4096 if family == "mistral" else None)
-        if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        if family in ("qwen2", "qwen3"):
+            if cfg.get("use_sliding_window", False):  # HF windows only the layers past max_window_layers
+                raise ValueError(f"use_sliding_window: per-layer sliding windows of {arch} are not supported")
             sliding = None
         return cls(
             architecture=arch,

@@ -54,11 +54,6 @@ class EngineCore:
                 f"max_model_len: {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"({m.max_position_embeddings})"
             )
-        if m.sliding_window is not None and m.sliding_window < self.max_model_len:
-            raise ValueError(
-                f"max_model_len: the model uses sliding-window attention (window {m.sliding_window}), which this "
-                f"engine does not implement; set max_model_len <= {m.sliding_window}"
-            )
         self.dtype = resolve_dtype(args.dtype, m, self.device)
         self.tokenizer = self._load_tokenizer()
         self.runner = ModelRunner(args, m, self.dtype, self.device, self.max_model_len)

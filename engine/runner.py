@@ -91,6 +91,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         del scratch, hidden
+        torch.cuda.empty_cache()  # the profiled step's cached blocks would otherwise sit beside the KV cache
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
         budget = total * self.args.gpu_memory_utilization - used_by_others - peak

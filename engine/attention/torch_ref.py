@@ -98,6 +98,8 @@ def _decode_batch(
         mask |= k_pos <= seq_len - 1 - sliding_window
     scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    # Padding slots hold whatever the cache held (never-written memory can be NaN): 0 * NaN would leak through.
+    values = values.masked_fill(mask[:, :, None, None], 0)
     od = torch.einsum("bkgs,bskd->bkgd", probs, values)
     out[token] = od.reshape(b, num_heads, head_dim)
 
