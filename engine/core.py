@@ -21,7 +21,8 @@ from engine.runner import ModelRunner, SampledToken
 from engine.sampling import SamplingParams, SamplingRow
 from engine.scheduler import Scheduler
 from engine.sequence import Request, Sequence
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.detokenizer import IncrementalDetokenizer
+from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +189,8 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if not sched:
+            if self.scheduler.has_unfinished():  # a bug, never a state to wait out: fail loudly, don't spin
+                raise RuntimeError(f"scheduler stalled with unfinished requests: {self.stats()}")
             return []
         now = time.time()
         rows = {s.seq.seq_id: self._sampling_row(s.seq) for s in sched.scheduled if s.completes}

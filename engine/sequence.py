@@ -14,7 +14,7 @@ from engine.outputs import PositionLogprobs, RequestMetrics
 from engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.tokenizer import IncrementalDetokenizer
+    from engine.detokenizer import IncrementalDetokenizer
 
 
 class SequenceStatus(enum.Enum):

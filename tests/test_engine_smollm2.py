@@ -76,23 +76,32 @@ def test_text_is_the_decode_of_the_tokens(llm, hf):
         assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids, skip_special_tokens=True)
 
 
-def test_chat_matches_hf(llm, hf):
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a fruit."}],
+    [
+        {"role": "user", "content": "Hello!"},
+        {"role": "assistant", "content": "Hi! How can I help?"},
+        {"role": "user", "content": "Tell me a fun fact about owls."},
+    ],
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "user", "content": "Write one sentence about the moon, please. Keep it short and simple."}],
+    [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "What color is the sky?"}],
+    [{"role": "user", "content": "List three animals that live in the ocean and one fact about each of them."}],
+    [{"role": "user", "content": "Translate 'good night' into Spanish."}],
+]
+
+
+def test_chat_matches_hf_alone_and_batched(llm, hf):
     _, tok = hf
-    conversations = [
-        [{"role": "user", "content": "What is 2 + 2?"}],
-        [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a fruit."}],
-        [
-            {"role": "user", "content": "Hello!"},
-            {"role": "assistant", "content": "Hi! How can I help?"},
-            {"role": "user", "content": "Tell me a fun fact about owls."},
-        ],
-    ]
-    outs = llm.chat(conversations, GREEDY)
-    for conv, out in zip(conversations, outs):
+    batched = llm.chat(CONVERSATIONS, GREEDY)
+    for conv, out in zip(CONVERSATIONS, batched):
         ids = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        assert out.prompt_token_ids == list(ids)
-        assert out.outputs[0].token_ids == hf_greedy(hf, list(ids))
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        expected = hf_greedy(hf, ids)
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == expected
+        assert llm.chat(conv, GREEDY)[0].outputs[0].token_ids == expected
 
 
 def test_continuous_batching_under_preemption_equals_alone(smollm2_dir, llm):

@@ -12,7 +12,8 @@ import pytest
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.detokenizer import IncrementalDetokenizer
+from engine.tokenizer import Tokenizer
 
 # --------------------------------------------------------------------------------------------------------------------
 # Fixtures
