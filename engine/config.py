@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -174,7 +174,6 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     seed: int = 0
     chat_template: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         _check_int("block_size", self.block_size, 1, 1024)

@@ -4,7 +4,7 @@ RequestOutput is cumulative: each streamed update carries the whole text and tok
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -49,5 +49,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
-    num_cached_tokens: int = 0
-    extra: dict = field(default_factory=dict)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
