@@ -115,6 +115,8 @@ class EngineCore:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         params = params if params is not None else SamplingParams()
         params.validate()
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer and this model has none; use stop_token_ids")
         text, ids = self.tokenize(prompt)
         if len(ids) + 1 > self.max_model_len:
             raise ValueError(
@@ -170,6 +172,7 @@ class EngineCore:
             skip_special_tokens=params.skip_special_tokens,
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
         )
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -199,8 +202,9 @@ class EngineCore:
         for s in sched.scheduled:
             seq = s.seq
             req = seq.request
-            if req.metrics.first_scheduled_time is None:
+            if req.metrics.first_scheduled_time is None:  # first admission: what the prefix cache served
                 req.metrics.first_scheduled_time = now
+                req.num_cached_tokens = seq.num_computed_tokens
             seq.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_blocks(seq)
             if seq.seq_id in result.prompt_logprobs:
@@ -227,7 +231,7 @@ class EngineCore:
         return SamplingRow(
             params=p,
             generator=seq.generator,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            prompt_token_ids=seq.request.prompt_token_ids,  # shared by the request's samples: no copy
             output_token_ids=seq.output_token_ids,
             banned_token_ids=banned,
         )
@@ -285,7 +289,7 @@ class EngineCore:
             outputs=outs,
             finished=req.finished,
             metrics=req.metrics,
-            num_cached_tokens=req.seqs[0].num_cached_tokens,
+            num_cached_tokens=req.num_cached_tokens,
         )
 
     def stats(self) -> EngineStats:

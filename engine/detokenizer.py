@@ -28,8 +28,9 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None,
-                 include_stop_str_in_output: bool = False) -> None:
+                 include_stop_str_in_output: bool = False, min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
+        self.min_tokens = min_tokens  # stop strings count only once this many tokens are out (as vLLM does)
         self._raw = tokenizer.backend
         self.skip_special_tokens = skip_special_tokens
         self._dropped_ids = tokenizer._skipped_ids if skip_special_tokens else frozenset()
@@ -77,7 +78,7 @@ class IncrementalDetokenizer:
     def _append(self, new_text: str) -> None:
         old_len = len(self._text)
         self._text += new_text
-        if self.stop:
+        if self.stop and self.num_tokens >= self.min_tokens:
             self._check_stop(old_len)
 
     def _check_stop(self, old_len: int) -> None:

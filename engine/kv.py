@@ -118,7 +118,6 @@ class KVCacheManager:
         if cached_blocks:
             cached_tokens = len(cached_blocks) * self.block_size
             seq.num_computed_tokens = cached_tokens
-            seq.num_cached_tokens = cached_tokens
             seq.num_hashed_blocks = len(cached_blocks)
             self.hit_tokens += cached_tokens
         need = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)

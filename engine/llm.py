@@ -1,7 +1,8 @@
 """The engine's two fronts: LLM (blocking, batch in -> outputs out) and AsyncLLM (per-request async streams, abort).
 
-AsyncLLM runs the engine core's step loop on one background thread, the only one that touches the core: adds and
-aborts are queued to it and run between steps, so an abort that returns has already freed the request's blocks.
+AsyncLLM runs the engine core's step loop on one background thread, the only one that touches the core and the
+table of open streams: adds, aborts and closes are queued to it and run between steps, so an abort that returns has
+already freed the request's blocks, and a request id reused after a close never receives the old request's output.
 """
 from __future__ import annotations
 
@@ -88,17 +89,21 @@ class LLM:
                 rid = f"llm-{next(self._ids)}"
                 self.engine.add_request(rid, prompt, p)
                 ids.append(rid)
-        except Exception:
+        except BaseException:
             for rid in ids:
                 self.engine.abort(rid)
             raise
         final: dict[str, RequestOutput] = {}
         pending = set(ids)
-        while pending:
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
-                    pending.discard(out.request_id)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        pending.discard(out.request_id)
+        finally:  # interrupted (Ctrl-C, an engine error): leave nothing running behind the caller's back
+            for rid in pending:
+                self.engine.abort(rid)
         return [final[rid] for rid in ids]
 
 
@@ -137,7 +142,7 @@ class AsyncLLM:
     def errored(self) -> BaseException | None:
         return self._error
 
-    # ---- the engine thread: the only one that touches the engine core -------------------------------------
+    # ---- the engine thread: the only one that touches the engine core and the stream table -----------------
     def _call(self, fn: Callable, *args) -> Future:
         """Run fn(*args) on the engine thread between two steps."""
         if self._error is not None:
@@ -170,13 +175,13 @@ class AsyncLLM:
                     continue
                 for out in self.engine.step():
                     self._deliver(out.request_id, out)
-        except BaseException as exc:  # a fault of the machine or the engine: every stream learns of it
+        except BaseException as exc:  # a fault of the machine or the engine
             log.exception("engine loop failed")
             self._error = exc
-            for rid in list(self._streams):
-                self._deliver(rid, exc)
-        finally:
+        finally:  # every open stream and queued command learns that the engine is gone
             gone = self._error or RuntimeError("engine is shut down")
+            for rid in list(self._streams):
+                self._deliver(rid, gone)
             while not self._commands.empty():
                 self._commands.get_nowait()[2].set_exception(gone)
 
@@ -184,31 +189,46 @@ class AsyncLLM:
         stream = self._streams.get(request_id)
         if stream is not None:
             loop, q = stream
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
+                self._streams.pop(request_id, None)
+
+    def _open(self, request_id: str, prompt: PromptType, params: SamplingParams | None, stream) -> None:
+        self.engine.add_request(request_id, prompt, params)  # raises for a request_id still in use
+        self._streams[request_id] = stream
+
+    def _close(self, request_id: str, stream) -> None:
+        """The reader left: drop its stream and abort what is left of its request (not a newer one's)."""
+        if self._streams.get(request_id) is stream:
+            del self._streams[request_id]
+            self.engine.abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        out = self.engine.abort(request_id)
+        if out is not None:
+            self._deliver(request_id, out)
 
     # ---- the public API ------------------------------------------------------------------------------------
     async def generate(
         self, request_id: str, prompt: PromptType, params: SamplingParams | None = None
     ) -> AsyncIterator[RequestOutput]:
-        if request_id in self._streams:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        queue_: asyncio.Queue = asyncio.Queue()
+        stream = (asyncio.get_running_loop(), queue_)
+        await asyncio.wrap_future(self._call(self._open, request_id, prompt, params, stream))
         finished = False
         try:
-            await asyncio.wrap_future(self._call(self.engine.add_request, request_id, prompt, params))
             while not finished:
-                item = await stream.get()
-                while not stream.empty() and not isinstance(item, BaseException):
-                    item = stream.get_nowait()  # outputs are cumulative: a slow reader skips to the newest
+                item = await queue_.get()
+                while not queue_.empty() and not isinstance(item, BaseException):
+                    item = queue_.get_nowait()  # outputs are cumulative: a slow reader skips to the newest
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
                 yield item
         finally:
-            self._streams.pop(request_id, None)
-            if not finished and self._error is None and not self._stopped:
-                await asyncio.wrap_future(self._call(self.engine.abort, request_id))
+            if self._error is None and not self._stopped:
+                await asyncio.wrap_future(self._call(self._close, request_id, stream))
 
     async def chat(
         self, request_id: str, messages: Messages, params: SamplingParams | None = None, **template_kwargs
@@ -221,9 +241,7 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         """End the request (its stream gets a final output with finish_reason "abort"); blocks are free on return."""
-        out = await asyncio.wrap_future(self._call(self.engine.abort, request_id))
-        if out is not None:
-            self._deliver(request_id, out)
+        await asyncio.wrap_future(self._call(self._abort, request_id))
 
     def shutdown(self) -> None:
         self._stopped = True

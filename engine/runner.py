@@ -15,6 +15,7 @@ from engine.models import load_model
 from engine.outputs import PositionLogprobs
 from engine.sampling import Sampler, SamplingRow, prompt_logprobs
 from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ class ModelRunner:
         positions: list[int] = []
         logit_rows: list[int] = []  # rows of the hidden states that need logits
         sample_at: dict[int, int] = {}  # seq_id -> index into logit_rows
-        prompt_spans: dict[int, tuple[int, int, int]] = {}  # seq_id -> (first logit row, count, first position)
+        prompt_spans: list[tuple[Sequence, int, int, int]] = []  # (seq, first logit row, count, first position)
         for s in scheduled:
             seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
             base = len(ids)
@@ -143,7 +144,7 @@ class ModelRunner:
                 first = max(start, len(seq.request.prompt_logprobs) - 1)
                 last = min(start + n, seq.num_prompt_tokens - 1)
                 if last > first:
-                    prompt_spans[seq.seq_id] = (len(logit_rows), last - first, first)
+                    prompt_spans.append((seq, len(logit_rows), last - first, first))
                     logit_rows.extend(range(base + first - start, base + last - start))
             if s.completes:
                 sample_at[seq.seq_id] = len(logit_rows)
@@ -163,10 +164,9 @@ class ModelRunner:
             return result
         logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
 
-        for seq_id, (row, count, first) in prompt_spans.items():
-            seq = next(s.seq for s in scheduled if s.seq.seq_id == seq_id)
+        for seq, row, count, first in prompt_spans:
             targets = seq.token_ids[first + 1 : first + 1 + count]
-            result.prompt_logprobs[seq_id] = prompt_logprobs(
+            result.prompt_logprobs[seq.seq_id] = prompt_logprobs(
                 logits[row : row + count], targets, seq.params.prompt_logprobs
             )
         if sample_at:

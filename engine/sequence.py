@@ -35,7 +35,6 @@ class Sequence:
     detokenizer: "IncrementalDetokenizer | None" = None
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
-    num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full blocks of token_ids
     num_hashed_blocks: int = 0  # how many of block_table are published in the prefix cache
@@ -78,7 +77,6 @@ class Sequence:
         """Preemption by recompute: drop the cached state, keep the tokens; the next admission prefills them all."""
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
-        self.num_cached_tokens = 0
         self.block_table = []
         self.num_hashed_blocks = 0
         self.num_preemptions += 1
@@ -95,6 +93,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     # Filled for positions 1..len(prompt)-1 as the prompt is computed; position 0 has none.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the KV cache at first admission (prefix cache, or sample 0)
 
     @property
     def finished(self) -> bool:
