@@ -40,6 +40,10 @@ class LLM:
         self.engine = EngineCore(_engine_args(model, engine_args, kwargs))
         self._ids = itertools.count()
 
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "LLM":
+        return cls(engine_args=engine_args)
+
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 
@@ -130,6 +134,10 @@ class AsyncLLM:
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="coldbrew-engine", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "AsyncLLM":
+        return cls(engine_args=engine_args)
 
     @property
     def tokenizer(self) -> Tokenizer | None:

@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from engine import AsyncLLM, LLM, SamplingParams
+from engine import LLM, AsyncLLM, EngineArgs, SamplingParams
 
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "Colors of the rainbow:"]
 
@@ -18,7 +18,8 @@ def sync_llm(smollm2_dir):
 async def test_streams_are_cumulative_and_match_llm(smollm2_dir, sync_llm):
     params = SamplingParams(temperature=0.0, max_tokens=16, stop=[" Paris is"])
     expected = sync_llm.generate(PROMPTS, params)
-    engine = AsyncLLM(model=smollm2_dir, dtype="float32", device="cpu", max_model_len=256)
+    args = EngineArgs(model=smollm2_dir, dtype="float32", device="cpu", max_model_len=256)
+    engine = AsyncLLM.from_engine_args(args)
     try:
         async def stream(i):
             seen = []
