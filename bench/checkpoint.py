@@ -1,0 +1,74 @@
+"""Synthesize a random-weight HF-format checkpoint (config.json + sharded safetensors) of a real architecture.
+
+Speed does not depend on weight values, and the GPU machine has no network: benchmarks build their models here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from engine.config import ModelConfig
+from engine.models import build_model
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+def hf_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name of the architecture with its shape, read off the engine's own weight map."""
+    model = build_model(ModelConfig.from_dict(config), torch.bfloat16, "meta")
+    params = dict(model.named_parameters())
+    return {
+        name: (end - start, *params[ours].shape[1:]) for name, (ours, start, end) in model.hf_weight_map().items()
+    }
+
+
+def synthesize(config_name: str, out_dir: str, shard_bytes: int = 5 << 30, device: str = "cpu", seed: int = 0) -> str:
+    """Write `configs/<config_name>` with N(0, 0.02) bf16 weights (norms = 1) to out_dir; reuse a complete one."""
+    out = Path(out_dir)
+    if (out / "model.safetensors.index.json").exists():
+        return str(out)
+    config = json.loads((CONFIGS / config_name).read_text())
+    shapes = hf_tensor_shapes(config)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        nonlocal shard, size
+        name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+        save_file(shard, str(tmp / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+        shard, size = {}, 0
+
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            t = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            t = (torch.randn(shape, generator=gen, device=device) * 0.02).to(torch.bfloat16).cpu()
+        shard[name] = t
+        size += t.numel() * 2
+        if size >= shard_bytes:
+            flush()
+    if shard:
+        flush()
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    index = {"metadata": {"total_size": sum(2 * _numel(s) for s in shapes.values())}, "weight_map": weight_map}
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index))
+    os.replace(tmp, out)
+    return str(out)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
