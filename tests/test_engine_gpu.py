@@ -4,37 +4,21 @@ batched greedy decoding on a Llama-3.2-1B-shaped random bf16 checkpoint.
 from __future__ import annotations
 
 import gc
-import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from bench.checkpoint import synthesize
 from engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
-CONFIGS = Path(__file__).resolve().parent.parent / "bench" / "configs"
-
-
-def random_checkpoint(config_name: str, out_dir: Path) -> str:
-    """A random-weight bf16 HF checkpoint of a real architecture, written by transformers itself."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(**json.loads((CONFIGS / config_name).read_text()))
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(str(out_dir))
-    del model
-    torch.cuda.empty_cache()
-    return str(out_dir)
 
 
 @pytest.fixture(scope="module")
 def llama_1b(tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    return random_checkpoint("llama-3.2-1b.json", tmp_path_factory.mktemp("llama-1b"))
+    return synthesize("llama-3.2-1b.json", str(tmp_path_factory.mktemp("ckpt") / "llama-1b"), device="cuda")
 
 
 def test_kv_cache_takes_what_gpu_memory_utilization_leaves(llama_1b):

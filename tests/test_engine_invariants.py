@@ -17,6 +17,7 @@ from engine.kv import KVCacheManager
 from engine.scheduler import Scheduler
 from engine.sequence import SequenceStatus
 from test_kv import make_seq
+from test_scheduler import advance
 from tiny_models import make_tiny_model
 
 BLOCK = 4
@@ -181,15 +182,6 @@ def test_random_workloads_do_preempt_and_hit_the_prefix_cache(tiny_dir, referenc
 # Pure bookkeeping: n > 1 sharing with preemption of the parent or the child
 # ---------------------------------------------------------------------------------------------------------------
 
-def _advance(sched: Scheduler, out) -> None:
-    for s in out.scheduled:
-        completes = s.completes
-        s.seq.num_computed_tokens += s.num_new_tokens
-        sched.kv.cache_full_blocks(s.seq)
-        if completes:
-            s.seq.token_ids.append(7)
-
-
 @pytest.mark.parametrize("caching", [True, False])
 @pytest.mark.parametrize("victim", ["parent", "child"])
 def test_shared_prompt_blocks_survive_preemption_of_parent_or_child(caching, victim):
@@ -201,9 +193,9 @@ def test_shared_prompt_blocks_survive_preemption_of_parent_or_child(caching, vic
     parent.request.seqs.append(child)
     sched.add(parent)
     sched.add(child)
-    _advance(sched, sched.schedule())  # parent prefills; child waits for it
+    advance(sched, sched.schedule(), token=7)  # parent prefills; child waits for it
     assert child.status is SequenceStatus.WAITING
-    _advance(sched, sched.schedule())  # child shares 3 blocks, computes the rest
+    advance(sched, sched.schedule(), token=7)  # child shares 3 blocks, computes the rest
     assert child.block_table[:3] == parent.block_table[:3]
     shared = parent.block_table[:3]
     assert all(kv.blocks[b].ref_count == 2 for b in shared)
@@ -215,7 +207,7 @@ def test_shared_prompt_blocks_survive_preemption_of_parent_or_child(caching, vic
     assert all(kv.blocks[b].ref_count == 1 for b in shared)
     assert other.block_table[:3] == shared
     for _ in range(6):
-        _advance(sched, sched.schedule())
+        advance(sched, sched.schedule(), token=7)
     for s in (parent, child):
         sched.finish(s, "length")
     assert kv.num_free_blocks == 16 and all(b.ref_count == 0 for b in kv.blocks)
@@ -229,7 +221,7 @@ def test_abort_of_waiting_child_and_mid_prefill_parent_frees_everything():
     child.request, child.index, child.parent = parent.request, 1, parent
     sched.add(parent)
     sched.add(child)
-    _advance(sched, sched.schedule())
+    advance(sched, sched.schedule(), token=7)
     assert 0 < parent.num_computed_tokens < parent.num_prompt_tokens
     for s in (parent, child):
         sched.finish(s, "abort")

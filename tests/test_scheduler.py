@@ -7,14 +7,14 @@ from engine.sequence import SequenceStatus
 from test_kv import make_seq
 
 
-def advance(sched: Scheduler, out) -> None:
-    """Pretend the model ran: mark the scheduled tokens computed and append a token where the step samples."""
+def advance(sched: Scheduler, out, token: int = 1) -> None:
+    """Pretend the model ran: mark the scheduled tokens computed and append `token` where the step samples."""
     for s in out.scheduled:
         completes = s.completes
         s.seq.num_computed_tokens += s.num_new_tokens
         sched.kv.cache_full_blocks(s.seq)
         if completes:
-            s.seq.token_ids.append(1)
+            s.seq.token_ids.append(token)
 
 
 def test_chunked_prefill_shares_the_budget_with_decodes():
