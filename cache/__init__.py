@@ -4,16 +4,6 @@
 """
 from __future__ import annotations
 
-from pathlib import Path
+from cache.resolver import resolve
 
-
-def resolve(ref: str, *, revision: str | None = None, cache_dir: str | None = None, **options) -> Path:
-    """A model reference -> the path of a complete local snapshot (config, tokenizer, safetensors).
-
-    This first version accepts local directories only; the snapshotted cache (hub, S3, RunPod volume, GGUF)
-    replaces it with the same signature.
-    """
-    path = Path(ref).expanduser()
-    if path.is_dir() and (path / "config.json").exists():
-        return path
-    raise FileNotFoundError(f"model {ref!r}: not a local model directory (no config.json)")
+__all__ = ["resolve"]

@@ -151,6 +151,10 @@ def resolve_dtype(dtype: str | torch.dtype, model: ModelConfig, device: torch.de
     return _DTYPES[dtype]
 
 
+# Decode batches are padded up to the next of these sizes and replayed from a CUDA graph; bigger ones run eager.
+DEFAULT_CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+MAX_CUDA_GRAPH_SIZE = 1024
+
 # CPU has no "free memory" to size from: without num_kv_blocks the KV cache takes this many bytes.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
@@ -174,6 +178,14 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     seed: int = 0
     chat_template: str | None = None
+    # Weights: "auto" loads the engine-ready pack when one matches, else safetensors and writes the pack (under
+    # pack_dir, default <model>/packs); "pack" fails if the pack can't be written; "safetensors" never uses packs.
+    load_format: str = "auto"
+    pack_dir: str | None = None
+    # CUDA graphs for decode steps (GPU only): off when True, as vLLM's flag. The batch sizes captured, padded to:
+    # None takes DEFAULT_CUDA_GRAPH_SIZES up to max_num_seqs.
+    enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | None = None
 
     def validate(self) -> None:
         _check_int("block_size", self.block_size, 1, 1024)
@@ -190,6 +202,18 @@ class EngineArgs:
         _check_int("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes, 1, 1 << 50)
         _check_int("max_num_seqs", self.max_num_seqs, 1, 1 << 20)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 24)
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager: must be a bool, got {self.enforce_eager!r}")
+        if self.cuda_graph_sizes is not None:
+            if not isinstance(self.cuda_graph_sizes, (list, tuple)) or not self.cuda_graph_sizes:
+                raise ValueError(f"cuda_graph_sizes: must be a non-empty list of ints, got {self.cuda_graph_sizes!r}")
+            for size in self.cuda_graph_sizes:
+                _check_int("cuda_graph_sizes", size, 1, MAX_CUDA_GRAPH_SIZE)
+
+    def graph_sizes(self) -> list[int]:
+        """The decode batch sizes to capture, ascending, none above max_num_seqs."""
+        sizes = self.cuda_graph_sizes if self.cuda_graph_sizes is not None else DEFAULT_CUDA_GRAPH_SIZES
+        return sorted({s for s in sizes if s <= self.max_num_seqs} or {min(self.max_num_seqs, MAX_CUDA_GRAPH_SIZE)})
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -42,6 +42,14 @@ class EngineStats:
     num_waiting: int
 
 
+class RequestFailed(RuntimeError):
+    """One request failed (and was aborted) while the engine stays healthy; the others go on."""
+
+    def __init__(self, request_id: str, message: str):
+        super().__init__(message)
+        self.request_id = request_id
+
+
 class EngineCore:
     def __init__(self, args: EngineArgs):
         args.validate()
@@ -185,6 +193,19 @@ class EngineCore:
         req.metrics.finished_time = time.time()
         return self._output(req)
 
+    def _fail_for_memory(self, scheduled) -> "RequestFailed":
+        """A step ran out of device memory: abort the request that asked most of it (the largest chunk of new
+        tokens, else the longest context) so the others go on; nothing was computed, so they just run again."""
+        seq = max(scheduled, key=lambda s: (s.num_new_tokens, s.seq.num_computed_tokens)).seq
+        victim = seq.request
+        message = (f"out of device memory running this request ({seq.num_prompt_tokens} prompt tokens); "
+                   f"it was aborted and the engine goes on")
+        log.warning("request %s: %s", victim.request_id, message)
+        self.abort(victim.request_id)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return RequestFailed(victim.request_id, message)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -197,7 +218,10 @@ class EngineCore:
             return []
         now = time.time()
         rows = {s.seq.seq_id: self._sampling_row(s.seq) for s in sched.scheduled if s.completes}
-        result = self.runner.execute(sched.scheduled, rows)
+        try:
+            result = self.runner.execute(sched.scheduled, rows)
+        except torch.OutOfMemoryError as exc:
+            raise self._fail_for_memory(sched.scheduled) from exc
         touched: dict[str, Request] = {}
         for s in sched.scheduled:
             seq = s.seq

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 
 from engine.config import EngineArgs
-from engine.core import EngineCore, EngineStats, PromptType
+from engine.core import EngineCore, EngineStats, PromptType, RequestFailed
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -146,6 +146,12 @@ class AsyncLLM:
     def stats(self) -> EngineStats:
         return self._call(self.engine.stats).result()
 
+    def stats_nowait(self) -> EngineStats:
+        """The counters read on the caller's thread without waiting for a step (admission control, /metrics).
+
+        Each is one plain read of an int or a length, so a snapshot may straddle a step; never use it for accounting."""
+        return self.engine.stats()
+
     @property
     def errored(self) -> BaseException | None:
         return self._error
@@ -158,6 +164,9 @@ class AsyncLLM:
         if self._stopped:
             raise RuntimeError("engine is shut down")
         fut: Future = Future()
+        # Running: an awaiting task that is cancelled can't cancel the command (it still runs, in order), so the
+        # engine thread never finds a cancelled future it can't complete.
+        fut.set_running_or_notify_cancel()
         self._commands.put((fn, args, fut))
         self._wakeup.set()
         return fut
@@ -181,7 +190,12 @@ class AsyncLLM:
                     self._wakeup.wait()
                     self._wakeup.clear()
                     continue
-                for out in self.engine.step():
+                try:
+                    outputs = self.engine.step()
+                except RequestFailed as failed:  # that request alone ends, with its error; the others go on
+                    self._deliver(failed.request_id, failed)
+                    continue
+                for out in outputs:
                     self._deliver(out.request_id, out)
         except BaseException as exc:  # a fault of the machine or the engine
             log.exception("engine loop failed")
@@ -223,9 +237,11 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         queue_: asyncio.Queue = asyncio.Queue()
         stream = (asyncio.get_running_loop(), queue_)
-        await asyncio.wrap_future(self._call(self._open, request_id, prompt, params, stream))
+        opened = self._call(self._open, request_id, prompt, params, stream)
         finished = False
         try:
+            # Inside the try: a caller cancelled while the open is queued still gets its request closed after it.
+            await asyncio.wrap_future(opened)
             while not finished:
                 item = await queue_.get()
                 while not queue_.empty() and not isinstance(item, BaseException):

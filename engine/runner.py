@@ -1,5 +1,5 @@
 """The model runner: owns the weights and the KV cache tensor, turns a scheduled step into tensors, runs the model
-and samples. The only engine module that touches the device.
+(decode steps from CUDA graphs on a GPU) and samples. The only engine module that touches the device.
 """
 from __future__ import annotations
 
@@ -9,13 +9,15 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata, kv_cache_shape
+from engine.attention import kv_cache_shape
 from engine.config import EngineArgs, ModelConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.models import load_model
 from engine.outputs import PositionLogprobs
-from engine.sampling import Sampler, SamplingRow, prompt_logprobs
+from engine.sampling import Sampler, SamplingParams, SamplingRow, prompt_logprobs
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
+from engine.step_inputs import InputStager
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +46,37 @@ class ModelRunner:
         self.device = device
         self.block_size = args.block_size
         t0 = time.perf_counter()
-        self.model = load_model(args.model, model_config, dtype, device)
+        self.model = load_model(args.model, model_config, dtype, device, pack_dir=args.pack_dir,
+                                load_format=args.load_format)
         self.load_seconds = time.perf_counter() - t0
+        self.stager = InputStager(device, self.block_size)
+        self.sampler = Sampler()
+        self.use_graphs = self._use_cuda_graphs()
         self.num_blocks = args.num_kv_blocks or self._size_kv_cache()
         shape = kv_cache_shape(
             model_config.num_layers, self.num_blocks, self.block_size, model_config.num_kv_heads,
             model_config.head_dim,
         )
         self.kv_cache = torch.empty(shape, dtype=dtype, device=device)
-        self.sampler = Sampler()
+        log.info("KV cache: %d blocks of %d tokens, %.2f GiB in one allocation", self.num_blocks, self.block_size,
+                 self.num_blocks * self.bytes_per_block / (1 << 30))
+        self.graphs: DecodeGraphs | None = None
+        if self.use_graphs:
+            self.graphs = DecodeGraphs(
+                self.model, self.kv_cache, self.stager, args.graph_sizes(), max_model_len, self.block_size,
+                model_config.vocab_size,
+            )
+            self.graphs.capture()
+
+    def _use_cuda_graphs(self) -> bool:
+        """Graphs need a GPU, enforce_eager off, and an attention backend whose decode launch is graph-safe."""
+        if self.device.type != "cuda" or self.args.enforce_eager:
+            return False
+        backend = self.model.layers[0].self_attn.backend if len(self.model.layers) else None
+        safe = getattr(backend, "supports_cuda_graphs", getattr(backend, "name", None) == "triton")
+        if not safe:
+            log.info("CUDA graphs off: attention backend %r has no graph-safe decode", getattr(backend, "name", None))
+        return bool(safe)
 
     # ---- KV sizing -----------------------------------------------------------------------------------------
     @property
@@ -74,6 +98,9 @@ class ModelRunner:
         return int(blocks)
 
     def _profile_gpu_blocks(self) -> int:
+        """Run the largest step the scheduler can make (one max_num_batched_tokens prefill through the selected
+        attention backend) and a sampler pass over max_num_seqs rows with top-p; the KV cache gets what is left
+        of gpu_memory_utilization after that peak and whatever other processes hold."""
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = min(self.args.max_num_batched_tokens, self.max_model_len)
@@ -83,49 +110,35 @@ class ModelRunner:
             kv_cache_shape(m.num_layers, blocks, self.block_size, m.num_kv_heads, m.head_dim),
             dtype=self.dtype, device=self.device,
         )
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        pos = torch.arange(num_tokens, device=self.device)
-        meta = self._metadata([list(range(blocks))], [0], [num_tokens], pos)
+        step = self.stager.stage(
+            [0] * num_tokens, range(num_tokens), [0], [num_tokens], [list(range(blocks))]
+        )
+        num_rows = min(self.args.max_num_seqs, num_tokens)
         with torch.inference_mode():
-            hidden = self.model(ids, pos, scratch, meta)
-            self.model.compute_logits(hidden[-1:])
+            hidden = self.model(step.input_ids, step.positions, scratch, step.meta)
+            logits = self.model.compute_logits(hidden[-num_rows:])
+            del hidden
+            params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
+            self.sampler(logits, [SamplingRow(params, None, [], [], []) for _ in range(num_rows)])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        del scratch, hidden
+        del scratch, logits, step
         torch.cuda.empty_cache()  # the profiled step's cached blocks would otherwise sit beside the KV cache
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        budget = total * self.args.gpu_memory_utilization - used_by_others - peak
+        # The decode graphs, captured after the KV cache, keep a static fp32 logits buffer (and a bf16 one in
+        # their pool) for the largest batch; their other activations are small next to it.
+        graphs = self.args.graph_sizes()[-1] * m.vocab_size * 6 + (64 << 20) if self.use_graphs else 0
+        budget = total * self.args.gpu_memory_utilization - used_by_others - peak - graphs
+        log.info(
+            "KV sizing: %.2f GiB total, %.2f GiB peak in a profiled %d-token step (weights included), %.2f GiB "
+            "held by others, %.2f GiB kept for CUDA graphs, %.2f GiB left for the KV cache at "
+            "gpu_memory_utilization=%.2f", total / (1 << 30), peak / (1 << 30), num_tokens,
+            used_by_others / (1 << 30), graphs / (1 << 30), budget / (1 << 30), self.args.gpu_memory_utilization,
+        )
         return int(budget // self.bytes_per_block)
 
     # ---- one step ------------------------------------------------------------------------------------------
-    def _metadata(
-        self, block_tables: list[list[int]], starts: list[int], lens: list[int], positions: torch.Tensor
-    ) -> AttentionMetadata:
-        bs = self.block_size
-        dev = self.device
-        width = max(len(t) for t in block_tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
-        qsl = [0]
-        for n in lens:
-            qsl.append(qsl[-1] + n)
-        seq_lens = [s + n for s, n in zip(starts, lens)]
-        # slot of token at position p of sequence i: table[i, p // bs] * bs + p % bs
-        seq_of_token = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-        pos_cpu = positions.cpu()
-        slots = table[seq_of_token, pos_cpu // bs].long() * bs + pos_cpu % bs
-        return AttentionMetadata(
-            slot_mapping=slots.to(dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=table.to(dev),
-            max_query_len=max(lens),
-            max_seq_len=max(seq_lens),
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-            block_size=bs,
-        )
-
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], rows: dict[int, SamplingRow]) -> StepResult:
         """Run one step. rows holds a SamplingRow for each sequence that samples this step, by seq_id."""
@@ -137,8 +150,12 @@ class ModelRunner:
         for s in scheduled:
             seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
             base = len(ids)
-            ids.extend(seq.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
+            if n == 1:
+                ids.append(seq.token_ids[start])
+                positions.append(start)
+            else:
+                ids.extend(seq.token_ids[start : start + n])
+                positions.extend(range(start, start + n))
             if seq.wants_prompt_logprobs:
                 # logits at position p give the logprob of prompt token p + 1
                 first = max(start, len(seq.request.prompt_logprobs) - 1)
@@ -150,19 +167,27 @@ class ModelRunner:
                 sample_at[seq.seq_id] = len(logit_rows)
                 logit_rows.append(base + n - 1)
 
-        pos = torch.tensor(positions, dtype=torch.long)
-        meta = self._metadata(
-            [s.seq.block_table for s in scheduled],
-            [s.seq.num_computed_tokens for s in scheduled],
-            [s.num_new_tokens for s in scheduled],
-            pos,
-        )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, pos.to(self.device), self.kv_cache, meta)
         result = StepResult(sampled={}, prompt_logprobs={})
-        if not logit_rows:
-            return result
-        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
+        starts = [s.seq.num_computed_tokens for s in scheduled]
+        tables = [s.seq.block_table for s in scheduled]
+        one_token_each = len(ids) == len(scheduled)
+        if self.graphs is not None and one_token_each and len(ids) <= self.graphs.max_size:
+            # Pure decode: the graph computes every row's logits; pick the ones this step needs.
+            all_logits = self.graphs.run(ids, positions, starts, tables)
+            if not logit_rows:
+                return result
+            if logit_rows == list(range(len(ids))):
+                logits = all_logits
+            else:
+                logits = all_logits[torch.tensor(logit_rows).to(self.device, non_blocking=True)]
+        else:
+            step = self.stager.stage(ids, positions, starts, [s.num_new_tokens for s in scheduled], tables)
+            hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
+            if not logit_rows:
+                return result
+            if logit_rows != list(range(hidden.shape[0])):
+                hidden = hidden[torch.tensor(logit_rows).to(self.device, non_blocking=True)]
+            logits = self.model.compute_logits(hidden)
 
         for seq, row, count, first in prompt_spans:
             targets = seq.token_ids[first + 1 : first + 1 + count]
@@ -171,7 +196,9 @@ class ModelRunner:
             )
         if sample_at:
             order = list(sample_at)
-            sampled = self.sampler(logits[[sample_at[i] for i in order]], [rows[i] for i in order])
+            picks = [sample_at[i] for i in order]
+            sample_logits = logits if picks == list(range(logits.shape[0])) else logits[picks]
+            sampled = self.sampler(sample_logits, [rows[i] for i in order])
             for seq_id, tok, lp in zip(order, sampled.token_ids, sampled.logprobs):
                 result.sampled[seq_id] = SampledToken(tok, lp)
         return result

@@ -1,6 +1,7 @@
 """Sampling: SamplingParams (validated per-request knobs) and the batched Sampler that turns logits into tokens.
 
-Penalties, temperature, top-k/top-p/min-p and the exponential-race draw all run as torch ops on the logits' device.
+Penalties, temperature, top-k/top-p/min-p and the random draw all run on the logits' device, vectorised over rows;
+a step reads back one tensor (token ids with any requested logprobs).
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.layers.random_race import draw_key, race_sample
+from engine.layers.random_race import triton as _triton
 from engine.outputs import Logprob, PositionLogprobs
 
 MAX_N = 128
@@ -316,26 +319,45 @@ def random_sample(probs: torch.Tensor, generators: Sequence[torch.Generator | No
 # Logprobs
 # ---------------------------------------------------------------------------------------------------------------
 
-def _logprob_dicts(
-    logprobs: torch.Tensor, token_ids: torch.Tensor, ks: Sequence[int]
-) -> list[PositionLogprobs]:
-    """Per row: the chosen token's logprob and rank, then the top ks[i] tokens (rank = 1 + #strictly greater)."""
+def _logprob_tensors(logprobs: torch.Tensor, token_ids: torch.Tensor, kmax: int) -> list[torch.Tensor]:
+    """On the device: the chosen tokens' logprobs [n] and ranks [n] (1 + #strictly greater), and the top-kmax ids,
+    logprobs and ranks [n, kmax]; nothing is read back here."""
     chosen = logprobs.gather(1, token_ids[:, None])
     chosen_rank = (logprobs > chosen).sum(dim=-1) + 1
-    kmax = min(max(ks, default=0), logprobs.shape[-1])
-    if kmax > 0:
-        top_vals, top_ids = logprobs.topk(kmax, dim=-1)
-        top_ranks = (top_vals[:, None, :] > top_vals[:, :, None]).sum(dim=-1) + 1
-        top = (top_ids.tolist(), top_vals.tolist(), top_ranks.tolist())
-    ids_list, lp_list, rank_list = token_ids.tolist(), chosen[:, 0].tolist(), chosen_rank.tolist()
+    if kmax <= 0:
+        return [token_ids, chosen[:, 0], chosen_rank]
+    top_vals, top_ids = logprobs.topk(kmax, dim=-1)
+    top_ranks = (top_vals[:, None, :] > top_vals[:, :, None]).sum(dim=-1) + 1
+    return [token_ids, chosen[:, 0], chosen_rank, top_ids, top_vals, top_ranks]
 
+
+def _read_back(tensors: list[torch.Tensor]) -> list[np.ndarray]:
+    """Every tensor in one device->host transfer (as float64, exact for ids, ranks and float32 logprobs)."""
+    if len(tensors) == 1:
+        return [tensors[0].cpu().numpy()]
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).cpu().numpy()
+    out, at = [], 0
+    for t in tensors:
+        out.append(flat[at : at + t.numel()].reshape(t.shape))
+        at += t.numel()
+    return out
+
+
+def _logprob_entries(host: list[np.ndarray], ks: Sequence[int]) -> list[PositionLogprobs]:
+    """Per row, from _logprob_tensors' arrays read back: the chosen token, then the top ks[i] tokens."""
+    ints = [a.astype(np.int64).tolist() for a in host[0::3]]  # ids, top ids
+    ranks = [a.astype(np.int64).tolist() for a in host[2::3]]  # chosen ranks, top ranks
+    ids, chosen, chosen_rank = ints[0], host[1].tolist(), ranks[0]
+    has_top = len(host) > 3
+    if has_top:
+        top_ids, top_vals, top_ranks = ints[1], host[4].tolist(), ranks[1]
     out: list[PositionLogprobs] = []
     for i, k in enumerate(ks):
-        entry: PositionLogprobs = {ids_list[i]: Logprob(lp_list[i], rank_list[i])}
-        for j in range(min(k, kmax)):
-            tid = top[0][i][j]
+        entry: PositionLogprobs = {ids[i]: Logprob(chosen[i], chosen_rank[i])}
+        for j in range(k if has_top else 0):
+            tid = top_ids[i][j]
             if tid not in entry:
-                entry[tid] = Logprob(top[1][i][j], top[2][i][j])
+                entry[tid] = Logprob(top_vals[i][j], top_ranks[i][j])
         out.append(entry)
     return out
 
@@ -350,7 +372,8 @@ def prompt_logprobs(logits: torch.Tensor, next_token_ids: list[int], k: int) -> 
         return []
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     ids = torch.tensor(next_token_ids, dtype=torch.long).to(logits.device, non_blocking=True)
-    return _logprob_dicts(logprobs, ids, [k] * len(next_token_ids))
+    kmax = min(k, logprobs.shape[-1])
+    return _logprob_entries(_read_back(_logprob_tensors(logprobs, ids, kmax)), [kmax] * len(next_token_ids))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -371,39 +394,57 @@ class Sampler:
             return SamplerOutput([], [])
         params = [r.params for r in rows]
         raw = logits.float()
-        work = raw.clone()
-
-        apply_banned_tokens(work, [r.banned_token_ids for r in rows])
-        apply_penalties(
-            work,
-            [r.prompt_token_ids for r in rows],
-            [r.output_token_ids for r in rows],
-            [p.repetition_penalty for p in params],
-            [p.presence_penalty for p in params],
-            [p.frequency_penalty for p in params],
-        )
-        token_ids = work.argmax(dim=-1)
+        edits = any(r.banned_token_ids for r in rows) or any(
+            p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params)
+        work = raw.clone() if edits else raw  # raw may be the caller's tensor: edit only a copy
+        if edits:
+            apply_banned_tokens(work, [r.banned_token_ids for r in rows])
+            apply_penalties(
+                work,
+                [r.prompt_token_ids for r in rows],
+                [r.output_token_ids for r in rows],
+                [p.repetition_penalty for p in params],
+                [p.presence_penalty for p in params],
+                [p.frequency_penalty for p in params],
+            )
 
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        everyone = len(sampled_rows) == len(rows)
+        token_ids = None if everyone else work.argmax(dim=-1)
         if sampled_rows:
-            everyone = len(sampled_rows) == len(rows)
             index = None if everyone else torch.tensor(sampled_rows).to(work.device, non_blocking=True)
-            sub = work if index is None else work[index]
+            if index is not None:
+                sub = work[index]
+            else:
+                sub = work if edits else raw.clone()
             sp = [params[i] for i in sampled_rows]
             apply_temperature(sub, [p.temperature for p in sp])
             apply_top_k_top_p_min_p(sub, [p.top_k for p in sp], [p.top_p for p in sp], [p.min_p for p in sp])
-            sampled = random_sample(sub.softmax(dim=-1), [rows[i].generator for i in sampled_rows])
+            sampled = self._draw(sub, [rows[i].generator for i in sampled_rows])
             if index is None:
                 token_ids = sampled
             else:
                 token_ids[index] = sampled
 
-        logprobs: list[PositionLogprobs | None] = [None] * len(rows)
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if lp_rows:
-            index = torch.tensor(lp_rows).to(raw.device, non_blocking=True)
-            dicts = _logprob_dicts(torch.log_softmax(raw[index], dim=-1), token_ids[index],
-                                   [params[i].logprobs for i in lp_rows])
-            for i, d in zip(lp_rows, dicts):
-                logprobs[i] = d
-        return SamplerOutput(token_ids.tolist(), logprobs)
+        logprobs: list[PositionLogprobs | None] = [None] * len(rows)
+        if not lp_rows:
+            return SamplerOutput(_read_back([token_ids])[0].astype(np.int64).tolist(), logprobs)
+        index = torch.tensor(lp_rows).to(raw.device, non_blocking=True)
+        ks = [params[i].logprobs for i in lp_rows]
+        kmax = min(max(ks), raw.shape[-1])
+        lp = _logprob_tensors(torch.log_softmax(raw[index], dim=-1), token_ids[index], kmax)
+        host = _read_back([token_ids, *lp])  # the step's one device->host transfer
+        for i, entry in zip(lp_rows, _logprob_entries(host[1:], [min(k, kmax) for k in ks])):
+            logprobs[i] = entry
+        return SamplerOutput(host[0].astype(np.int64).tolist(), logprobs)
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """One token per row of processed logits. On CUDA: one Triton kernel keyed per row by its generator (or the
+        device's default generator), no sync; elsewhere the exponential race of random_sample."""
+        if _triton is not None and logits.is_cuda and all(g is None or g.device.type == "cuda" for g in generators):
+            default = torch.cuda.default_generators[logits.device.index or 0] if None in generators else None
+            keys = [draw_key(default if g is None else g) for g in generators]
+            return race_sample(logits, torch.tensor(keys, dtype=torch.int64).to(logits.device, non_blocking=True))
+        return random_sample(logits.softmax(dim=-1), generators)

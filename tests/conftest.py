@@ -28,3 +28,13 @@ def _gguf_dir() -> str:
 def smollm2_dir() -> str:
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     return convert_gguf(os.path.join(_gguf_dir(), SMOLLM2_GGUF), str(CACHE_DIR / "smollm2-135m-instruct"))
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config):
+    """`pytest -m gpu` (make gpu-check) collects only files that hold GPU tests: the GPU machine has torch and
+    transformers preinstalled but not necessarily the worker's own dependencies (pydantic-settings, runpod ...)."""
+    if config.option.markexpr.strip() != "gpu" or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_"):
+        return None
+    return "pytest.mark.gpu" not in collection_path.read_text()

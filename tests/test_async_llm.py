@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from engine import LLM, AsyncLLM, EngineArgs, SamplingParams
 
@@ -77,4 +78,42 @@ async def test_a_client_that_goes_away_releases_its_request(smollm2_dir):
         assert stats.num_running == 0 and stats.num_waiting == 0
         assert stats.num_free_blocks == stats.num_kv_blocks
     finally:
+        engine.shutdown()
+
+
+async def test_out_of_memory_fails_only_the_request_that_asked_for_it(smollm2_dir, sync_llm):
+    """The device running out of memory on a big prefill ends that request with an error naming the cause;
+    the small requests beside it finish with their usual tokens and the engine stays up (no retry loop)."""
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    expected = sync_llm.generate(PROMPTS[:2], params)
+    args = EngineArgs(model=smollm2_dir, dtype="float32", device="cpu", max_model_len=256)
+    engine = AsyncLLM.from_engine_args(args)
+    runner = engine.engine.runner
+    real_execute = runner.execute
+    big_prompt = "word " * 150
+
+    def execute(scheduled, rows):  # the device refuses any step that prefills more than 100 tokens at once
+        if any(s.num_new_tokens > 100 for s in scheduled):
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return real_execute(scheduled, rows)
+
+    runner.execute = execute
+    try:
+        async def final(rid, prompt):
+            last = None
+            async for out in engine.generate(rid, prompt, params):
+                last = out
+            return last
+
+        results = await asyncio.gather(final("small-0", PROMPTS[0]), final("big", big_prompt),
+                                       final("small-1", PROMPTS[1]), return_exceptions=True)
+        assert isinstance(results[1], RuntimeError) and "out of device memory" in str(results[1])
+        for exp, got in zip(expected, (results[0], results[2])):
+            assert got.outputs[0].token_ids == exp.outputs[0].token_ids
+        stats = engine.engine.stats()
+        assert stats.num_running == 0 and stats.num_waiting == 0
+        again = await final("after", PROMPTS[0])  # the engine still serves
+        assert again.outputs[0].token_ids == expected[0].outputs[0].token_ids
+    finally:
+        runner.execute = real_execute
         engine.shutdown()

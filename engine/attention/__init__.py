@@ -37,3 +37,29 @@ class AttentionMetadata:
 def kv_cache_shape(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
     """One allocation for the whole cache: [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim]."""
     return (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+
+
+BACKEND_NAMES = ("auto", "torch", "triton")
+
+
+def select_backend(device: torch.device | str, name: str = "auto"):
+    """The attention backend for `device`: "auto" is triton on CUDA when triton imports, else the torch reference.
+
+    Triton is imported only when it is chosen, so CPU paths never load it.
+    """
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"attention backend {name!r} is not one of {', '.join(repr(n) for n in BACKEND_NAMES)}")
+    device = torch.device(device)
+    if name in ("auto", "triton") and device.type == "cuda":
+        try:
+            from engine.attention.triton_attn import TritonAttentionBackend
+        except ImportError as exc:
+            if name == "triton":
+                raise ValueError(f"attention backend 'triton' needs the triton package: {exc}") from exc
+        else:
+            return TritonAttentionBackend(device)
+    elif name == "triton":
+        raise ValueError(f"attention backend 'triton' needs a CUDA device, got {device}")
+    from engine.attention.torch_ref import TorchAttentionBackend
+
+    return TorchAttentionBackend()

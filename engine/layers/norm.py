@@ -1,11 +1,13 @@
 """RMSNorm as the HF Llama/Qwen families compute it: normalise in float32, cast back, then scale by the weight.
 
-Used for the per-layer norms, the final norm and Qwen3's per-head q/k norms (over the last dim).
+Optionally adds a residual first (one fused Triton kernel on CUDA); also Qwen3's per-head q/k norms (last dim).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from engine.layers.fused import fused_kernels_available, rms_norm_fused
 
 
 class RMSNorm(nn.Module):
@@ -20,7 +22,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with a residual: (norm(x + residual), x + residual), the sum carried to the next layer."""
+        if fused_kernels_available(x):
+            normed, new_residual = rms_norm_fused(x, self.weight, self.eps, residual)
+            return normed if residual is None else (normed, new_residual)
+        if residual is None:
+            return self.reference(x)
+        residual = x + residual
+        return self.reference(residual), residual
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The plain torch computation (the CPU path, and what the fused kernel is checked against)."""
         in_dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

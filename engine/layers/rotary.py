@@ -1,6 +1,7 @@
 """Rotary position embeddings (neox-style rotate-half, as HF Llama/Qwen): a cos/sin cache for every position.
 
-Supports the rope types of ModelConfig.rope: "default", "linear" (positions / factor) and "llama3" (banded rescale).
+Supports the rope types of ModelConfig.rope: "default", "linear" (positions / factor) and "llama3" (banded rescale);
+on CUDA one Triton kernel rotates q and k (after Qwen3's per-head q/k norm when given).
 """
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 from torch import nn
 
 from engine.config import RopeConfig
+from engine.layers.fused import fused_kernels_available, rope_fused
+from engine.layers.norm import RMSNorm
 
 
 def compute_inv_freq(head_dim: int, rope: RopeConfig, max_position_embeddings: int) -> torch.Tensor:
@@ -67,8 +70,20 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [T, H, D] and k [T, Hkv, D] by position; with q_norm/k_norm, normalise each head first."""
+        if fused_kernels_available(q):
+            if q_norm is None:
+                return rope_fused(positions, q, k, self.cos, self.sin)
+            return rope_fused(positions, q, k, self.cos, self.sin, q_norm.weight, k_norm.weight, q_norm.eps)
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         cos = self.cos[positions]
         sin = self.sin[positions]
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -51,9 +51,7 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = rotary(positions, q, k, self.q_norm, self.k_norm)  # Qwen3 normalises each head before rotating
         kwargs = {"sliding_window": self.sliding_window} if self.sliding_window else {}
         out = self.backend.forward(q, k, v, kv_cache_layer, meta, self.scale, **kwargs)
         return self.o_proj(out.reshape(T, self.q_size))
@@ -73,7 +71,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), with the running sum carried as `residual`.
+
+    Each residual add is fused with the norm that follows it: norm(x, residual) -> (normed, x + residual).
+    """
 
     def __init__(self, cfg: ModelConfig, backend, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -85,13 +86,21 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         positions: torch.Tensor,
         rotary: RotaryEmbedding,
         kv_cache_layer: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache_layer, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it); their sum is the layer's output."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rotary, kv_cache_layer, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -124,14 +133,20 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [T] int64; kv_cache [L, 2, blocks, block_size, Hkv, D] -> hidden [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rotary, kv_cache[i], meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rotary, kv_cache[i], meta)
+        if residual is None:
+            return self.norm(x)
+        return self.norm(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] float32."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32 (written into `out` [N, vocab] when given)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
+        if out is None:
+            return logits.float()
+        return out.copy_(logits)
 
     # --- HF checkpoint names -> this model's (fused) parameters -------------------------------------------
 
@@ -226,8 +241,8 @@ def build_model(
     device = torch.device(device)
     if isinstance(dtype, str):
         dtype = resolve_dtype(dtype, model_config, device)
-    if attn_backend is None:
-        from engine.attention.torch_ref import TorchAttentionBackend
+    if attn_backend is None or isinstance(attn_backend, str):
+        from engine.attention import select_backend
 
-        attn_backend = TorchAttentionBackend()
+        attn_backend = select_backend(device, attn_backend or "auto")
     return DecoderModel(model_config, dtype, device, attn_backend).eval()

@@ -1,21 +1,33 @@
-"""Reads HF safetensors checkpoints (one file or sharded with an index) and loads them into a DecoderModel.
-
-Uses `safetensors` only (never transformers, never pickle); the model maps HF names onto its fused parameters.
+"""Loads a DecoderModel's weights: from a pack in the final layout through the streaming loader when one exists,
+otherwise from HF safetensors (sharded or not), writing the pack for next time. Never transformers, never pickle.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import logging
 import os
+import threading
 from collections.abc import Iterator
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
-from engine.config import ModelConfig
+from cache.loader import LoadStats, PackError, PackWriter, load_pack, read_pack
+from engine.config import ModelConfig, resolve_dtype
 from engine.models.decoder import DecoderModel, build_model
+
+log = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+MANIFEST_FILE = "coldbrew-manifest.json"  # written by cache.snapshot: when present it names the snapshot's bytes
+PACKS_DIR = "packs"
+# Bump when the parameter names, fusions or byte layout of the pack change: old packs then no longer match.
+PACK_LAYOUT_VERSION = 1
+LOAD_FORMATS = ("auto", "pack", "safetensors")
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -48,14 +60,199 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+# ---- which pack belongs to this checkpoint ------------------------------------------------------------------
+def model_digest(model_dir: str) -> str:
+    """The snapshot manifest's hash when cache wrote one; else config.json plus the weight files' names/sizes/mtimes."""
+    h = hashlib.sha256()
+    manifest = os.path.join(model_dir, MANIFEST_FILE)
+    if os.path.isfile(manifest):
+        with open(manifest, "rb") as f:
+            h.update(b"manifest\0" + f.read())
+        return h.hexdigest()
+    with open(os.path.join(model_dir, "config.json"), "rb") as f:
+        h.update(b"config\0" + f.read())
+    for path in safetensors_files(model_dir):
+        st = os.stat(path)
+        h.update(f"\0{os.path.basename(path)}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+def pack_key(model_dir: str, dtype: torch.dtype) -> dict:
+    """What a pack must match to be used: the checkpoint's bytes, the final dtype and the engine's layout."""
+    return {"format": "coldbrew-weights", "model_digest": model_digest(model_dir),
+            "dtype": _dtype_name(dtype), "layout_version": PACK_LAYOUT_VERSION}
+
+
+def pack_path(model_dir: str, dtype: torch.dtype, pack_dir: str | None = None) -> str:
+    """<pack_dir or model_dir/packs>/<digest[:16]>-<dtype>-v<layout>.cbpack"""
+    key = pack_key(model_dir, dtype)
+    name = f"{key['model_digest'][:16]}-{key['dtype']}-v{PACK_LAYOUT_VERSION}.cbpack"
+    return os.path.join(pack_dir or os.path.join(model_dir, PACKS_DIR), name)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _group_of(name: str, num_layers: int) -> int:
+    """Group 0: embeddings; 1..L: decoder layer i-1; L+1: final norm and lm_head (the ready order of a forward)."""
+    if name.startswith("layers."):
+        return 1 + int(name.split(".")[1])
+    return 0 if name.startswith("embed_tokens.") else num_layers + 1
+
+
+# ---- loading -------------------------------------------------------------------------------------------------
 def load_model(
     model_dir: str,
     model_config: ModelConfig,
     dtype: torch.dtype | str,
     device: torch.device | str,
     attn_backend=None,
+    *,
+    pack_dir: str | None = None,
+    load_format: str = "auto",
 ) -> DecoderModel:
-    """Build the model on `device` in `dtype` and fill it from the checkpoint in `model_dir`."""
+    """Build the model on `device` in `dtype` and fill it.
+
+    load_format "auto": from the pack when a valid one matches (model digest, dtype, layout), else from safetensors,
+    then write the pack (a failure to write logs one line); "pack": the same, but a failure to write the pack
+    raises; "safetensors": never read or write a pack. `model.load_stats` says what happened.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format: {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
+    device = torch.device(device)
+    if isinstance(dtype, str):
+        dtype = resolve_dtype(dtype, model_config, device)
+    if load_format == "safetensors":
+        model = build_model(model_config, dtype, device, attn_backend)
+        model.load_hf_weights(iter_safetensors(model_dir))
+        model.load_stats = {"source": "safetensors"}
+        model.wait_weights = lambda: None
+        return model
+    path = pack_path(model_dir, dtype, pack_dir)
+    key = pack_key(model_dir, dtype)
+    try:
+        return load_model_from_pack(path, key, model_config, dtype, device, attn_backend)
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    except (PackError, OSError) as e:
+        log.warning("weights: %s; loading safetensors and rebuilding the pack", e)
     model = build_model(model_config, dtype, device, attn_backend)
     model.load_hf_weights(iter_safetensors(model_dir))
+    model.load_stats = {"source": "safetensors", "pack_written": None}
+    model.wait_weights = lambda: None
+    try:
+        write_model_pack(model, path, key)
+        model.load_stats["pack_written"] = path
+    except Exception as e:  # best effort: the model is loaded; the next start just can't use a pack
+        if load_format == "pack":
+            raise
+        log.warning("weights: could not write the pack %s (%s: %s); later starts load safetensors", path,
+                    type(e).__name__, e)
     return model
+
+
+def load_model_from_pack(
+    path: str, key: dict | None, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
+    attn_backend=None, overlap: bool | None = None, **loader_options,
+) -> DecoderModel:
+    """The model with every parameter a view into one device buffer streamed from the pack at `path`.
+
+    overlap (default: on CUDA) returns while the bytes still stream: each layer's first forward waits for its own
+    group (the GPU waits on the group's copy event), so the first step computes early layers while later ones load;
+    `model.wait_weights()` blocks until all are in. Raises FileNotFoundError when there is no pack and PackError
+    when it is invalid or does not match `key` or the model's parameters (names, dtypes, shapes)."""
+    pack = read_pack(path)
+    if key is not None and any(pack.metadata.get(k) != v for k, v in key.items()):
+        raise PackError(f"pack {path}: built for {pack.metadata}, not for {key}")
+    with _parameters_on_meta():
+        model = build_model(model_config, dtype, device, attn_backend)
+    params = dict(model.named_parameters())
+    want = {n: (_dtype_name(p.dtype), tuple(p.shape)) for n, p in params.items()}
+    have = {e.name: (e.dtype, e.shape) for e in pack.entries}
+    if want != have:
+        diff = sorted(set(want.items()) ^ set(have.items()))[:3]
+        raise PackError(f"pack {path}: tensors do not match the model's parameters (e.g. {diff})")
+    load = load_pack(pack, device, **loader_options)
+    views = {id(params[name]): view for name, view in load.tensors.items()}
+    for module_name, module in model.named_modules():
+        for leaf, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[leaf] = nn.Parameter(views[id(p)], requires_grad=False)
+    model.load_stats = {"source": "pack", "path": path, "nbytes": pack.data_nbytes, "streaming": True}
+
+    def finished(stats: LoadStats) -> None:
+        model.load_stats = {"source": "pack", "path": path, "nbytes": stats.nbytes, "seconds": stats.seconds,
+                            "gbps": stats.gbps, "alloc_seconds": stats.alloc_seconds,
+                            "pin_seconds": stats.pin_seconds, "mode": stats.mode,
+                            "threads": stats.threads, "chunk_bytes": stats.chunk_bytes}
+        log.info("weights: pack %s, %.2f GB in %.2f s (%.1f GB/s, %s reads)", path, stats.nbytes / 1e9,
+                 stats.seconds, stats.gbps, stats.mode)
+
+    if overlap is None:
+        overlap = device.type == "cuda"
+    model.wait_weights = _wait_hooks(model, load, finished) if overlap else (lambda: None)
+    if not overlap:
+        finished(load.wait())
+    return model
+
+
+def _wait_hooks(model: DecoderModel, load, finished):
+    """Forward pre-hooks: embeddings wait for group 0, layer i for group i+1, the final norm for everything (then
+    every hook is removed, so later steps and CUDA graph captures see a plain model). Returns wait_all()."""
+    handles: list = []
+    done = threading.Lock()
+    state = {"finished": False}
+
+    def wait_all(*_) -> None:
+        with done:
+            if state["finished"]:
+                return
+            stats = load.wait()
+            for h in handles:
+                h.remove()
+            state["finished"] = True
+        finished(stats)
+
+    def wait_group(group: int):
+        def hook(module, args) -> None:
+            if state["finished"]:
+                return
+            if load.cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("weights: still streaming while a CUDA graph captures; call model.wait_weights()")
+            load.wait_group(group)
+        return hook
+
+    groups = set(load.pack.groups)
+    modules = [(0, model.embed_tokens)] + [(1 + i, layer) for i, layer in enumerate(model.layers)]
+    handles += [m.register_forward_pre_hook(wait_group(g)) for g, m in modules if g in groups]
+    handles.append(model.norm.register_forward_pre_hook(wait_all))
+    return wait_all
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Inside: every nn.Parameter registered lands on the meta device (no memory), buffers are built as usual."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def write_model_pack(model: nn.Module, path: str, key: dict) -> str:
+    """Write the model's parameters, in their final (fused) layout and dtype, as a pack at `path`, atomically."""
+    num_layers = getattr(getattr(model, "config", None), "num_layers", 0)
+    with PackWriter(path, metadata=key) as writer:
+        for name, p in model.named_parameters():
+            host = p.detach().contiguous().cpu().reshape(-1)
+            writer.add(name, _dtype_name(p.dtype), tuple(p.shape), host.view(torch.uint8).numpy(),
+                       group=_group_of(name, num_layers))
+    return path

@@ -1,0 +1,98 @@
+"""One fresh process of the cold-start benchmark: start -> first token (or weights on the GPU), timed per phase.
+
+`python bench/cold_start_child.py MODE MODEL_DIR PROMPT_LEN [EXTRA_JSON]`, MODE: ours | hf | safetensors | bare.
+Prints one JSON line of wall-clock stamps (time.time()); the parent subtracts the moment it spawned this process.
+"""
+import sys
+import time
+
+T_MAIN = time.time()  # the interpreter is up and this file runs: before any import of ours or torch's
+import json  # noqa: E402
+import os  # noqa: E402
+
+MODE, MODEL_DIR, PROMPT_LEN = sys.argv[1], sys.argv[2], int(sys.argv[3])
+# LLM keyword arguments, plus loader settings to compare: _prefetch [threads, MiB], _loader_chunk_mb
+extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+stamps: dict = {"main": T_MAIN}
+
+if MODE == "ours":  # start reading the pack into the page cache before torch imports
+    import cache.loader
+
+    pf = extra.pop("_prefetch", None)
+    fetch = cache.loader.prefetch(MODEL_DIR, *([pf[0], pf[1] << 20] if pf else []))
+    stamps["prefetch_started"] = time.time()
+    if "_loader_chunk_mb" in extra:
+        cache.loader.DEFAULT_CHUNK_BYTES = extra.pop("_loader_chunk_mb") << 20
+
+import torch  # noqa: E402
+
+stamps["import_torch"] = time.time()
+torch.zeros(1, device="cuda")
+torch.cuda.synchronize()
+stamps["cuda_init"] = time.time()
+prompt = [(1000 + 7 * i) % 30000 for i in range(PROMPT_LEN)]
+phases: dict = {}
+
+
+def timed(name, fn):
+    """Wrap fn so each call adds its wall seconds to phases[name] (the engine's own code runs unchanged)."""
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.cuda.synchronize()
+            phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
+    return wrapper
+
+
+if MODE == "ours":
+    import engine.runner as runner_module
+    from engine import LLM, SamplingParams
+
+    runner_module.load_model = timed("weights", runner_module.load_model)
+    runner_module.ModelRunner._size_kv_cache = timed("kv_sizing", runner_module.ModelRunner._size_kv_cache)
+    graphs = getattr(runner_module, "DecodeGraphs", None)
+    if graphs is not None:
+        graphs.capture = timed("graphs", graphs.capture)
+    stamps["imports"] = time.time()
+    llm = LLM(model=MODEL_DIR, dtype="bfloat16", device="cuda", **extra)
+    torch.cuda.synchronize()
+    stamps["engine_ready"] = time.time()
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    torch.cuda.synchronize()
+    stamps["first_token"] = time.time()
+    model = llm.engine.runner.model
+    result = {"load_stats": getattr(model, "load_stats", None), "token": out[0].outputs[0].token_ids,
+              "num_kv_blocks": llm.engine.num_kv_blocks, "prefetch_bytes": fetch.bytes_read,
+              "prefetch_seconds": (fetch.finished or time.perf_counter()) - fetch.started}
+elif MODE == "hf":
+    import transformers
+
+    stamps["imports"] = time.time()
+    model = transformers.AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.bfloat16, device_map="cuda")
+    torch.cuda.synchronize()
+    stamps["engine_ready"] = time.time()
+    with torch.inference_mode():
+        ids = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=1, do_sample=False)
+    torch.cuda.synchronize()
+    stamps["first_token"] = time.time()
+    result = {"token": ids[0, -1:].tolist()}
+elif MODE == "safetensors":
+    from safetensors.torch import load_file
+
+    stamps["imports"] = time.time()
+    shards = sorted(os.path.join(MODEL_DIR, n) for n in os.listdir(MODEL_DIR) if n.endswith(".safetensors"))
+    tensors = {}
+    for shard in shards:
+        tensors.update(load_file(shard, device="cuda"))
+    torch.cuda.synchronize()
+    stamps["engine_ready"] = time.time()
+    result = {"nbytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+elif MODE == "bare":
+    result = {}
+else:
+    raise SystemExit(f"mode: {MODE!r} is not one of ours, hf, safetensors, bare")
+
+result.update(stamps=stamps, phases=phases, transformers_imported="transformers" in sys.modules)
+print("RESULT " + json.dumps(result), flush=True)

@@ -1,0 +1,146 @@
+"""Paged attention in Triton (CUDA; bf16, fp16, fp32): the fast path behind the reference backend's interface.
+
+Writes the step's K/V at slot_mapping, then one attention launch: split-KV decode when every query is one token
+(its launch depends on tensor shapes only, so it can be captured in a CUDA graph), tiled prefill otherwise.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from engine.attention import AttentionMetadata
+from engine.attention.triton_kernels import merge_splits_kernel, paged_attention_kernel, write_kv_kernel
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+MAX_SPLITS = 64
+LOG2_E = 1.4426950408889634
+TileConfig = tuple[int, int, int, int]  # (BLOCK_M rows, BLOCK_N keys, num_warps, num_stages)
+
+
+class TritonAttentionBackend:
+    """Paged attention over a KV cache layer [2, num_blocks, block_size, Hkv, D]; GQA without repeating K/V."""
+
+    name = "triton"
+    supports_cuda_graphs = True  # decode launches depend on tensor shapes only (see forward)
+
+    def __init__(
+        self,
+        device: torch.device | str | None = None,
+        programs_per_sm: int = 2,
+        decode_tiles: TileConfig | None = None,
+        prefill_tiles: TileConfig | None = None,
+    ) -> None:
+        """programs_per_sm sets how far decode splits the context; the tile configs override the defaults (bench)."""
+        device = torch.device(device) if device is not None else None
+        if device is not None and device.type == "cuda":
+            self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        else:
+            self.num_sms = 2  # interpreter runs on CPU tensors: a small figure still exercises the splits
+        self.target_programs = programs_per_sm * self.num_sms
+        self.decode_tiles = decode_tiles
+        self.prefill_tiles = prefill_tiles
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]; the same semantics as TorchAttentionBackend.forward."""
+        _check_inputs(q, k, v, kv_cache_layer, sliding_window)
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        group = num_heads // num_kv_heads
+        block_size = kv_cache_layer.shape[2]
+        block_d = triton.next_power_of_2(head_dim)
+        k, v, q = _last_dim_contiguous(k), _last_dim_contiguous(v), _last_dim_contiguous(q)
+
+        if num_tokens > 0:
+            write_kv_kernel[(num_tokens,)](
+                k, v, kv_cache_layer, meta.slot_mapping,
+                k.stride(0), k.stride(1), v.stride(0), v.stride(1), kv_cache_layer.stride(0),
+                NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+                BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=block_d,
+            )
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        num_seqs = meta.seq_lens.shape[0]
+        if num_tokens == 0 or num_seqs == 0:
+            return out
+
+        small = kv_cache_layer.dtype == torch.float32 or block_d > 128  # tiles that fit shared memory
+        if meta.max_query_len == 1:  # decode: the launch depends on shapes only (CUDA-graph safe)
+            _, block_n, num_warps, num_stages = self.decode_tiles or ((16, 32, 4, 2) if small else (16, 128, 4, 3))
+            block_m = max(16, triton.next_power_of_2(group))
+            block_q = num_q_tiles = 1
+            max_context = meta.block_tables.shape[1] * block_size
+            num_splits = self._num_splits(num_seqs * num_kv_heads, triton.cdiv(max_context, block_n))
+        else:
+            block_m, block_n, num_warps, num_stages = self.prefill_tiles or (
+                (64, 32, 4, 2) if small else (128, 128, 8, 3)
+            )
+            block_m = max(block_m, triton.next_power_of_2(group))
+            block_q = block_m // group
+            num_splits = 1
+            num_q_tiles = triton.cdiv(meta.max_query_len, block_q)
+
+        if num_splits > 1:  # one scratch allocation: partial outputs, then their log2-sum-exps
+            scratch = torch.empty(num_tokens * num_heads * num_splits * (block_d + 1), dtype=torch.float32,
+                                  device=q.device)
+            part_out, part_lse = scratch.split([num_tokens * num_heads * num_splits * block_d,
+                                                num_tokens * num_heads * num_splits])
+        else:
+            part_out = part_lse = out  # unused
+        k_cache, v_cache = kv_cache_layer[0], kv_cache_layer[1]
+        paged_attention_kernel[(num_seqs, num_kv_heads * num_splits, num_q_tiles)](
+            q, k_cache, v_cache, out, part_out, part_lse,
+            meta.query_start_loc, meta.seq_lens, meta.block_tables,
+            scale * LOG2_E, sliding_window or 0,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=block_size,
+            NUM_SPLITS=num_splits, USE_WINDOW=sliding_window is not None, IEEE=kv_cache_layer.dtype == torch.float32,
+            num_warps=num_warps, num_stages=num_stages,
+        )
+        if num_splits > 1:
+            merge_splits_kernel[(num_tokens, num_heads)](
+                out, part_out, part_lse, out.stride(0), out.stride(1),
+                NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+                NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+                num_warps=4 if block_d >= 128 else 2,
+            )
+        return out
+
+    def _num_splits(self, programs: int, max_tiles: int) -> int:
+        """Splits per (sequence, kv head): enough programs to fill the GPU, never more than the context has tiles."""
+        return max(1, min(triton.cdiv(self.target_programs, programs), max_tiles, MAX_SPLITS))
+
+
+def _check_inputs(q, k, v, kv_cache_layer, sliding_window) -> None:
+    """Refuse what the kernels cannot do, naming the field and its limit."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q, k, v must be [tokens, heads, head_dim]: got {tuple(q.shape)}, {tuple(k.shape)}")
+    head_dim = q.shape[2]
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim={head_dim}: the triton attention backend supports head_dim <= {MAX_HEAD_DIM}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"num_heads={q.shape[1]} must be a multiple of num_kv_heads={k.shape[1]}")
+    if kv_cache_layer.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"kv cache dtype {kv_cache_layer.dtype}: the triton backend supports {SUPPORTED_DTYPES}")
+    if kv_cache_layer.shape[3:] != k.shape[1:] or kv_cache_layer.shape[0] != 2:
+        raise ValueError(
+            f"kv_cache_layer {tuple(kv_cache_layer.shape)} must be [2, blocks, block_size, {k.shape[1]}, {head_dim}]"
+        )
+    if not kv_cache_layer.is_contiguous():
+        raise ValueError("kv_cache_layer must be contiguous (a slice of the one [layers, 2, ...] allocation)")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window={sliding_window} must be >= 1")
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()

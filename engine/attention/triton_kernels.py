@@ -1,0 +1,173 @@
+"""Triton kernels of the paged attention backend: the KV-cache write, one attention kernel, the split merge.
+
+The attention kernel packs a kv head's whole query-head group into the rows of each tile, so a K/V tile is read
+once for all of them; decode runs it split along the context (flash-decoding), prefill one program per query tile.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def write_kv_kernel(
+    k_ptr, v_ptr, cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_kv,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per new token: copy its K and V rows [Hkv, D] to its flat slot; a negative slot is padding."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+    dst = cache_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + h * HEAD_DIM + d
+    key = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+    value = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(dst, key.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_kv, value.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i, q, start, end, table_row, k_base, v_base, q_pos, d, d_mask, scale_log2, window,
+    stride_cb, stride_cs,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Fold keys [start, start + BLOCK_N) (those < end) into the running softmax (log2 domain, fp32).
+
+    MASKED=False is for tiles wholly inside the context and below every row's position: no bounds, no mask.
+    """
+    n = start + tl.arange(0, BLOCK_N)
+    if MASKED:
+        in_range = n < end
+        page = tl.load(table_row + n // PAGE, mask=in_range, other=0).to(tl.int64)
+        kv_mask = in_range[:, None] & d_mask[None, :]
+    else:  # a whole tile inside the context: no bounds to check
+        page = tl.load(table_row + n // PAGE).to(tl.int64)
+        kv_mask = d_mask[None, :] if HEAD_DIM != BLOCK_D else None
+    offs = page * stride_cb + (n % PAGE) * stride_cs
+    key = tl.load(k_base + offs[:, None] + d[None, :], mask=kv_mask, other=0.0 if kv_mask is not None else None)
+    if IEEE:
+        s = tl.dot(q, tl.trans(key), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(key))
+    if MASKED:
+        visible = (n[None, :] <= q_pos[:, None]) & in_range[None, :]
+        if USE_WINDOW:
+            visible = visible & (n[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+    # scale_log2 > 0, so scaling the row max equals the max of the scaled row; s * scale - m is one FMA.
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * scale_log2 - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    value = tl.load(v_base + offs[:, None] + d[None, :], mask=kv_mask, other=0.0 if kv_mask is not None else None)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(value.dtype), value, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(value.dtype), value)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    qsl_ptr, seq_lens_ptr, block_tables_ptr,
+    scale_log2, window,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cs, stride_ch,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Program (sequence b, kv head x split, query tile): rows are (query token, head of the group) pairs.
+
+    Everything a program needs about its sequence comes from device tensors, so the grid depends on shapes only.
+    With NUM_SPLITS > 1 it writes a normalised partial output and its log2-sum-exp for merge_splits_kernel.
+    """
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1) // NUM_SPLITS
+    split = tl.program_id(1) % NUM_SPLITS
+    q0 = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_Q  # the longest (last) query tiles start first
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    if q0 >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx_start = seq_len - q_len  # position of the sequence's first query token
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (tok < BLOCK_Q) & (q0 + tok < q_len)
+    q_pos = ctx_start + q0 + tok
+    token = (q_start + q0 + tok).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    io_mask = row_valid[:, None] & d_mask[None, :]
+    k_base = k_cache_ptr + kv_head * stride_ch
+    v_base = v_cache_ptr + kv_head * stride_ch
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=io_mask, other=0.0)
+    q = q.to(k_cache_ptr.dtype.element_ty)
+
+    # Keys this tile can see: [lo, hi); those below `full` are visible to every row (no mask needed).
+    hi = ctx_start + tl.minimum(q0 + BLOCK_Q, q_len)
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(ctx_start + q0 - window + 1, 0) // BLOCK_N * BLOCK_N
+        full = lo  # every tile is masked under a window
+    else:
+        full = (ctx_start + q0 + 1) // BLOCK_N * BLOCK_N
+    if NUM_SPLITS > 1:
+        per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), NUM_SPLITS) * BLOCK_N
+        lo = lo + split * per_split
+        hi = tl.minimum(hi, lo + per_split)
+    table_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start in range(lo, tl.minimum(full, hi), BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, start, hi, table_row, k_base, v_base, q_pos, d, d_mask, scale_log2, window,
+            stride_cb, stride_cs, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, False, USE_WINDOW, IEEE,
+        )
+    for start in range(tl.maximum(full, lo), hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, start, hi, table_row, k_base, v_base, q_pos, d, d_mask, scale_log2, window,
+            stride_cb, stride_cs, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, True, USE_WINDOW, IEEE,
+        )
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if NUM_SPLITS == 1:
+        dst = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        part = (token * NUM_HEADS + head) * NUM_SPLITS + split
+        tl.store(part_out_ptr + part[:, None] * BLOCK_D + d[None, :], out, mask=row_valid[:, None])
+        tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=row_valid)
+
+
+@triton.jit
+def merge_splits_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """One program per (token, head): weight each split's output by exp2(its lse - max); no context gives zeros."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    part = (t * NUM_HEADS + h) * NUM_SPLITS + s
+    lse = tl.load(part_lse_ptr + part, mask=s < NUM_SPLITS, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.exp2(lse - top)
+    partial = tl.load(part_out_ptr + part[:, None] * BLOCK_D + d[None, :], mask=(s < NUM_SPLITS)[:, None], other=0.0)
+    total = tl.sum(weight, 0)
+    out = tl.sum(partial * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)

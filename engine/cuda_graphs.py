@@ -1,0 +1,116 @@
+"""CUDA graphs of the decode step (model forward + logits) at a few batch sizes, captured at start in one shared pool.
+
+A decode batch is padded up to the next captured size; its inputs are copied into the graph's static buffer, then
+the graph replays. Padded rows have seq_len 0 and slot -1: attention writes nothing for them and returns zeros.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from engine.step_inputs import InputStager, StepLayout, StepTensors
+
+log = logging.getLogger(__name__)
+
+
+class DecodeGraphs:
+    """One CUDA graph per batch size; logits land in one static [max size, vocab] float32 buffer."""
+
+    def __init__(
+        self,
+        model,
+        kv_cache: torch.Tensor,
+        stager: InputStager,
+        sizes: Sequence[int],
+        max_model_len: int,
+        block_size: int,
+        vocab_size: int,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.stager = stager
+        self.sizes = sorted(set(sizes))
+        self.max_model_len = max_model_len
+        self.table_width = -(-max_model_len // block_size)  # a sequence can hold at most this many blocks
+        self.device = kv_cache.device
+        self.logits = torch.empty(self.sizes[-1], vocab_size, dtype=torch.float32, device=self.device)
+        self.pool = None
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.inputs: dict[int, torch.Tensor] = {}  # size -> the graph's static packed input buffer
+        self.capture_seconds = 0.0
+        self.pool_bytes = 0
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def padded_size(self, batch: int) -> int | None:
+        """The smallest captured size >= batch, or None when the batch is bigger than every graph."""
+        i = bisect.bisect_left(self.sizes, batch)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def _stage_padding(self, size: int, dest: torch.Tensor | None) -> StepTensors:
+        """Inputs of `size` padded rows only (used to warm up and capture)."""
+        return self.stager.stage([], [], [], [], [], table_width=self.table_width, pad_to=size, dest=dest,
+                                 max_seq_len=self.max_model_len)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first, so the smaller graphs reuse the pool's blocks."""
+        t0 = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self.pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)  # capture needs a side stream; torch.cuda.graph's also runs a full
+        for size in reversed(self.sizes):       # gc.collect() + empty_cache() per graph, which we skip
+            _, nbytes = StepLayout(size, size, self.table_width).offsets()
+            dest = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+            step = self._stage_padding(size, dest)
+            graph = torch.cuda.CUDAGraph()
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                # Warm-up on the capture stream, outside the graph: compiles the Triton kernels for these shapes
+                # and sets up cuBLAS (and its workspace) for this stream.
+                self._forward(step, size)
+                stream.synchronize()
+                graph.capture_begin(pool=self.pool)
+                try:
+                    self._forward(step, size)
+                finally:
+                    graph.capture_end()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            self.graphs[size] = graph
+            self.inputs[size] = dest
+        torch.cuda.synchronize(self.device)
+        self.pool_bytes = torch.cuda.memory_allocated(self.device) - before
+        self.capture_seconds = time.perf_counter() - t0
+        log.info(
+            "CUDA graphs: captured decode batch sizes %s in %.2f s (%.0f MiB of graph memory and static buffers)",
+            ",".join(map(str, self.sizes)), self.capture_seconds, self.pool_bytes / (1 << 20),
+        )
+
+    def _forward(self, step: StepTensors, size: int) -> None:
+        hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
+        self.model.compute_logits(hidden, out=self.logits[:size])
+
+    def run(
+        self,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        starts: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+    ) -> torch.Tensor:
+        """One decode step of len(token_ids) one-token sequences -> their logits [B, vocab] (a view of the static
+        buffer, valid until the next replay)."""
+        batch = len(token_ids)
+        size = self.padded_size(batch)
+        if size is None:
+            raise ValueError(f"batch: {batch} sequences exceed the largest captured CUDA graph ({self.max_size})")
+        self.stager.stage(token_ids, positions, starts, [1] * batch, block_tables, table_width=self.table_width,
+                          pad_to=size, dest=self.inputs[size], max_seq_len=self.max_model_len, want_views=False)
+        self.graphs[size].replay()
+        return self.logits[:batch]

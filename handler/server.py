@@ -1,0 +1,268 @@
+"""`python -m handler serve`: the OpenAI routes as a plain HTTP server (FastAPI + uvicorn), with SSE streaming,
+/health (503 until the engine is ready), /metrics (Prometheus text) and hard limits on what a request may send.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import socket
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from handler.config import Settings, SettingsError, load_settings
+from handler.engine_boot import EngineBoot
+from handler.metrics import Metrics
+from handler.routes import ROUTES, SSE_DONE, ApiError, ChunkStream, OpenAIRoutes, sse
+
+log = logging.getLogger(__name__)
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# How often the server checks that the engine thread is still alive (a dead engine exits the process).
+ENGINE_WATCH_SECONDS = 1.0
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json_body(request: Request, limit: int):
+    """The request body as JSON, refusing (413) a body over `limit` bytes before reading all of it."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"body: {int(declared)} bytes exceeds the limit of {limit} bytes (MAX_REQUEST_BYTES)",
+                       "body")
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            raise ApiError(413, f"body: more than the limit of {limit} bytes (MAX_REQUEST_BYTES)", "body")
+    if not buf:
+        raise ApiError(400, "body: empty; send a JSON object", "body")
+    try:
+        text = buf.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"body: invalid UTF-8 at byte {e.start}", "body") from None
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as e:
+        raise ApiError(400, f"body: invalid JSON: {e.msg} at line {e.lineno} column {e.colno}", "body") from None
+    except ValueError as e:
+        raise ApiError(400, f"body: invalid JSON: {e}", "body") from None
+    except RecursionError:
+        raise ApiError(400, "body: JSON nested too deeply", "body") from None
+
+
+def _error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.to_dict(), status_code=error.status)
+
+
+async def _sse_body(stream: ChunkStream) -> AsyncIterator[str]:
+    """Chunks as server-sent events, then [DONE]. An error mid-stream is sent as one `{"error": ...}` event."""
+    try:
+        async for chunk in stream:
+            yield sse(chunk)
+    except ApiError as e:
+        yield sse(e.to_dict())
+    except Exception as e:  # an engine failure: this request fails, the server goes on
+        log.exception("stream failed")
+        yield sse(ApiError(500, f"internal error: {type(e).__name__}").to_dict())
+    finally:
+        with anyio.CancelScope(shield=True):  # a closed connection still aborts the engine request
+            await stream.aclose()
+    yield SSE_DONE
+
+
+async def _until_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class OpenAIServer:
+    """The app's state: the settings, the engine boot, the routes once the engine is ready, the metrics."""
+
+    def __init__(self, settings: Settings, boot: EngineBoot, metrics: Metrics | None = None):
+        self.settings = settings
+        self.boot = boot
+        self.metrics = metrics or Metrics()
+        self._routes: OpenAIRoutes | None = None
+
+    async def routes(self) -> OpenAIRoutes:
+        if self._routes is None:
+            try:
+                engine = await self.boot.ready()
+            except Exception as e:
+                raise ApiError(503, f"the model failed to load: {e}") from None
+            if self._routes is None:
+                self._routes = OpenAIRoutes(engine, self.settings, self.boot.served_names, self.metrics)
+        return self._routes
+
+    async def handle(self, request: Request, route: str) -> Response:
+        """One OpenAI request: parse, dispatch, answer JSON or SSE; a client that leaves aborts the work."""
+        try:
+            body = await read_json_body(request, self.settings.max_request_bytes) if request.method == "POST" else {}
+            routes = await self.routes()
+            work = asyncio.ensure_future(routes.dispatch(route, body))
+            gone = asyncio.ensure_future(_until_disconnect(request))
+            try:
+                await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+            if not work.done():  # the client left before the answer: cancelling aborts the engine request
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+                return Response(status_code=499)
+            result = work.result()
+        except ApiError as e:
+            return _error_response(e)
+        except Exception as e:  # a bug or an engine failure: this request fails, the server goes on
+            log.exception("request failed")
+            return _error_response(ApiError(500, f"internal error: {type(e).__name__}"))
+        if isinstance(result, ChunkStream):
+            return StreamingResponse(_sse_body(result), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return JSONResponse(result)
+
+    def health(self) -> Response:
+        failed = self.boot.failed
+        engine = self.boot.engine_now()
+        if failed is not None:
+            return JSONResponse({"status": "failed", "error": str(failed)}, status_code=503)
+        if engine is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        if engine.errored is not None:
+            return JSONResponse({"status": "failed", "error": f"engine: {type(engine.errored).__name__}"},
+                                status_code=503)
+        return JSONResponse({"status": "ok", "models": self.boot.served_names})
+
+    async def metrics_text(self) -> Response:
+        engine = self.boot.engine_now()
+        stats = None
+        if engine is not None and engine.errored is None:
+            stats = engine.stats_nowait()  # plain reads: /metrics never waits for an engine step
+        return Response(self.metrics.render(stats, ready=engine is not None), media_type=PROMETHEUS_CONTENT_TYPE)
+
+
+def build_app(settings: Settings, boot: EngineBoot, metrics: Metrics | None = None) -> FastAPI:
+    server = OpenAIServer(settings, boot, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        boot.start()
+        yield
+        engine = boot.engine_now()
+        if engine is not None:
+            engine.shutdown()
+
+    app = FastAPI(title="coldbrew", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+
+    for prefix in ("", "/openai"):
+        for route in ROUTES:
+            methods = ["GET"] if route == "/v1/models" else ["POST"]
+
+            async def endpoint(request: Request, _route: str = route) -> Response:
+                return await server.handle(request, _route)
+
+            app.add_api_route(prefix + route, endpoint, methods=methods, include_in_schema=False)
+
+    @app.get("/health", include_in_schema=False)
+    async def health() -> Response:
+        return server.health()
+
+    @app.get("/ping", include_in_schema=False)
+    async def ping() -> Response:
+        """RunPod load-balancing endpoints probe /ping: 204 while loading, 200 when ready, 503 when dead."""
+        response = server.health()
+        return Response(status_code=204) if b'"loading"' in response.body else response
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics_endpoint() -> Response:
+        return await server.metrics_text()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404:
+            error = ApiError(404, f"route {request.url.path[:200]!r} does not exist; the routes are "
+                                  f"{', '.join(ROUTES)} (also under /openai), /health and /metrics")
+        elif exc.status_code == 405:
+            error = ApiError(405, f"method {request.method} is not allowed on {request.url.path[:200]!r}")
+        else:
+            error = ApiError(exc.status_code, str(exc.detail))
+        return _error_response(error)
+
+    return app
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+async def _watch_engine(boot: EngineBoot, server) -> None:
+    """A dead engine (a fatal CUDA error, say) can't serve again: stop the server so the process exits non-zero."""
+    while not server.should_exit:
+        await asyncio.sleep(ENGINE_WATCH_SECONDS)
+        engine = boot.engine_now()
+        if boot.failed is not None or (engine is not None and engine.errored is not None):
+            log.error("the engine is dead (%s): stopping the server",
+                      type(boot.failed or engine.errored).__name__)
+            server.engine_dead = True
+            server.should_exit = True
+
+
+def serve(settings: Settings, host: str, port: int) -> int:
+    """Run the server until SIGINT/SIGTERM (graceful: in-flight requests finish) or a dead engine (exit 1)."""
+    import uvicorn
+
+    boot = EngineBoot(settings).start()  # load while uvicorn starts
+    app = build_app(settings, boot)
+    sock = _bind(host, port)
+    bound_host, bound_port = sock.getsockname()[:2]
+    config = uvicorn.Config(app, log_level=settings.log_level.lower(), timeout_graceful_shutdown=30,
+                            access_log=settings.log_level == "DEBUG", lifespan="on")
+    server = uvicorn.Server(config)
+    server.engine_dead = False
+
+    async def run() -> None:
+        watcher = asyncio.ensure_future(_watch_engine(boot, server))
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            watcher.cancel()
+
+    print(f"coldbrew: OpenAI server on http://{bound_host}:{bound_port}/v1 (health: /health)", flush=True)
+    asyncio.run(run())
+    return 1 if server.engine_dead else 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m handler serve", description=__doc__)
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    ap.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
+    args = ap.parse_args(argv)
+    try:
+        settings = load_settings()
+    except SettingsError as e:
+        print(f"coldbrew: {e}", file=sys.stderr)
+        sys.exit(2)
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.exit(serve(settings, args.host, args.port))
+
+
+if __name__ == "__main__":
+    main()

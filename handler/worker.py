@@ -1,0 +1,202 @@
+"""The RunPod serverless worker: an async-generator job handler run by `runpod.serverless.start`, the engine loading
+in the background from process start. Every job ends in one result: its output, or `{"error": ...}`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from handler.admission import Admission, Ticket
+from handler.config import Settings, SettingsError, load_settings
+from handler.engine_boot import EngineBoot
+from handler.jobs import EngineJob, JobAborted, JobInputError, parse_job, run_engine_job, run_openai_job
+
+log = logging.getLogger(__name__)
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower()
+
+
+async def _abortable(stream: AsyncIterator, ticket: Ticket) -> AsyncIterator:
+    """Items of `stream` until it ends or the ticket's abort is set; an abort (or the job being cancelled) cancels the
+    pending read, which closes the engine request and frees its blocks. An abort raises JobAborted(reason)."""
+    stop = asyncio.ensure_future(ticket.abort.wait())
+    read = None
+    try:
+        while True:
+            read = asyncio.ensure_future(anext(stream))
+            await asyncio.wait({read, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not read.done():
+                raise JobAborted(ticket.reason or "request aborted")
+            try:
+                item = read.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        stop.cancel()
+        if read is not None and not read.done():
+            read.cancel()
+            await asyncio.gather(read, return_exceptions=True)
+        await stream.aclose()
+
+
+class Worker:
+    """The job handler and its collaborators: settings, the engine boot, admission, and the OpenAI routes."""
+
+    def __init__(self, settings: Settings, boot: EngineBoot, admission: Admission | None = None):
+        self.settings = settings
+        self.boot = boot
+        self.admission = admission or Admission(settings.max_concurrency, boot)
+        self._routes = None
+
+    def routes(self, engine):
+        if self._routes is None:
+            from handler.routes import OpenAIRoutes
+
+            self._routes = OpenAIRoutes(engine, self.settings, self.boot.served_names)
+        return self._routes
+
+    async def handle(self, job: dict) -> AsyncIterator[Any]:
+        """The SDK's handler: yields output chunks; a failure is one final `{"error": message}` chunk."""
+        job_id = str(job.get("id", ""))
+        try:
+            parsed = parse_job(job.get("input"))
+        except JobInputError as exc:
+            yield {"error": str(exc)}
+            return
+        if self.admission.fatal_error is not None:
+            yield {"error": "the engine failed; this worker is restarting, retry the request"}
+            return
+        with self.admission.track(job_id) as ticket:
+            async for item in self._run(job_id, parsed, ticket):
+                yield item
+
+    async def _run(self, job_id: str, parsed, ticket: Ticket) -> AsyncIterator[Any]:
+        try:
+            engine = await self._await_engine(ticket)
+        except JobAborted as exc:
+            yield {"error": str(exc)}
+            return
+        except Exception as exc:  # the model could not be loaded: nothing this worker can serve
+            self.admission.fatal(exc)
+            yield {"error": f"the model failed to load: {exc}"}
+            return
+        try:
+            if isinstance(parsed, EngineJob):
+                request_id = f"job-{job_id}-{uuid.uuid4().hex[:8]}"
+                stream = run_engine_job(engine, parsed, self.settings, request_id, on_finish=self.admission.observe)
+            else:
+                stream = run_openai_job(self.routes(engine), parsed, self.settings, on_finish=self.admission.observe)
+            async for item in _abortable(stream, ticket):
+                yield item
+        except Exception as exc:
+            yield {"error": self._job_error(job_id, engine, exc)}
+
+    def _job_error(self, job_id: str, engine, exc: Exception) -> str:
+        """The message a failed job ends with; a dead engine also starts the fatal exit."""
+        if engine.errored is not None:  # checked first: a dead engine fails every stream, whatever it raised
+            self.admission.fatal(engine.errored)
+            return f"the engine failed ({type(engine.errored).__name__}); the worker restarts"
+        if isinstance(exc, (JobInputError, JobAborted, ValueError)):  # ValueError: the engine refused the request
+            return str(exc)
+        if getattr(exc, "status", None) is not None and hasattr(exc, "message"):  # an OpenAI route's ApiError
+            return exc.message
+        if _is_out_of_memory(exc):
+            log.warning("job %s: out of memory: %s", job_id, exc)
+            return "out of memory serving this request; try a shorter prompt or fewer tokens"
+        log.exception("job %s failed", job_id)
+        return f"internal error: {type(exc).__name__}: {exc}"
+
+    async def _await_engine(self, ticket: Ticket):
+        """The engine once loaded; a job aborted (drain) while waiting gives up."""
+        ready = asyncio.ensure_future(self.boot.ready())
+        stop = asyncio.ensure_future(ticket.abort.wait())
+        try:
+            await asyncio.wait({ready, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not ready.done():
+            ready.cancel()
+            raise JobAborted(ticket.reason or "request aborted")
+        return ready.result()
+
+
+def _log_ready_line(boot: EngineBoot, argv: list[str]) -> None:
+    """In the SDK's local API mode, say how to call it once the engine is up."""
+    if "--rp_serve_api" not in argv:
+        return
+    host = argv[argv.index("--rp_api_host") + 1] if "--rp_api_host" in argv else "localhost"
+    port = argv[argv.index("--rp_api_port") + 1] if "--rp_api_port" in argv else "8000"
+
+    def announce() -> None:
+        try:
+            boot.load_blocking()
+        except BaseException:  # the load error is reported by the boot and by every job
+            return
+        print(f"coldbrew: model ready. Try:\n  curl -s -X POST http://{host}:{port}/runsync "
+              "-H 'Content-Type: application/json' "
+              "-d '{\"input\": {\"prompt\": \"The capital of France is\", "
+              "\"sampling_params\": {\"max_tokens\": 16, \"temperature\": 0}}}'", flush=True)
+
+    threading.Thread(target=announce, name="coldbrew-announce", daemon=True).start()
+
+
+def _run_local_job(worker: Worker, argv: list[str]) -> int:
+    """The SDK's local test mode (`--test_input JSON` or ./test_input.json, off RunPod) runs a job through a path
+    that can't drive an async-generator handler: run that one job here, print its result as RunPod would, exit."""
+    if "--test_input" in argv:
+        job = json.loads(argv[argv.index("--test_input") + 1])
+    elif os.path.exists("test_input.json"):
+        with open("test_input.json", encoding="utf-8") as f:
+            job = json.load(f)
+    else:
+        print("coldbrew: not on RunPod (no job queue configured). Use --rp_serve_api for the SDK's local API, "
+              "--test_input '{\"input\": {...}}' for one job, or `python -m handler serve`.", file=sys.stderr)
+        return 1
+
+    async def collect() -> dict:
+        chunks = [c async for c in worker.handle({"id": job.get("id", "local_test"), "input": job.get("input")})]
+        errors = [c["error"] for c in chunks if isinstance(c, dict) and "error" in c]
+        return {"error": errors[-1]} if errors else {"output": chunks}
+
+    result = asyncio.run(collect())
+    print(json.dumps(result, ensure_ascii=False), flush=True)
+    return 1 if "error" in result else 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m handler [--rp_serve_api --rp_api_host H --rp_api_port N ...]`: the RunPod worker."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        settings = load_settings()
+    except SettingsError as exc:
+        sys.exit(f"coldbrew: {exc}")
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    boot = EngineBoot(settings).start()  # loading runs while the SDK starts and polls for jobs
+    _log_ready_line(boot, argv)
+    worker = Worker(settings, boot)
+
+    import runpod
+    from runpod.serverless.modules.rp_logger import RunPodLogger
+    from runpod.serverless.modules.worker_state import IS_LOCAL_TEST
+
+    if IS_LOCAL_TEST and "--rp_serve_api" not in argv:
+        sys.exit(_run_local_job(worker, argv))
+
+    # The SDK logs every job's output at DEBUG, its default; it follows LOG_LEVEL unless --rp_log_level is given.
+    RunPodLogger().set_level({"WARNING": "WARN", "CRITICAL": "ERROR"}.get(settings.log_level, settings.log_level))
+    sys.argv = [sys.argv[0], *argv]  # the SDK parses its own flags from sys.argv
+    runpod.serverless.start({
+        "handler": worker.handle,
+        "return_aggregate_stream": True,
+        "concurrency_modifier": worker.admission.concurrency_modifier,
+    })

@@ -1,0 +1,181 @@
+"""Triton kernels (engine/layers/fused.py, random_race.py) against transformers' and torch's own layers.
+
+GPU tests check the compiled kernels in bf16/fp16/fp32 on random shapes; one CPU test runs them under Triton's
+interpreter in float32 so CI catches a broken kernel without a GPU.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from engine.config import RopeConfig
+from engine.layers.rotary import RotaryEmbedding
+
+REPO = Path(__file__).resolve().parent.parent
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+TOL = {torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2), torch.float16: dict(atol=2e-3, rtol=1e-3),
+       torch.float32: dict(atol=1e-5, rtol=1e-5)}
+
+
+def hf_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    norm = LlamaRMSNorm(weight.shape[0], eps).to(device=x.device, dtype=weight.dtype)
+    norm.weight.data.copy_(weight)
+    return norm(x)
+
+
+def hf_rope(q: torch.Tensor, k: torch.Tensor, rot: RotaryEmbedding, positions: torch.Tensor):
+    """transformers' rotation ([B, H, T, D] layout, cos/sin over the full head dim) on our cos/sin cache."""
+    cos = torch.cat([rot.cos[positions]] * 2, dim=-1)[None]
+    sin = torch.cat([rot.sin[positions]] * 2, dim=-1)[None]
+    qh, kh = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    return qh[0].transpose(0, 1), kh[0].transpose(0, 1)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows,hidden", [(1, 4096), (7, 2048), (130, 896), (3, 96), (0, 64)])
+def test_add_rms_norm_matches_transformers(dtype, rows, hidden):
+    from engine.layers.fused import rms_norm_fused
+
+    gen = torch.Generator(device="cuda").manual_seed(rows * 7 + hidden)
+    x = torch.randn(rows, hidden, device="cuda", generator=gen).to(dtype)
+    res = torch.randn(rows, hidden, device="cuda", generator=gen).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=gen)).to(dtype)
+    normed, new_res = rms_norm_fused(x, weight, 1e-5, res)
+    assert torch.equal(new_res, x + res)  # the residual sum is rounded exactly as torch rounds it
+    torch.testing.assert_close(normed, hf_norm(x + res, weight, 1e-5), **TOL[dtype])
+    alone, none = rms_norm_fused(x, weight, 1e-6)
+    assert none is None
+    torch.testing.assert_close(alone, hf_norm(x, weight, 1e-6), **TOL[dtype])
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,inter", [(1, 14336), (5, 8192), (33, 1000), (0, 128)])
+def test_silu_and_mul_matches_torch(dtype, rows, inter):
+    from engine.layers.fused import silu_and_mul_fused
+
+    gen = torch.Generator(device="cuda").manual_seed(rows + inter)
+    x = torch.randn(rows, 2 * inter, device="cuda", generator=gen).to(dtype)
+    ref = F.silu(x[:, :inter]) * x[:, inter:]
+    out = silu_and_mul_fused(x)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    if dtype == torch.bfloat16 and rows:
+        assert (out != ref).float().mean() < 0.01  # rounded where torch rounds: almost every element is exact
+
+
+ROPES = [RopeConfig(theta=10000.0), RopeConfig(theta=500.0, rope_type="linear", factor=4.0),
+         RopeConfig(theta=500000.0, rope_type="llama3", factor=32.0, original_max_position_embeddings=8192)]
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rope", ROPES, ids=["default", "linear", "llama3"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (14, 2, 64), (16, 8, 80), (4, 4, 256)])
+def test_rope_matches_transformers(dtype, rope, heads, kv_heads, head_dim):
+    from engine.layers.fused import rope_fused
+
+    tokens = 19
+    rot = RotaryEmbedding(head_dim, rope, 16384, dtype, "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(heads * head_dim)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device="cuda", generator=gen).to(dtype)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)  # strided views, as the model has
+    positions = torch.randint(0, 16384, (tokens,), device="cuda", generator=gen)
+    q_out, k_out = rope_fused(positions, q, k, rot.cos, rot.sin)
+    q_ref, k_ref = hf_rope(q, k, rot, positions)
+    torch.testing.assert_close(q_out, q_ref, **TOL[dtype])
+    torch.testing.assert_close(k_out, k_ref, **TOL[dtype])
+
+
+@pytest.mark.gpu
+@cuda
+def test_rope_with_qwen3_qk_norm_matches_transformers():
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from engine.layers.fused import rope_fused
+
+    dtype, tokens, heads, kv_heads, head_dim = torch.bfloat16, 11, 16, 8, 128
+    rot = RotaryEmbedding(head_dim, RopeConfig(theta=1000000.0), 4096, dtype, "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(tokens, heads, head_dim, device="cuda", generator=gen).to(dtype)
+    k = torch.randn(tokens, kv_heads, head_dim, device="cuda", generator=gen).to(dtype)
+    norms = [Qwen3RMSNorm(head_dim, 1e-6).to("cuda", dtype) for _ in range(2)]
+    for n in norms:
+        n.weight.data.copy_(1 + 0.2 * torch.randn(head_dim, device="cuda", generator=gen))
+    positions = torch.arange(100, 100 + tokens, device="cuda")
+    q_out, k_out = rope_fused(positions, q, k, rot.cos, rot.sin, norms[0].weight, norms[1].weight, 1e-6)
+    q_ref, k_ref = hf_rope(norms[0](q), norms[1](k), rot, positions)
+    torch.testing.assert_close(q_out, q_ref, **TOL[dtype])
+    torch.testing.assert_close(k_out, k_ref, **TOL[dtype])
+
+
+@pytest.mark.gpu
+@cuda
+def test_race_sample_follows_softmax_and_keys():
+    from engine.layers.random_race import race_sample
+
+    vocab, draws = 16, 40000
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = 1.5 * torch.randn(vocab, device="cuda", generator=gen)
+    logits[3] = float("-inf")  # masked: never drawn
+    keys = torch.randint(-(1 << 62), 1 << 62, (draws,), device="cuda", generator=gen)
+    tokens = race_sample(logits.expand(draws, vocab).contiguous(), keys)
+    freq = torch.bincount(tokens, minlength=vocab).float() / draws
+    expected = logits.softmax(-1)
+    assert freq[3] == 0
+    allowed = expected > 0
+    chi2 = (draws * (freq[allowed] - expected[allowed]) ** 2 / expected[allowed]).sum().item()
+    assert chi2 < 40, chi2  # df = 14; the 0.999 quantile is about 36
+    # the same key gives the same token whatever the other rows hold
+    big = torch.randn(5, 128256, device="cuda", generator=gen)
+    k5 = torch.tensor([11, 22, 33, 44, 55], device="cuda")
+    alone = race_sample(big[2:3], k5[2:3])
+    assert race_sample(big, k5)[2] == alone[0]
+
+
+def test_kernels_under_the_triton_interpreter_match_torch_in_float32():
+    """The kernels' logic on CPU (float32, where the interpreter rounds like torch): CI runs without a GPU."""
+    script = textwrap.dedent("""
+        import torch, torch.nn.functional as F
+        from engine.config import RopeConfig
+        from engine.layers.fused import rms_norm_fused, rope_fused, silu_and_mul_fused
+        from engine.layers.norm import RMSNorm
+        from engine.layers.rotary import RotaryEmbedding, apply_rotary
+        torch.manual_seed(0)
+        x, r = torch.randn(3, 96), torch.randn(3, 96)
+        norm = RMSNorm(96, 1e-5, torch.float32)
+        norm.weight.data.copy_(torch.randn(96))
+        normed, res = rms_norm_fused(x, norm.weight, 1e-5, r)
+        assert torch.equal(res, x + r)
+        torch.testing.assert_close(normed, norm.reference(x + r))
+        gu = torch.randn(4, 2 * 1500)
+        torch.testing.assert_close(silu_and_mul_fused(gu), F.silu(gu[:, :1500]) * gu[:, 1500:])
+        rot = RotaryEmbedding(80, RopeConfig(theta=10000.0), 64, torch.float32)
+        qkv = torch.randn(5, (6 + 2 * 2) * 80)
+        q, k = qkv[:, :480].view(5, 6, 80), qkv[:, 480:640].view(5, 2, 80)
+        pos = torch.tensor([0, 7, 63, 1, 30])
+        qo, ko = rope_fused(pos, q, k, rot.cos, rot.sin)
+        torch.testing.assert_close(qo, apply_rotary(q, rot.cos[pos], rot.sin[pos]))
+        torch.testing.assert_close(ko, apply_rotary(k, rot.cos[pos], rot.sin[pos]))
+        qn, kn = RMSNorm(80, 1e-6, torch.float32), RMSNorm(80, 1e-6, torch.float32)
+        qn.weight.data.copy_(torch.randn(80)); kn.weight.data.copy_(torch.randn(80))
+        qo, ko = rope_fused(pos, q, k, rot.cos, rot.sin, qn.weight, kn.weight, 1e-6)
+        torch.testing.assert_close(qo, apply_rotary(qn(q), rot.cos[pos], rot.sin[pos]))
+        torch.testing.assert_close(ko, apply_rotary(kn(k), rot.cos[pos], rot.sin[pos]))
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

@@ -1,0 +1,121 @@
+"""The worker off RunPod: `--rp_serve_api` (what `make run` starts) answers /runsync from the SDK's own local API and
+its printed curl line works; `--test_input` runs one job. Answers are checked against engine.LLM.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+
+REPO = Path(__file__).resolve().parent.parent
+WAIT_S = 240
+
+
+def _free_port() -> int:
+    # The SDK's --rp_api_port has no "any port" form, so ask the kernel for a free one just before starting.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture(scope="module")
+def local_api(smollm2_dir):
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_")}
+    env.update(MODEL_NAME=smollm2_dir, MAX_MODEL_LEN="2048", DEVICE="cpu", PYTHONPATH=str(REPO),
+               UVICORN_LOG_LEVEL="warning")
+    proc = subprocess.Popen([sys.executable, "-m", "handler", "--rp_serve_api", "--rp_api_host", "127.0.0.1",
+                             "--rp_api_port", str(port)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    deadline = time.monotonic() + WAIT_S
+
+    def printed_curl() -> str | None:
+        ready = [i for i, line in enumerate(lines) if line.startswith("coldbrew: model ready")]
+        after = [line for line in lines[ready[0]:] if line.strip().startswith("curl ")] if ready else []
+        return after[0].strip() if after else None
+
+    while printed_curl() is None or not _listening(port):
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+        time.sleep(0.2)
+    curl = printed_curl()
+    yield f"http://127.0.0.1:{port}", curl
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _runsync(base: str, job_input) -> dict:
+    req = urllib.request.Request(f"{base}/runsync", data=json.dumps({"input": job_input}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=WAIT_S) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.mark.slow
+def test_printed_curl_line_works(local_api, smollm2_dir):
+    base, curl = local_api
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    argv = shlex.split(curl)
+    assert argv[0] == "curl" and f"{base}/runsync" in argv
+    answer = json.loads(subprocess.run(argv, capture_output=True, text=True, timeout=WAIT_S, check=True).stdout)
+    job = json.loads(argv[argv.index("-d") + 1])["input"]
+    ref = LLM(model=smollm2_dir, max_model_len=2048, device="cpu").generate(
+        job["prompt"], SamplingParams(**job["sampling_params"]))[0].outputs[0]
+    assert answer["status"] == "COMPLETED"
+    assert answer["output"][0]["choices"][0]["tokens"] == [ref.text]
+
+
+@pytest.mark.slow
+def test_runsync_serves_both_job_shapes_and_survives_bad_input(local_api, smollm2_dir):
+    base, _ = local_api
+    bad = _runsync(base, {"prompt": "hi", "sampling_params": {"top_p": 2}})
+    assert "sampling_params.top_p" in bad["output"][0]["error"]
+    chat = _runsync(base, {"openai_route": "/v1/chat/completions", "openai_input": {
+        "model": smollm2_dir, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0}})
+    ref = LLM(model=smollm2_dir, max_model_len=2048, device="cpu").chat(
+        [{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    assert chat["status"] == "COMPLETED"
+    assert chat["output"][0]["choices"][0]["message"]["content"] == ref
+
+
+@pytest.mark.slow
+def test_test_input_runs_one_job_and_exits(smollm2_dir):
+    """Off RunPod, `--test_input JSON` (the SDK's flag) runs that one job and prints its result."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_")}
+    env.update(MODEL_NAME=smollm2_dir, MAX_MODEL_LEN="2048", DEVICE="cpu", PYTHONPATH=str(REPO), LOG_LEVEL="WARNING")
+    job = {"input": {"messages": [{"role": "user", "content": "hi"}], "sampling_params": {"max_tokens": 8,
+                                                                                          "temperature": 0}}}
+    done = subprocess.run([sys.executable, "-m", "handler", "--test_input", json.dumps(job)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=WAIT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    ref = LLM(model=smollm2_dir, max_model_len=2048, device="cpu").chat(
+        job["input"]["messages"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    assert result["output"][0]["choices"][0]["tokens"] == [ref]
+    bad = subprocess.run([sys.executable, "-m", "handler", "--test_input", '{"input": {"prompt": 1}}'], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=WAIT_S)
+    assert bad.returncode == 1 and "input.prompt" in json.loads(bad.stdout.strip().splitlines()[-1])["error"]

@@ -1,0 +1,225 @@
+"""The real runpod SDK worker loop (`python -m handler` in a subprocess) taking jobs from a local queue on loopback:
+both input shapes, streamed or not, concurrent, cancelled, malformed, SIGTERM; outputs equal engine.LLM's greedy ones.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from runpod_jobs_server import RunPodJobServer
+
+REPO = Path(__file__).resolve().parent.parent
+MAX_MODEL_LEN = 2048
+WAIT_S = 240  # generous: CI shares 2 cores between the worker and the test
+
+
+def _start_worker(server: RunPodJobServer, model_dir: str, log_path: Path, pod_id: str, **env) -> subprocess.Popen:
+    full_env = {**os.environ, **server.env(pod_id), "MODEL_NAME": model_dir, "MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+                "DEVICE": "cpu", "MAX_CONCURRENCY": "4", "PYTHONPATH": str(REPO), **env}
+    log = open(log_path, "wb")
+    return subprocess.Popen([sys.executable, "-m", "handler"], cwd=REPO, env=full_env, stdout=log,
+                            stderr=subprocess.STDOUT)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir):
+    return LLM(model=smollm2_dir, max_model_len=MAX_MODEL_LEN, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def worker(smollm2_dir, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("worker") / "worker.log"
+    with RunPodJobServer() as server:
+        proc = _start_worker(server, smollm2_dir, log_path, "pod-main")
+        try:
+            yield server.queue
+        finally:
+            _stop(proc)
+            if proc.returncode not in (0, -signal.SIGTERM):
+                print(log_path.read_text(errors="replace")[-5000:])
+
+
+def _wait_done(queue, *job_ids, timeout=WAIT_S):
+    assert queue.wait_for(lambda: all(queue.done.get(j) for j in job_ids), timeout), (
+        f"no result for {[j for j in job_ids if not queue.done.get(j)]}")
+    return [queue.done[j][-1] for j in job_ids]
+
+
+def _greedy(max_tokens: int, **extra) -> dict:
+    return {"temperature": 0, "max_tokens": max_tokens, **extra}
+
+
+def _text(batches: list[dict], index: int = 0) -> str:
+    return "".join("".join(b["choices"][index]["tokens"]) for b in batches)
+
+
+PROMPT = "The three primary colors are"
+MESSAGES = [{"role": "user", "content": "Name a fruit that is yellow."}]
+
+
+@pytest.mark.slow
+def test_prompt_and_messages_jobs_match_greedy_engine(worker, reference, smollm2_dir):
+    ref = reference.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12))[0]
+    ref_chat = reference.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=10))[0]
+    worker.put("plain", {"prompt": PROMPT, "sampling_params": _greedy(12)})
+    worker.put("plain-stream", {"prompt": PROMPT, "sampling_params": _greedy(12), "stream": True})
+    worker.put("chat", {"messages": MESSAGES, "sampling_params": _greedy(10)})
+    worker.put("chat-stream", {"messages": MESSAGES, "sampling_params": _greedy(10), "stream": True})
+    plain, plain_stream, chat, chat_stream = _wait_done(worker, "plain", "plain-stream", "chat", "chat-stream")
+
+    # Not streamed: one batch holding the whole text, worker-vllm's shape, plus usage and finish_reason.
+    assert plain["output"] == [{"choices": [{"tokens": [ref.outputs[0].text], "finish_reason": "length"}],
+                                "usage": {"input": len(ref.prompt_token_ids), "output": 12}}]
+    assert chat["output"][0]["choices"][0]["tokens"] == [ref_chat.outputs[0].text]
+    assert chat["output"][0]["usage"] == {"input": len(ref_chat.prompt_token_ids),
+                                          "output": len(ref_chat.outputs[0].token_ids)}
+    # Streamed: the pieces join into the same text, and the aggregate result repeats the streamed batches.
+    streamed = [post["output"] for post in worker.streams["plain-stream"]]
+    assert _text(streamed) == ref.outputs[0].text
+    assert plain_stream["output"] == streamed
+    assert _text(chat_stream["output"]) == ref_chat.outputs[0].text
+    # Batches grow: >= 1 token (DEFAULT_MIN_BATCH_SIZE), then >= 3, >= 9 ... (factor 3), the last one holds the rest.
+    outs = [b["usage"]["output"] for b in streamed]
+    sizes = [outs[0]] + [b - a for a, b in zip(outs, outs[1:])]
+    assert len(streamed) >= 3 and sizes[0] >= 1 and sizes[1] >= 3
+    assert outs[-1] == 12
+
+
+@pytest.mark.slow
+def test_openai_route_jobs_match_greedy_engine(worker, reference, smollm2_dir):
+    ref_chat = reference.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    ref = reference.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    chat = {"model": smollm2_dir, "messages": MESSAGES, "max_tokens": 8, "temperature": 0}
+    worker.put("oa-chat", {"openai_route": "/v1/chat/completions", "openai_input": chat})
+    worker.put("oa-chat-stream", {"openai_route": "/v1/chat/completions", "openai_input": {**chat, "stream": True}})
+    worker.put("oa-completion", {"openai_route": "/openai/v1/completions",  # the path RunPod's /openai/v1 uses
+                                 "openai_input": {"model": smollm2_dir, "prompt": PROMPT, "max_tokens": 8,
+                                                  "temperature": 0}})
+    worker.put("oa-models", {"openai_route": "/v1/models"})
+    res_chat, res_stream, res_completion, res_models = _wait_done(
+        worker, "oa-chat", "oa-chat-stream", "oa-completion", "oa-models")
+
+    assert res_chat["output"][0]["choices"][0]["message"]["content"] == ref_chat
+    assert res_completion["output"][0]["choices"][0]["text"] == ref
+    assert smollm2_dir in [m["id"] for m in res_models["output"][0]["data"]]
+    # RAW_OPENAI_OUTPUT (default on): each batch is a string of SSE lines; the last one ends in [DONE].
+    raw = "".join(res_stream["output"])
+    events = [line[len("data: "):] for line in raw.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    deltas = [json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1]]
+    assert "".join(deltas) == ref_chat
+
+
+@pytest.mark.slow
+def test_several_jobs_run_at_once(worker, reference):
+    prompts = [f"Write a list of {k} animals:" for k in ("three", "four", "five", "six")]
+    refs = [o.outputs[0].text for o in reference.generate(prompts, SamplingParams(temperature=0, max_tokens=12))]
+    ids = [f"many-{i}" for i in range(len(prompts))]
+    start = len(worker.events)
+    for job_id, prompt in zip(ids, prompts):
+        worker.put(job_id, {"prompt": prompt, "sampling_params": _greedy(12), "stream": True})
+    results = _wait_done(worker, *ids)
+    assert [_text(r["output"]) for r in results] == refs
+    # Concurrency > 1: at some point several jobs had streamed output and none of them had finished yet.
+    open_jobs, most_open = set(), 0
+    for kind, job_id in worker.events[start:]:
+        if job_id in ids:
+            (open_jobs.add if kind == "stream" else open_jobs.discard)(job_id)
+            most_open = max(most_open, len(open_jobs))
+    assert most_open >= 2
+
+
+@pytest.mark.slow
+def test_cancelled_job_stops_and_the_worker_goes_on(worker, reference):
+    worker.put("cancel-me", {"prompt": "Count from one to a thousand:", "stream": True,
+                             "sampling_params": _greedy(1500, ignore_eos=True)})
+    assert worker.wait_for(lambda: len(worker.streams["cancel-me"]) >= 2, WAIT_S)
+    worker.stop("cancel-me")
+    worker.put("after-cancel-1", {"prompt": PROMPT, "sampling_params": _greedy(8)})
+    _wait_done(worker, "after-cancel-1")
+    posted = len(worker.streams["cancel-me"])
+    worker.put("after-cancel-2", {"prompt": PROMPT, "sampling_params": _greedy(8)})
+    (after,) = _wait_done(worker, "after-cancel-2")
+    ref = reference.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    assert after["output"][0]["choices"][0]["tokens"] == [ref]
+    # The stopped job streams no more and never gets a result of its own (RunPod already counts it as cancelled).
+    assert len(worker.streams["cancel-me"]) == posted
+    assert "cancel-me" not in worker.done
+    last = worker.streams["cancel-me"][-1]["output"]["usage"]["output"]
+    assert last < 1500
+
+
+MALFORMED = {
+    "bad-not-object": ("just a string", "input: must be an object"),
+    "bad-prompt-type": ({"prompt": 5}, "input.prompt"),
+    "bad-both": ({"prompt": "x", "messages": MESSAGES}, "exactly one of 'prompt' or 'messages'"),
+    "bad-neither": ({"stream": True}, "exactly one of 'prompt' or 'messages'"),
+    "bad-temperature": ({"prompt": "x", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+    "bad-sampling-key": ({"prompt": "x", "sampling_params": {"temprature": 1}}, "sampling_params.temprature"),
+    "bad-field": ({"promt": "x"}, "input.promt: unknown field"),
+    "bad-route": ({"openai_route": "/v1/embeddings", "openai_input": {}}, "input.openai_route"),
+    "bad-openai-input": ({"openai_route": "/v1/chat/completions", "openai_input": {"messages": "hi"}}, "messages"),
+    "bad-too-long": ({"prompt": "hello " * 3000, "sampling_params": _greedy(8)}, str(MAX_MODEL_LEN)),
+}
+
+
+@pytest.mark.slow
+def test_malformed_jobs_fail_alone_naming_the_field(worker, reference):
+    for job_id, (job_input, _) in MALFORMED.items():
+        worker.put(job_id, job_input)
+    worker.put("good-after-bad", {"prompt": PROMPT, "sampling_params": _greedy(8)})
+    results = dict(zip(MALFORMED, _wait_done(worker, *MALFORMED)))
+    for job_id, (_, expected) in MALFORMED.items():
+        assert "output" not in results[job_id] or not results[job_id]["output"], job_id
+        assert expected in results[job_id]["error"], (job_id, results[job_id])
+    # The prompt over the context limit names both numbers: its length and the limit.
+    assert "3001" in results["bad-too-long"]["error"] or "3000" in results["bad-too-long"]["error"]
+    (good,) = _wait_done(worker, "good-after-bad")
+    ref = reference.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    assert good["output"][0]["choices"][0]["tokens"] == [ref]
+
+
+@pytest.mark.slow
+def test_every_job_got_exactly_one_result(worker):
+    """Runs last in this module: no job was answered twice (the cancelled one is never answered)."""
+    assert worker.done, "no job ran"
+    assert {job_id: len(posts) for job_id, posts in worker.done.items() if len(posts) != 1} == {}
+    assert worker.worker_ids == {"pod-main"}
+
+
+@pytest.mark.slow
+def test_sigterm_drains_in_flight_jobs_and_takes_no_new_ones(smollm2_dir, reference, tmp_path):
+    with RunPodJobServer() as server:
+        queue = server.queue
+        proc = _start_worker(server, smollm2_dir, tmp_path / "worker.log", "pod-drain")
+        try:
+            queue.put("in-flight", {"prompt": PROMPT, "sampling_params": _greedy(12), "stream": True})
+            assert queue.wait_for(lambda: queue.streams["in-flight"], WAIT_S), (tmp_path / "worker.log").read_text()
+            proc.send_signal(signal.SIGTERM)
+            # A job-take poll already open when the signal lands may still return a job; give it time to end.
+            assert not queue.wait_for(lambda: proc.poll() is not None and not queue.done.get("in-flight"), 1.5)
+            queue.put("after-sigterm", {"prompt": PROMPT, "sampling_params": _greedy(8)})
+            assert proc.wait(WAIT_S) == 0, (tmp_path / "worker.log").read_text()[-3000:]
+        finally:
+            _stop(proc)
+        ref = reference.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
+        assert len(queue.done["in-flight"]) == 1
+        assert _text(queue.done["in-flight"][0].get("output", [])) == ref, queue.done["in-flight"]
+        assert "after-sigterm" not in queue.taken
