@@ -9,30 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 import torch
 
 from bench.checkpoint import synthesize
+from bench.roofline import copy_bandwidth
 from engine import LLM, SamplingParams
-
-
-def copy_bandwidth(nbytes: int = 2 << 30, repeats: int = 10) -> float:
-    """Bytes read + written per second by a device-to-device copy (the HBM ceiling weights stream at)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * nbytes / statistics.median(times)
 
 
 def decode_step_seconds(llm: LLM, batch: int, prompt_len: int, new_tokens: int) -> float:
@@ -93,7 +76,7 @@ def main() -> None:
     t0 = time.perf_counter()
     model_dir = synthesize(args.config, os.path.join(args.model_dir, args.config.removesuffix(".json")), device="cuda")
     synth_s = time.perf_counter() - t0
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth("cuda", 2 << 30)
     t0 = time.perf_counter()
     llm = LLM(model=model_dir, dtype="bfloat16", device="cuda", max_model_len=4096, enforce_eager=args.enforce_eager)
     init_s = time.perf_counter() - t0

@@ -195,8 +195,7 @@ class AsyncLLM:
                 except RequestFailed as failed:  # that request alone ends, with its error; the others go on
                     self._deliver(failed.request_id, failed)
                     continue
-                for out in outputs:
-                    self._deliver(out.request_id, out)
+                self._deliver_step(outputs)
         except BaseException as exc:  # a fault of the machine or the engine
             log.exception("engine loop failed")
             self._error = exc
@@ -206,6 +205,20 @@ class AsyncLLM:
                 self._deliver(rid, gone)
             while not self._commands.empty():
                 self._commands.get_nowait()[2].set_exception(gone)
+
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """One step's outputs reach each event loop in one hand-over (one wake-up per loop, not one per request)."""
+        by_loop: dict = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream[0], []).append((out.request_id, stream[1], out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
+                for request_id, _, _ in items:
+                    self._streams.pop(request_id, None)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
@@ -271,3 +284,9 @@ class AsyncLLM:
         self._stopped = True
         self._wakeup.set()
         self._thread.join(timeout=10)
+
+
+def _put_all(items: list) -> None:
+    """On the caller's event loop: queue each (request_id, queue, output) of one step."""
+    for _, q, item in items:
+        q.put_nowait(item)

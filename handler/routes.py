@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from handler.config import Settings
 from handler.metrics import Metrics
+from handler.request_streams import ChunkStream, RequestStreams, drain
 from handler.protocol import (UNSUPPORTED_EXTRAS, ChatCompletionRequest, CompletionRequest, SamplingFields,
                               describe_validation_error)
 
@@ -75,110 +76,6 @@ def _parse(model: type[BaseModel], body: Any) -> Any:
 
 def _logprob(value: float) -> float:
     return max(value, MIN_LOGPROB)
-
-
-class _Streams:
-    """The engine streams of one API request (one per prompt), merged; the newest cumulative output per prompt.
-
-    `start()` returns once every prompt was admitted (an engine refusal raises there, before any chunk is sent);
-    `close()` aborts whatever is still running (the engine frees its blocks)."""
-
-    def __init__(self, engine, request_id: str, prompts: list[list[int]], params):
-        self.engine = engine
-        self.ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
-        self.prompts = prompts
-        self.params = params
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.tasks: list[asyncio.Task] = []
-        self.latest: dict[int, Any] = {}
-        self.unfinished = set(range(len(prompts)))
-
-    async def _pump(self, i: int) -> None:
-        gen = self.engine.generate(self.ids[i], self.prompts[i], self.params)
-        try:
-            async for out in gen:
-                self.queue.put_nowait((i, out))
-        except Exception as exc:
-            self.queue.put_nowait((i, exc))
-        finally:
-            await gen.aclose()
-
-    async def _next(self) -> None:
-        """Wait for news, then take everything queued (a slow reader skips to the newest cumulative outputs)."""
-        items = [await self.queue.get()]
-        while not self.queue.empty():
-            items.append(self.queue.get_nowait())
-        for i, item in items:
-            if isinstance(item, BaseException):
-                raise item
-            self.latest[i] = item
-            if item.finished:
-                self.unfinished.discard(i)
-
-    async def start(self) -> None:
-        self.tasks = [asyncio.create_task(self._pump(i)) for i in range(len(self.prompts))]
-        try:
-            while len(self.latest) < len(self.prompts):
-                await self._next()
-        except BaseException:
-            await self.close()
-            raise
-
-    async def updates(self) -> AsyncIterator[dict[int, Any]]:
-        """Yield the latest outputs after each batch of news, the first batch included, until all finished."""
-        yield self.latest
-        while self.unfinished:
-            await self._next()
-            yield self.latest
-
-    async def close(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-
-
-class ChunkStream:
-    """The chunks of a streaming response: an async iterator of dicts. `aclose()` (also before the first chunk)
-    aborts what the engine still runs for it; callers must aclose it if they stop early (contextlib.aclosing)."""
-
-    def __init__(self, chunks: AsyncIterator[dict], streams: _Streams):
-        self._chunks = chunks
-        self._streams = streams
-        self._ended = False
-        self.on_end = None  # called once with the HTTP-like status: 200 done, 4xx/5xx failed, 499 left early
-
-    def __aiter__(self) -> "ChunkStream":
-        return self
-
-    async def __anext__(self) -> dict:
-        try:
-            return await self._chunks.__anext__()
-        except StopAsyncIteration:
-            await self._end(200)
-            raise
-        except ApiError as e:
-            await self._end(e.status)
-            raise
-        except (asyncio.CancelledError, GeneratorExit):  # the consumer left (a closed connection, a cancelled job)
-            await self._end(499)
-            raise
-        except BaseException:
-            await self._end(500)
-            raise
-
-    async def _end(self, status: int) -> None:
-        if self._ended:
-            return
-        self._ended = True
-        try:
-            await self._chunks.aclose()
-            await self._streams.close()
-        finally:
-            if self.on_end is not None:
-                self.on_end(status)
-
-    async def aclose(self) -> None:
-        await self._end(499)
 
 
 class _ChoiceState:
@@ -325,8 +222,8 @@ class OpenAIRoutes:
         except ValueError as e:
             raise _value_error(e, "body") from None
 
-    async def _start(self, request_id: str, prompts: list[list[int]], params) -> _Streams:
-        streams = _Streams(self.engine, request_id, prompts, params)
+    async def _start(self, request_id: str, prompts: list[list[int]], params) -> RequestStreams:
+        streams = RequestStreams(self.engine, request_id, prompts, params)
         try:
             await streams.start()
         except ValueError as e:
@@ -422,14 +319,8 @@ class OpenAIRoutes:
             return ChunkStream(self._chat_stream(streams, head, req, [len(prompt_ids)], top_n, t0), streams)
         return await self._chat_full(streams, head, req, [len(prompt_ids)], top_n, t0)
 
-    async def _chat_full(self, streams: _Streams, head: dict, req, prompt_lens, top_n, t0) -> dict:
-        first_token = None
-        try:
-            async for latest in streams.updates():
-                if first_token is None and any(c.token_ids for o in latest.values() for c in o.outputs):
-                    first_token = time.monotonic()
-        finally:
-            await streams.close()
+    async def _chat_full(self, streams: RequestStreams, head: dict, req, prompt_lens, top_n, t0) -> dict:
+        first_token = await drain(streams)
         out = streams.latest[0]
         choices = []
         for c in out.outputs:
@@ -444,7 +335,7 @@ class OpenAIRoutes:
         self._record(t0, first_token, usage)
         return {**head, "object": "chat.completion", "choices": choices, "usage": usage}
 
-    async def _chat_stream(self, streams: _Streams, head: dict, req, prompt_lens, top_n, t0) -> AsyncIterator[dict]:
+    async def _chat_stream(self, streams: RequestStreams, head: dict, req, prompt_lens, top_n, t0) -> AsyncIterator[dict]:
         head = {**head, "object": "chat.completion.chunk"}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
@@ -544,14 +435,8 @@ class OpenAIRoutes:
             return ChunkStream(self._completion_stream(streams, head, req, lens, top_n, echo, t0), streams)
         return await self._completion_full(streams, head, req, lens, top_n, echo, t0)
 
-    async def _completion_full(self, streams: _Streams, head: dict, req, prompt_lens, top_n, echo, t0) -> dict:
-        first_token = None
-        try:
-            async for latest in streams.updates():
-                if first_token is None and any(c.token_ids for o in latest.values() for c in o.outputs):
-                    first_token = time.monotonic()
-        finally:
-            await streams.close()
+    async def _completion_full(self, streams: RequestStreams, head: dict, req, prompt_lens, top_n, echo, t0) -> dict:
+        first_token = await drain(streams)
         choices = []
         for i in range(len(prompt_lens)):
             for c in streams.latest[i].outputs:
@@ -566,7 +451,7 @@ class OpenAIRoutes:
         self._record(t0, first_token, usage)
         return {**head, "object": "text_completion", "choices": choices, "usage": usage}
 
-    async def _completion_stream(self, streams: _Streams, head: dict, req, prompt_lens, top_n, echo,
+    async def _completion_stream(self, streams: RequestStreams, head: dict, req, prompt_lens, top_n, echo,
                                  t0) -> AsyncIterator[dict]:
         head = {**head, "object": "text_completion"}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, kv_cache_shape
+from engine.attention import kv_cache_shape
+from tiny_models import host_metadata
 from engine.attention.torch_ref import TorchAttentionBackend
 
 FP32_BOUND = 1e-5  # max abs difference allowed in float32
@@ -77,18 +78,7 @@ def run_case(
         expected.append(naive_attention(q, k_all, v_all, scale, window))
         starts.append(starts[-1] + n)
 
-    width = max(blocks_per_seq)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=seq_lens,
-        block_size=block_size,
-    )
+    meta = host_metadata(slots, starts, seq_lens, tables, block_size, device)
     cache = cache.to(device)
     out = TorchAttentionBackend().forward(
         torch.cat(qs).to(device), torch.cat(ks).to(device), torch.cat(vs).to(device), cache, meta, scale,

@@ -19,6 +19,7 @@ import torch
 
 from engine.attention import AttentionMetadata, kv_cache_shape, select_backend
 from engine.attention.torch_ref import TorchAttentionBackend
+from tiny_models import host_metadata
 
 REPO = Path(__file__).resolve().parent.parent
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -84,22 +85,11 @@ def make_case(
         starts.append(starts[-1] + 1)
         tables.append([])
     num_tokens = starts[-1]
-    width = max(max(len(t) for t in tables), 1)
 
     def rand(*shape):
         return torch.randn(*shape, generator=gen).to(dtype).to(device)
 
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=seq_lens,
-        block_size=block_size,
-    )
+    meta = host_metadata(slots, starts, seq_lens, tables, block_size, device)
     return Case(
         rand(num_tokens, num_heads, head_dim), rand(num_tokens, num_kv_heads, head_dim),
         rand(num_tokens, num_kv_heads, head_dim), cache.to(dtype).to(device), meta, head_dim**-0.5, len(query_lens),
@@ -320,7 +310,7 @@ print("ok", worst)
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_kernels_in_the_triton_interpreter() -> None:
     """The same kernels, run by triton's CPU interpreter on tiny odd shapes (head_dim 24 and 16, group 3, block 4)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(INTERPRETER_SCRIPT)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

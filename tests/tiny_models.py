@@ -193,18 +193,25 @@ def make_step(
         query_start.append(query_start[-1] + n)
         seq_lens.append(start + n)
         seq.num_cached = start + n
-    width = max(len(s.block_table) for s in seqs)
-    tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-    meta = AttentionMetadata(
+    meta = host_metadata(slots, query_start, seq_lens, [s.block_table for s in seqs], block_size, device)
+    as_long = dict(dtype=torch.int64, device=device)
+    return torch.tensor(ids, **as_long), torch.tensor(positions, **as_long), meta
+
+
+def host_metadata(
+    slots: list[int], query_start: list[int], seq_lens: list[int], tables: list[list[int]], block_size: int,
+    device: str | torch.device = "cpu",
+) -> AttentionMetadata:
+    """AttentionMetadata from host lists: block tables padded with block 0 to the widest (at least one column)."""
+    width = max(max(len(t) for t in tables), 1)
+    return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-        max_query_len=max(num_new),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+        max_query_len=max(b - a for a, b in zip(query_start, query_start[1:])),
         max_seq_len=max(seq_lens),
         query_start_loc_cpu=query_start,
         seq_lens_cpu=seq_lens,
         block_size=block_size,
     )
-    as_long = dict(dtype=torch.int64, device=device)
-    return torch.tensor(ids, **as_long), torch.tensor(positions, **as_long), meta

@@ -109,19 +109,25 @@ class DecoderModel(nn.Module):
     Parameter names are HF's without the "model." prefix, except the fused `qkv_proj` and `gate_up_proj`.
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, backend) -> None:
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, backend,
+        param_device: torch.device | str | None = None,
+    ) -> None:
+        """param_device="meta" builds the parameters without memory (a loader then points them into its own
+        buffer); buffers (the rotary cos/sin tables) always live on `device`."""
         super().__init__()
         device = torch.device(device)
+        params_on = torch.device(param_device) if param_device is not None else device
         self.config = cfg
         self.dtype = dtype
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, params_on)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings, dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, dtype, device) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, dtype, params_on) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, params_on)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
-            else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
+            else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, params_on)
         )
 
     def forward(
@@ -229,8 +235,10 @@ def build_model(
     dtype: torch.dtype | str,
     device: torch.device | str,
     attn_backend=None,
+    param_device: torch.device | str | None = None,
 ) -> DecoderModel:
-    """An empty (unloaded) DecoderModel with parameters allocated once, on `device`, in `dtype`."""
+    """An empty (unloaded) DecoderModel with parameters allocated once, on `device` (or `param_device`), in
+    `dtype`."""
     from engine.config import SUPPORTED_ARCHITECTURES, resolve_dtype
 
     if model_config.family not in SUPPORTED_ARCHITECTURES.values():
@@ -245,4 +253,4 @@ def build_model(
         from engine.attention import select_backend
 
         attn_backend = select_backend(device, attn_backend or "auto")
-    return DecoderModel(model_config, dtype, device, attn_backend).eval()
+    return DecoderModel(model_config, dtype, device, attn_backend, param_device).eval()

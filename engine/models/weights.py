@@ -3,7 +3,6 @@ otherwise from HF safetensors (sharded or not), writing the pack for next time. 
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -165,8 +164,7 @@ def load_model_from_pack(
     pack = read_pack(path)
     if key is not None and any(pack.metadata.get(k) != v for k, v in key.items()):
         raise PackError(f"pack {path}: built for {pack.metadata}, not for {key}")
-    with _parameters_on_meta():
-        model = build_model(model_config, dtype, device, attn_backend)
+    model = build_model(model_config, dtype, device, attn_backend, param_device="meta")
     params = dict(model.named_parameters())
     want = {n: (_dtype_name(p.dtype), tuple(p.shape)) for n, p in params.items()}
     have = {e.name: (e.dtype, e.shape) for e in pack.entries}
@@ -228,23 +226,6 @@ def _wait_hooks(model: DecoderModel, load, finished):
     handles += [m.register_forward_pre_hook(wait_group(g)) for g, m in modules if g in groups]
     handles.append(model.norm.register_forward_pre_hook(wait_all))
     return wait_all
-
-
-@contextlib.contextmanager
-def _parameters_on_meta():
-    """Inside: every nn.Parameter registered lands on the meta device (no memory), buffers are built as usual."""
-    original = nn.Module.register_parameter
-
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        original(module, name, param)
-
-    nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original
 
 
 def write_model_pack(model: nn.Module, path: str, key: dict) -> str:
