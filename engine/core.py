@@ -5,6 +5,7 @@ and detokenizes. The sync LLM and the AsyncLLM fronts (engine/llm.py) drive it; 
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import random
@@ -83,6 +84,9 @@ class EngineCore:
             args.model, m.architecture, self.dtype, self.device, self.runner.load_seconds, self.num_kv_blocks,
             args.block_size, self.context_limit,
         )
+        # What start-up built (modules, the model, tokenizer tables) lives as long as the process: moved out of the
+        # cyclic GC's reach, a collection during serving walks only what serving allocates (fewer step stalls).
+        gc.freeze()
 
     def _load_tokenizer(self) -> Tokenizer | None:
         path = self.args.tokenizer or self.args.model
