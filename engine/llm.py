@@ -195,39 +195,32 @@ class AsyncLLM:
                 except RequestFailed as failed:  # that request alone ends, with its error; the others go on
                     self._deliver(failed.request_id, failed)
                     continue
-                self._deliver_step(outputs)
+                self._deliver_all([(out.request_id, out) for out in outputs])
         except BaseException as exc:  # a fault of the machine or the engine
             log.exception("engine loop failed")
             self._error = exc
         finally:  # every open stream and queued command learns that the engine is gone
             gone = self._error or RuntimeError("engine is shut down")
-            for rid in list(self._streams):
-                self._deliver(rid, gone)
+            self._deliver_all([(rid, gone) for rid in list(self._streams)])
             while not self._commands.empty():
                 self._commands.get_nowait()[2].set_exception(gone)
 
-    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        """One step's outputs reach each event loop in one hand-over (one wake-up per loop, not one per request)."""
-        by_loop: dict = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                by_loop.setdefault(stream[0], []).append((out.request_id, stream[1], out))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
-                for request_id, _, _ in items:
-                    self._streams.pop(request_id, None)
-
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            loop, q = stream
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hand items to their streams: one wake-up per event loop for all of them, not one per request."""
+        by_loop: dict = {}
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                by_loop.setdefault(stream[0], []).append((request_id, stream[1], item))
+        for loop, queued in by_loop.items():
             try:
-                loop.call_soon_threadsafe(q.put_nowait, item)
+                loop.call_soon_threadsafe(_put_all, queued)
             except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
-                self._streams.pop(request_id, None)
+                for request_id, _, _ in queued:
+                    self._streams.pop(request_id, None)
 
     def _open(self, request_id: str, prompt: PromptType, params: SamplingParams | None, stream) -> None:
         self.engine.add_request(request_id, prompt, params)  # raises for a request_id still in use

@@ -73,7 +73,7 @@ class ModelRunner:
         if self.device.type != "cuda" or self.args.enforce_eager:
             return False
         backend = self.model.layers[0].self_attn.backend if len(self.model.layers) else None
-        safe = getattr(backend, "supports_cuda_graphs", getattr(backend, "name", None) == "triton")
+        safe = getattr(backend, "supports_cuda_graphs", False)
         if not safe:
             log.info("CUDA graphs off: attention backend %r has no graph-safe decode", getattr(backend, "name", None))
         return bool(safe)

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.layers.fused import fused_kernels_available
 from engine.layers.random_race import draw_key, race_sample
-from engine.layers.random_race import triton as _triton
 from engine.outputs import Logprob, PositionLogprobs
 
 MAX_N = 128
@@ -443,7 +443,7 @@ class Sampler:
     def _draw(logits: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
         """One token per row of processed logits. On CUDA: one Triton kernel keyed per row by its generator (or the
         device's default generator), no sync; elsewhere the exponential race of random_sample."""
-        if _triton is not None and logits.is_cuda and all(g is None or g.device.type == "cuda" for g in generators):
+        if fused_kernels_available(logits) and all(g is None or g.device.type == "cuda" for g in generators):
             default = torch.cuda.default_generators[logits.device.index or 0] if None in generators else None
             keys = [draw_key(default if g is None else g) for g in generators]
             return race_sample(logits, torch.tensor(keys, dtype=torch.int64).to(logits.device, non_blocking=True))

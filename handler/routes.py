@@ -88,6 +88,20 @@ class _ChoiceState:
         self.tokens = 0
         self.finished = False
 
+    def advance(self, c) -> tuple[str, list[int], int, int] | None:
+        """What choice `c` (its cumulative output) adds since the last chunk, recorded as sent: (new text, new token
+        ids, tokens sent before, text length sent before); None when there is nothing new to send."""
+        if self.finished:
+            return None
+        delta_text = c.text[self.text_len:]
+        new_ids = c.token_ids[self.tokens:]
+        if not delta_text and not new_ids and c.finish_reason is None:
+            return None
+        tokens_before, text_before = self.tokens, self.text_len
+        self.text_len, self.tokens = len(c.text), len(c.token_ids)
+        self.finished = c.finish_reason is not None
+        return delta_text, new_ids, tokens_before, text_before
+
 
 class OpenAIRoutes:
     """`await routes.dispatch(route, body)` -> a response dict, or an async iterator of chunk dicts when
@@ -356,19 +370,15 @@ class OpenAIRoutes:
                 choices = []
                 for c in latest[0].outputs:
                     st = states[c.index]
-                    if st.finished:
+                    sent = st.advance(c)
+                    if sent is None:
                         continue
-                    delta_text = c.text[st.text_len:]
-                    new_ids = c.token_ids[st.tokens:]
-                    if not delta_text and not new_ids and c.finish_reason is None:
-                        continue
+                    delta_text, new_ids, tokens_before, _ = sent
                     choice: dict[str, Any] = {"index": c.index, "delta": {"content": delta_text} if delta_text else {},
                                               "logprobs": None, "finish_reason": c.finish_reason}
                     if req.logprobs and new_ids:
                         choice["logprobs"] = {"content": self._chat_logprobs(
-                            new_ids, (c.logprobs or [])[st.tokens:], top_n)}
-                    st.text_len, st.tokens = len(c.text), len(c.token_ids)
-                    st.finished = c.finish_reason is not None
+                            new_ids, (c.logprobs or [])[tokens_before:], top_n)}
                     if delta_text or st.finished or choice["logprobs"]:
                         choices.append(choice)
                 if first_token is None and any(st.tokens for st in states):
@@ -468,20 +478,16 @@ class OpenAIRoutes:
                 for i, out in sorted(latest.items()):
                     for c in out.outputs:
                         st = states[(i, c.index)]
-                        if st.finished:
+                        sent = st.advance(c)
+                        if sent is None:
                             continue
-                        delta_text = c.text[st.text_len:]
-                        new_ids = c.token_ids[st.tokens:]
-                        if not delta_text and not new_ids and c.finish_reason is None:
-                            continue
-                        offset = (len(echo[i]) if echo else 0) + st.text_len
+                        delta_text, new_ids, tokens_before, text_before = sent
+                        offset = (len(echo[i]) if echo else 0) + text_before
                         choice = {"index": i * req.n + c.index, "text": delta_text, "logprobs": None,
                                   "finish_reason": c.finish_reason}
                         if req.logprobs is not None and new_ids:
                             choice["logprobs"] = self._completion_logprobs(
-                                new_ids, (c.logprobs or [])[st.tokens:], top_n, offset)
-                        st.text_len, st.tokens = len(c.text), len(c.token_ids)
-                        st.finished = c.finish_reason is not None
+                                new_ids, (c.logprobs or [])[tokens_before:], top_n, offset)
                         if delta_text or st.finished or choice["logprobs"]:
                             choices.append(choice)
                 if first_token is None and any(st.tokens for st in states.values()):

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import httpx
 
+from child_process import stop
+
 REPO = Path(__file__).resolve().parent.parent
 _PORT_LINE = re.compile(r"OpenAI server on http://127\.0\.0\.1:(\d+)/v1")
 
@@ -63,11 +65,4 @@ class ServeProcess:
         return "".join(self.lines[-200:])
 
     def stop(self, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop(self.proc, signal.SIGTERM, timeout)

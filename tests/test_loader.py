@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -24,6 +23,7 @@ from engine.config import ModelConfig
 from engine.attention import kv_cache_shape
 from engine.models.weights import load_model, load_model_from_pack, pack_path, safetensors_files
 from tests.tiny_models import PagedSeq, make_step, make_tiny_model
+from tests.child_process import kill_when_midway
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -216,13 +216,7 @@ def test_a_load_killed_while_writing_the_pack_is_rebuilt_by_the_next_start(tiny_
         cache.pack.PackWriter.add = slow_add
         load_model({tiny_dir!r}, ModelConfig.from_dir({tiny_dir!r}), "float32", "cpu", pack_dir={pack_dir!r})
     """)
-    proc = subprocess.Popen([sys.executable, "-c", child], cwd=REPO, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "midway"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        proc.kill()
+    kill_when_midway(child)
     path = pack_path(tiny_dir, torch.float32, pack_dir)
     assert not os.path.exists(path) and len(os.listdir(pack_dir)) == 1  # only the dead writer's temp file
     cfg = ModelConfig.from_dir(tiny_dir)

@@ -4,9 +4,6 @@ the faults: a truncated or torn pack is refused, a writer SIGKILLed mid-pack lea
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -14,8 +11,7 @@ import pytest
 import torch
 
 from cache.pack import ALIGNMENT, PackError, PackWriter, find_packs, read_pack
-
-REPO = Path(__file__).resolve().parent.parent
+from child_process import kill_when_midway
 
 
 def sample_tensors() -> dict[str, torch.Tensor]:
@@ -122,13 +118,7 @@ def test_a_writer_killed_mid_pack_leaves_nothing_valid_and_the_next_writer_succe
                     print("midway", flush=True)
                     time.sleep(60)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", child], cwd=REPO, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "midway"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        proc.kill()
+    kill_when_midway(child)
     leftovers = os.listdir(path.parent)
     assert len(leftovers) == 1 and leftovers[0].startswith(".m.cbpack.tmp-")  # the dead writer's temp only
     assert os.path.getsize(path.parent / leftovers[0]) >= 4 << 20

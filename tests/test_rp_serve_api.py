@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from child_process import stop
 from engine import LLM, SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,12 +60,7 @@ def local_api(smollm2_dir):
         time.sleep(0.2)
     curl = printed_curl()
     yield f"http://127.0.0.1:{port}", curl
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop(proc, signal.SIGINT, 20)
 
 
 def _runsync(base: str, job_input) -> dict:

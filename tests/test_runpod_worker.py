@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
+from child_process import stop
 from runpod_jobs_server import RunPodJobServer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -28,16 +29,6 @@ def _start_worker(server: RunPodJobServer, model_dir: str, log_path: Path, pod_i
                             stderr=subprocess.STDOUT)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def reference(smollm2_dir):
     return LLM(model=smollm2_dir, max_model_len=MAX_MODEL_LEN, device="cpu")
@@ -51,7 +42,7 @@ def worker(smollm2_dir, tmp_path_factory):
         try:
             yield server.queue
         finally:
-            _stop(proc)
+            stop(proc)
             if proc.returncode not in (0, -signal.SIGTERM):
                 print(log_path.read_text(errors="replace")[-5000:])
 
@@ -218,7 +209,7 @@ def test_sigterm_drains_in_flight_jobs_and_takes_no_new_ones(smollm2_dir, refere
             queue.put("after-sigterm", {"prompt": PROMPT, "sampling_params": _greedy(8)})
             assert proc.wait(WAIT_S) == 0, (tmp_path / "worker.log").read_text()[-3000:]
         finally:
-            _stop(proc)
+            stop(proc)
         ref = reference.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
         assert len(queue.done["in-flight"]) == 1
         assert _text(queue.done["in-flight"][0].get("output", [])) == ref, queue.done["in-flight"]

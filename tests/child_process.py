@@ -1,0 +1,34 @@
+"""Test helper: end child processes the way the fault and shutdown tests need (a signal, a bounded wait, a kill),
+and run a child script until it announces that it is midway, then SIGKILL it there.
+"""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+    """Send `sig` to a child that still runs, wait up to `timeout` s, then kill it; returns its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def kill_when_midway(child_script: str, marker: str = "midway") -> None:
+    """Run `python -c child_script` from the repo root; once it prints `marker`, SIGKILL it (no clean-up runs)."""
+    proc = subprocess.Popen([sys.executable, "-c", child_script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == marker
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
