@@ -2,7 +2,7 @@
 
 `python -m bench.attention_micro --out DIR`: decode KV bytes read per step / time against the measured copy bandwidth,
 prefill TFLOP/s against torch SDPA on the same (dense) shapes, GPU time inside CUDA graphs (eager decode too, which
-adds the host's launch cost); prints one table last, writes DIR/attention_micro.json.
+adds the host's launch cost), split merge inside the kernel vs a second launch; prints a table, writes JSON.
 """
 from __future__ import annotations
 
@@ -80,9 +80,11 @@ def decode_rows(args, bandwidth: float, dtype: torch.dtype) -> list[dict]:
             results = {}
             for pps in map(int, args.programs_per_sm.split(",")):
                 for tiles in decode_configs:
-                    backend = TritonAttentionBackend("cuda", programs_per_sm=pps, decode_tiles=tiles)
-                    seconds = time_call(lambda: backend.forward(q, k, v, cache, meta, scale), graph=True)
-                    results[f"pps={pps} tiles={tiles}"] = seconds
+                    for fused in map(int, args.fused_merge.split(",")):
+                        backend = TritonAttentionBackend("cuda", programs_per_sm=pps, decode_tiles=tiles,
+                                                         fused_merge=bool(fused))
+                        seconds = time_call(lambda: backend.forward(q, k, v, cache, meta, scale), graph=True)
+                        results[f"pps={pps} tiles={tiles} fused_merge={fused}"] = seconds
             default = TritonAttentionBackend("cuda")
             eager = time_call(lambda: default.forward(q, k, v, cache, meta, scale), graph=False)
             ref = TorchAttentionBackend()
@@ -178,6 +180,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,4096")
     ap.add_argument("--prefill", type=int, default=4096)
     ap.add_argument("--programs-per-sm", default="2", help="decode split targets to try, the first is the default")
+    ap.add_argument("--fused-merge", default="1,0", help="decode split merge in the kernel (1) or a second launch (0)")
     ap.add_argument("--decode-sweep", default="", help="extra decode tiles M:N:warps:stages,...")
     ap.add_argument("--prefill-sweep", default="", help="extra prefill tiles M:N:warps:stages,...")
     args = ap.parse_args()

@@ -105,18 +105,33 @@ def run_child(mode: str, model_dir: str, prompt_len: int, extra: dict | None = N
     return r
 
 
+VARIANT_HELP = ("loader=MiB (chunk), prefetch=THREADSxMiB (0: no prefetch), imports=1 (prefetch torch's own files "
+                "first), gentle=MiB (one prefetch read of that size at a time until torch is up), preload=0 (the "
+                "engine starts the stream), kv=profile, graphs=start")
+
+
 def variant_options(spec: str) -> dict:
-    """'loader=16,prefetch=8x64' -> the child's loader settings; 'defaults' -> the library's own."""
+    """'loader=16,prefetch=8x64' -> the child's loader/engine settings; 'defaults' -> the library's own."""
     out: dict = {}
     for part in filter(None, spec.split(",")):
         key, _, value = part.partition("=")
         if key == "loader":
             out["_loader_chunk_mb"] = int(value)
         elif key == "prefetch":
-            threads, mib = value.split("x")
-            out["_prefetch"] = [int(threads), int(mib)]
+            threads, _, mib = value.partition("x")
+            out["_prefetch"] = [int(threads), int(mib or 16)]
+        elif key == "imports":
+            out["_imports_first"] = int(value)
+        elif key == "gentle":
+            out["_gentle_mb"] = int(value)
+        elif key == "preload":
+            out["_preload"] = int(value)
+        elif key == "kv":
+            out["kv_sizing"] = value
+        elif key == "graphs":
+            out["cuda_graph_capture"] = value
         elif key != "defaults":
-            raise SystemExit(f"--variants: unknown setting {key!r} (loader=MiB, prefetch=THREADSxMiB)")
+            raise SystemExit(f"--variants: unknown setting {key!r} ({VARIANT_HELP})")
     return out
 
 
@@ -125,6 +140,9 @@ def phases_of(r: dict) -> dict:
     s, ph = r["since_start"], r.get("phases", {})
     if "imports" not in s:  # bare
         return {"imports": s["import_torch"], "cuda_init": s["cuda_init"] - s["import_torch"]}
+    if r["mode"] == "loader":
+        return {"imports": s["imports"] - (s["cuda_init"] - s["import_torch"]), "cuda_init": s["cuda_init"] -
+                s["import_torch"], "weights": s["engine_ready"] - s["imports"]}
     out = {"imports": s["import_torch"] + (s["imports"] - s["cuda_init"]),
            "cuda_init": s["cuda_init"] - s["import_torch"]}
     engine = s["engine_ready"] - s["imports"]
@@ -190,10 +208,12 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--warm-runs", type=int, default=2)
-    ap.add_argument("--skip", default="", help="comma list of: hf, hf-cold, safetensors, cold, disk")
-    ap.add_argument("--variants", default="defaults;loader=16,prefetch=8x64",
-                    help="our loader settings to compare, ';'-separated: 'defaults' or loader=MiB,prefetch=TxMiB")
+    ap.add_argument("--warm-runs", type=int, default=3)
+    ap.add_argument("--skip", default="", help="comma list of: hf, hf-cold, safetensors, safetensors-cold, cold, "
+                    "disk, loader")
+    ap.add_argument("--variants", default="defaults",
+                    help=f"our settings to compare warm, ';'-separated: 'defaults' or {VARIANT_HELP}")
+    ap.add_argument("--cold-variants", default="defaults", help="our settings to compare with caches dropped")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     os.makedirs(args.out, exist_ok=True)
@@ -228,6 +248,10 @@ def main() -> None:
         for label, options in variants:
             runs.append((label, "warm", run_child("ours", model_dir, args.prompt_len, options)))
             log(f"warm run {i} {label}: {runs[-1][2].get('total_s')}")
+        if "loader" not in skip:
+            runs.append(("streaming loader alone (pack -> GPU)", "warm", run_child("loader", model_dir,
+                                                                                    args.prompt_len)))
+            log(f"warm run {i} loader alone: {(runs[-1][2].get('load_stats') or {}).get('gbps')} GB/s")
     if "safetensors" not in skip:
         runs.append(("safetensors.load_file(cuda)", "warm", run_child("safetensors", model_dir, args.prompt_len)))
     if "hf" not in skip:
@@ -245,8 +269,10 @@ def main() -> None:
         report["disk_read"] = disk_read_rate(pack)
         log(f"disk: {report['disk_read']['GBps']:.2f} GB/s ({report['drop_method']})")
     if "cold" not in skip:
-        cold = [(label, "ours", options) for label, options in variants]
-        if "safetensors" not in skip:
+        cold = [("bare torch + CUDA init", "bare", None)]
+        cold += [(f"coldbrew (pack) {v}", "ours", {**extra, **variant_options(v)})
+                 for v in args.cold_variants.split(";")]
+        if "safetensors" not in skip and "safetensors-cold" not in skip:
             cold.append(("safetensors.load_file(cuda)", "safetensors", None))
         if "hf" not in skip and "hf-cold" not in skip:
             cold.append(("HF from_pretrained + generate", "hf", None))
@@ -268,13 +294,14 @@ def main() -> None:
 def summarize(report: dict, pack_bytes: int) -> None:
     """The issue's targets, checked on this run's own numbers."""
     ok = [r for r in report["runs"] if "error" not in r]
-    bare = [r["total_s"] for r in ok if r["mode"] == "bare"]
+    bare = [r["total_s"] for r in ok if r["mode"] == "bare" and r["cache"] == "warm"]
     first = next((r["label"] for r in ok if r["mode"] == "ours"), None)  # the targets judge the first variant
     ours = [r for r in ok if r["label"] == first]
     warm = [r["total_s"] for r in ours if r["cache"] == "warm"]
     cold = [r["total_s"] for r in ours if r["cache"] == "cold"]
-    fresh = [r["load_stats"]["gbps"] for r in ours if r["cache"] == "warm"
-             and (r.get("load_stats") or {}).get("source") == "pack"]
+    fresh = [r["load_stats"]["gbps"] for r in ok if r["mode"] == "loader" and r["cache"] == "warm"]
+    in_engine = [r["load_stats"]["gbps"] for r in ours if r["cache"] == "warm"
+                 and (r.get("load_stats") or {}).get("source") == "pack"]
     t: dict = {"variant": first}
     if bare and warm:
         t["warm_first_token_s"] = statistics.median(warm)
@@ -282,6 +309,8 @@ def summarize(report: dict, pack_bytes: int) -> None:
         t["warm_ok"] = t["warm_first_token_s"] <= 5.0 and t["warm_over_bare_s"] <= 1.0
     if fresh:
         t["loader_fresh_process_GBps"] = statistics.median(fresh)
+    if in_engine:  # the stream overlapping the engine's imports and start-up in the same process
+        t["stream_in_engine_start_GBps"] = statistics.median(in_engine)
     if report.get("loader_in_process"):
         t["loader_in_process_GBps"] = statistics.median(r["GBps"] for r in report["loader_in_process"])
     t["loader_ok"] = max(t.get("loader_fresh_process_GBps", 0), t.get("loader_in_process_GBps", 0)) >= 25

@@ -1,6 +1,7 @@
 """One fresh process of the cold-start benchmark: start -> first token (or weights on the GPU), timed per phase.
 
-`python bench/cold_start_child.py MODE MODEL_DIR PROMPT_LEN [EXTRA_JSON]`, MODE: ours | hf | safetensors | bare.
+`python bench/cold_start_child.py MODE MODEL_DIR PROMPT_LEN [EXTRA_JSON]`, MODE: ours | hf | safetensors | bare |
+loader (the pack alone through the streaming loader).
 Prints one JSON line of wall-clock stamps (time.time()); the parent subtracts the moment it spawned this process.
 """
 import sys
@@ -11,22 +12,32 @@ import json  # noqa: E402
 import os  # noqa: E402
 
 MODE, MODEL_DIR, PROMPT_LEN = sys.argv[1], sys.argv[2], int(sys.argv[3])
-# LLM keyword arguments, plus loader settings to compare: _prefetch [threads, MiB], _loader_chunk_mb
+# LLM keyword arguments, plus loader settings to compare: _prefetch [threads, MiB] (threads 0: none),
+# _loader_chunk_mb, _preload (0: the engine starts the stream), _imports_first (1: prefetch torch's files first),
+# _gentle_mb (prefetch one piece of that size at a time until torch is up)
 extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
 stamps: dict = {"main": T_MAIN}
+fetch = None
 
 if MODE == "ours":  # start reading the pack into the page cache before torch imports
     import cache.loader
 
     pf = extra.pop("_prefetch", None)
-    fetch = cache.loader.prefetch(MODEL_DIR, *([pf[0], pf[1] << 20] if pf else []))
-    stamps["prefetch_started"] = time.time()
+    imports_first = bool(extra.pop("_imports_first", 0))
+    gentle = extra.pop("_gentle_mb", 0) << 20
+    if pf is None or pf[0] > 0:
+        fetch = cache.loader.prefetch(MODEL_DIR, *([pf[0], pf[1] << 20] if pf else []), imports_first=imports_first,
+                                      gentle_bytes=gentle)
+        stamps["prefetch_started"] = time.time()
     if "_loader_chunk_mb" in extra:
         cache.loader.DEFAULT_CHUNK_BYTES = extra.pop("_loader_chunk_mb") << 20
+    preload = extra.pop("_preload", 1)
 
 import torch  # noqa: E402
 
 stamps["import_torch"] = time.time()
+if fetch is not None:
+    fetch.boost()  # the import is done (a preload's loader would boost it too, a little later)
 torch.zeros(1, device="cuda")
 torch.cuda.synchronize()
 stamps["cuda_init"] = time.time()
@@ -47,6 +58,12 @@ def timed(name, fn):
 
 
 if MODE == "ours":
+    if preload:  # the weights stream while the engine imports and builds (as handler.engine_boot does)
+        from engine.config import EngineArgs
+        from engine.models.weights import preload_weights
+
+        stamps["preloading"] = preload_weights(EngineArgs(model=MODEL_DIR, dtype="bfloat16", device="cuda", **extra))
+        stamps["preload_started"] = time.time()
     import engine.runner as runner_module
     from engine import LLM, SamplingParams
 
@@ -63,9 +80,12 @@ if MODE == "ours":
     torch.cuda.synchronize()
     stamps["first_token"] = time.time()
     model = llm.engine.runner.model
+    model.wait_weights()
+    preloading = stamps.pop("preloading", None)
     result = {"load_stats": getattr(model, "load_stats", None), "token": out[0].outputs[0].token_ids,
-              "num_kv_blocks": llm.engine.num_kv_blocks, "prefetch_bytes": fetch.bytes_read,
-              "prefetch_seconds": (fetch.finished or time.perf_counter()) - fetch.started}
+              "num_kv_blocks": llm.engine.num_kv_blocks, "preloaded": preloading,
+              "prefetch_bytes": fetch.bytes_read if fetch else 0,
+              "prefetch_seconds": ((fetch.finished or time.perf_counter()) - fetch.started) if fetch else 0}
 elif MODE == "hf":
     import transformers
 
@@ -89,10 +109,20 @@ elif MODE == "safetensors":
     torch.cuda.synchronize()
     stamps["engine_ready"] = time.time()
     result = {"nbytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+elif MODE == "loader":
+    from cache.loader import load_pack
+    from cache.pack import find_packs
+
+    stamps["imports"] = time.time()
+    st = load_pack(find_packs(os.path.join(MODEL_DIR, "packs"))[0], "cuda").wait()
+    stamps["engine_ready"] = time.time()
+    result = {"load_stats": {"source": "pack", "gbps": st.gbps, "seconds": st.seconds, "nbytes": st.nbytes,
+                             "pin_seconds": st.pin_seconds, "alloc_seconds": st.alloc_seconds, "mode": st.mode,
+                             "threads": st.threads, "chunk_bytes": st.chunk_bytes}}
 elif MODE == "bare":
     result = {}
 else:
-    raise SystemExit(f"mode: {MODE!r} is not one of ours, hf, safetensors, bare")
+    raise SystemExit(f"mode: {MODE!r} is not one of ours, hf, safetensors, bare, loader")
 
 result.update(stamps=stamps, phases=phases, transformers_imported="transformers" in sys.modules)
 print("RESULT " + json.dumps(result), flush=True)

@@ -1,5 +1,5 @@
 """Decode speed of the engine on a GPU: the fast path (Triton attention, fused layers, CUDA graphs) or, with
---enforce-eager, eager PyTorch; --profile adds a torch.profiler table of one batch-1 decode step's kernels.
+--enforce-eager, eager PyTorch, with async and sync scheduling; --profile adds a torch.profiler table of batch-1 decode.
 
 `python -m bench.reference_decode --config llama-3.1-8b.json --out DIR`: synthesizes the checkpoint, measures the
 device-to-device bandwidth, then time per decode step at a few batch sizes; prints a table, writes DIR/*.json.
@@ -22,7 +22,8 @@ def decode_step_seconds(llm: LLM, batch: int, prompt_len: int, new_tokens: int) 
     """Median-free estimate: (last token time - first token time) / (new_tokens - 1), all sequences in lockstep."""
     prompts = [[(1000 + 7 * i + j) % 30000 for j in range(prompt_len)] for i in range(batch)]
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    # Warm-up at the same batch: captures its CUDA graphs (lazily captured otherwise, inside the timed window).
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     torch.cuda.synchronize()
     outs = llm.generate(prompts, params)
     first = max(o.metrics.first_token_time for o in outs)
@@ -70,6 +71,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--profile", action="store_true", help="write a torch.profiler table of batch-1 decode")
+    ap.add_argument("--scheduling", default="async,sync",
+                    help="comma list of async (step N+1 launched before step N's tokens are read) and sync")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
@@ -87,11 +90,17 @@ def main() -> None:
         embed_bytes = 0
     floor_s = (weight_bytes - embed_bytes) / bandwidth  # the embedding table is only gathered, not read whole
     rows = []
-    for batch in [int(b) for b in args.batches.split(",")]:
-        step = decode_step_seconds(llm, batch, prompt_len=128, new_tokens=args.new_tokens)
-        replay = graph_replay_seconds(llm, batch)
-        rows.append({"batch": batch, "ms_per_step": step * 1e3, "tok_s": batch / step, "roofline_frac": floor_s / step,
-                     "graph_replay_ms": None if replay is None else replay * 1e3})
+    modes = [m.strip() for m in args.scheduling.split(",") if m.strip()]
+    for mode in modes:
+        if mode not in ("async", "sync"):
+            raise SystemExit(f"--scheduling: each entry must be async or sync, got {mode!r}")
+        llm.engine.async_scheduling = mode == "async"
+        for batch in [int(b) for b in args.batches.split(",")]:
+            step = decode_step_seconds(llm, batch, prompt_len=128, new_tokens=args.new_tokens)
+            replay = graph_replay_seconds(llm, batch)
+            rows.append({"scheduling": mode, "batch": batch, "ms_per_step": step * 1e3, "tok_s": batch / step,
+                         "roofline_frac": floor_s / step, "graph_replay_ms": None if replay is None else replay * 1e3})
+    llm.engine.async_scheduling = modes[0] == "async"
     if args.profile:
         print(profile_decode(llm, args.out))
     graphs = llm.engine.runner.graphs
@@ -109,10 +118,11 @@ def main() -> None:
     print(f"{result['device']}, {args.config}, bf16, {result['mode']}, {result['attention']} attention, copy bandwidth "
           f"{bandwidth / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB, floor {floor_s * 1e3:.2f} ms/step, "
           f"init {init_s:.1f} s")
-    print(f"{'batch':>5} {'ms/step':>9} {'tok/s':>9} {'of roofline':>12} {'graph replay ms':>16}")
+    print(f"{'scheduling':>10} {'batch':>5} {'ms/step':>9} {'tok/s':>9} {'of roofline':>12} {'graph replay ms':>16}")
     for r in rows:
         replay = "-" if r["graph_replay_ms"] is None else f"{r['graph_replay_ms']:.2f}"
-        print(f"{r['batch']:>5} {r['ms_per_step']:>9.2f} {r['tok_s']:>9.1f} {r['roofline_frac']:>11.0%} {replay:>16}")
+        print(f"{r['scheduling']:>10} {r['batch']:>5} {r['ms_per_step']:>9.2f} {r['tok_s']:>9.1f} "
+              f"{r['roofline_frac']:>11.0%} {replay:>16}")
 
 
 if __name__ == "__main__":

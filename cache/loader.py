@@ -1,7 +1,8 @@
 """The streaming loader: a pack -> one device buffer holding every tensor, each tensor a view into it.
 
 Reader threads (O_DIRECT when the file is not in the page cache) fill pinned buffers; copies run on their own
-CUDA stream; each group (layer) gets a ready event. Stdlib at import (torch only inside), so prefetch runs first.
+CUDA stream; each group (layer) gets a ready event. Stdlib at import (torch only inside), so prefetch runs first;
+preload() starts the stream as soon as CUDA is up, and the engine's load_pack of the same file takes it over.
 """
 from __future__ import annotations
 
@@ -12,18 +13,20 @@ import threading
 import time
 from dataclasses import dataclass
 
-from cache.pack import ALIGNMENT, Pack, PackError, PackWriter, read_pack
+from cache.pack import ALIGNMENT, Pack, PackError, PackWriter, find_packs, read_pack
 from cache.prefetch import _ACTIVE, Prefetch, prefetch, resident_fraction
 
 # The engine imports cache.loader only: the pack's writer, reader and error, and prefetch, come from here too.
-__all__ = ["LoadStats", "Pack", "PackError", "PackWriter", "Prefetch", "StreamingLoad", "load_pack", "prefetch",
-           "read_pack", "resident_fraction"]
+__all__ = ["LoadStats", "Pack", "PackError", "PackWriter", "Prefetch", "StreamingLoad", "discard_preloads",
+           "load_pack", "prefetch", "preload", "read_pack", "resident_fraction"]
 
 log = logging.getLogger(__name__)
 
-# Loader: pinning host memory costs ~3 s/GiB in a fresh process on the H100 (measured: 16 threads x 2 x 16 MiB
-# pinned in 1.6 thread-seconds, 41 GB/s once pinned), so the ring is kept small: 16 threads x 2 x 8 MiB = 256 MiB.
-DEFAULT_CHUNK_BYTES = 8 << 20
+# Loader: pinning host memory costs ~2-4 s/GiB (thread-seconds) in a fresh process on the H100, so the ring is
+# kept small: 16 threads x 2 x 16 MiB = 512 MiB, pinned lazily by the threads themselves. Each chunk takes the GIL
+# a few times, and a main thread importing or building the engine meanwhile holds it: fewer, bigger chunks stream
+# faster beside it (H100, page cache warm, pins cached: 25-31 GB/s with 8 MiB chunks, 38 GB/s with 16 MiB).
+DEFAULT_CHUNK_BYTES = 16 << 20
 
 
 # ---- the streaming load ----------------------------------------------------------------------------------
@@ -68,6 +71,10 @@ class StreamingLoad:
             self.buffer = raw[skip: skip + nbytes]
         self.tensors = {e.name: self._view(e) for e in pack.entries}
         self.mode = self._choose_mode(direct)
+        # A prefetch still reading this file: the readers follow it instead of queueing disk reads of their own.
+        self._prefetch = _ACTIVE.get(os.path.realpath(pack.path)) if self.mode == "buffered" else None
+        if self._prefetch is not None:
+            self._prefetch.boost()  # torch is up: nothing of the start path's imports waits on the disk any more
         self.chunk_bytes = chunk_bytes
         self._chunks = [(off, min(chunk_bytes, pack.data_end - off))
                         for off in range(pack.data_offset, pack.data_end, chunk_bytes)]
@@ -144,10 +151,11 @@ class StreamingLoad:
         import torch
 
         fds: dict[str, int] = {}
+        slots: list[tuple] = []  # (pinned buffer, its numpy memoryview, the event of the last copy out of it)
         try:
-            slots: list[list] = []
             if self.cuda:
                 torch.cuda.set_device(self.device)
+                torch.cuda.set_stream(self.copy_stream)  # this thread's current stream: every copy goes there
             turn = 0
             while self._error is None:
                 with self._lock:
@@ -157,29 +165,28 @@ class StreamingLoad:
                     break
                 off, n = self._chunks[i]
                 lo = off - self.pack.data_offset
+                if self._prefetch is not None:
+                    self._prefetch.wait_covered(self.pack.path, off + n)
                 if not self.cuda:
                     self._read(fds, memoryview(self.buffer[lo: lo + n].numpy()), off)
                     self._issued(i)
                     continue
                 if len(slots) < ring:  # pinned lazily: the first read starts after one buffer, not the whole ring
                     t0 = time.perf_counter()
-                    slots.append([torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True), None])
+                    host = torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True)
+                    slots.append((host, memoryview(host.numpy()), torch.cuda.Event()))
                     with self._lock:
                         self._pin_seconds += time.perf_counter() - t0
-                slot = slots[turn % ring]
+                host, view, copied = slots[turn % ring]
                 turn += 1
-                if slot[1] is not None:
-                    slot[1].synchronize()  # the copy out of this pinned buffer has finished
-                host = slot[0][:n]
-                self._read(fds, memoryview(host.numpy()), off)
-                with torch.cuda.stream(self.copy_stream):
-                    self.buffer[lo: lo + n].copy_(host, non_blocking=True)
-                    ev = slot[1] = torch.cuda.Event()
-                    ev.record(self.copy_stream)
-                    self._issued(i)
-            for slot in slots:
-                if slot[1] is not None:
-                    slot[1].synchronize()
+                if not copied.query():  # the previous copy out of this pinned buffer has not finished yet
+                    copied.synchronize()  # (asked first: a wait gives up the GIL, and getting it back costs)
+                self._read(fds, view[:n], off)
+                self.buffer[lo: lo + n].copy_(host[:n], non_blocking=True)
+                copied.record(self.copy_stream)
+                self._issued(i)
+            for _, _, copied in slots:
+                copied.synchronize()
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits
             with self._lock:
                 if self._error is None:
@@ -230,6 +237,18 @@ class StreamingLoad:
             self._finished = time.perf_counter()
         return self.stats
 
+    def cancel(self) -> None:
+        """Stop the readers, wait for them and free the device buffer (a preload nobody claimed)."""
+        with self._lock:
+            if self._error is None:
+                self._error = _Cancelled("the load was cancelled")
+        for t in self._threads:
+            t.join()
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
+        self.tensors = {}
+        self.buffer = None
+
     def _raise(self) -> None:
         """A read error means the pack is bad (PackError: rebuild it); anything else is the machine's (RuntimeError)."""
         if self._error is None:
@@ -244,12 +263,21 @@ class StreamingLoad:
                          self.mode, self._stats_threads, self.chunk_bytes)
 
 
+class _Cancelled(Exception):
+    pass
+
+
 def load_pack(pack: Pack | str, device="cpu", *, threads: int | None = None, chunk_bytes: int | None = None,
               direct: str | bool = "auto") -> StreamingLoad:
     """Start streaming a pack into one buffer on `device` and return at once; call wait() or wait_group(g).
 
     direct: "auto" (O_DIRECT unless most of the file is in the page cache or a prefetch is running), True, False.
+    A preload() of the same file to the same device is taken over (whatever its options) instead of a new load.
     """
+    path = pack if isinstance(pack, str) else pack.path
+    claimed = _claim_preload(path, device)
+    if claimed is not None:
+        return claimed
     if isinstance(pack, str):
         pack = read_pack(pack)
     if threads is None:
@@ -257,3 +285,58 @@ def load_pack(pack: Pack | str, device="cpu", *, threads: int | None = None, chu
     if chunk_bytes is None:
         chunk_bytes = DEFAULT_CHUNK_BYTES
     return StreamingLoad(pack, device, threads, chunk_bytes, direct)
+
+
+# ---- preload: the stream starts before the engine asks for it ---------------------------------------------
+_PRELOADS: dict[tuple[str, str], StreamingLoad] = {}
+_PRELOADS_LOCK = threading.Lock()
+
+
+def preload(path: str, device="cuda", **options) -> StreamingLoad | None:
+    """Start streaming a pack to `device` now (right after `import torch`, while the engine still imports).
+
+    `path` is a pack, or a model directory (its newest pack under `packs/`); None when there is none. The engine's
+    load_pack of the same file and device takes this load over; discard_preloads() frees one nobody took.
+    """
+    if os.path.isdir(path):
+        packs = find_packs(os.path.join(path, "packs"))
+        if not packs:
+            return None
+        path = packs[0]
+    load = load_pack(read_pack(path), device, **options)
+    key = (os.path.realpath(path), str(load.device))
+    with _PRELOADS_LOCK:
+        old = _PRELOADS.pop(key, None)
+        _PRELOADS[key] = load
+    if old is not None:
+        old.cancel()
+    log.debug("weights: preloading %s to %s", path, load.device)
+    return load
+
+
+def _claim_preload(path: str, device) -> StreamingLoad | None:
+    if not _PRELOADS:
+        return None
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    with _PRELOADS_LOCK:
+        return _PRELOADS.pop((os.path.realpath(path), str(dev)), None)
+
+
+def discard_preloads(keep: str | None = None) -> int:
+    """Cancel every preload (except one of the file `keep`) and free its device memory; returns how many."""
+    real = os.path.realpath(keep) if keep else None
+    with _PRELOADS_LOCK:
+        dropped = [k for k in _PRELOADS if k[0] != real]
+        loads = [_PRELOADS.pop(k) for k in dropped]
+    for load in loads:
+        load.cancel()
+        log.info("weights: dropped the preload of %s (the engine loads another file)", load.pack.path)
+    if loads and any(load.cuda for load in loads):
+        import torch
+
+        torch.cuda.empty_cache()
+    return len(loads)

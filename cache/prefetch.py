@@ -8,6 +8,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -16,10 +17,13 @@ from cache.pack import find_packs
 
 log = logging.getLogger(__name__)
 
-# One thread of 16 MiB reads already reaches the disk's rate on the H100 (1.59 GB/s, BENCH.md); more in flight
-# starved `import torch` of the same disk (measured: 8 threads x 64 MiB, import torch 5 s -> 13 s).
-PREFETCH_THREADS = 1
-PREFETCH_CHUNK_BYTES = 16 << 20
+# Caches dropped on the H100, a 16 GB pack: `import torch` beside the prefetch is starved of the disk whatever the
+# prefetch's depth (alone 4.0-5.9 s; beside 1 x 4 MiB reads 10.8 s, 1 x 16 MiB 12.5 s, 8 x 64 MiB 13.3-15.2 s, one
+# 1 MiB read until boost() 9.0 s), while the prefetch reaches the disk's rate only with many reads in flight
+# (0.9 GB/s at 1 x 16 MiB, 1.4-1.6 GB/s at 8 x 64 MiB). Every setting measured lands at 18-19 s to the first token
+# (README, "Cold start"); the deep one finishes the weights first.
+PREFETCH_THREADS = 8
+PREFETCH_CHUNK_BYTES = 64 << 20
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -96,62 +100,132 @@ class Prefetch:
 
     The constructor only starts it. `wait()` blocks until done. It never raises: a prefetch is only a hint."""
 
-    def __init__(self, paths: list[str], threads: int, chunk_bytes: int) -> None:
+    def __init__(self, paths: list[str], threads: int, chunk_bytes: int, lead=None, gentle_bytes: int = 0) -> None:
+        """lead: a callable listing files to read before `paths` (run on the prefetch thread, not the caller's).
+        gentle_bytes: until boost(), one thread reads in pieces of this size (a short disk queue, so the imports'
+        own small reads are not starved); then all threads read whole chunks. 0: full depth from the start."""
         self.paths = paths
+        self._gentle = gentle_bytes
+        self._boosted = threading.Event()
+        if not gentle_bytes:
+            self._boosted.set()
+        self._planned = False
+        self._helpers: list[threading.Thread] | None = None  # None: not started yet
         self.bytes_read = 0
         self.started = time.perf_counter()
         self.finished: float | None = None
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._work: list[tuple[str, int, int]] = []
+        self._done = bytearray()  # one flag per work item: read (or failed)
+        self._spans: dict[str, list[int]] = {}  # realpath -> [first item not yet read, end of its items]
         self._next = 0
         for p in paths:
             _ACTIVE[os.path.realpath(p)] = self
-        self._main = threading.Thread(target=self._plan_and_run, args=(threads, chunk_bytes), daemon=True,
-                                      name="prefetch")
+        self._threads = threads
+        self._chunk_bytes = chunk_bytes
+        self._main = threading.Thread(target=self._plan_and_run, args=(lead,), daemon=True, name="prefetch")
         self._main.start()
 
-    def _plan_and_run(self, threads: int, chunk_bytes: int) -> None:
+    @property
+    def boosted(self) -> bool:
+        """True once reading at full depth (always, without gentle_bytes)."""
+        return self._boosted.is_set()
+
+    def boost(self) -> None:
+        """Read at full depth from now on (the caller's imports are done); a no-op when already so."""
+        self._boosted.set()
+        self._start_helpers()
+
+    def _start_helpers(self) -> None:
+        with self._cond:
+            if self._helpers is not None or not self._planned or not self._boosted.is_set():
+                return
+            self._helpers = [threading.Thread(target=self._run, daemon=True, name=f"prefetch-{i}")
+                             for i in range(1, max(1, min(self._threads, len(self._work))))]
+            for t in self._helpers:
+                t.start()
+
+    def _plan_and_run(self, lead) -> None:
+        chunk_bytes = self._chunk_bytes
         try:
-            for p in self.paths:
+            work: list[tuple[str, int, int]] = []
+            spans: dict[str, list[int]] = {}
+            lead_paths = [p for p in (lead() if lead else []) if p not in self.paths]
+            for p in lead_paths + self.paths:
                 size = os.path.getsize(p)
                 vec = _residency(p, 0, None)
-                self._work += [(p, off, min(chunk_bytes, size - off)) for off in range(0, size, chunk_bytes)
-                               if vec is None or not _all_resident(vec, off, min(chunk_bytes, size - off))]
-            helpers = [threading.Thread(target=self._run, args=(chunk_bytes,), daemon=True, name=f"prefetch-{i}")
-                       for i in range(1, max(1, min(threads, len(self._work))))]
-            for t in helpers:
-                t.start()
-            self._run(chunk_bytes)
+                first = len(work)
+                work += [(p, off, min(chunk_bytes, size - off)) for off in range(0, size, chunk_bytes)
+                         if vec is None or not _all_resident(vec, off, min(chunk_bytes, size - off))]
+                spans[os.path.realpath(p)] = [first, len(work)]
+            with self._cond:
+                self._work, self._done, self._spans = work, bytearray(len(work)), spans
+                self._planned = True
+                self._cond.notify_all()
+            self._start_helpers()
+            self._run()
+            with self._cond:  # no helper starts after this; wait for those that did
+                helpers = self._helpers or []
+                self._helpers = helpers
             for t in helpers:
                 t.join()
         except OSError as e:
             log.debug("prefetch stopped: %s", e)
         finally:
-            self.finished = time.perf_counter()
+            with self._cond:
+                self.finished = time.perf_counter()
+                self._cond.notify_all()
             for p in self.paths:
                 _ACTIVE.pop(os.path.realpath(p), None)
 
-    def _run(self, chunk_bytes: int) -> None:
-        buf = bytearray(chunk_bytes)
+    def _run(self) -> None:
+        buf = memoryview(bytearray(self._chunk_bytes))
         fds: dict[str, int] = {}
+        i = -1
         try:
             while True:
-                with self._lock:
+                with self._cond:
                     if self._next >= len(self._work):
                         return
-                    path, off, n = self._work[self._next]
+                    i = self._next
+                    path, off, n = self._work[i]
                     self._next += 1
                 fd = fds.get(path)
                 if fd is None:
                     fd = fds[path] = os.open(path, os.O_RDONLY)
-                got = os.preadv(fd, [memoryview(buf)[:n]], off)
-                with self._lock:
+                got = 0
+                while got < n:  # one read per item at full depth; pieces of gentle_bytes until boosted
+                    step = n - got if self._boosted.is_set() else min(self._gentle, n - got)
+                    step = os.preadv(fd, [buf[got: got + step]], off + got)
+                    if step == 0:
+                        break
+                    got += step
+                with self._cond:
                     self.bytes_read += got
+                    self._done[i] = 1
+                    self._cond.notify_all()
         except OSError as e:  # the real load reads (and reports) for itself
             log.debug("prefetch stopped: %s", e)
         finally:
             for fd in fds.values():
                 os.close(fd)
+
+    def wait_covered(self, path: str, end: int, timeout: float | None = None) -> bool:
+        """Block until this prefetch has read every byte it planned below `end` in `path` (or has stopped).
+
+        A loader reading behind it then finds its chunks in the page cache and never queues its own disk reads
+        beside the prefetch's (which would starve the imports that share the disk). False on timeout."""
+        real = os.path.realpath(path)
+        with self._cond:
+            return self._cond.wait_for(lambda: self.finished is not None or self._covered(real, end), timeout)
+
+    def _covered(self, real: str, end: int) -> bool:
+        span = self._spans.get(real)
+        if span is None:  # not planned yet (or not a file of this prefetch: nothing to wait for once planned)
+            return bool(self._spans) or bool(self._work)
+        while span[0] < span[1] and self._done[span[0]]:
+            span[0] += 1
+        return span[0] >= span[1] or self._work[span[0]][1] >= end
 
     def done(self) -> bool:
         return not self._main.is_alive()
@@ -169,17 +243,41 @@ def _all_resident(vec: bytes, offset: int, length: int) -> bool:
     return 0 not in vec[first:last]
 
 
-def prefetch(path: str, threads: int = PREFETCH_THREADS, chunk_bytes: int = PREFETCH_CHUNK_BYTES) -> Prefetch:
+def import_files() -> list[str]:
+    """The shared libraries and compiled modules `import torch` (and triton, the CUDA wheels) read, found without
+    importing them: reading these first, in big sequential reads, spares the import random reads on a busy disk."""
+    import importlib.util
+
+    roots = []
+    for name in ("torch", "triton", "nvidia"):
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        roots += list(spec.submodule_search_locations or []) if spec else []
+    tag = f".{sys.implementation.cache_tag}."
+    out = []
+    for root in roots:
+        for here, dirs, names in os.walk(root):
+            dirs[:] = [d for d in dirs if d not in ("include", "test", "tests", "testing", "share")]
+            out += [os.path.join(here, n) for n in names if ".so" in n or (n.endswith(".pyc") and tag in n)]
+    return sorted(out, key=lambda p: (".so" in os.path.basename(p), p))  # the many small .pyc first
+
+
+def prefetch(path: str, threads: int = PREFETCH_THREADS, chunk_bytes: int = PREFETCH_CHUNK_BYTES,
+             imports_first: bool = False, gentle_bytes: int = 0) -> Prefetch:
     """Start reading weights into the page cache now, in daemon threads, and return at once.
 
     `path` is a pack file, or a model directory: its newest pack under `packs/` if there is one, else its
     *.safetensors files. Imports only the stdlib, so a worker calls it first thing and `import torch` overlaps
     the disk reads; pages already cached are skipped. A later load_pack of the same file reads through the
-    page cache (not O_DIRECT) while this runs.
+    page cache (not O_DIRECT) while this runs. imports_first: read import_files() before the weights.
+    gentle_bytes: read one piece of that size at a time until boost() (a loader following this prefetch boosts it).
     """
     if os.path.isdir(path):
         packs = find_packs(os.path.join(path, "packs"))
         paths = packs[:1] or sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
     else:
         paths = [path]
-    return Prefetch(paths, threads, chunk_bytes)
+    return Prefetch(paths, threads, chunk_bytes, lead=import_files if imports_first else None,
+                    gentle_bytes=gentle_bytes)

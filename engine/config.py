@@ -155,6 +155,9 @@ def resolve_dtype(dtype: str | torch.dtype, model: ModelConfig, device: torch.de
 DEFAULT_CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 MAX_CUDA_GRAPH_SIZE = 1024
 
+CUDA_GRAPH_CAPTURE_MODES = ("lazy", "start")
+KV_SIZING_MODES = ("analytic", "profile")
+
 # CPU has no "free memory" to size from: without num_kv_blocks the KV cache takes this many bytes.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
@@ -186,6 +189,15 @@ class EngineArgs:
     # None takes DEFAULT_CUDA_GRAPH_SIZES up to max_num_seqs.
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None
+    # GPU start-up: "lazy" captures a decode graph on the first step of its padded size (the start skips ~1 s of
+    # capture), "start" captures every size before the engine is ready. Graph memory is budgeted either way.
+    cuda_graph_capture: str = "lazy"
+    # GPU KV sizing: "analytic" subtracts an upper bound of the largest step's activations computed from the model's
+    # shapes (engine/memory_budget.py); "profile" runs that step once at start and measures its peak.
+    kv_sizing: str = "analytic"
+    # Schedule and launch step N+1 before step N's sampled tokens are read back (as vLLM's async scheduling):
+    # None turns it on for a GPU and off for CPU.
+    async_scheduling: bool | None = None
 
     def validate(self) -> None:
         _check_int("block_size", self.block_size, 1, 1024)
@@ -204,11 +216,18 @@ class EngineArgs:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 24)
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager: must be a bool, got {self.enforce_eager!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling: must be a bool or None, got {self.async_scheduling!r}")
         if self.cuda_graph_sizes is not None:
             if not isinstance(self.cuda_graph_sizes, (list, tuple)) or not self.cuda_graph_sizes:
                 raise ValueError(f"cuda_graph_sizes: must be a non-empty list of ints, got {self.cuda_graph_sizes!r}")
             for size in self.cuda_graph_sizes:
                 _check_int("cuda_graph_sizes", size, 1, MAX_CUDA_GRAPH_SIZE)
+        if self.cuda_graph_capture not in CUDA_GRAPH_CAPTURE_MODES:
+            raise ValueError(f"cuda_graph_capture: must be one of {', '.join(CUDA_GRAPH_CAPTURE_MODES)}, "
+                             f"got {self.cuda_graph_capture!r}")
+        if self.kv_sizing not in KV_SIZING_MODES:
+            raise ValueError(f"kv_sizing: must be one of {', '.join(KV_SIZING_MODES)}, got {self.kv_sizing!r}")
 
     def graph_sizes(self) -> list[int]:
         """The decode batch sizes to capture, ascending, none above max_num_seqs."""

@@ -18,10 +18,10 @@ import torch
 from engine.config import EngineArgs, ModelConfig, resolve_dtype
 from engine.kv import KVCacheManager
 from engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
-from engine.runner import ModelRunner, SampledToken
+from engine.runner import LaunchedStep, ModelRunner
 from engine.sampling import SamplingParams, SamplingRow
 from engine.scheduler import Scheduler
-from engine.sequence import Request, Sequence
+from engine.sequence import Request, Sequence, SequenceStatus
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
 
@@ -76,6 +76,11 @@ class EngineCore:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.requests: dict[str, Request] = {}
+        # Async scheduling (default on a GPU): step N+1 is scheduled and launched before step N's tokens are read.
+        self.async_scheduling = (
+            args.async_scheduling if args.async_scheduling is not None else self.device.type == "cuda")
+        self._in_flight: LaunchedStep | None = None  # launched, its tokens not read yet
+        self._undelivered: list[RequestOutput] = []  # outputs of a step read back when the next launch failed
         self._rng = random.Random(args.seed)
         self._next_seq_id = 0
         self._next_arrival = 0
@@ -211,22 +216,60 @@ class EngineCore:
         return RequestFailed(victim.request_id, message)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._undelivered)
 
     # ---- the step ------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch one step; return the outputs of the step whose tokens just became known.
+
+        With async scheduling the step launched here is read back on the next call: its host work (scheduling,
+        inputs) ran while the previous step was on the device, and that step's tokens are detokenized and
+        checked for stops while this one is. A sequence that stops is found one step late; the token its extra
+        step samples is dropped."""
+        outputs, self._undelivered = self._undelivered, []
+        in_flight = self._in_flight
+        if in_flight is not None and in_flight.needs_host_tokens:
+            # Penalties need every generated id on the host: finish the step in flight before scheduling.
+            self._in_flight = None
+            outputs += self._finish_step(in_flight)
+            in_flight = None
         sched = self.scheduler.schedule()
-        if not sched:
-            if self.scheduler.has_unfinished():  # a bug, never a state to wait out: fail loudly, don't spin
-                raise RuntimeError(f"scheduler stalled with unfinished requests: {self.stats()}")
-            return []
-        now = time.time()
-        rows = {s.seq.seq_id: self._sampling_row(s.seq) for s in sched.scheduled if s.completes}
         try:
-            result = self.runner.execute(sched.scheduled, rows)
+            launched = self._launch(sched) if sched else None
+        except RequestFailed:
+            self._undelivered = outputs  # one request failed; the others' outputs go out with the next step
+            raise
+        if in_flight is not None:
+            self._in_flight = None
+            outputs += self._finish_step(in_flight)
+        if launched is not None:
+            if self.async_scheduling:
+                self._in_flight = launched
+            else:
+                outputs += self._finish_step(launched)
+        elif not outputs and in_flight is None and self.scheduler.has_unfinished():
+            # A bug, never a state to wait out: fail loudly, don't spin.
+            raise RuntimeError(f"scheduler stalled with unfinished requests: {self.stats()}")
+        return outputs
+
+    def _launch(self, sched) -> LaunchedStep:
+        """Run the runner on a scheduled step (without waiting for the device) and advance the sequences' counters;
+        a sequence that samples counts one pending token until the step's result is read."""
+        rows: dict[int, SamplingRow] = {}
+        needs_host_tokens = False
+        for s in sched.scheduled:
+            if s.completes:
+                seq = s.seq
+                row = rows[seq.seq_id] = self._sampling_row(seq)
+                p = row.params
+                if p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0:
+                    needs_host_tokens = True
+        try:
+            launched = self.runner.execute(sched.scheduled, rows, self._in_flight)
         except torch.OutOfMemoryError as exc:
             raise self._fail_for_memory(sched.scheduled) from exc
-        touched: dict[str, Request] = {}
+        launched.needs_host_tokens = needs_host_tokens
+        now = time.time()
         for s in sched.scheduled:
             seq = s.seq
             req = seq.request
@@ -235,12 +278,24 @@ class EngineCore:
                 req.num_cached_tokens = seq.num_computed_tokens
             seq.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_blocks(seq)
-            if seq.seq_id in result.prompt_logprobs:
-                req.prompt_logprobs.extend(self._decoded(result.prompt_logprobs[seq.seq_id]))
-            sampled = result.sampled.get(seq.seq_id)
-            if sampled is not None:
-                self._append_token(seq, sampled)
-                touched[req.request_id] = req
+            if seq.seq_id in launched.prompt_logprobs:
+                req.prompt_logprobs.extend(self._decoded(launched.prompt_logprobs[seq.seq_id]))
+        for seq in launched.seqs:
+            seq.num_pending += 1
+        return launched
+
+    def _finish_step(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Read a launched step's tokens back, append them, apply the stop rules and build the outputs."""
+        sampled = launched.result()
+        touched: dict[str, Request] = {}
+        for seq, token, logprobs in zip(launched.seqs, sampled.token_ids, sampled.logprobs):
+            if seq.status is SequenceStatus.FINISHED:
+                continue  # aborted, or stopped by the step before: its extra token is dropped
+            seq.num_pending -= 1
+            self._append_token(seq, token, logprobs)
+            if seq.status is not SequenceStatus.FINISHED:
+                self.kv.cache_full_blocks(seq)  # blocks whose last token was pending until now
+            touched[seq.request.request_id] = seq.request
         outputs = []
         for req in touched.values():
             if req.finished:
@@ -250,9 +305,9 @@ class EngineCore:
         return outputs
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        p = seq.params
+        p = seq.request.params
         banned: list[int] = []
-        if seq.num_output_tokens < p.min_tokens:
+        if p.min_tokens and seq.num_output_tokens < p.min_tokens:
             banned = list(p.stop_token_ids or [])
             if not p.ignore_eos:
                 banned.extend(self.eos_token_ids)
@@ -260,31 +315,32 @@ class EngineCore:
             params=p,
             generator=seq.generator,
             prompt_token_ids=seq.request.prompt_token_ids,  # shared by the request's samples: no copy
-            output_token_ids=seq.output_token_ids,
+            output_token_ids=seq.output_token_ids if p.presence_penalty or p.frequency_penalty or (
+                p.repetition_penalty != 1.0) else [],  # read only by the penalties
             banned_token_ids=banned,
         )
 
-    def _append_token(self, seq: Sequence, sampled: SampledToken) -> None:
-        token = sampled.token_id
+    def _append_token(self, seq: Sequence, token: int, logprobs: PositionLogprobs | None) -> None:
         seq.token_ids.append(token)
         req = seq.request
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = time.time()
-        if seq.logprobs is not None and sampled.logprobs is not None:
-            seq.logprobs.append(self._decoded([sampled.logprobs])[0])
-            seq.cumulative_logprob += sampled.logprobs[token].logprob
-        if seq.detokenizer is not None:
-            seq.detokenizer.add(token)
-        p = seq.params
-        if seq.detokenizer is not None and seq.detokenizer.stop_reason is not None:
-            self.scheduler.finish(seq, "stop", seq.detokenizer.stop_reason)
+        if seq.logprobs is not None and logprobs is not None:
+            seq.logprobs.append(self._decoded([logprobs])[0])
+            seq.cumulative_logprob += logprobs[token].logprob
+        detok = seq.detokenizer
+        if detok is not None:
+            detok.add(token)
+        p = req.params
+        if detok is not None and detok.stop_reason is not None:
+            self.scheduler.finish(seq, "stop", detok.stop_reason)
         elif token in self.eos_token_ids and not p.ignore_eos:
             self.scheduler.finish(seq, "stop")
         elif p.stop_token_ids and token in p.stop_token_ids:
             self.scheduler.finish(seq, "stop", token)
-        elif p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+        elif p.max_tokens is not None and len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens:
             self.scheduler.finish(seq, "length")
-        elif seq.num_tokens >= seq.max_total_tokens:
+        elif len(seq.token_ids) >= seq.max_total_tokens:
             self.scheduler.finish(seq, "length")
 
     def _decoded(self, positions: list[PositionLogprobs | None]) -> list[PositionLogprobs | None]:
@@ -297,12 +353,12 @@ class EngineCore:
     def _output(self, req: Request) -> RequestOutput:
         outs = []
         for seq in req.seqs:
-            done = seq.is_finished
+            done = seq.status is SequenceStatus.FINISHED
             outs.append(
                 CompletionOutput(
                     index=seq.index,
                     text=seq.detokenizer.output_text(done) if seq.detokenizer is not None else "",
-                    token_ids=list(seq.output_token_ids),
+                    token_ids=seq.token_ids[seq.num_prompt_tokens:],  # a new list: later tokens never show up in it
                     cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
                     logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
                     finish_reason=seq.finish_reason,
@@ -319,6 +375,16 @@ class EngineCore:
             metrics=req.metrics,
             num_cached_tokens=req.num_cached_tokens,
         )
+
+    def capture_cuda_graphs(self) -> float:
+        """Capture every decode graph size not captured yet (lazy capture otherwise takes each on its first step);
+        the seconds it took, 0 without graphs. Benchmarks call it before timing anything."""
+        graphs = self.runner.graphs
+        if graphs is None:
+            return 0.0
+        t0 = time.perf_counter()
+        graphs.capture()
+        return time.perf_counter() - t0
 
     def stats(self) -> EngineStats:
         kv = self.kv.stats()

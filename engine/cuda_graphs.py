@@ -1,4 +1,5 @@
-"""CUDA graphs of the decode step (model forward + logits) at a few batch sizes, captured at start in one shared pool.
+"""CUDA graphs of the decode step (model forward + logits) at a few batch sizes, in one shared pool, captured at start
+or lazily (a size on its first step).
 
 A decode batch is padded up to the next captured size; its inputs are copied into the graph's static buffer, then
 the graph replays. Padded rows have seq_len 0 and slot -1: attention writes nothing for them and returns zeros.
@@ -8,11 +9,11 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.step_inputs import InputStager, StepLayout, StepTensors
+from engine.step_inputs import InputStager, StepLayout, StepTensors, input_ids_view
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +60,17 @@ class DecodeGraphs:
                                  max_seq_len=self.max_model_len)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every size, largest first, so the smaller graphs reuse the pool's blocks."""
+    def capture(self, sizes: Sequence[int] | None = None) -> None:
+        """Capture every size (or only `sizes`: run() captures a size lazily on its first step), largest first,
+        so the smaller graphs reuse the pool's blocks."""
         t0 = time.perf_counter()
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        self.pool = torch.cuda.graph_pool_handle()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)  # capture needs a side stream; torch.cuda.graph's also runs a full
-        for size in reversed(self.sizes):       # gc.collect() + empty_cache() per graph, which we skip
+        todo = sorted({s for s in (self.sizes if sizes is None else sizes) if s not in self.graphs}, reverse=True)
+        for size in todo:                       # gc.collect() + empty_cache() per graph, which we skip
             _, nbytes = StepLayout(size, size, self.table_width).offsets()
             dest = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
             step = self._stage_padding(size, dest)
@@ -86,11 +90,11 @@ class DecodeGraphs:
             self.graphs[size] = graph
             self.inputs[size] = dest
         torch.cuda.synchronize(self.device)
-        self.pool_bytes = torch.cuda.memory_allocated(self.device) - before
-        self.capture_seconds = time.perf_counter() - t0
+        self.pool_bytes += torch.cuda.memory_allocated(self.device) - before
+        self.capture_seconds += time.perf_counter() - t0
         log.info(
-            "CUDA graphs: captured decode batch sizes %s in %.2f s (%.0f MiB of graph memory and static buffers)",
-            ",".join(map(str, self.sizes)), self.capture_seconds, self.pool_bytes / (1 << 20),
+            "CUDA graphs: captured decode batch sizes %s in %.2f s (%.0f MiB of graph memory and static buffers "
+            "in all)", ",".join(map(str, todo)), time.perf_counter() - t0, self.pool_bytes / (1 << 20),
         )
 
     def _forward(self, step: StepTensors, size: int) -> None:
@@ -103,14 +107,20 @@ class DecodeGraphs:
         positions: Sequence[int],
         starts: Sequence[int],
         block_tables: Sequence[Sequence[int]],
+        fill_input_ids: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """One decode step of len(token_ids) one-token sequences -> their logits [B, vocab] (a view of the static
-        buffer, valid until the next replay)."""
+        buffer, valid until the next replay). fill_input_ids, when given, is called with the graph's static input
+        ids (on the device, after the step's inputs are copied in) to write ids that are only on the device."""
         batch = len(token_ids)
         size = self.padded_size(batch)
         if size is None:
             raise ValueError(f"batch: {batch} sequences exceed the largest captured CUDA graph ({self.max_size})")
+        if size not in self.graphs:
+            self.capture([size])
         self.stager.stage(token_ids, positions, starts, [1] * batch, block_tables, table_width=self.table_width,
                           pad_to=size, dest=self.inputs[size], max_seq_len=self.max_model_len, want_views=False)
+        if fill_input_ids is not None:
+            fill_input_ids(input_ids_view(self.inputs[size], StepLayout(size, size, self.table_width)))
         self.graphs[size].replay()
         return self.logits[:batch]

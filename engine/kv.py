@@ -110,6 +110,8 @@ class KVCacheManager:
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Give seq the blocks for num_new_tokens more tokens (after adopting cached_blocks). False if it can't."""
+        if not cached_blocks and (seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size):
+            return True  # its blocks already hold them (most decode steps)
         if not self.can_allocate(seq, num_new_tokens, cached_blocks):
             return False
         for block_id in cached_blocks:
@@ -163,10 +165,10 @@ class KVCacheManager:
         seq.num_hashed_blocks = 0
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Publish seq's newly completed full blocks (all tokens computed) in the prefix cache."""
+        """Publish seq's newly completed full blocks (all tokens computed and known on the host) in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
         if num_full <= seq.num_hashed_blocks:
             return
         self._update_hashes(seq, num_full)

@@ -50,6 +50,10 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def capture_cuda_graphs(self) -> float:
+        """Capture every decode graph size not captured yet; the seconds it took (0 without graphs)."""
+        return self.engine.capture_cuda_graphs()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -145,6 +149,10 @@ class AsyncLLM:
 
     def stats(self) -> EngineStats:
         return self._call(self.engine.stats).result()
+
+    async def capture_cuda_graphs(self) -> float:
+        """Capture every decode graph size not captured yet, on the engine thread between steps; the seconds it took."""
+        return await asyncio.wrap_future(self._call(self.engine.capture_cuda_graphs))
 
     def stats_nowait(self) -> EngineStats:
         """The counters read on the caller's thread without waiting for a step (admission control, /metrics).

@@ -3,35 +3,24 @@
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
 from engine.attention import kv_cache_shape
 from engine.config import EngineArgs, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
+from engine.memory_budget import step_peak_bytes
 from engine.models import load_model
 from engine.outputs import PositionLogprobs
-from engine.sampling import Sampler, SamplingParams, SamplingRow, prompt_logprobs
+from engine.sampling import DeviceSample, Sampler, SamplerOutput, SamplingParams, SamplingRow, prompt_logprobs
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 from engine.step_inputs import InputStager
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SampledToken:
-    token_id: int
-    logprobs: PositionLogprobs | None
-
-
-@dataclass
-class StepResult:
-    sampled: dict[int, SampledToken]  # seq_id -> the token sampled for it this step
-    prompt_logprobs: dict[int, list[PositionLogprobs]]  # seq_id -> logprobs of prompt tokens computed this step
 
 
 class ModelRunner:
@@ -66,7 +55,8 @@ class ModelRunner:
                 self.model, self.kv_cache, self.stager, args.graph_sizes(), max_model_len, self.block_size,
                 model_config.vocab_size,
             )
-            self.graphs.capture()
+            if args.cuda_graph_capture == "start":  # "lazy": each size is captured by its first decode step
+                self.graphs.capture()
 
     def _use_cuda_graphs(self) -> bool:
         """Graphs need a GPU, enforce_eager off, and an attention backend whose decode launch is graph-safe."""
@@ -85,11 +75,39 @@ class ModelRunner:
         return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
 
     def _size_kv_cache(self) -> int:
-        """CPU: a fixed byte budget. GPU: what gpu_memory_utilization leaves after weights and a profiled step."""
+        """CPU: a fixed byte budget. GPU: what gpu_memory_utilization leaves after what this process holds (the
+        weights), the largest step's activations (kv_sizing "analytic": an upper bound from the model's shapes;
+        "profile": the peak of that step, run once), the CUDA graphs and whatever other processes hold."""
         if self.device.type != "cuda":
             blocks = self.args.cpu_kv_cache_bytes // self.bytes_per_block
         else:
-            blocks = self._profile_gpu_blocks()
+            m = self.model_config
+            num_tokens = min(self.args.max_num_batched_tokens, self.max_model_len)
+            num_rows = min(self.args.max_num_seqs, num_tokens)
+            torch.cuda.synchronize(self.device)
+            held = torch.cuda.memory_allocated(self.device)  # the weights' buffer is allocated even while streaming
+            if self.args.kv_sizing == "profile":
+                step = self._profile_gpu_blocks(num_tokens, num_rows) - held
+                how = "peak of a profiled"
+            else:
+                backend = self.model.layers[0].self_attn.backend if len(self.model.layers) else None
+                step = step_peak_bytes(m, self.dtype.itemsize, num_tokens, num_rows,
+                                       getattr(backend, "name", "triton"))
+                how = "bound of a"
+            free, total = torch.cuda.mem_get_info(self.device)
+            used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+            # The decode graphs (captured after the KV cache, at start or lazily) keep a static fp32 logits buffer
+            # (and a bf16 one in their pool) for the largest batch; their other activations are small next to it.
+            graphs = self.args.graph_sizes()[-1] * m.vocab_size * 6 + (64 << 20) if self.use_graphs else 0
+            budget = total * self.args.gpu_memory_utilization - used_by_others - held - step - graphs
+            log.info(
+                "KV sizing: %.2f GiB total, %.2f GiB held (weights), %.2f GiB %s %d-token step, %.2f GiB held by "
+                "others, %.2f GiB kept for CUDA graphs, %.2f GiB left for the KV cache at "
+                "gpu_memory_utilization=%.2f", total / (1 << 30), held / (1 << 30), step / (1 << 30), how,
+                num_tokens, used_by_others / (1 << 30), graphs / (1 << 30), budget / (1 << 30),
+                self.args.gpu_memory_utilization,
+            )
+            blocks = budget // self.bytes_per_block
         if blocks < 1:
             raise ValueError(
                 f"no memory left for the KV cache: one block needs {self.bytes_per_block} bytes "
@@ -97,13 +115,12 @@ class ModelRunner:
             )
         return int(blocks)
 
-    def _profile_gpu_blocks(self) -> int:
-        """Run the largest step the scheduler can make (one max_num_batched_tokens prefill through the selected
-        attention backend) and a sampler pass over max_num_seqs rows with top-p; the KV cache gets what is left
-        of gpu_memory_utilization after that peak and whatever other processes hold."""
+    def _profile_gpu_blocks(self, num_tokens: int, num_rows: int) -> int:
+        """Run the largest step the scheduler can make (one num_tokens prefill through the selected attention
+        backend) and a sampler pass over num_rows rows with top-p; returns the peak bytes allocated meanwhile
+        (what was allocated before included). Also loads the step's Triton kernels."""
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        num_tokens = min(self.args.max_num_batched_tokens, self.max_model_len)
         blocks = -(-num_tokens // self.block_size)
         m = self.model_config
         scratch = torch.empty(
@@ -113,7 +130,6 @@ class ModelRunner:
         step = self.stager.stage(
             [0] * num_tokens, range(num_tokens), [0], [num_tokens], [list(range(blocks))]
         )
-        num_rows = min(self.args.max_num_seqs, num_tokens)
         with torch.inference_mode():
             hidden = self.model(step.input_ids, step.positions, scratch, step.meta)
             logits = self.model.compute_logits(hidden[-num_rows:])
@@ -122,70 +138,88 @@ class ModelRunner:
             self.sampler(logits, [SamplingRow(params, None, [], [], []) for _ in range(num_rows)])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
+        # The scratch KV cache is not part of a real step's activations: it stands in for the KV cache.
+        peak -= scratch.numel() * scratch.element_size()
         del scratch, logits, step
         torch.cuda.empty_cache()  # the profiled step's cached blocks would otherwise sit beside the KV cache
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        # The decode graphs, captured after the KV cache, keep a static fp32 logits buffer (and a bf16 one in
-        # their pool) for the largest batch; their other activations are small next to it.
-        graphs = self.args.graph_sizes()[-1] * m.vocab_size * 6 + (64 << 20) if self.use_graphs else 0
-        budget = total * self.args.gpu_memory_utilization - used_by_others - peak - graphs
-        log.info(
-            "KV sizing: %.2f GiB total, %.2f GiB peak in a profiled %d-token step (weights included), %.2f GiB "
-            "held by others, %.2f GiB kept for CUDA graphs, %.2f GiB left for the KV cache at "
-            "gpu_memory_utilization=%.2f", total / (1 << 30), peak / (1 << 30), num_tokens,
-            used_by_others / (1 << 30), graphs / (1 << 30), budget / (1 << 30), self.args.gpu_memory_utilization,
-        )
-        return int(budget // self.bytes_per_block)
+        return peak
 
     # ---- one step ------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq], rows: dict[int, SamplingRow]) -> StepResult:
-        """Run one step. rows holds a SamplingRow for each sequence that samples this step, by seq_id."""
+    def execute(
+        self, scheduled: list[ScheduledSeq], rows: dict[int, SamplingRow], previous: LaunchedStep | None = None
+    ) -> LaunchedStep:
+        """Queue one step on the device (inputs, model, sampling, the copy of the sampled ids to the host) and return
+        without waiting for it; LaunchedStep.result() waits. rows holds a SamplingRow for each sequence that samples
+        this step, by seq_id. A sequence's last token may still be pending (sampled by `previous`, whose result is
+        not read yet): its id is taken from previous's tokens on the device."""
         ids: list[int] = []
         positions: list[int] = []
+        starts: list[int] = []
+        tables: list[list[int]] = []
         logit_rows: list[int] = []  # rows of the hidden states that need logits
-        sample_at: dict[int, int] = {}  # seq_id -> index into logit_rows
+        sampled_seqs: list[Sequence] = []  # in logit-row order after any prompt rows
+        sample_at: list[int] = []  # index into logit_rows of each sampled sequence
         prompt_spans: list[tuple[Sequence, int, int, int]] = []  # (seq, first logit row, count, first position)
+        fill_dst: list[int] = []  # input rows whose token is pending on the device ...
+        fill_src: list[int] = []  # ... and its row in previous's sampled tokens
         for s in scheduled:
-            seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
+            seq, n = s.seq, s.num_new_tokens
+            start = seq.num_computed_tokens
+            token_ids = seq.token_ids
             base = len(ids)
+            starts.append(start)
+            tables.append(seq.block_table)
+            missing = start + n - len(token_ids)  # tokens of this chunk not known on the host
+            if missing > 0:
+                if missing > 1 or previous is None or seq.seq_id not in previous.row_of:
+                    raise RuntimeError(f"sequence {seq.seq_id}: {missing} token(s) of its step are not known")
+                fill_dst.append(base + n - 1)
+                fill_src.append(previous.row_of[seq.seq_id])
             if n == 1:
-                ids.append(seq.token_ids[start])
+                ids.append(token_ids[start] if missing <= 0 else 0)
                 positions.append(start)
             else:
-                ids.extend(seq.token_ids[start : start + n])
+                ids.extend(token_ids[start : start + n])
+                if missing > 0:
+                    ids.append(0)
                 positions.extend(range(start, start + n))
-            if seq.wants_prompt_logprobs:
+            if seq.index == 0 and seq.request.params.prompt_logprobs is not None:
                 # logits at position p give the logprob of prompt token p + 1
                 first = max(start, len(seq.request.prompt_logprobs) - 1)
                 last = min(start + n, seq.num_prompt_tokens - 1)
                 if last > first:
                     prompt_spans.append((seq, len(logit_rows), last - first, first))
                     logit_rows.extend(range(base + first - start, base + last - start))
-            if s.completes:
-                sample_at[seq.seq_id] = len(logit_rows)
+            if start + n == len(token_ids) + seq.num_pending:  # s.completes: this step samples its next token
+                sampled_seqs.append(seq)
+                sample_at.append(len(logit_rows))
                 logit_rows.append(base + n - 1)
 
-        result = StepResult(sampled={}, prompt_logprobs={})
-        starts = [s.seq.num_computed_tokens for s in scheduled]
-        tables = [s.seq.block_table for s in scheduled]
-        one_token_each = len(ids) == len(scheduled)
-        if self.graphs is not None and one_token_each and len(ids) <= self.graphs.max_size:
+        fill = None
+        if fill_dst:
+            tokens = previous.sample.token_ids
+            fill = lambda input_ids: _write_pending(input_ids, fill_dst, fill_src, tokens)  # noqa: E731
+        result = LaunchedStep(sampled_seqs, None, {})
+        num_rows = len(ids)
+        all_rows = len(logit_rows) == num_rows and (not logit_rows or logit_rows[-1] == num_rows - 1)
+        if self.graphs is not None and num_rows == len(scheduled) and num_rows <= self.graphs.max_size:
             # Pure decode: the graph computes every row's logits; pick the ones this step needs.
-            all_logits = self.graphs.run(ids, positions, starts, tables)
+            all_logits = self.graphs.run(ids, positions, starts, tables, fill_input_ids=fill)
             if not logit_rows:
                 return result
-            if logit_rows == list(range(len(ids))):
+            if all_rows:
                 logits = all_logits
             else:
                 logits = all_logits[torch.tensor(logit_rows).to(self.device, non_blocking=True)]
         else:
             step = self.stager.stage(ids, positions, starts, [s.num_new_tokens for s in scheduled], tables)
+            if fill is not None:
+                fill(step.input_ids)
             hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
             if not logit_rows:
                 return result
-            if logit_rows != list(range(hidden.shape[0])):
+            if not all_rows:
                 hidden = hidden[torch.tensor(logit_rows).to(self.device, non_blocking=True)]
             logits = self.model.compute_logits(hidden)
 
@@ -194,11 +228,45 @@ class ModelRunner:
             result.prompt_logprobs[seq.seq_id] = prompt_logprobs(
                 logits[row : row + count], targets, seq.params.prompt_logprobs
             )
-        if sample_at:
-            order = list(sample_at)
-            picks = [sample_at[i] for i in order]
-            sample_logits = logits if picks == list(range(logits.shape[0])) else logits[picks]
-            sampled = self.sampler(sample_logits, [rows[i] for i in order])
-            for seq_id, tok, lp in zip(order, sampled.token_ids, sampled.logprobs):
-                result.sampled[seq_id] = SampledToken(tok, lp)
+        if sampled_seqs:
+            if len(sample_at) == logits.shape[0]:  # every logits row samples (no prompt-logprob rows)
+                sample_logits = logits
+            else:
+                sample_logits = logits[sample_at]
+            result.sample = self.sampler.sample(sample_logits, [rows[seq.seq_id] for seq in sampled_seqs])
+            result.sample.start_copy()
         return result
+
+
+def _write_pending(input_ids: torch.Tensor, dst: list[int], src: list[int], tokens: torch.Tensor) -> None:
+    """input_ids[dst] = tokens[src] on the device: the ids the previous step sampled, never read back for it."""
+    k = len(dst)
+    if dst[-1] - dst[0] == k - 1 and src[-1] - src[0] == k - 1 and src == list(range(src[0], src[0] + k)):
+        input_ids[dst[0] : dst[0] + k].copy_(tokens[src[0] : src[0] + k])  # dst rises by one each: a range too
+        return
+    pin = input_ids.is_cuda
+    index = torch.tensor([dst, src], dtype=torch.int64, pin_memory=pin).to(input_ids.device, non_blocking=True)
+    input_ids[index[0]] = tokens[index[1]]
+
+
+class LaunchedStep:
+    """A step queued on the device. seqs: the sequences it samples a token for, in row order; sample: their tokens
+    still on the device (None when none samples); prompt_logprobs: seq_id -> the logprobs of the prompt tokens
+    it computed (read back already)."""
+
+    def __init__(self, seqs: list[Sequence], sample: DeviceSample | None,
+                 prompt_logprobs: dict[int, list[PositionLogprobs]]):
+        self.seqs = seqs
+        self.sample = sample
+        self.prompt_logprobs = prompt_logprobs
+
+    @functools.cached_property
+    def row_of(self) -> dict[int, int]:
+        """seq_id -> its row in the sampled tokens."""
+        return {seq.seq_id: i for i, seq in enumerate(self.seqs)}
+
+    def result(self) -> SamplerOutput:
+        """The sampled tokens (and logprobs) on the host, in the order of seqs: waits for their copy only."""
+        if self.sample is None:
+            return SamplerOutput([], [])
+        return self.sample.result()

@@ -380,6 +380,57 @@ def prompt_logprobs(logits: torch.Tensor, next_token_ids: list[int], k: int) -> 
 # The sampler
 # ---------------------------------------------------------------------------------------------------------------
 
+class DeviceSample:
+    """One step's sampled token ids, with any requested logprobs, still on the device.
+
+    start_copy() queues their copy to pinned host memory behind the sampling kernels and returns at once; result()
+    waits for that copy alone (not for later work on the stream) and builds the SamplerOutput.
+    """
+
+    def __init__(self, token_ids: torch.Tensor, lp_tensors: list[torch.Tensor], lp_rows: list[int], ks: list[int]):
+        self.token_ids = token_ids  # [N] int64 on the logits' device: the next step's inputs can read them there
+        self._tensors = [token_ids, *lp_tensors]
+        self._lp_rows = lp_rows
+        self._ks = ks
+        self._host: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+
+    def start_copy(self) -> "DeviceSample":
+        tensors = self._tensors
+        if not tensors[0].is_cuda or self._host is not None:
+            return self
+        # One transfer: ids alone as int64, or everything as float64 (exact for ids, ranks and float32 logprobs).
+        flat = tensors[0] if len(tensors) == 1 else torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+        self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        self._host.copy_(flat, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return self
+
+    def _read_back(self) -> list[np.ndarray]:
+        tensors = self._tensors
+        if self._host is None:
+            return _read_back(tensors)
+        self._copied.synchronize()
+        flat = self._host.numpy()
+        if len(tensors) == 1:
+            return [flat]
+        out, at = [], 0
+        for t in tensors:
+            out.append(flat[at : at + t.numel()].reshape(t.shape))
+            at += t.numel()
+        return out
+
+    def result(self) -> SamplerOutput:
+        host = self._read_back()
+        ids = host[0].astype(np.int64).tolist()
+        logprobs: list[PositionLogprobs | None] = [None] * len(ids)
+        if self._lp_rows:
+            for i, entry in zip(self._lp_rows, _logprob_entries(host[1:], self._ks)):
+                logprobs[i] = entry
+        return SamplerOutput(ids, logprobs)
+
+
 class Sampler:
     """Samples one token per row of a [N, V] logits batch, each row under its own SamplingParams.
 
@@ -388,14 +439,23 @@ class Sampler:
     """
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """Sample and read the result back (waits for the device)."""
+        return self.sample(logits, rows).result()
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSample:
+        """Sample on the logits' device; nothing is read back (DeviceSample.result() does that)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits: expected shape [{len(rows)}, vocab], got {list(logits.shape)}")
         if not rows:
-            return SamplerOutput([], [])
+            return DeviceSample(torch.zeros(0, dtype=torch.int64, device=logits.device), [], [], [])
         params = [r.params for r in rows]
         raw = logits.float()
-        edits = any(r.banned_token_ids for r in rows) or any(
-            p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params)
+        edits = False
+        for r in rows:
+            p = r.params
+            if r.banned_token_ids or p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0:
+                edits = True
+                break
         work = raw.clone() if edits else raw  # raw may be the caller's tensor: edit only a copy
         if edits:
             apply_banned_tokens(work, [r.banned_token_ids for r in rows])
@@ -427,17 +487,13 @@ class Sampler:
                 token_ids[index] = sampled
 
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        logprobs: list[PositionLogprobs | None] = [None] * len(rows)
         if not lp_rows:
-            return SamplerOutput(_read_back([token_ids])[0].astype(np.int64).tolist(), logprobs)
+            return DeviceSample(token_ids, [], [], [])
         index = torch.tensor(lp_rows).to(raw.device, non_blocking=True)
         ks = [params[i].logprobs for i in lp_rows]
         kmax = min(max(ks), raw.shape[-1])
         lp = _logprob_tensors(torch.log_softmax(raw[index], dim=-1), token_ids[index], kmax)
-        host = _read_back([token_ids, *lp])  # the step's one device->host transfer
-        for i, entry in zip(lp_rows, _logprob_entries(host[1:], [min(k, kmax) for k in ks])):
-            logprobs[i] = entry
-        return SamplerOutput(host[0].astype(np.int64).tolist(), logprobs)
+        return DeviceSample(token_ids, lp, lp_rows, [min(k, kmax) for k in ks])
 
     @staticmethod
     def _draw(logits: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:

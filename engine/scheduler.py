@@ -57,24 +57,37 @@ class Scheduler:
         """Mark seq finished, take it out of whichever queue holds it and free its blocks."""
         if seq.is_finished:
             return
+        was_running = seq.status is SequenceStatus.RUNNING
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
-        for queue in (self.running, self.waiting):
-            if seq in queue:
-                queue.remove(seq)
+        seq.num_pending = 0  # a token still on the device for it is dropped when it arrives
+        queue = self.running if was_running else self.waiting
+        if seq in queue:
+            queue.remove(seq)
         self.kv.free(seq)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         kept: list[Sequence] = []
-        queue = list(self.running)
-        while queue and budget > 0:
-            seq = queue.pop(0)
+        queue = self.running
+        self.running = []
+        # queue[head:end] are the running sequences not yet scheduled; victims are taken from the end.
+        head, end = 0, len(queue)
+        while head < end and budget > 0:
+            seq = queue[head]
+            head += 1
+            if seq.num_pending and seq.reaches_length_limit:
+                kept.append(seq)  # finishes once its pending token arrives: nothing to compute
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.allocate(seq, num_new):
-                victim = queue.pop() if queue else seq  # the youngest still unscheduled
+                if head < end:  # the youngest still unscheduled
+                    end -= 1
+                    victim = queue[end]
+                else:
+                    victim = seq
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -82,13 +95,16 @@ class Scheduler:
                 kept.append(seq)
                 out.scheduled.append(ScheduledSeq(seq, num_new))
                 budget -= num_new
-        self.running = kept + queue  # queue: running sequences the budget did not reach this step
+        kept.extend(queue[head:end])  # running sequences the budget did not reach this step
+        self.running = kept
 
         if out.preempted:  # blocks are short: admit nobody new this step
             return out
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
+            if seq.num_pending:
+                break  # preempted while its last token is still on the device: admitted once that token is known
             parent = seq.parent
             if parent is not None and parent.status is SequenceStatus.RUNNING and (
                 parent.num_computed_tokens < parent.num_prompt_tokens

@@ -35,6 +35,9 @@ class Sequence:
     detokenizer: "IncrementalDetokenizer | None" = None
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    # Sampled tokens whose ids are still on the device (async scheduling): they count in num_tokens, so the next
+    # step is scheduled as if they were known, but they are not in token_ids yet.
+    num_pending: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full blocks of token_ids
     num_hashed_blocks: int = 0  # how many of block_table are published in the prefix cache
@@ -55,15 +58,26 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Known tokens plus the pending ones: what the scheduler and the KV cache count."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def output_token_ids(self) -> list[int]:
+        """The generated tokens known on the host (a new list)."""
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """Generated tokens, pending ones included: the index of the next token to sample."""
+        return len(self.token_ids) + self.num_pending - self.num_prompt_tokens
+
+    @property
+    def reaches_length_limit(self) -> bool:
+        """Its tokens (pending ones included) already reach max_tokens or the context limit: once they are known it
+        finishes with "length", so there is nothing more to schedule for it."""
+        n = len(self.token_ids) + self.num_pending
+        max_tokens = self.request.params.max_tokens
+        return n >= self.max_total_tokens or (max_tokens is not None and n - self.num_prompt_tokens >= max_tokens)
 
     @property
     def is_finished(self) -> bool:
@@ -97,4 +111,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        for s in self.seqs:
+            if s.status is not SequenceStatus.FINISHED:
+                return False
+        return True

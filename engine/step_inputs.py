@@ -68,23 +68,35 @@ def views(buf: torch.Tensor, layout: StepLayout, meta_host: dict) -> StepTensors
     return StepTensors(t["input_ids"], t["positions"], meta)
 
 
+def input_ids_view(buf: torch.Tensor, layout: StepLayout) -> torch.Tensor:
+    """The input_ids section of a packed buffer, as int64 [num_tokens]."""
+    at, n, dtype, shape = layout.offsets()[0]["input_ids"]
+    return buf[at : at + n].view(dtype)
+
+
 class InputStager:
     """Builds packed step inputs in a reusable pinned host buffer (CUDA) and copies them to the device at once."""
 
     def __init__(self, device: torch.device, block_size: int) -> None:
         self.device = device
         self.block_size = block_size
-        self._host: torch.Tensor | None = None
-        self._copied: torch.cuda.Event | None = None  # the last copy out of the pinned buffer
+        # Two pinned buffers used in turn, each with the event of the last copy out of it: with steps queued ahead
+        # of the GPU, the buffer being rewritten is the one of two steps ago, whose copy has long left it.
+        self._hosts: list[torch.Tensor | None] = [None, None]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
 
     def _host_buffer(self, nbytes: int) -> torch.Tensor:
         if self.device.type != "cuda":
             return torch.empty(nbytes, dtype=torch.uint8)  # the buffer is the step's input itself: a fresh one
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copy must have left the buffer before it is rewritten
-        if self._host is None or self._host.numel() < nbytes:
-            self._host = torch.empty(max(nbytes, 1 << 16) * 2, dtype=torch.uint8, pin_memory=True)
-        return self._host
+        self._turn ^= 1
+        turn = self._turn
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()  # its last copy must have left the buffer before it is rewritten
+        host = self._hosts[turn]
+        if host is None or host.numel() < nbytes:
+            host = self._hosts[turn] = torch.empty(max(nbytes, 1 << 16) * 2, dtype=torch.uint8, pin_memory=True)
+        return host
 
     def stage(
         self,
@@ -149,9 +161,9 @@ class InputStager:
             if dest is None:
                 dest = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             dest[:nbytes].copy_(host[:nbytes], non_blocking=True)
-            if self._copied is None:
-                self._copied = torch.cuda.Event()
-            self._copied.record()
+            if self._copied[self._turn] is None:
+                self._copied[self._turn] = torch.cuda.Event()
+            self._copied[self._turn].record()
         else:
             dest = host[:nbytes]
         if not want_views:

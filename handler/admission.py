@@ -14,11 +14,12 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from handler.metrics import SEED_REQUEST_TOKENS, next_typical_tokens, sustainable_requests
+
 log = logging.getLogger(__name__)
 
 DRAIN_GRACE_S = 30.0  # in-flight jobs get this long after SIGTERM before they are aborted
 EXIT_WAIT_S = 10.0  # after a fatal error or the drain deadline: the longest wait for results to be posted
-SEED_REQUEST_TOKENS = 1024  # the size assumed of a typical request until some have been served
 
 
 def _sdk_occupancy() -> int:
@@ -74,7 +75,17 @@ class Admission:
 
     def observe(self, prompt_tokens: int, output_tokens: int) -> None:
         """A finished request's size: the typical request admission plans for is their moving average."""
-        self.typical_tokens += 0.1 * (prompt_tokens + output_tokens - self.typical_tokens)
+        self.typical_tokens = next_typical_tokens(self.typical_tokens, prompt_tokens, output_tokens)
+
+    def capacity(self) -> int | None:
+        """Concurrent requests this worker sustains now: the jobs it holds plus as many typical requests as the free
+        KV blocks hold, within [1, MAX_CONCURRENCY]; None until the engine is up."""
+        engine = self.boot.engine_now()
+        if engine is None:
+            return None
+        core = engine.engine
+        return sustainable_requests(engine.stats_nowait().num_free_blocks, self._occupancy(), self.typical_tokens,
+                                    core.args.block_size, core.context_limit, self.max_concurrency)
 
     def abort_all(self, reason: str) -> None:
         for ticket in list(self.tickets.values()):
@@ -98,12 +109,13 @@ class Admission:
         engine = self.boot.engine_now()
         if engine is None:
             return self.max_concurrency
-        stats = engine.stats_nowait()
-        block_size = engine.engine.args.block_size
-        typical_blocks = max(1, -(-int(min(self.typical_tokens, engine.engine.context_limit)) // block_size))
+        free_blocks = engine.stats_nowait().num_free_blocks
+        core = engine.engine
+        typical_blocks = max(1, -(-int(min(self.typical_tokens, core.context_limit)) // core.args.block_size))
         held = self._occupancy()
-        target = max(1, min(self.max_concurrency, held + stats.num_free_blocks // typical_blocks))
-        if target < current and (stats.num_free_blocks < typical_blocks or 2 * target <= current):
+        target = sustainable_requests(free_blocks, held, self.typical_tokens, core.args.block_size,
+                                      core.context_limit, self.max_concurrency)
+        if target < current and (free_blocks < typical_blocks or 2 * target <= current):
             return target
         if target > current and (held == 0 or target >= 1.25 * current + 1):
             return target

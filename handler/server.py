@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from handler.config import Settings, SettingsError, load_settings
 from handler.engine_boot import EngineBoot
+from handler.job_timing import TimedEngine
 from handler.metrics import Metrics
 from handler.routes import ROUTES, SSE_DONE, ApiError, ChunkStream, OpenAIRoutes, sse
 
@@ -103,7 +104,8 @@ class OpenAIServer:
             except Exception as e:
                 raise ApiError(503, f"the model failed to load: {e}") from None
             if self._routes is None:
-                self._routes = OpenAIRoutes(engine, self.settings, self.boot.served_names, self.metrics)
+                self._routes = OpenAIRoutes(TimedEngine(engine, on_queue_wait=self.metrics.observe_queue_wait),
+                                            self.settings, self.boot.served_names, self.metrics)
         return self._routes
 
     async def handle(self, request: Request, route: str) -> Response:
@@ -149,7 +151,8 @@ class OpenAIServer:
         stats = None
         if engine is not None and engine.errored is None:
             stats = engine.stats_nowait()  # plain reads: /metrics never waits for an engine step
-        return Response(self.metrics.render(stats, ready=engine is not None), media_type=PROMETHEUS_CONTENT_TYPE)
+        text = self.metrics.render(stats, ready=engine is not None, engine=engine, cold_start=self.boot.phases)
+        return Response(text, media_type=PROMETHEUS_CONTENT_TYPE)
 
 
 def build_app(settings: Settings, boot: EngineBoot, metrics: Metrics | None = None) -> FastAPI:

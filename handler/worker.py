@@ -1,5 +1,10 @@
 """The RunPod serverless worker: an async-generator job handler run by `runpod.serverless.start`, the engine loading
 in the background from process start. Every job ends in one result: its output, or `{"error": ...}`.
+
+A job's final output carries a `metrics` block (handler.job_timing.job_metrics): its queue wait, measured from the
+moment the SDK hands the job to the handler (the SDK passes the job-take answer on as it came, `id`, `input` and
+`webhook` as documented, and stamps no time on it, so nothing dates the enqueue; RunPod's own queue time is the
+`delayTime` of /status), the worker's capacity and its cold-start phases.
 """
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,6 +22,7 @@ from typing import Any
 from handler.admission import Admission, Ticket
 from handler.config import Settings, SettingsError, load_settings
 from handler.engine_boot import EngineBoot
+from handler.job_timing import JobTiming, TimedEngine, job_metrics
 from handler.jobs import EngineJob, JobAborted, JobInputError, parse_job, run_engine_job, run_openai_job
 
 log = logging.getLogger(__name__)
@@ -49,6 +56,18 @@ async def _abortable(stream: AsyncIterator, ticket: Ticket) -> AsyncIterator:
         await stream.aclose()
 
 
+def _is_final_output(item: Any) -> bool:
+    """The chunk that ends a served job: worker-vllm's last batch (each choice has its finish_reason) or a whole
+    (not streamed) OpenAI completion. Streamed OpenAI chunks stay exactly as the OpenAI API sends them."""
+    if not isinstance(item, dict) or "error" in item:
+        return False
+    choices = item.get("choices")
+    if item.get("object") in ("chat.completion", "text_completion"):
+        return True
+    return (isinstance(choices, list) and bool(choices) and "object" not in item
+            and all(isinstance(c, dict) and "finish_reason" in c for c in choices))
+
+
 class Worker:
     """The job handler and its collaborators: settings, the engine boot, admission, and the OpenAI routes."""
 
@@ -62,7 +81,7 @@ class Worker:
         if self._routes is None:
             from handler.routes import OpenAIRoutes
 
-            self._routes = OpenAIRoutes(engine, self.settings, self.boot.served_names)
+            self._routes = OpenAIRoutes(TimedEngine(engine), self.settings, self.boot.served_names)
         return self._routes
 
     async def handle(self, job: dict) -> AsyncIterator[Any]:
@@ -76,13 +95,20 @@ class Worker:
         if self.admission.fatal_error is not None:
             yield {"error": "the engine failed; this worker is restarting, retry the request"}
             return
+        timing = JobTiming()
+        if self.boot.is_ready:
+            timing.engine_ready = timing.received  # no wait for the engine: it was up when the job came
         with self.admission.track(job_id) as ticket:
-            async for item in self._run(job_id, parsed, ticket):
+            async for item in self._run(job_id, parsed, ticket, timing):
+                if _is_final_output(item):
+                    item["metrics"] = job_metrics(timing, self.admission.capacity(), self.boot.phases)
                 yield item
 
-    async def _run(self, job_id: str, parsed, ticket: Ticket) -> AsyncIterator[Any]:
+    async def _run(self, job_id: str, parsed, ticket: Ticket, timing: JobTiming) -> AsyncIterator[Any]:
         try:
             engine = await self._await_engine(ticket)
+            if timing.engine_ready is None:
+                timing.engine_ready = time.time()
         except JobAborted as exc:
             yield {"error": str(exc)}
             return
@@ -93,11 +119,13 @@ class Worker:
         try:
             if isinstance(parsed, EngineJob):
                 request_id = f"job-{job_id}-{uuid.uuid4().hex[:8]}"
-                stream = run_engine_job(engine, parsed, self.settings, request_id, on_finish=self.admission.observe)
+                stream = run_engine_job(TimedEngine(engine, timing), parsed, self.settings, request_id,
+                                        on_finish=self.admission.observe)
             else:
                 stream = run_openai_job(self.routes(engine), parsed, self.settings, on_finish=self.admission.observe)
-            async for item in _abortable(stream, ticket):
-                yield item
+            with timing.current():  # the OpenAI routes' engine requests find their job through the running task
+                async for item in _abortable(stream, ticket):
+                    yield item
         except Exception as exc:
             yield {"error": self._job_error(job_id, engine, exc)}
 

@@ -290,9 +290,11 @@ import torch
 from tests.test_attention_triton import make_case, run_both
 from engine.attention.triton_attn import TritonAttentionBackend
 
-backend = TritonAttentionBackend(programs_per_sm=16)  # on CPU tensors: 2 'SMs', so decode splits 4-ways here
+# on CPU tensors: 2 'SMs', so decode splits 4-ways here; merged in the attention kernel or by a second launch
+backends = [TritonAttentionBackend(programs_per_sm=16), TritonAttentionBackend(programs_per_sm=16, fused_merge=False)]
 worst = 0.0
-for dtype, head_dim in ((torch.float32, 24), (torch.float16, 24), (torch.float32, 16)):
+for (dtype, head_dim), backend in zip(((torch.float32, 24), (torch.float16, 24), (torch.float32, 16)),
+                                      backends + backends[:1]):
     for seqs, qlens, window in (([9, 40, 1, 70], [1, 1, 1, 1], None), ([9, 23, 37, 1, 50], [1, 23, 11, 1, 1], None),
                                 ([9, 40, 1, 70], [1, 1, 1, 1], 5), ([9, 23, 37, 1, 50], [1, 23, 11, 1, 1], 6)):
         case = make_case(seqs, qlens, 2, 3, head_dim, 4, dtype, "cpu", padded_rows=2 if max(qlens) == 1 else 0)
@@ -303,6 +305,7 @@ for dtype, head_dim in ((torch.float32, 24), (torch.float16, 24), (torch.float32
         err = (out - ref).abs().max().item()
         assert err < bound, (dtype, seqs, window, err)
         worst = max(worst, err)
+assert backends[0].arrivals is not None and not backends[0].arrivals.any(), "split arrival counts must reset to 0"
 print("ok", worst)
 """
 

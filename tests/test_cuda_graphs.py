@@ -34,15 +34,15 @@ def test_cpu_never_captures(tmp_path):
 
 def _generate(model_dir: str, prompts, enforce_eager: bool, **kw):
     llm = LLM(model=model_dir, dtype="float32", device="cuda", block_size=4, num_kv_blocks=256, max_model_len=128,
-              enforce_eager=enforce_eager, cuda_graph_sizes=[1, 2, 4, 8], **kw)
+              enforce_eager=enforce_eager, cuda_graph_sizes=[1, 2, 4, 8], cuda_graph_capture="start", **kw)
     runner = llm.engine.runner
     replays = []
     if runner.graphs is not None:
         run = runner.graphs.run
 
-        def counting_run(token_ids, *args):
+        def counting_run(token_ids, *args, **kwargs):
             replays.append(len(token_ids))
-            return run(token_ids, *args)
+            return run(token_ids, *args, **kwargs)
 
         runner.graphs.run = counting_run  # a spy: the real replay still runs
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
@@ -123,3 +123,49 @@ def test_cuda_sampler_keeps_cpu_semantics():
             assert allowed[i, tok], (settings[i], tok)
             seen[i].add(tok)
     assert all(len(s) > 1 for s in seen)  # really sampled, not stuck on the argmax
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_async_scheduling_equals_sync_on_the_gpu(tmp_path):
+    """Step N+1 launched from step N's tokens still on the device (graph and eager steps, preemption, stops, seeded
+    sampling, penalties, n > 1) gives the tokens sync scheduling gives, and frees every block."""
+    make_tiny_model("llama", str(tmp_path))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 256, (int(n),), generator=g).tolist() for n in torch.randint(2, 40, (12,), generator=g)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=20, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=16, n=2, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=list(range(3, 256, 9)), ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=12, repetition_penalty=1.3, ignore_eos=True),
+    ] * 3
+    results = {}
+    for mode in (False, True):
+        llm = LLM(model=str(tmp_path), dtype="float32", device="cuda", block_size=4, num_kv_blocks=48,
+                  max_model_len=128, cuda_graph_sizes=[1, 2, 4, 8], async_scheduling=mode)
+        outs = llm.generate(prompts, params)
+        stats = llm.stats()
+        assert stats.num_free_blocks == stats.num_kv_blocks
+        results[mode] = ([[(c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outs],
+                         [o.outputs[0].cumulative_logprob for o in outs[::4]], stats.num_preemptions)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert results[True][0] == results[False][0]
+    assert results[True][1] == pytest.approx(results[False][1], abs=1e-3)
+    assert results[True][2] > 0 and results[False][2] > 0  # 48 blocks of 4 tokens: preemption in both modes
+    assert any(c[1] == "stop" for r in results[True][0] for c in r)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_capture_cuda_graphs_takes_every_size_left(tmp_path):
+    make_tiny_model("llama", str(tmp_path))
+    llm = LLM(model=str(tmp_path), dtype="float32", device="cuda", block_size=4, num_kv_blocks=64, max_model_len=128,
+              cuda_graph_sizes=[1, 2, 4], cuda_graph_capture="lazy")
+    graphs = llm.engine.runner.graphs
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert sorted(graphs.graphs) == [1]  # lazy: only the size a step used
+    assert llm.capture_cuda_graphs() > 0
+    assert sorted(graphs.graphs) == [1, 2, 4]
+    assert llm.capture_cuda_graphs() >= 0 and sorted(graphs.graphs) == [1, 2, 4]

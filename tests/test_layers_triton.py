@@ -1,4 +1,4 @@
-"""Triton kernels (engine/layers/fused.py, random_race.py) against transformers' and torch's own layers.
+"""Triton kernels (engine/layers/fused.py, skinny_gemm.py, random_race.py) against transformers' and torch's layers.
 
 GPU tests check the compiled kernels in bf16/fp16/fp32 on random shapes; one CPU test runs them under Triton's
 interpreter in float32 so CI catches a broken kernel without a GPU.
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from engine.config import RopeConfig
+from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 
 REPO = Path(__file__).resolve().parent.parent
@@ -124,6 +125,85 @@ def test_rope_with_qwen3_qk_norm_matches_transformers():
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_into_paged_cache_matches_transformers(dtype, qk_norm):
+    """Rotated k and raw v land at their slots (padding slot -1 writes nothing), q as transformers rotates it."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from engine.attention import kv_cache_shape
+
+    tokens, heads, kv_heads, head_dim, block_size = 9, 16, 4, 128, 16
+    rot = RotaryEmbedding(head_dim, ROPES[2], 8192, dtype, "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device="cuda", generator=gen).to(dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (t.view(tokens, -1, head_dim) for t in (q, k, v))
+    cache = torch.full(kv_cache_shape(1, 12, block_size, kv_heads, head_dim), 7.0, dtype=dtype, device="cuda")[0]
+    slots = torch.randperm(12 * block_size, device="cuda", generator=gen)[:tokens]
+    slots[4] = -1
+    positions = torch.randint(0, 8192, (tokens,), device="cuda", generator=gen)
+    norms, ours = [None, None], [None, None]
+    if qk_norm:
+        norms = [Qwen3RMSNorm(head_dim, 1e-6).to("cuda", dtype) for _ in range(2)]
+        ours = [RMSNorm(head_dim, 1e-6, dtype, "cuda") for _ in range(2)]
+        for n, o in zip(norms, ours):
+            n.weight.data.copy_(1 + 0.2 * torch.randn(head_dim, device="cuda", generator=gen))
+            o.weight.data.copy_(n.weight)
+    assert rot.can_write_cache(q, cache)
+    with torch.no_grad():
+        q_out = rot.rotate_into_cache(positions, q, k, v, cache, slots, *ours)
+        q_ref, k_ref = hf_rope(norms[0](q) if qk_norm else q, norms[1](k) if qk_norm else k, rot, positions)
+    torch.testing.assert_close(q_out, q_ref, **TOL[dtype])
+    flat = cache.reshape(2, -1, kv_heads, head_dim)
+    real = torch.arange(tokens, device="cuda") != 4
+    torch.testing.assert_close(flat[0, slots[real]], k_ref[real], **TOL[dtype])
+    assert torch.equal(flat[1, slots[real]], v[real])
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool, device="cuda")
+    untouched[slots[real]] = False
+    assert bool((flat[:, untouched] == 7.0).all())
+
+
+SKINNY_SHAPES = [(1, 4096, 4096), (1, 6144, 4096), (3, 1000, 200), (8, 28672, 4096), (16, 4096, 14336),
+                 (5, 128256, 2048), (2, 96, 72)]
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,n,k", SKINNY_SHAPES)
+def test_skinny_gemm_matches_torch_linear(dtype, m, n, k):
+    """Plain, with bias, and into an fp32 buffer rounded as .float() is."""
+    from engine.layers.skinny_gemm import skinny_applies, skinny_gemm
+
+    gen = torch.Generator(device="cuda").manual_seed(m * n + k)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+    w = (0.05 * torch.randn(n, k, device="cuda", generator=gen)).to(dtype)
+    b = torch.randn(n, device="cuda", generator=gen).to(dtype)
+    assert skinny_applies(x, w)
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(skinny_gemm(x, w), F.linear(x, w), **tol)
+    torch.testing.assert_close(skinny_gemm(x, w, b), F.linear(x, w, b), **tol)
+    logits = torch.empty(m + 2, n, dtype=torch.float32, device="cuda")
+    out = skinny_gemm(x, w, out=logits[:m])
+    assert torch.equal(out, out.to(dtype).float())  # rounded to the activation dtype, then widened
+    torch.testing.assert_close(out, F.linear(x, w).float(), **tol)
+
+
+@pytest.mark.gpu
+@cuda
+def test_skinny_gemm_only_for_few_rows():
+    from engine.layers.skinny_gemm import MAX_ROWS, skinny_applies
+
+    w = torch.empty(64, 32, dtype=torch.bfloat16, device="cuda")
+    assert skinny_applies(torch.empty(MAX_ROWS, 32, dtype=torch.bfloat16, device="cuda"), w)
+    assert not skinny_applies(torch.empty(MAX_ROWS + 1, 32, dtype=torch.bfloat16, device="cuda"), w)
+    assert not skinny_applies(torch.empty(1, 32, dtype=torch.float32, device="cuda"), w.float())
+    assert not skinny_applies(torch.empty(1, 32, dtype=torch.bfloat16), w.cpu())
+
+
+@pytest.mark.gpu
+@cuda
 def test_race_sample_follows_softmax_and_keys():
     from engine.layers.random_race import race_sample
 
@@ -150,6 +230,13 @@ def test_race_sample_follows_softmax_and_keys():
 def test_kernels_under_the_triton_interpreter_match_torch_in_float32():
     """The kernels' logic on CPU (float32, where the interpreter rounds like torch): CI runs without a GPU."""
     script = textwrap.dedent("""
+        # numpy >= 2.3 refuses int() of a 1-element array, which triton 3.6's interpreter uses for range() bounds
+        import triton.runtime.interpreter as interp
+        _patch = interp._patch_lang_tensor
+        def _patched(tensor, scope):
+            _patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+        interp._patch_lang_tensor = _patched
         import torch, torch.nn.functional as F
         from engine.config import RopeConfig
         from engine.layers.fused import rms_norm_fused, rope_fused, silu_and_mul_fused
@@ -176,6 +263,20 @@ def test_kernels_under_the_triton_interpreter_match_torch_in_float32():
         qo, ko = rope_fused(pos, q, k, rot.cos, rot.sin, qn.weight, kn.weight, 1e-6)
         torch.testing.assert_close(qo, apply_rotary(qn(q), rot.cos[pos], rot.sin[pos]))
         torch.testing.assert_close(ko, apply_rotary(kn(k), rot.cos[pos], rot.sin[pos]))
+        v = qkv[:, 640:].view(5, 2, 80)
+        cache = torch.full((2, 6, 4, 2, 80), 7.0)  # [K/V, blocks, block_size, kv heads, head_dim]
+        slots = torch.tensor([3, 22, -1, 0, 9])
+        qo = rot.rotate_into_cache(pos, q, k, v, cache, slots, qn, kn)
+        torch.testing.assert_close(qo, apply_rotary(qn(q), rot.cos[pos], rot.sin[pos]))
+        flat, real = cache.view(2, 24, 2, 80), slots >= 0
+        torch.testing.assert_close(flat[0, slots[real]], apply_rotary(kn(k), rot.cos[pos], rot.sin[pos])[real])
+        assert torch.equal(flat[1, slots[real]], v[real]) and (flat[:, [1, 2, 23]] == 7.0).all()
+        from engine.layers.skinny_gemm import skinny_gemm
+        x, w, b = torch.randn(3, 200), torch.randn(33, 200), torch.randn(33)
+        torch.testing.assert_close(skinny_gemm(x, w, b, config=(16, 64, 4, 2)), F.linear(x, w, b))
+        out = torch.empty(5, 33, dtype=torch.float64)[1:4]
+        torch.testing.assert_close(skinny_gemm(x, w, out=out, config=(32, 128, 4, 2)), F.linear(x, w).double(),
+                                   atol=1e-4, rtol=1e-4)
         print("ok")
     """)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))

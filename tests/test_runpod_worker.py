@@ -75,7 +75,9 @@ def test_prompt_and_messages_jobs_match_greedy_engine(worker, reference, smollm2
     worker.put("chat-stream", {"messages": MESSAGES, "sampling_params": _greedy(10), "stream": True})
     plain, plain_stream, chat, chat_stream = _wait_done(worker, "plain", "plain-stream", "chat", "chat-stream")
 
-    # Not streamed: one batch holding the whole text, worker-vllm's shape, plus usage and finish_reason.
+    # Not streamed: one batch holding the whole text, worker-vllm's shape, plus usage and finish_reason (and the
+    # worker's metrics block, checked in test_worker_capacity.py).
+    assert plain["output"][0].pop("metrics")["queue_wait_s"] >= 0
     assert plain["output"] == [{"choices": [{"tokens": [ref.outputs[0].text], "finish_reason": "length"}],
                                 "usage": {"input": len(ref.prompt_token_ids), "output": 12}}]
     assert chat["output"][0]["choices"][0]["tokens"] == [ref_chat.outputs[0].text]

@@ -1,7 +1,7 @@
 """Paged attention in Triton (CUDA; bf16, fp16, fp32): the fast path behind the reference backend's interface.
 
-Writes the step's K/V at slot_mapping, then one attention launch: split-KV decode when every query is one token
-(its launch depends on tensor shapes only, so it can be captured in a CUDA graph), tiled prefill otherwise.
+Writes the step's K/V at slot_mapping, then one attention launch: split-KV decode (merged in the same kernel)
+when every query is one token (its launch depends on shapes only: CUDA-graph safe), tiled prefill otherwise.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from engine.attention.triton_kernels import merge_splits_kernel, paged_attention
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 MAX_SPLITS = 64
+ARRIVAL_SLOTS = 1 << 16  # (sequence, kv head) pairs the decode merge counters cover before they must grow
 LOG2_E = 1.4426950408889634
 TileConfig = tuple[int, int, int, int]  # (BLOCK_M rows, BLOCK_N keys, num_warps, num_stages)
 
@@ -23,6 +24,7 @@ class TritonAttentionBackend:
 
     name = "triton"
     supports_cuda_graphs = True  # decode launches depend on tensor shapes only (see forward)
+    accepts_written_kv = True  # forward(..., kv_written=True) skips its own KV write
 
     def __init__(
         self,
@@ -30,8 +32,10 @@ class TritonAttentionBackend:
         programs_per_sm: int = 2,
         decode_tiles: TileConfig | None = None,
         prefill_tiles: TileConfig | None = None,
+        fused_merge: bool = True,
     ) -> None:
-        """programs_per_sm sets how far decode splits the context; the tile configs override the defaults (bench)."""
+        """programs_per_sm sets how far decode splits the context; the tile configs override the defaults (bench);
+        fused_merge=False merges decode splits in a second launch (the fallback while capturing, kept to compare)."""
         device = torch.device(device) if device is not None else None
         if device is not None and device.type == "cuda":
             self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -40,6 +44,12 @@ class TritonAttentionBackend:
         self.target_programs = programs_per_sm * self.num_sms
         self.decode_tiles = decode_tiles
         self.prefill_tiles = prefill_tiles
+        # Split-KV decode counts arriving splits per (sequence, kv head) here; the last one merges and resets its
+        # count, so the buffer stays zero between launches. Allocated (zeroed) outside any CUDA-graph capture.
+        self.fused_merge = fused_merge
+        self.arrivals: torch.Tensor | None = None
+        if fused_merge and device is not None and device.type == "cuda":
+            self.arrivals = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32, device=device)
 
     def forward(
         self,
@@ -50,8 +60,12 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        kv_written: bool = False,
     ) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]; the same semantics as TorchAttentionBackend.forward."""
+        """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]; the same semantics as TorchAttentionBackend.forward.
+
+        kv_written: the caller already stored this step's K/V at slot_mapping (RotaryEmbedding.rotate_into_cache);
+        k and v then only give shapes."""
         _check_inputs(q, k, v, kv_cache_layer, sliding_window)
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
@@ -60,7 +74,7 @@ class TritonAttentionBackend:
         block_d = triton.next_power_of_2(head_dim)
         k, v, q = _last_dim_contiguous(k), _last_dim_contiguous(v), _last_dim_contiguous(q)
 
-        if num_tokens > 0:
+        if num_tokens > 0 and not kv_written:
             write_kv_kernel[(num_tokens,)](
                 k, v, kv_cache_layer, meta.slot_mapping,
                 k.stride(0), k.stride(1), v.stride(0), v.stride(1), kv_cache_layer.stride(0),
@@ -88,6 +102,8 @@ class TritonAttentionBackend:
             num_splits = 1
             num_q_tiles = triton.cdiv(meta.max_query_len, block_q)
 
+        fused_merge = (num_splits > 1 and self.fused_merge
+                       and self._arrivals_for(num_seqs * num_kv_heads, q.device) is not None)
         if num_splits > 1:  # one scratch allocation: partial outputs, then their log2-sum-exps
             scratch = torch.empty(num_tokens * num_heads * num_splits * (block_d + 1), dtype=torch.float32,
                                   device=q.device)
@@ -97,7 +113,7 @@ class TritonAttentionBackend:
             part_out = part_lse = out  # unused
         k_cache, v_cache = kv_cache_layer[0], kv_cache_layer[1]
         paged_attention_kernel[(num_seqs, num_kv_heads * num_splits, num_q_tiles)](
-            q, k_cache, v_cache, out, part_out, part_lse,
+            q, k_cache, v_cache, out, part_out, part_lse, self.arrivals if fused_merge else out,
             meta.query_start_loc, meta.seq_lens, meta.block_tables,
             scale * LOG2_E, sliding_window or 0,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
@@ -105,9 +121,10 @@ class TritonAttentionBackend:
             NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=block_size,
             NUM_SPLITS=num_splits, USE_WINDOW=sliding_window is not None, IEEE=kv_cache_layer.dtype == torch.float32,
+            FUSED_MERGE=fused_merge, BLOCK_S=triton.next_power_of_2(num_splits),
             num_warps=num_warps, num_stages=num_stages,
         )
-        if num_splits > 1:
+        if num_splits > 1 and not fused_merge:
             merge_splits_kernel[(num_tokens, num_heads)](
                 out, part_out, part_lse, out.stride(0), out.stride(1),
                 NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
@@ -115,6 +132,16 @@ class TritonAttentionBackend:
                 num_warps=4 if block_d >= 128 else 2,
             )
         return out
+
+    def _arrivals_for(self, slots: int, device: torch.device) -> torch.Tensor | None:
+        """The zeroed arrival counts for `slots` (sequence, kv head) pairs, grown outside graph capture; None while
+        capturing with too few (a zero-fill recorded in a graph would not run before eager use)."""
+        if self.arrivals is not None and self.arrivals.numel() >= slots and self.arrivals.device == device:
+            return self.arrivals
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        self.arrivals = torch.zeros(max(slots, ARRIVAL_SLOTS), dtype=torch.int32, device=device)
+        return self.arrivals
 
     def _num_splits(self, programs: int, max_tiles: int) -> int:
         """Splits per (sequence, kv head): enough programs to fill the GPU, never more than the context has tiles."""

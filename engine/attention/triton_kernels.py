@@ -75,18 +75,22 @@ def _attend_tile(
 
 @triton.jit
 def paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr,
     qsl_ptr, seq_lens_ptr, block_tables_ptr,
     scale_log2, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cs, stride_ch,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     """Program (sequence b, kv head x split, query tile): rows are (query token, head of the group) pairs.
 
     Everything a program needs about its sequence comes from device tensors, so the grid depends on shapes only.
-    With NUM_SPLITS > 1 it writes a normalised partial output and its log2-sum-exp for merge_splits_kernel.
+    With NUM_SPLITS > 1 it writes a normalised partial output and its log2-sum-exp. FUSED_MERGE: only the splits
+    the context needs run; one that has the whole context writes the output itself, otherwise the last split to
+    arrive (an atomic count per sequence and kv head, reset by it) merges the partials. Without FUSED_MERGE
+    every split writes a partial and merge_splits_kernel combines them.
     """
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // NUM_SPLITS
@@ -98,6 +102,25 @@ def paged_attention_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + b)
     ctx_start = seq_len - q_len  # position of the sequence's first query token
+
+    # Keys this tile can see: [lo, hi); those below `full` are visible to every row (no mask needed).
+    hi = ctx_start + tl.minimum(q0 + BLOCK_Q, q_len)
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(ctx_start + q0 - window + 1, 0) // BLOCK_N * BLOCK_N
+        full = lo  # every tile is masked under a window
+    else:
+        full = (ctx_start + q0 + 1) // BLOCK_N * BLOCK_N
+    num_active = 1  # splits that hold keys (at least one, so a row with no context still writes its zeros)
+    if NUM_SPLITS > 1:
+        tiles = tl.cdiv(hi - lo, BLOCK_N)
+        per_split_tiles = tl.cdiv(tiles, NUM_SPLITS)
+        num_active = tl.maximum(tl.cdiv(tiles, tl.maximum(per_split_tiles, 1)), 1)
+        if FUSED_MERGE:
+            if split >= num_active:
+                return
+        lo = lo + split * per_split_tiles * BLOCK_N
+        hi = tl.minimum(hi, lo + per_split_tiles * BLOCK_N)
 
     rows = tl.arange(0, BLOCK_M)
     tok = rows // GROUP
@@ -112,19 +135,6 @@ def paged_attention_kernel(
     v_base = v_cache_ptr + kv_head * stride_ch
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=io_mask, other=0.0)
     q = q.to(k_cache_ptr.dtype.element_ty)
-
-    # Keys this tile can see: [lo, hi); those below `full` are visible to every row (no mask needed).
-    hi = ctx_start + tl.minimum(q0 + BLOCK_Q, q_len)
-    lo = 0
-    if USE_WINDOW:
-        lo = tl.maximum(ctx_start + q0 - window + 1, 0) // BLOCK_N * BLOCK_N
-        full = lo  # every tile is masked under a window
-    else:
-        full = (ctx_start + q0 + 1) // BLOCK_N * BLOCK_N
-    if NUM_SPLITS > 1:
-        per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), NUM_SPLITS) * BLOCK_N
-        lo = lo + split * per_split
-        hi = tl.minimum(hi, lo + per_split)
     table_row = block_tables_ptr + b.to(tl.int64) * stride_bt
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -142,13 +152,45 @@ def paged_attention_kernel(
         )
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    dst = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     if NUM_SPLITS == 1:
-        dst = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    elif FUSED_MERGE and num_active == 1:
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
-        part = (token * NUM_HEADS + head) * NUM_SPLITS + split
-        tl.store(part_out_ptr + part[:, None] * BLOCK_D + d[None, :], out, mask=row_valid[:, None])
-        tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=row_valid)
+        first = (token * NUM_HEADS + head) * NUM_SPLITS  # this row's split 0
+        tl.store(part_out_ptr + (first + split)[:, None] * BLOCK_D + d[None, :], out, mask=row_valid[:, None])
+        tl.store(part_lse_ptr + first + split, m_i + tl.log2(l_i), mask=row_valid)
+        if FUSED_MERGE:
+            # acq_rel: this split's partials are visible before its arrival counts; the last one sees them all
+            arrival = arrivals_ptr + b * (tl.num_programs(1) // NUM_SPLITS) + kv_head
+            if tl.atomic_add(arrival, 1, sem="acq_rel") == num_active - 1:
+                _merge_group(out_ptr, part_out_ptr, part_lse_ptr, (q_start + q0).to(tl.int64), kv_head, num_active,
+                             stride_ot, stride_oh, NUM_HEADS, GROUP, HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S)
+                tl.atomic_xchg(arrival, 0)  # ready for the next launch (or CUDA-graph replay)
+
+
+@triton.jit
+def _merge_group(out_ptr, part_out_ptr, part_lse_ptr, token, kv_head, num_active, stride_ot, stride_oh,
+                 NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """For each head of the group: out = sum_s exp2(lse_s - max) * partial_s / sum_s exp2(lse_s - max) over the
+    active splits (heads unrolled, so all their loads are in flight together)."""
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_ok = s < num_active
+    for g in tl.static_range(GROUP):
+        head = kv_head * GROUP + g
+        first = (token * NUM_HEADS + head) * NUM_SPLITS
+        lse = tl.load(part_lse_ptr + first + s, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+        partial = tl.load(part_out_ptr + (first + s)[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0,
+                          cache_modifier=".cg")
+        top = tl.max(lse, 0)
+        weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
+        total = tl.sum(weight, 0)
+        out = tl.sum(partial * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+        tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+                 mask=d < HEAD_DIM)
 
 
 @triton.jit

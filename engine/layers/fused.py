@@ -1,4 +1,4 @@
-"""Fused Triton kernels of the CUDA fast path: residual-add + RMSNorm, SiLU-and-mul, and RoPE (with Qwen3's q/k norm).
+"""Fused Triton kernels of the CUDA fast path: residual-add + RMSNorm, SiLU-and-mul, RoPE (+ Qwen3 q/k norm, KV write).
 
 Each kernel rounds to the activation dtype where the torch reference does, so results match it within bf16 rounding.
 """
@@ -56,18 +56,19 @@ if triton is not None:
 
     @triton.jit
     def _rotate_heads(
-        src_ptr, stride_src_tok, dst_ptr, norm_w_ptr, cos, sin, tok, num_heads, eps,
+        src_ptr, stride_src_tok, dst_row, norm_w_ptr, cos, sin, tok, num_heads, eps, store_ok,
         HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
         HAS_NORM: tl.constexpr,
     ):
-        """Rotate the num_heads heads of one token ([BLOCK_H, HALF] tiles of both halves) and store them densely."""
+        """Rotate the num_heads heads of one token ([BLOCK_H, HALF] tiles of both halves) and store them densely
+        from dst_row (when store_ok)."""
         heads = tl.arange(0, BLOCK_H)[:, None]
         dims = tl.arange(0, BLOCK_D)[None, :]
         mask = (heads < num_heads) & (dims < HALF)
         base = src_ptr + tok * stride_src_tok + heads * HEAD_DIM + dims
         x1 = tl.load(base, mask=mask, other=0.0)
         x2 = tl.load(base + HALF, mask=mask, other=0.0)
-        dtype = dst_ptr.dtype.element_ty
+        dtype = dst_row.dtype.element_ty
         if HAS_NORM:  # Qwen3: per-head RMSNorm over head_dim, before the rotation
             f1 = x1.to(tl.float32)
             f2 = x2.to(tl.float32)
@@ -84,26 +85,40 @@ if triton is not None:
         b = (f2 * sin).to(dtype).to(tl.float32)
         c = (f2 * cos).to(dtype).to(tl.float32)
         d = (f1 * sin).to(dtype).to(tl.float32)
-        out = dst_ptr + tok * num_heads * HEAD_DIM + heads * HEAD_DIM + dims
-        tl.store(out, (a - b).to(dtype), mask=mask)
-        tl.store(out + HALF, (c + d).to(dtype), mask=mask)
+        out = dst_row + heads * HEAD_DIM + dims
+        tl.store(out, (a - b).to(dtype), mask=mask & store_ok)
+        tl.store(out + HALF, (c + d).to(dtype), mask=mask & store_ok)
 
     @triton.jit
     def _rope_kernel(
         q_ptr, k_ptr, stride_q_tok, stride_k_tok, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
         q_norm_ptr, k_norm_ptr, num_q_heads, num_kv_heads, eps,
+        v_ptr, stride_v_tok, slot_ptr, stride_kv,
         HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr,
-        BLOCK_HK: tl.constexpr, HAS_NORM: tl.constexpr,
+        BLOCK_HK: tl.constexpr, HAS_NORM: tl.constexpr, TO_CACHE: tl.constexpr,
     ):
+        """One program per token. TO_CACHE: k_out_ptr is a paged KV cache layer [2, slots, Hkv, D] and the rotated
+        K and the untouched V go straight to the token's slot (a negative slot is padding: nothing written)."""
         tok = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + tok).to(tl.int64)
         dims = tl.arange(0, BLOCK_D)[None, :]
         cos = tl.load(cos_ptr + pos * HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + pos * HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)
-        _rotate_heads(q_ptr, stride_q_tok, q_out_ptr, q_norm_ptr, cos, sin, tok, num_q_heads, eps,
-                      HEAD_DIM, HALF, BLOCK_D, BLOCK_HQ, HAS_NORM)
-        _rotate_heads(k_ptr, stride_k_tok, k_out_ptr, k_norm_ptr, cos, sin, tok, num_kv_heads, eps,
-                      HEAD_DIM, HALF, BLOCK_D, BLOCK_HK, HAS_NORM)
+        _rotate_heads(q_ptr, stride_q_tok, q_out_ptr + tok * num_q_heads * HEAD_DIM, q_norm_ptr, cos, sin, tok,
+                      num_q_heads, eps, True, HEAD_DIM, HALF, BLOCK_D, BLOCK_HQ, HAS_NORM)
+        if TO_CACHE:
+            slot = tl.load(slot_ptr + tok).to(tl.int64)
+            k_row = k_out_ptr + slot * num_kv_heads * HEAD_DIM
+            _rotate_heads(k_ptr, stride_k_tok, k_row, k_norm_ptr, cos, sin, tok, num_kv_heads, eps, slot >= 0,
+                          HEAD_DIM, HALF, BLOCK_D, BLOCK_HK, HAS_NORM)
+            heads = tl.arange(0, BLOCK_HK)[:, None]
+            full = tl.arange(0, 2 * BLOCK_D)[None, :]
+            v_mask = (heads < num_kv_heads) & (full < HEAD_DIM) & (slot >= 0)
+            value = tl.load(v_ptr + tok * stride_v_tok + heads * HEAD_DIM + full, mask=v_mask)
+            tl.store(k_row + stride_kv + heads * HEAD_DIM + full, value, mask=v_mask)
+        else:
+            _rotate_heads(k_ptr, stride_k_tok, k_out_ptr + tok * num_kv_heads * HEAD_DIM, k_norm_ptr, cos, sin, tok,
+                          num_kv_heads, eps, True, HEAD_DIM, HALF, BLOCK_D, BLOCK_HK, HAS_NORM)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -161,10 +176,15 @@ def rope_fused(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    v: torch.Tensor | None = None,
+    kv_cache_layer: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q [T, H, D], k [T, Hkv, D] (strided views of a fused qkv output are fine) -> new contiguous rotated q, k.
 
     cos/sin are the [max_positions, D/2] caches; with norm weights, each head is RMS-normalised first (Qwen3).
+    With v, kv_cache_layer [2, blocks, block_size, Hkv, D] (contiguous, q's dtype) and slot_mapping [T], the rotated
+    k and v are written to the cache at their slots instead (as the attention backend's KV write would): (q, None).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -172,16 +192,24 @@ def rope_fused(
         q = q.contiguous()
     if k.stride(-1) != 1 or k.stride(-2) != head_dim:
         k = k.contiguous()
+    to_cache = kv_cache_layer is not None
     q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((num_tokens, num_kv_heads, head_dim), dtype=k.dtype, device=k.device)
+    if to_cache:
+        if v.stride(-1) != 1 or v.stride(-2) != head_dim:
+            v = v.contiguous()
+        k_out = kv_cache_layer
+    else:
+        k_out = torch.empty((num_tokens, num_kv_heads, head_dim), dtype=k.dtype, device=k.device)
     if num_tokens:
         has_norm = q_norm_weight is not None
         _rope_kernel[(num_tokens,)](
             q, k, q.stride(0), k.stride(0), q_out, k_out, positions, cos, sin,
             q_norm_weight if has_norm else cos, k_norm_weight if has_norm else cos,
             num_heads, num_kv_heads, eps,
+            v if to_cache else q, v.stride(0) if to_cache else 0, slot_mapping if to_cache else positions,
+            kv_cache_layer.stride(0) if to_cache else 0,
             HEAD_DIM=head_dim, HALF=head_dim // 2, BLOCK_D=triton.next_power_of_2(head_dim // 2),
             BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-            HAS_NORM=has_norm, num_warps=4,
+            HAS_NORM=has_norm, TO_CACHE=to_cache, num_warps=4,
         )
-    return q_out, k_out
+    return q_out, (None if to_cache else k_out)

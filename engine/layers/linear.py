@@ -1,12 +1,14 @@
 """Linear and embedding layers whose parameters are allocated empty (no init pass) on the target device and dtype.
 
-The weight loader fills them; this saves the random-init time and a second allocation on big models.
+The weight loader fills them; on CUDA a decode-sized input (few rows) takes the skinny Triton GEMM instead of cuBLAS.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.layers.skinny_gemm import skinny_applies, skinny_gemm
 
 
 class Linear(nn.Module):
@@ -33,6 +35,8 @@ class Linear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if skinny_applies(x, self.weight):
+            return skinny_gemm(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:

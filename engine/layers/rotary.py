@@ -1,7 +1,7 @@
 """Rotary position embeddings (neox-style rotate-half, as HF Llama/Qwen): a cos/sin cache for every position.
 
 Supports the rope types of ModelConfig.rope: "default", "linear" (positions / factor) and "llama3" (banded rescale);
-on CUDA one Triton kernel rotates q and k (after Qwen3's per-head q/k norm when given).
+on CUDA one Triton kernel rotates q and k (after Qwen3's per-head q/k norm when given), or writes k, v to the cache.
 """
 from __future__ import annotations
 
@@ -87,3 +87,26 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos[positions]
         sin = self.sin[positions]
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+    def can_write_cache(self, q: torch.Tensor, kv_cache_layer: torch.Tensor) -> bool:
+        """True when rotate_into_cache can serve this layer (CUDA kernels, a contiguous cache in q's dtype)."""
+        return fused_kernels_available(q) and kv_cache_layer.dtype == q.dtype and kv_cache_layer.is_contiguous()
+
+    def rotate_into_cache(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache_layer: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
+    ) -> torch.Tensor:
+        """forward's rotation, with the rotated k and v written into the paged cache at slot_mapping in the same
+        kernel (see can_write_cache); returns the rotated q."""
+        norm = {} if q_norm is None else dict(q_norm_weight=q_norm.weight, k_norm_weight=k_norm.weight,
+                                              eps=q_norm.eps)
+        q, _ = rope_fused(positions, q, k, self.cos, self.sin, v=v, kv_cache_layer=kv_cache_layer,
+                          slot_mapping=slot_mapping, **norm)
+        return q

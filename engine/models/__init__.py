@@ -1,8 +1,29 @@
 """Models of the engine: one decoder template for the Llama / Mistral / Qwen2 / Qwen3 families.
 
-build_model allocates an empty model; load_model builds it and fills it from an HF safetensors checkpoint.
+build_model allocates an empty model; load_model builds it and fills it (names resolve on first use, so the
+weights' preload does not import the model code, and triton with it).
 """
-from engine.models.decoder import DecoderModel, build_model
-from engine.models.weights import iter_safetensors, load_model, safetensors_files
+from __future__ import annotations
 
-__all__ = ["DecoderModel", "build_model", "iter_safetensors", "load_model", "safetensors_files"]
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "DecoderModel": "engine.models.decoder",
+    "build_model": "engine.models.decoder",
+    "iter_safetensors": "engine.models.weights",
+    "load_model": "engine.models.weights",
+    "preload_weights": "engine.models.weights",
+    "safetensors_files": "engine.models.weights",
+}
+__all__ = list(_EXPORTS)
+
+if TYPE_CHECKING:
+    from engine.models.decoder import DecoderModel, build_model
+    from engine.models.weights import iter_safetensors, load_model, preload_weights, safetensors_files
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'engine.models' has no attribute {name!r}")

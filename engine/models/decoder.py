@@ -13,6 +13,7 @@ from torch import nn
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
 from engine.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, silu_and_mul
+from engine.layers.skinny_gemm import skinny_applies, skinny_gemm
 
 
 class Attention(nn.Module):
@@ -51,8 +52,14 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k, self.q_norm, self.k_norm)  # Qwen3 normalises each head before rotating
         kwargs = {"sliding_window": self.sliding_window} if self.sliding_window else {}
+        if getattr(self.backend, "accepts_written_kv", False) and rotary.can_write_cache(q, kv_cache_layer):
+            # one kernel rotates q and k (Qwen3: normalises each head first) and stores k, v in the paged cache
+            q = rotary.rotate_into_cache(positions, q, k, v, kv_cache_layer, meta.slot_mapping, self.q_norm,
+                                         self.k_norm)
+            kwargs["kv_written"] = True
+        else:
+            q, k = rotary(positions, q, k, self.q_norm, self.k_norm)  # Qwen3 normalises each head before rotating
         out = self.backend.forward(q, k, v, kv_cache_layer, meta, self.scale, **kwargs)
         return self.o_proj(out.reshape(T, self.q_size))
 
@@ -149,6 +156,8 @@ class DecoderModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32 (written into `out` [N, vocab] when given)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if out is not None and skinny_applies(hidden, weight):  # decode: bf16-rounded logits straight into out
+            return skinny_gemm(hidden, weight, out=out)
         logits = F.linear(hidden, weight)
         if out is None:
             return logits.float()

@@ -1,6 +1,8 @@
 """Loads a DecoderModel's weights: from a pack in the final layout through the streaming loader when one exists,
 otherwise from HF safetensors (sharded or not), writing the pack for next time. Never transformers, never pickle.
 """
+# The model code (and triton with it) is imported inside the functions that build a model, so preload_weights can
+# start the stream right after `import torch`, before the rest of the engine imports.
 from __future__ import annotations
 
 import hashlib
@@ -9,14 +11,17 @@ import logging
 import os
 import threading
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from cache.loader import LoadStats, PackError, PackWriter, load_pack, read_pack
-from engine.config import ModelConfig, resolve_dtype
-from engine.models.decoder import DecoderModel, build_model
+from cache.loader import LoadStats, PackError, PackWriter, discard_preloads, load_pack, preload, read_pack
+from engine.config import EngineArgs, ModelConfig, resolve_dtype
+
+if TYPE_CHECKING:
+    from engine.models.decoder import DecoderModel
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +106,26 @@ def _group_of(name: str, num_layers: int) -> int:
 
 
 # ---- loading -------------------------------------------------------------------------------------------------
+def preload_weights(args: EngineArgs) -> bool:
+    """Start streaming the pack the engine built from `args` will load, to its GPU, now; True if started.
+
+    Called right after `import torch` (before the engine imports and builds), so the copy overlaps all of that;
+    load_model then takes the stream over. Nothing happens on CPU, without a matching pack, or for safetensors.
+    Never raises: the real load reports any problem."""
+    try:
+        device = args.torch_device()
+        if device.type != "cuda" or args.load_format == "safetensors":
+            return False
+        cfg = ModelConfig.from_dir(args.model)
+        path = pack_path(args.model, resolve_dtype(args.dtype, cfg, device), args.pack_dir)
+        if not os.path.isfile(path):
+            return False
+        return preload(path, device) is not None
+    except Exception as e:  # noqa: BLE001 - only a head start
+        log.debug("weights: no preload (%s: %s)", type(e).__name__, e)
+        return False
+
+
 def load_model(
     model_dir: str,
     model_config: ModelConfig,
@@ -110,7 +135,7 @@ def load_model(
     *,
     pack_dir: str | None = None,
     load_format: str = "auto",
-) -> DecoderModel:
+) -> "DecoderModel":
     """Build the model on `device` in `dtype` and fill it.
 
     load_format "auto": from the pack when a valid one matches (model digest, dtype, layout), else from safetensors,
@@ -122,7 +147,10 @@ def load_model(
     device = torch.device(device)
     if isinstance(dtype, str):
         dtype = resolve_dtype(dtype, model_config, device)
+    from engine.models.decoder import build_model
+
     if load_format == "safetensors":
+        discard_preloads()
         model = build_model(model_config, dtype, device, attn_backend)
         model.load_hf_weights(iter_safetensors(model_dir))
         model.load_stats = {"source": "safetensors"}
@@ -130,11 +158,13 @@ def load_model(
         return model
     path = pack_path(model_dir, dtype, pack_dir)
     key = pack_key(model_dir, dtype)
+    discard_preloads(keep=path)  # a preload of another file would hold device memory for nothing
     try:
         return load_model_from_pack(path, key, model_config, dtype, device, attn_backend)
     except (FileNotFoundError, NotADirectoryError):
-        pass
+        discard_preloads()
     except (PackError, OSError) as e:
+        discard_preloads()
         log.warning("weights: %s; loading safetensors and rebuilding the pack", e)
     model = build_model(model_config, dtype, device, attn_backend)
     model.load_hf_weights(iter_safetensors(model_dir))
@@ -154,13 +184,15 @@ def load_model(
 def load_model_from_pack(
     path: str, key: dict | None, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
     attn_backend=None, overlap: bool | None = None, **loader_options,
-) -> DecoderModel:
+) -> "DecoderModel":
     """The model with every parameter a view into one device buffer streamed from the pack at `path`.
 
     overlap (default: on CUDA) returns while the bytes still stream: each layer's first forward waits for its own
     group (the GPU waits on the group's copy event), so the first step computes early layers while later ones load;
     `model.wait_weights()` blocks until all are in. Raises FileNotFoundError when there is no pack and PackError
     when it is invalid or does not match `key` or the model's parameters (names, dtypes, shapes)."""
+    from engine.models.decoder import build_model
+
     pack = read_pack(path)
     if key is not None and any(pack.metadata.get(k) != v for k, v in key.items()):
         raise PackError(f"pack {path}: built for {pack.metadata}, not for {key}")
@@ -195,7 +227,7 @@ def load_model_from_pack(
     return model
 
 
-def _wait_hooks(model: DecoderModel, load, finished):
+def _wait_hooks(model: "DecoderModel", load, finished):
     """Forward pre-hooks: embeddings wait for group 0, layer i for group i+1, the final norm for everything (then
     every hook is removed, so later steps and CUDA graph captures see a plain model). Returns wait_all()."""
     handles: list = []
