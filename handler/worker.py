@@ -50,8 +50,10 @@ async def _abortable(stream: AsyncIterator, ticket: Ticket) -> AsyncIterator:
             yield item
     finally:
         stop.cancel()
-        if read is not None and not read.done():
-            read.cancel()
+        if read is not None:
+            if not read.done():
+                read.cancel()
+            # also retrieves a read that ended (StopAsyncIteration, an error) just as this job was cancelled
             await asyncio.gather(read, return_exceptions=True)
         await stream.aclose()
 
