@@ -3,6 +3,7 @@ and run a child script until it announces that it is midway, then SIGKILL it the
 """
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -12,7 +13,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
-    """Send `sig` to a child that still runs, wait up to `timeout` s, then kill it; returns its exit code."""
+    """Send `sig` to a child that still runs, wait up to `timeout` s, then kill it; returns its exit code.
+    A child started with `start_new_session=True` leads its own process group: whatever it left running in that
+    group (the runpod SDK's heartbeat process outlives its worker) is killed once the child has ended."""
     if proc.poll() is None:
         proc.send_signal(sig)
         try:
@@ -20,6 +23,10 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30.
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    try:  # a group whose id is the child's pid exists only if the child started it (start_new_session=True)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
     return proc.returncode
 
 

@@ -45,7 +45,7 @@ def local_api(smollm2_dir):
                UVICORN_LOG_LEVEL="warning")
     proc = subprocess.Popen([sys.executable, "-m", "handler", "--rp_serve_api", "--rp_api_host", "127.0.0.1",
                              "--rp_api_port", str(port)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
     deadline = time.monotonic() + WAIT_S

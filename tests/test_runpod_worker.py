@@ -26,7 +26,7 @@ def _start_worker(server: RunPodJobServer, model_dir: str, log_path: Path, pod_i
                 "DEVICE": "cpu", "MAX_CONCURRENCY": "4", "PYTHONPATH": str(REPO), **env}
     log = open(log_path, "wb")
     return subprocess.Popen([sys.executable, "-m", "handler"], cwd=REPO, env=full_env, stdout=log,
-                            stderr=subprocess.STDOUT)
+                            stderr=subprocess.STDOUT, start_new_session=True)  # stop() ends the SDK's heartbeat too
 
 
 @pytest.fixture(scope="module")
