@@ -1,6 +1,6 @@
 """Upper bounds, from the model's shapes alone, of the GPU memory one engine step takes beside weights and KV cache.
 
-They size the KV cache at start without a profiled step (tests/test_memory_budget_gpu.py checks them against one).
+They size the KV cache at start without a profiled step (tests/test_cold_start_gpu.py checks them against one).
 """
 from __future__ import annotations
 

@@ -62,11 +62,15 @@ class ModelRunner:
         """Graphs need a GPU, enforce_eager off, and an attention backend whose decode launch is graph-safe."""
         if self.device.type != "cuda" or self.args.enforce_eager:
             return False
-        backend = self.model.layers[0].self_attn.backend if len(self.model.layers) else None
+        backend = self._attention_backend()
         safe = getattr(backend, "supports_cuda_graphs", False)
         if not safe:
             log.info("CUDA graphs off: attention backend %r has no graph-safe decode", getattr(backend, "name", None))
         return bool(safe)
+
+    def _attention_backend(self):
+        """The attention backend the model's layers share (None for a model without layers)."""
+        return self.model.layers[0].self_attn.backend if len(self.model.layers) else None
 
     # ---- KV sizing -----------------------------------------------------------------------------------------
     @property
@@ -90,9 +94,8 @@ class ModelRunner:
                 step = self._profile_gpu_blocks(num_tokens, num_rows) - held
                 how = "peak of a profiled"
             else:
-                backend = self.model.layers[0].self_attn.backend if len(self.model.layers) else None
                 step = step_peak_bytes(m, self.dtype.itemsize, num_tokens, num_rows,
-                                       getattr(backend, "name", "triton"))
+                                       getattr(self._attention_backend(), "name", "triton"))
                 how = "bound of a"
             free, total = torch.cuda.mem_get_info(self.device)
             used_by_others = total - free - torch.cuda.memory_reserved(self.device)
@@ -259,6 +262,7 @@ class LaunchedStep:
         self.seqs = seqs
         self.sample = sample
         self.prompt_logprobs = prompt_logprobs
+        self.needs_host_tokens = False  # set by the core: a row has penalties, so the next step waits for these ids
 
     @functools.cached_property
     def row_of(self) -> dict[int, int]:

@@ -11,7 +11,6 @@ The key comes from RUNPOD_API_KEY and is only ever sent in the Authorization hea
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import math
@@ -21,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from scaling.policy import Decision, Observation, PolicyConfig, decide
+from scaling.policy import Decision, IdleGaps, Observation, PolicyConfig, decide
 from scaling.runpod_api import QUEUE_API, REST_API, EndpointHealth, RunPodApi, RunPodApiError
 
 log = logging.getLogger("scaling.controller")
@@ -40,10 +39,8 @@ class ArrivalMeter:
     def __init__(self, window_s: float = 60.0):
         self.window_s = window_s
         self.rate = 0.0
-        self.gaps: deque[float] = deque(maxlen=GAP_HISTORY)
+        self.idle = IdleGaps(GAP_HISTORY)
         self._last: tuple[float, int] | None = None
-        self._idle_since: float | None = None
-        self._gap_start_known = False
         self._counts: deque[tuple[float, int]] = deque()  # (poll time, requests seen by then), oldest first
         self.oldest_wait_s = 0.0
 
@@ -57,17 +54,9 @@ class ArrivalMeter:
             arrived = max(0, seen - last_seen)  # the counts may be windowed by RunPod: a drop is no arrival
             weight = 1.0 - math.exp(-dt / self.window_s)
             self.rate += weight * (arrived / dt - self.rate)
-        first = self._last is None
         self._last = (now, seen)
         self._note_queue_head(now, seen, health.in_queue)
-        busy = health.in_queue + health.in_progress > 0
-        if busy or arrived:
-            if self._idle_since is not None and self._gap_start_known:
-                self.gaps.append(now - self._idle_since)
-            self._idle_since = None
-        elif self._idle_since is None:
-            self._idle_since = now
-            self._gap_start_known = not first  # idle at the first poll: since when is unknown, so no gap length
+        self.idle.observe(now, active=health.in_queue + health.in_progress > 0 or arrived > 0)
         return arrived
 
     def _note_queue_head(self, now: float, seen: int, in_queue: int) -> None:
@@ -80,22 +69,24 @@ class ArrivalMeter:
         arrived_by = next((t for t, n in self._counts if n >= head), now)
         self.oldest_wait_s = now - arrived_by if in_queue > 0 else 0.0
 
+    @property
+    def gaps(self) -> deque[float]:
+        return self.idle.gaps
+
     def idle_for(self, now: float) -> float:
-        return 0.0 if self._idle_since is None else now - self._idle_since
+        return self.idle.idle_for(now)
 
 
 def observation(health: EndpointHealth, meter: ArrivalMeter, now: float, *, capacity: float, cold_start_s: float,
                 mean_service_s: float) -> Observation:
     """The policy's view of one /health answer: ready workers are the idle and the running ones, booting workers are
     those RunPod reports initializing."""
-    values = dict(in_queue=health.in_queue, in_progress=health.in_progress,
-                  workers_ready=health.workers_idle + health.workers_running,
-                  workers_booting=health.workers_initializing, workers_idle=health.workers_idle,
-                  capacity_per_worker=capacity, arrival_rate=meter.rate, mean_service_s=mean_service_s,
-                  cold_start_s=cold_start_s, oldest_wait_s=meter.oldest_wait_s, idle_gaps_s=tuple(meter.gaps),
-                  idle_for_s=meter.idle_for(now))
-    known = {f.name for f in dataclasses.fields(Observation)}
-    return Observation(**{k: v for k, v in values.items() if k in known})
+    return Observation(in_queue=health.in_queue, in_progress=health.in_progress,
+                       workers_ready=health.workers_idle + health.workers_running,
+                       workers_booting=health.workers_initializing, workers_idle=health.workers_idle,
+                       capacity_per_worker=capacity, arrival_rate=meter.rate, mean_service_s=mean_service_s,
+                       cold_start_s=cold_start_s, oldest_wait_s=meter.oldest_wait_s, idle_gaps_s=tuple(meter.gaps),
+                       idle_for_s=meter.idle_for(now))
 
 
 def update_body(decision: Decision, config: PolicyConfig, *, apply_max: bool, apply_idle_timeout: bool) -> dict:

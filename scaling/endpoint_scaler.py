@@ -5,16 +5,14 @@ It runs in the endpoint's event loop, one `step` per tick or as soon as a job ar
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-from collections import deque
 from typing import Any
 
 from scaling.endpoint_config import EndpointConfig
 from scaling.endpoint_jobs import Job, JobQueue
 from scaling.endpoint_workers import Worker, WorkerPool
-from scaling.policy import Decision, Observation, PolicyConfig, decide
+from scaling.policy import Decision, IdleGaps, Observation, PolicyConfig, decide
 
 log = logging.getLogger("scaling.endpoint")
 
@@ -31,23 +29,16 @@ def reported(output: Any, name: str) -> Any:
     return None
 
 
-def policy_input(cls, values: dict[str, Any]):
-    """Build the policy's dataclass from the values it declares (the policy may add fields with defaults)."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in values.items() if k in names})
-
-
 class Scaler:
     def __init__(self, config: EndpointConfig, queue: JobQueue, pool: WorkerPool):
         self.config, self.queue, self.pool = config, queue, pool
-        self.policy = policy_input(PolicyConfig, dict(
+        self.policy = PolicyConfig(
             latency_budget_s=config.latency_budget_s, min_workers=config.min_workers, max_workers=config.max_workers,
-            max_keep_alive_s=config.idle_s))
+            max_keep_alive_s=config.idle_s)
         self.decision: Decision | None = None
         self.cold_start_s: float | None = None  # moving average of measured starts (spawn -> readiness probe done)
         self.capacity_seen: float | None = None  # mean capacity the ready workers report
-        self.idle_gaps: deque[float] = deque(maxlen=32)  # lengths of recent spells with no job queued or running
-        self.idle_since: float | None = None  # no job queued or running since then (None: some are)
+        self.idle = IdleGaps()  # spells with no job queued or running
         self.boot_failures = 0
         self.spawn_after = 0.0  # back-off after failed starts
         self.stopping = False
@@ -94,21 +85,15 @@ class Scaler:
         capacities = [w.capacity for w in ready if w.capacity]
         if capacities:
             self.capacity_seen = sum(capacities) / len(capacities)
-        present = q.in_queue() + q.in_progress()
-        if present == 0 and self.idle_since is None:
-            self.idle_since = now
-        elif present > 0 and self.idle_since is not None:
-            if pool.started_total:  # the quiet before the first request is not a gap between requests
-                self.idle_gaps.append(now - self.idle_since)
-            self.idle_since = None
-        return policy_input(Observation, dict(
+        self.idle.observe(now, active=q.in_queue() + q.in_progress() > 0)
+        return Observation(
             in_queue=q.in_queue(), in_progress=q.in_progress(), workers_ready=len(ready),
             workers_booting=len(pool.live("booting")), workers_idle=sum(1 for w in ready if q.held_by(w.id) == 0),
             capacity_per_worker=self.capacity_seen or self._prior_capacity(),
             arrival_rate=q.arrival_rate(now, c.rate_window_s),
             mean_service_s=q.service_s if q.service_s is not None else DEFAULT_SERVICE_S,
             cold_start_s=self.cold_start_s or c.cold_start_s, oldest_wait_s=q.oldest_wait_s(now),
-            idle_gaps_s=tuple(self.idle_gaps), idle_for_s=0.0 if self.idle_since is None else now - self.idle_since))
+            idle_gaps_s=tuple(self.idle.gaps), idle_for_s=self.idle.idle_for(now))
 
     def step(self, now: float) -> None:
         """Reap and police the workers, observe, decide, then start workers or drain idle ones."""

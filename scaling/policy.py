@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -55,6 +56,29 @@ class PolicyConfig:
         for name, ok, limit in checks:
             if not ok:
                 raise ValueError(f"{name}: must be {limit}, got {getattr(self, name)!r}")
+
+
+class IdleGaps:
+    """The idle-gap inputs of an Observation from successive looks at an endpoint (the caller passes the time): the
+    lengths of recent spells with no request queued or running, and how long the current one has lasted. A spell
+    that began before any request was seen has no known start, so it ends no gap."""
+
+    def __init__(self, history: int = 32):
+        self.gaps: deque[float] = deque(maxlen=history)
+        self._idle_since: float | None = None
+        self._seen_activity = False
+
+    def observe(self, now: float, active: bool) -> None:
+        if active:
+            if self._idle_since is not None and self._seen_activity:
+                self.gaps.append(now - self._idle_since)
+            self._idle_since = None
+            self._seen_activity = True
+        elif self._idle_since is None:
+            self._idle_since = now
+
+    def idle_for(self, now: float) -> float:
+        return 0.0 if self._idle_since is None else now - self._idle_since
 
 
 @dataclass(frozen=True)

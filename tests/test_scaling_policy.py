@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from scaling.policy import Decision, Observation, PolicyConfig, decide, keep_warm_horizon, predicted_backlog
+from scaling.policy import (Decision, IdleGaps, Observation, PolicyConfig, decide, keep_warm_horizon,
+                            predicted_backlog)
 
 
 def obs(**kw) -> Observation:
@@ -138,3 +139,16 @@ def test_bounds():
 def test_bad_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         PolicyConfig(**{field: value})
+
+
+def test_idle_gaps_count_only_spells_that_began_after_a_request():
+    idle = IdleGaps(history=2)
+    idle.observe(0.0, active=False)  # quiet since before anything was seen: no known start
+    assert idle.idle_for(5.0) == 5.0
+    idle.observe(10.0, active=True)
+    assert list(idle.gaps) == [] and idle.idle_for(10.0) == 0.0
+    for start, end in ((20.0, 50.0), (60.0, 61.0), (70.0, 90.0)):
+        idle.observe(start, active=False)
+        idle.observe(start + 1, active=False)  # a second quiet look does not move the spell's start
+        idle.observe(end, active=True)
+    assert list(idle.gaps) == [1.0, 20.0]  # the oldest of three fell out of a history of two
