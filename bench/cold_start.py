@@ -90,6 +90,10 @@ def disk_read_rate(path: str, threads: int = 8, chunk: int = 64 << 20, limit: in
 # ---- fresh processes -------------------------------------------------------------------------------------
 def run_child(mode: str, model_dir: str, prompt_len: int, extra: dict | None = None, timeout: float = 300) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
+    if extra and extra.get("_triton") == "empty":  # a fresh machine: no kernel compiled before
+        import tempfile
+
+        env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-empty-")
     cmd = [sys.executable, str(CHILD), mode, model_dir, str(prompt_len)] + ([json.dumps(extra)] if extra else [])
     spawned = time.time()
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -105,7 +109,8 @@ def run_child(mode: str, model_dir: str, prompt_len: int, extra: dict | None = N
     return r
 
 
-VARIANT_HELP = ("loader=MiB (chunk), prefetch=THREADSxMiB (0: no prefetch), imports=1 (prefetch torch's own files "
+VARIANT_HELP = ("mode=jit|compiled|auto (ENGINE_MODE), triton=empty (a fresh Triton cache), "
+                "stream=process|thread (where the pack streams from), pages=0 (no start-page read-ahead), warmup=0 (no start-time warm-up thread), loader=MiB (chunk), prefetch=THREADSxMiB (0: no prefetch), imports=1 (prefetch torch's own files "
                 "first), gentle=MiB (one prefetch read of that size at a time until torch is up), preload=0 (the "
                 "engine starts the stream), kv=profile, graphs=start")
 
@@ -120,6 +125,16 @@ def variant_options(spec: str) -> dict:
         elif key == "prefetch":
             threads, _, mib = value.partition("x")
             out["_prefetch"] = [int(threads), int(mib or 16)]
+        elif key == "mode":
+            out["_engine_mode"] = value
+        elif key == "triton":
+            out["_triton"] = value
+        elif key == "warmup":
+            out["_warmup"] = int(value)
+        elif key == "pages":
+            out["_pages"] = int(value)
+        elif key == "stream":
+            out["_stream"] = value
         elif key == "imports":
             out["_imports_first"] = int(value)
         elif key == "gentle":
@@ -159,6 +174,24 @@ def phases_of(r: dict) -> dict:
     if "first_token" in s:
         out["first_token"] = s["first_token"] - s["engine_ready"]
     return out
+
+
+def build_engine(model_dir: str, max_model_len: int) -> dict:
+    """`python -m warmup build` with the children's limits, in a process of its own; its wall time and output."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "warmup", "build", "--model", model_dir, "--dtype", "bfloat16",
+           "--max-model-len", str(max_model_len)]
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    wall = time.perf_counter() - t0
+    if out.returncode != 0:
+        print(f"[warmup build] failed (rc {out.returncode}):\n{out.stderr[-3000:]}", flush=True)
+        return {"error": out.stderr[-3000:], "wall_s": wall}
+    path = out.stdout.splitlines()[0]
+    with open(os.path.join(path, "artifact.json")) as f:
+        record = json.load(f)["record"]
+    return {"wall_s": wall, "artifact": path, "build_seconds": record["build_seconds"],
+            "num_kv_blocks": record["num_kv_blocks"], "kv_step_bytes": record["kv_step_bytes"]}
 
 
 # ---- in-process ceilings ---------------------------------------------------------------------------------
@@ -214,6 +247,8 @@ def main() -> None:
     ap.add_argument("--variants", default="defaults",
                     help=f"our settings to compare warm, ';'-separated: 'defaults' or {VARIANT_HELP}")
     ap.add_argument("--cold-variants", default="defaults", help="our settings to compare with caches dropped")
+    ap.add_argument("--build-engine", action="store_true",
+                    help="run `python -m warmup build` after the first start (timed) so mode=compiled has an artifact")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     os.makedirs(args.out, exist_ok=True)
@@ -238,6 +273,9 @@ def main() -> None:
         raise SystemExit("no pack was written: see the first start's output above")
     pack = packs[0]
     pack_bytes = os.path.getsize(pack)
+    if args.build_engine:
+        report["warmup_build"] = build_engine(model_dir, args.max_model_len)
+        log(f"warmup build: {report['warmup_build']}")
     report["pack_bytes"] = pack_bytes
     runs: list[tuple[str, str, dict]] = []
 
@@ -322,6 +360,18 @@ def summarize(report: dict, pack_bytes: int) -> None:
         t["cold_ok"] = cold[0] <= t["cold_target_s"]
     t["start_path_imports_transformers"] = any(r["transformers_imported"] for r in ok if r["mode"] == "ours")
     report["targets"] = t
+    medians: dict = {}
+    for r in ok:
+        if r["cache"] == "warm":
+            medians.setdefault(r["label"], []).append(r["total_s"])
+    report["warm_medians_s"] = {label: statistics.median(v) for label, v in medians.items()}
+    m = report["warm_medians_s"]  # issue 5: compiled against jit on a fresh machine and on a warm one
+    empty, warm_jit = m.get("coldbrew (pack) mode=jit,triton=empty"), m.get("coldbrew (pack) mode=jit")
+    compiled = m.get("coldbrew (pack) mode=compiled,triton=empty")
+    if compiled and empty and warm_jit:
+        report["engine_mode_targets"] = {"jit_empty_s": empty, "jit_warm_s": warm_jit, "compiled_s": compiled,
+                                         "speedup_vs_jit_empty": empty / compiled,
+                                         "compiled_ok": empty / compiled >= 2 and compiled <= warm_jit}
 
 
 def print_table(report: dict) -> None:
@@ -343,6 +393,11 @@ def print_table(report: dict) -> None:
           f"{t.get('loader_in_process_GBps', 0):.1f} GB/s, fresh process {t.get('loader_fresh_process_GBps', 0):.1f}"
           f" GB/s; raw disk (O_DIRECT) {disk.get('GBps', 0):.2f} GB/s ({report.get('drop_method', '-')})")
     print("targets: " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in t.items()))
+    if "engine_mode_targets" in report:
+        print("engine modes: " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                                           for k, v in report["engine_mode_targets"].items()))
+    if "warmup_build" in report:
+        print(f"warmup build: {report['warmup_build']}")
 
 
 if __name__ == "__main__":

@@ -13,18 +13,33 @@ import os  # noqa: E402
 
 MODE, MODEL_DIR, PROMPT_LEN = sys.argv[1], sys.argv[2], int(sys.argv[3])
 # LLM keyword arguments, plus loader settings to compare: _prefetch [threads, MiB] (threads 0: none),
+# _stream ("process": cache.device_stream, the default; "thread": page-cache prefetch + the in-process loader),
 # _loader_chunk_mb, _preload (0: the engine starts the stream), _imports_first (1: prefetch torch's files first),
-# _gentle_mb (prefetch one piece of that size at a time until torch is up)
+# _gentle_mb (prefetch one piece of that size at a time until torch is up), _engine_mode (ENGINE_MODE, default jit),
+# _warmup (0: no start-time warm-up), _pages (0: no start-page read-ahead)
 extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
 stamps: dict = {"main": T_MAIN}
 fetch = None
 
-if MODE == "ours":  # start reading the pack into the page cache before torch imports
+if MODE == "ours":  # start streaming the pack, and the warm-up, before torch imports
     import cache.loader
+    from warmup.start import start_warmup
+
+    warm = start_warmup() if extra.pop("_warmup", 1) else None
 
     pf = extra.pop("_prefetch", None)
     imports_first = bool(extra.pop("_imports_first", 0))
     gentle = extra.pop("_gentle_mb", 0) << 20
+    import cache.start_pages
+
+    pages_path = cache.start_pages.default_path(os.path.dirname(MODEL_DIR))  # as a worker keeps it in its cache dir
+    if extra.pop("_stream", "process") == "process":  # the pack streams to the GPU from a separate process
+        import cache.device_stream
+
+        fetch = cache.device_stream.start(MODEL_DIR, start_pages=pages_path if extra.pop("_pages", 1) else None)
+        if fetch is not None:
+            stamps["device_stream_started"] = time.time()
+            pf = [0, 0]
     if pf is None or pf[0] > 0:
         fetch = cache.loader.prefetch(MODEL_DIR, *([pf[0], pf[1] << 20] if pf else []), imports_first=imports_first,
                                       gentle_bytes=gentle)
@@ -32,11 +47,13 @@ if MODE == "ours":  # start reading the pack into the page cache before torch im
     if "_loader_chunk_mb" in extra:
         cache.loader.DEFAULT_CHUNK_BYTES = extra.pop("_loader_chunk_mb") << 20
     preload = extra.pop("_preload", 1)
+    engine_mode = extra.pop("_engine_mode", "jit")
+    extra.pop("_triton", None)  # the parent set TRITON_CACHE_DIR
 
 import torch  # noqa: E402
 
 stamps["import_torch"] = time.time()
-if fetch is not None:
+if fetch is not None and hasattr(fetch, "boost"):
     fetch.boost()  # the import is done (a preload's loader would boost it too, a little later)
 torch.zeros(1, device="cuda")
 torch.cuda.synchronize()
@@ -64,6 +81,14 @@ if MODE == "ours":
 
         stamps["preloading"] = preload_weights(EngineArgs(model=MODEL_DIR, dtype="bfloat16", device="cuda", **extra))
         stamps["preload_started"] = time.time()
+    if warm is not None and warm.install():
+        stamps["warmup_installed"] = time.time()
+    from engine import EngineArgs
+    from warmup.artifacts import prepare
+
+    engine_args, selection = prepare(engine_mode, EngineArgs(model=MODEL_DIR, dtype="bfloat16", device="cuda",
+                                                             **extra))
+    stamps["engine_mode"] = time.time()
     import engine.runner as runner_module
     from engine import LLM, SamplingParams
 
@@ -73,7 +98,7 @@ if MODE == "ours":
     if graphs is not None:
         graphs.capture = timed("graphs", graphs.capture)
     stamps["imports"] = time.time()
-    llm = LLM(model=MODEL_DIR, dtype="bfloat16", device="cuda", **extra)
+    llm = LLM(**vars(engine_args))
     torch.cuda.synchronize()
     stamps["engine_ready"] = time.time()
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
@@ -81,11 +106,16 @@ if MODE == "ours":
     stamps["first_token"] = time.time()
     model = llm.engine.runner.model
     model.wait_weights()
+    recorded = cache.start_pages.record(pages_path) if not os.path.exists(pages_path) else None  # as a worker does
     preloading = stamps.pop("preloading", None)
     result = {"load_stats": getattr(model, "load_stats", None), "token": out[0].outputs[0].token_ids,
-              "num_kv_blocks": llm.engine.num_kv_blocks, "preloaded": preloading,
-              "prefetch_bytes": fetch.bytes_read if fetch else 0,
-              "prefetch_seconds": ((fetch.finished or time.perf_counter()) - fetch.started) if fetch else 0}
+              "num_kv_blocks": llm.engine.num_kv_blocks, "preloaded": preloading, "start_pages_recorded": recorded,
+              "engine_mode": selection.mode, "engine_mode_reason": selection.reason,
+              "prefetch_bytes": getattr(fetch, "bytes_read", 0),
+              "prefetch_seconds": ((fetch.finished or time.perf_counter()) - fetch.started)
+              if isinstance(fetch, cache.loader.Prefetch) else 0,
+              "device_stream": getattr(fetch, "finished", None) if not isinstance(fetch, cache.loader.Prefetch)
+              else None}
 elif MODE == "hf":
     import transformers
 

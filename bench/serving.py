@@ -26,8 +26,9 @@ from bench.drivers import decode_step_times, run_offline, run_online, wait_idle
 from bench.roofline import copy_bandwidth, decode_window, model_bytes
 from bench.timing import summarize, summarize_window
 from bench.trace import BenchRequest, conv_requests, fixed_requests, make_requests, random_prompt, sample_lengths
-from engine import AsyncLLM
+from engine import AsyncLLM, EngineArgs
 from engine.config import ModelConfig
+from warmup.artifacts import prepare
 
 PARTS = ("hf", "decode", "conv", "fixed", "online")  # the order they run in; "offline" means conv,fixed
 SEEDS = {"conv": 1, "fixed": 2, "online": 3, "hf": 4, "warmup": 5, "decode": 6}
@@ -63,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--engine-mode", default="jit", choices=["jit", "compiled", "auto"],
+                    help="ENGINE_MODE (compiled needs `python -m warmup build` with the same limits first)")
     ap.add_argument("--bandwidth-bytes", type=int, default=None, help="buffer of the copy-bandwidth test")
     args = ap.parse_args(argv)
     args.parts = [p.strip() for p in args.parts.replace("offline", "conv,fixed").split(",") if p.strip()]
@@ -124,12 +127,15 @@ class Bench:
             if a.device.startswith("cuda"):
                 torch.cuda.empty_cache()
             t0 = time.perf_counter()
-            self.engine = AsyncLLM(
+            engine_args, self.engine_selection = prepare(a.engine_mode, EngineArgs(
                 model=self.model_dir, dtype=a.dtype, device=a.device, max_model_len=self.max_model_len(),
                 block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
                 gpu_memory_utilization=a.gpu_memory_utilization, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, seed=0,
-            )
+            ))
+            self.results["engine_mode"] = {"mode": self.engine_selection.mode,
+                                           "reason": self.engine_selection.reason}
+            self.engine = AsyncLLM(**vars(engine_args))
             self.engine_init_s = time.perf_counter() - t0
             await self.warm_up()
         return self.engine

@@ -18,7 +18,8 @@ from cache.prefetch import _ACTIVE, Prefetch, prefetch, resident_fraction
 
 # The engine imports cache.loader only: the pack's writer, reader and error, and prefetch, come from here too.
 __all__ = ["LoadStats", "Pack", "PackError", "PackWriter", "Prefetch", "StreamingLoad", "discard_preloads",
-           "load_pack", "prefetch", "preload", "read_pack", "resident_fraction"]
+           "group_spans", "load_pack", "prefetch", "preload", "read_pack", "register_pending", "resident_fraction",
+           "tensor_views"]
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,26 @@ DEFAULT_CHUNK_BYTES = 16 << 20
 
 
 # ---- the streaming load ----------------------------------------------------------------------------------
+def tensor_views(pack: Pack, buffer) -> dict:
+    """name -> the tensor as a view into `buffer`, a uint8 tensor holding the pack's data span."""
+    import torch
+
+    out = {}
+    for e in pack.entries:
+        lo = e.offset - pack.data_offset
+        out[e.name] = buffer[lo: lo + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape)
+    return out
+
+
+def group_spans(pack: Pack) -> dict[int, tuple[int, int]]:
+    """group -> (first byte, end) in the file of the span its tensors cover."""
+    spans: dict[int, tuple[int, int]] = {}
+    for e in pack.entries:
+        lo, hi = spans.get(e.group, (e.offset, e.offset + e.nbytes))
+        spans[e.group] = (min(lo, e.offset), max(hi, e.offset + e.nbytes))
+    return spans
+
+
 @dataclass
 class LoadStats:
     nbytes: int
@@ -69,7 +90,7 @@ class StreamingLoad:
             raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8)
             skip = (-raw.data_ptr()) % ALIGNMENT
             self.buffer = raw[skip: skip + nbytes]
-        self.tensors = {e.name: self._view(e) for e in pack.entries}
+        self.tensors = tensor_views(pack, self.buffer)
         self.mode = self._choose_mode(direct)
         # A prefetch still reading this file: the readers follow it instead of queueing disk reads of their own.
         self._prefetch = _ACTIVE.get(os.path.realpath(pack.path)) if self.mode == "buffered" else None
@@ -78,10 +99,7 @@ class StreamingLoad:
         self.chunk_bytes = chunk_bytes
         self._chunks = [(off, min(chunk_bytes, pack.data_end - off))
                         for off in range(pack.data_offset, pack.data_end, chunk_bytes)]
-        self._group_span: dict[int, tuple[int, int]] = {}
-        for e in pack.entries:
-            lo, hi = self._group_span.get(e.group, (e.offset, e.offset + e.nbytes))
-            self._group_span[e.group] = (min(lo, e.offset), max(hi, e.offset + e.nbytes))
+        self._group_span = group_spans(pack)
         self._pending = {g: sum(1 for off, n in self._chunks if off < hi and off + n > lo) or 0
                          for g, (lo, hi) in self._group_span.items()}
         self._groups_of_chunk = [[g for g, (lo, hi) in self._group_span.items() if off < hi and off + n > lo]
@@ -105,13 +123,6 @@ class StreamingLoad:
         self._stats_threads = n_threads
         for t in self._threads:
             t.start()
-
-    def _view(self, e):
-        import torch
-
-        dtype = getattr(torch, e.dtype)
-        lo = e.offset - self.pack.data_offset
-        return self.buffer[lo: lo + e.nbytes].view(dtype).view(e.shape)
 
     def _choose_mode(self, direct: str | bool) -> str:
         if direct is True or direct == "direct":
@@ -314,8 +325,22 @@ def preload(path: str, device="cuda", **options) -> StreamingLoad | None:
     return load
 
 
-def _claim_preload(path: str, device) -> StreamingLoad | None:
-    if not _PRELOADS:
+# A load started before torch could be imported (cache.device_stream): realpath -> an object with claim(device)
+# (the load, or None to load in-process) and cancel().
+_PENDING: dict[str, object] = {}
+
+
+def register_pending(path: str, pending) -> None:
+    """The next load_pack of `path` to a CUDA device asks pending.claim(device) first; discard_preloads cancels it."""
+    with _PRELOADS_LOCK:
+        old = _PENDING.pop(os.path.realpath(path), None)
+        _PENDING[os.path.realpath(path)] = pending
+    if old is not None:
+        old.cancel()
+
+
+def _claim_preload(path: str, device):
+    if not _PRELOADS and not _PENDING:
         return None
     import torch
 
@@ -323,7 +348,16 @@ def _claim_preload(path: str, device) -> StreamingLoad | None:
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     with _PRELOADS_LOCK:
-        return _PRELOADS.pop((os.path.realpath(path), str(dev)), None)
+        load = _PRELOADS.pop((os.path.realpath(path), str(dev)), None)
+        pending = _PENDING.pop(os.path.realpath(path), None)
+    if load is not None or pending is None:
+        if pending is not None:
+            pending.cancel()
+        return load
+    if dev.type != "cuda":
+        pending.cancel()
+        return None
+    return pending.claim(dev)
 
 
 def discard_preloads(keep: str | None = None) -> int:
@@ -332,6 +366,10 @@ def discard_preloads(keep: str | None = None) -> int:
     with _PRELOADS_LOCK:
         dropped = [k for k in _PRELOADS if k[0] != real]
         loads = [_PRELOADS.pop(k) for k in dropped]
+        pending = [_PENDING.pop(k) for k in [k for k in _PENDING if k != real]]
+    for p in pending:
+        p.cancel()
+        log.info("weights: stopped the device stream of %s (the engine loads another file)", p.path)
     for load in loads:
         load.cancel()
         log.info("weights: dropped the preload of %s (the engine loads another file)", load.pack.path)

@@ -33,13 +33,14 @@ def resident_fraction(path: str, offset: int = 0, length: int | None = None, sam
     """Fraction of the byte range's pages now in the page cache (Linux mincore), or None where it can't tell.
 
     samples: look at that many evenly spaced pages only (a whole 16 GB file takes ~0.2 s to scan)."""
-    vec = _residency(path, offset, length, samples)
+    vec = page_residency(path, offset, length, samples)
     if vec is None:
         return None
     return (1.0 - vec.count(0) / len(vec)) if len(vec) else 1.0
 
 
-def _residency(path: str, offset: int, length: int | None, samples: int | None = None) -> bytes | None:
+def page_residency(path: str, offset: int = 0, length: int | None = None, samples: int | None = None
+                   ) -> bytes | None:
     """One byte per page (bit 0: cached) of the range, or of `samples` evenly spaced pages in it."""
     libc = _libc()
     if libc is None:
@@ -153,7 +154,7 @@ class Prefetch:
             lead_paths = [p for p in (lead() if lead else []) if p not in self.paths]
             for p in lead_paths + self.paths:
                 size = os.path.getsize(p)
-                vec = _residency(p, 0, None)
+                vec = page_residency(p, 0, None)
                 first = len(work)
                 work += [(p, off, min(chunk_bytes, size - off)) for off in range(0, size, chunk_bytes)
                          if vec is None or not _all_resident(vec, off, min(chunk_bytes, size - off))]

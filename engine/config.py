@@ -195,6 +195,9 @@ class EngineArgs:
     # GPU KV sizing: "analytic" subtracts an upper bound of the largest step's activations computed from the model's
     # shapes (engine/memory_budget.py); "profile" runs that step once at start and measures its peak.
     kv_sizing: str = "analytic"
+    # The largest step's peak bytes as measured by a profiled start on this GPU (a compiled engine's KV-sizing
+    # record): used, with the analytic bound's margins, instead of that bound; no profiled step. None: as kv_sizing.
+    kv_step_bytes: int | None = None
     # Schedule and launch step N+1 before step N's sampled tokens are read back (as vLLM's async scheduling):
     # None turns it on for a GPU and off for CPU.
     async_scheduling: bool | None = None
@@ -226,6 +229,8 @@ class EngineArgs:
         if self.cuda_graph_capture not in CUDA_GRAPH_CAPTURE_MODES:
             raise ValueError(f"cuda_graph_capture: must be one of {', '.join(CUDA_GRAPH_CAPTURE_MODES)}, "
                              f"got {self.cuda_graph_capture!r}")
+        if self.kv_step_bytes is not None:
+            _check_int("kv_step_bytes", self.kv_step_bytes, 0, 1 << 50)
         if self.kv_sizing not in KV_SIZING_MODES:
             raise ValueError(f"kv_sizing: must be one of {', '.join(KV_SIZING_MODES)}, got {self.kv_sizing!r}")
 

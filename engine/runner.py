@@ -12,7 +12,7 @@ import torch
 from engine.attention import kv_cache_shape
 from engine.config import EngineArgs, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
-from engine.memory_budget import step_peak_bytes
+from engine.memory_budget import FIXED_SLACK_BYTES, FRAGMENTATION, step_peak_bytes
 from engine.models import load_model
 from engine.outputs import PositionLogprobs
 from engine.sampling import DeviceSample, Sampler, SamplerOutput, SamplingParams, SamplingRow, prompt_logprobs
@@ -41,6 +41,7 @@ class ModelRunner:
         self.stager = InputStager(device, self.block_size)
         self.sampler = Sampler()
         self.use_graphs = self._use_cuda_graphs()
+        self.kv_step_bytes: int | None = None  # the step allowance the KV sizing used (GPU)
         self.num_blocks = args.num_kv_blocks or self._size_kv_cache()
         shape = kv_cache_shape(
             model_config.num_layers, self.num_blocks, self.block_size, model_config.num_kv_heads,
@@ -90,7 +91,10 @@ class ModelRunner:
             num_rows = min(self.args.max_num_seqs, num_tokens)
             torch.cuda.synchronize(self.device)
             held = torch.cuda.memory_allocated(self.device)  # the weights' buffer is allocated even while streaming
-            if self.args.kv_sizing == "profile":
+            if self.args.kv_step_bytes is not None:  # one step's measured peak: fragmentation and slack on top,
+                step = int(self.args.kv_step_bytes * FRAGMENTATION) + FIXED_SLACK_BYTES  # as the analytic bound has
+                how = "recorded peak (with margins) of a"
+            elif self.args.kv_sizing == "profile":
                 step = self._profile_gpu_blocks(num_tokens, num_rows) - held
                 how = "peak of a profiled"
             else:
@@ -110,6 +114,7 @@ class ModelRunner:
                 num_tokens, used_by_others / (1 << 30), graphs / (1 << 30), budget / (1 << 30),
                 self.args.gpu_memory_utilization,
             )
+            self.kv_step_bytes = step  # what a compiled engine's build records
             blocks = budget // self.bytes_per_block
         if blocks < 1:
             raise ValueError(

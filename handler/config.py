@@ -174,8 +174,6 @@ class Settings(BaseSettings):
 
     def engine_args(self, model_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None):
         """The engine's arguments for a model already resolved to a local directory."""
-        from dataclasses import fields
-
         from engine import EngineArgs
 
         kwargs: dict[str, Any] = dict(
@@ -192,12 +190,8 @@ class Settings(BaseSettings):
             seed=self.seed,
             chat_template=self.custom_chat_template,
         )
-        # Passed once the engine has them (the compiled-engine and fast-path issues add them).
-        known = {f.name for f in fields(EngineArgs)}
-        for name in ("engine_mode", "enforce_eager", "load_format"):
-            if name in known:
-                kwargs[name] = getattr(self, name)
-        return EngineArgs(**kwargs)
+        kwargs.update(enforce_eager=self.enforce_eager, load_format=self.load_format)
+        return EngineArgs(**kwargs)  # ENGINE_MODE is applied by the boot (warmup.artifacts.prepare)
 
 
 _ALLOWED_TEXT = {"block_size": "a power of two in [1, 1024]", "s3_cache_uri": "s3://bucket/prefix"}

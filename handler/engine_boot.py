@@ -13,8 +13,10 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
+from cache import device_stream, start_pages
 from cache.prefetch import prefetch
 from handler.config import Settings
+from warmup.start import start_warmup
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,18 @@ def resolve_model(ref: str, revision: str | None, settings: Settings) -> Path:
                               **_resolve_options(settings)))
 
 
+def start_weight_stream(model_dir: str, settings: Settings) -> str:
+    """Weights on their way before torch is imported: the pack straight to the GPU from a separate process (after
+    the start path's recorded pages when the disk is cold), else the page cache filled by stdlib threads."""
+    if settings.device != "cpu":
+        pages = start_pages.default_path(str(settings.resolved_cache_dir()))
+        device = "cuda" if settings.device == "auto" else settings.device
+        if device_stream.start(model_dir, device, start_pages=pages) is not None:
+            return "device_stream"
+    prefetch(model_dir)
+    return "prefetch"
+
+
 def _preload_weights(args) -> bool:
     from engine.models.weights import preload_weights  # imports torch (and the config), not the model code
 
@@ -91,6 +105,8 @@ class EngineBoot:
         self.settings = settings
         self.model_dir: Path | None = None
         self.phases: dict[str, float] = {}  # phase -> seconds
+        self.weight_stream: str | None = None  # "device_stream" or "prefetch", once started
+        self.engine_selection = None  # warmup.artifacts.Selection: jit or compiled, and why
         self._future: Future = Future()
         self._thread: threading.Thread | None = None
 
@@ -130,6 +146,20 @@ class EngineBoot:
             log.error("engine failed to load: %s", exc)
             self._future.set_exception(exc)
 
+    def _engine_mode(self, args):
+        """ENGINE_MODE: a compiled engine's kernels and records when one matches (or is required), else jit."""
+        from warmup.artifacts import prepare
+
+        from cache.resolver import make_s3_options
+
+        s = self.settings
+        opts = _resolve_options(s)
+        s3 = make_s3_options(**{k: opts[k] for k in ("s3_endpoint_url", "aws_access_key_id", "aws_secret_access_key",
+                                                     "aws_region") if k in opts})
+        args, self.engine_selection = prepare(s.engine_mode, args, str(s.resolved_cache_dir()), s.s3_cache_uri, s3)
+        log.info("engine mode: %s (%s)", self.engine_selection.mode, self.engine_selection.reason)
+        return args
+
     def _timed(self, phase: str, fn, *args):
         t0 = time.perf_counter()
         try:
@@ -154,17 +184,22 @@ class EngineBoot:
         except Exception as exc:
             raise ModelLoadError(f"MODEL_NAME={s.model_name!r}: could not resolve the model: {exc}") from exc
         self.model_dir = model_dir
-        # Disk reads of the weights overlap `import torch` and engine set-up (stdlib threads, page cache only).
-        self._timed("prefetch_start", prefetch, str(model_dir))
+        warm = start_warmup()
+        # The weights stream while `import torch` and the engine's set-up run.
+        self.weight_stream = self._timed("stream_start", start_weight_stream, str(model_dir), s)
         args = s.engine_args(model_dir, tokenizer_dir)
         # Once torch is up, the pack streams to the GPU while the engine imports and builds (load_model takes it).
         self._timed("preload_start", _preload_weights, args)
+        if warm is not None:
+            self._timed("warmup_install", warm.install)
+        args = self._timed("engine_mode", self._engine_mode, args)
         t_import = time.perf_counter()
         from engine import AsyncLLM
 
         self.phases["import_engine"] = time.perf_counter() - t_import
         engine = self._timed("engine", AsyncLLM.from_engine_args, args)
         self.phases["total"] = time.perf_counter() - t0
+        start_pages.record_in_background(start_pages.default_path(str(s.resolved_cache_dir())))
         log.info("ready: model %s from %s in %.2fs (%s)", self.served_names[0], model_dir, self.phases["total"],
                  ", ".join(f"{k} {v:.2f}s" for k, v in self.phases.items() if k != "total"))
         return engine

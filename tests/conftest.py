@@ -30,6 +30,26 @@ def smollm2_dir() -> str:
     return convert_gguf(os.path.join(_gguf_dir(), SMOLLM2_GGUF), str(CACHE_DIR / "smollm2-135m-instruct"))
 
 
+def free_gpu_memory() -> None:
+    """Hand back the GPU memory of engines no longer referenced: an engine moves its start-up objects out of the
+    cyclic GC (gc.freeze), so a test that builds several in one process collects them first."""
+    import gc
+
+    import torch
+
+    if torch.cuda.is_available():
+        gc.unfreeze()
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+@pytest.fixture
+def gpu_memory_back():
+    """After the test, free_gpu_memory(): the GPU tests that follow size their KV caches from free memory."""
+    yield
+    free_gpu_memory()
+
+
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config):
     """`pytest -m gpu` (make gpu-check) collects only files that hold GPU tests: the GPU machine has torch and
     transformers preinstalled but not necessarily the worker's own dependencies (pydantic-settings, runpod ...)."""

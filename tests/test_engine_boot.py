@@ -4,9 +4,13 @@ and a waiter that gives up never cancelling the load for the others.
 from __future__ import annotations
 
 import asyncio
+import json
+import time
+from pathlib import Path
 
 import pytest
 
+from cache import start_pages
 from handler.config import load_settings
 from handler.engine_boot import EngineBoot, ModelLoadError
 
@@ -44,7 +48,13 @@ def test_ready_serves_every_waiter_and_survives_a_cancelled_one(smollm2_dir, tmp
         assert impatient.cancelled() and first is second and boot.is_ready
         assert boot.tokenizer is first.tokenizer and boot.tokenizer is not None
         assert boot.model_dir is not None and str(boot.model_dir) in boot.served_names
-        assert {"resolve", "engine", "total"} <= set(boot.phases)
+        assert {"resolve", "stream_start", "engine", "total"} <= set(boot.phases)
+        assert boot.weight_stream == "prefetch"  # no GPU: the page cache is filled, not a device
         assert first.engine.max_model_len == 256
+        pages = Path(start_pages.default_path(str(tmp_path)))  # recorded once the engine is up, for later starts
+        deadline = time.monotonic() + 30
+        while not pages.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert any("tokenizers" in name for name, _ in json.loads(pages.read_text())["files"])
     finally:
         first.shutdown()

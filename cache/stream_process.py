@@ -1,0 +1,214 @@
+"""The device-stream process: a pack -> one shareable GPU allocation, filled while the worker still imports torch.
+
+`python -m cache.stream_process PACK ORDINAL SOCKET_FD THREADS CHUNK_BYTES [START_PAGES]` (started by
+cache.device_stream). When the pack is not in the page cache, it first reads the start path's recorded pages
+(cache.start_pages), so the worker's imports do not queue behind the weights on the disk. It uses
+the driver through ctypes (no torch: it is streaming ~0.1 s after the worker starts) and runs in its own process, so
+its reader threads never wait for the worker's interpreter lock, which `import torch` holds for seconds at a time.
+
+On the socket (one JSON object per line): first {"size", "nbytes", "bus_id"} with the allocation's POSIX fd attached,
+then {"done_to": OFFSET} each time the prefix of the pack's data on the device grows (every copy below OFFSET has
+completed), then {"finished": {stats}} or {"error": "..."}. The worker sends "mapped" once it has mapped the
+allocation (this process may then let its own mapping go and exit) or "cancel"; end of file means the same as cancel.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import socket
+import sys
+import threading
+import time
+
+from cache import cuda_driver as cu
+from cache import start_pages
+from cache.pack import ALIGNMENT, read_pack
+from cache.prefetch import resident_fraction
+
+RING_PER_THREAD = 2  # pinned buffers per reader: one is read into while the other's copy runs
+
+
+class Streamer:
+    def __init__(self, pack_path: str, ordinal: int, sock: socket.socket, threads: int, chunk_bytes: int,
+                 start_pages: str | None = None) -> None:
+        self.t0 = time.perf_counter()
+        self.sock = sock
+        self.ordinal = ordinal
+        self.pack = read_pack(pack_path)
+        self.chunk_bytes = chunk_bytes
+        self.chunks = [(off, min(chunk_bytes, self.pack.data_end - off))
+                       for off in range(self.pack.data_offset, self.pack.data_end, chunk_bytes)]
+        self.threads = max(1, min(threads, len(self.chunks)))
+        resident = resident_fraction(pack_path, self.pack.data_offset, self.pack.data_nbytes, samples=256)
+        self.direct = resident is not None and resident < 0.5
+        self.lock = threading.Lock()
+        self.send_lock = threading.Lock()
+        self.next = 0
+        self.done = bytearray(len(self.chunks))
+        self.prefix = 0  # chunks [0, prefix) are on the device
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.pin_seconds = 0.0
+        self.mapped = threading.Event()
+        self.start_pages = start_pages
+
+    def send(self, msg: dict, fds: list[int] | None = None) -> None:
+        data = (json.dumps(msg) + "\n").encode()
+        with self.send_lock:
+            if fds:
+                socket.send_fds(self.sock, [data], fds)
+            else:
+                self.sock.sendall(data)
+
+    def listen(self) -> None:
+        """The worker's side of the socket: 'mapped', 'cancel', or end of file (the worker is gone)."""
+        buf = b""
+        while True:
+            try:
+                data = self.sock.recv(4096)
+            except OSError:
+                data = b""
+            if not data:
+                self.stop.set()
+                self.mapped.set()
+                return
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                if line == b"mapped":
+                    self.mapped.set()
+                elif line == b"cancel":
+                    self.stop.set()
+                    self.mapped.set()
+
+    def run(self) -> None:
+        threading.Thread(target=self.listen, daemon=True, name="stream-listen").start()
+        self.ctx = cu.primary_context(self.ordinal)
+        t_ctx = time.perf_counter()
+        gran = cu.granularity(self.ordinal)
+        self.size = -(-self.pack.data_nbytes // gran) * gran
+        handle, fd = cu.create_shareable(self.ordinal, self.size)
+        self.base = cu.map_handle(handle, self.size, self.ordinal)
+        self.send({"size": self.size, "nbytes": self.pack.data_nbytes, "bus_id": cu.pci_bus_id(self.ordinal)}, [fd])
+        os.close(fd)
+        t_alloc = time.perf_counter()
+        pages = start_pages.read(self.start_pages) if self.start_pages and self.direct else 0
+        t_pages = time.perf_counter()
+        workers = [threading.Thread(target=self.worker, daemon=True, name=f"stream-{i}") for i in range(self.threads)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+        t_end = time.perf_counter()
+        if self.error is not None:
+            raise self.error
+        if self.stop.is_set() and self.prefix < len(self.chunks):
+            return  # cancelled: nobody waits for the rest
+        self.send({"finished": {"seconds": t_end - t_pages, "since_spawn": t_end - self.t0,
+                                "start_pages_bytes": pages, "start_pages_seconds": t_pages - t_alloc,
+                                "context_seconds": t_ctx - self.t0, "alloc_seconds": t_alloc - t_ctx,
+                                "pin_seconds": self.pin_seconds, "mode": "direct" if self.direct else "buffered",
+                                "threads": self.threads, "chunk_bytes": self.chunk_bytes}})
+        self.mapped.wait()  # our mapping keeps the memory alive until the worker holds its own
+        cu.unmap(self.base, self.size)
+        cu.release(handle)
+
+    def worker(self) -> None:
+        try:
+            cu.set_current(self.ctx)
+            stream = cu.stream_create()
+            slots: list[list] = []  # [host address, writable view, event, chunk in flight or None]
+            fds: dict[bool, int] = {}
+            turn = 0
+            try:
+                while not self.stop.is_set() and self.error is None:
+                    with self.lock:
+                        i, self.next = self.next, self.next + 1
+                    if i >= len(self.chunks):
+                        break
+                    if len(slots) < RING_PER_THREAD:  # pinned lazily: reading starts after one buffer, not the ring
+                        t = time.perf_counter()
+                        host = cu.host_alloc(self.chunk_bytes)
+                        view = memoryview((ctypes.c_char * self.chunk_bytes).from_address(host)).cast("B")
+                        slots.append([host, view, cu.event_create(), None])
+                        with self.lock:
+                            self.pin_seconds += time.perf_counter() - t
+                    slot = slots[turn % len(slots)]
+                    turn += 1
+                    if slot[3] is not None:  # the copy out of this buffer must end before it is read into again
+                        cu.event_synchronize(slot[2])
+                        self.completed(slot[3])
+                    off, n = self.chunks[i]
+                    self.read(fds, slot[1], off, n)
+                    cu.copy_to_device_async(self.base + off - self.pack.data_offset, slot[0], n, stream)
+                    cu.event_record(slot[2], stream)
+                    slot[3] = i
+                for slot in slots:
+                    if slot[3] is not None:
+                        cu.event_synchronize(slot[2])
+                        self.completed(slot[3])
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
+                for slot in slots:
+                    slot[1].release()
+                    cu.host_free(slot[0])
+        except BaseException as e:  # noqa: BLE001 - reported to the worker by run()
+            with self.lock:
+                self.error = self.error or e
+            self.stop.set()
+
+    def read(self, fds: dict[bool, int], view: memoryview, offset: int, n: int) -> None:
+        """Fill view[:n] from the pack at offset (O_DIRECT reads whole aligned pages; tmpfs refuses it: pread)."""
+        done = 0
+        while done < n:
+            direct = self.direct
+            want = -(-n // ALIGNMENT) * ALIGNMENT if direct else n
+            try:
+                fd = fds.get(direct)
+                if fd is None:
+                    fd = fds[direct] = os.open(self.pack.path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+                got = os.preadv(fd, [view[done:want]], offset + done)
+            except OSError as e:
+                if direct and e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                    self.direct = False
+                    continue
+                raise
+            if got == 0:
+                raise OSError(errno.EIO, f"pack {self.pack.path}: unexpected end of file at {offset + done}")
+            done += got
+
+    def completed(self, chunk: int) -> None:
+        with self.lock:
+            self.done[chunk] = 1
+            start = self.prefix
+            while self.prefix < len(self.chunks) and self.done[self.prefix]:
+                self.prefix += 1
+            if self.prefix == start:
+                return
+            off, n = self.chunks[self.prefix - 1]
+        self.send({"done_to": off + n})
+
+
+def main(argv: list[str]) -> int:
+    path, ordinal, sock_fd, threads, chunk_bytes = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), int(argv[4])
+    pages = argv[5] if len(argv) > 5 else None
+    sock = socket.socket(fileno=sock_fd)
+    streamer = None
+    try:
+        streamer = Streamer(path, ordinal, sock, threads, chunk_bytes, pages)
+        streamer.run()
+        return 0
+    except BaseException as e:  # noqa: BLE001 - the worker falls back to loading in-process
+        try:
+            msg = {"error": f"{type(e).__name__}: {e}"}
+            (streamer.send(msg) if streamer else sock.sendall((json.dumps(msg) + "\n").encode()))
+        except OSError:
+            pass
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

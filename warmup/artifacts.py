@@ -1,0 +1,229 @@
+"""Compiled-engine artifacts: what lets a cold process skip work, under a key naming everything that makes it valid.
+
+An artifact is a directory `<model>/engines/<id>/` (or under another root) holding `artifact.json` (the key, the
+KV-sizing record, the CUDA-graph batch sizes, the build's smoke tokens and time) and `triton-cache/`: every kernel
+the engine compiled for this model, GPU and software stack while it was built. select() picks one for ENGINE_MODE;
+install() puts its kernels where Triton looks and returns the engine arguments its record implies.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+ARTIFACT_FORMAT = 1
+ARTIFACT_FILE = "artifact.json"
+TRITON_DIR = "triton-cache"
+ENGINES_DIR = "engines"
+ENGINE_MODES = ("auto", "jit", "compiled")
+# The key's fields, in the order a mismatch names them: what was built for must be what runs.
+KEY_FIELDS = ("format", "model_digest", "gpu_arch", "gpu_memory_gib", "torch", "triton", "cuda", "dtype",
+              "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "gpu_memory_utilization")
+
+
+class ArtifactError(RuntimeError):
+    """ENGINE_MODE=compiled and no artifact matches: the message is one line naming the fields that differ."""
+
+
+# ---- the key -------------------------------------------------------------------------------------------------
+def artifact_key(model_digest: str, limits: dict, device: dict, software: dict) -> dict:
+    """The key from its parts (pure: tests build keys for machines they are not on).
+
+    limits: dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, gpu_memory_utilization.
+    device: gpu_arch ("sm_90"), gpu_memory_gib. software: torch, triton, cuda versions."""
+    key = {"format": ARTIFACT_FORMAT, "model_digest": model_digest, **device, **software, **limits}
+    missing = [f for f in KEY_FIELDS if f not in key]
+    if missing:
+        raise ValueError(f"artifact key: missing {', '.join(missing)}")
+    return {f: key[f] for f in KEY_FIELDS}
+
+
+def key_id(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def current_key(args) -> dict:
+    """The key this process would need, for EngineArgs `args` on its CUDA device (imports torch and triton)."""
+    import torch
+
+    from engine.config import ModelConfig
+    from engine.models.weights import model_digest, resolve_dtype
+
+    device = args.torch_device()
+    if device.type != "cuda":
+        raise ArtifactError(f"compiled engines are for CUDA devices; this engine runs on {device.type}")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    cfg = ModelConfig.from_dir(args.model)
+    limits = {"dtype": str(resolve_dtype(args.dtype, cfg, device)).removeprefix("torch."),
+              "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+              "max_num_batched_tokens": args.max_num_batched_tokens, "block_size": args.block_size,
+              "gpu_memory_utilization": args.gpu_memory_utilization}
+    return artifact_key(model_digest(args.model), limits,
+                        {"gpu_arch": f"sm_{props.major}{props.minor}",
+                         "gpu_memory_gib": round(props.total_memory / (1 << 30))},
+                        {"torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda})
+
+
+def mismatches(built: dict, wanted: dict) -> list[str]:
+    """'field (built for X, this worker Y)' for each key field that differs, in KEY_FIELDS order."""
+    return [f"{f} (built for {built.get(f)!r}, this worker {wanted.get(f)!r})"
+            for f in KEY_FIELDS if built.get(f) != wanted.get(f)]
+
+
+# ---- finding and choosing ------------------------------------------------------------------------------------
+def artifact_roots(model_dir: str, cache_dir: str | None = None) -> list[str]:
+    """Where artifacts live: beside the model's snapshot, then the cache dir's engines/."""
+    roots = [os.path.join(model_dir, ENGINES_DIR)]
+    if cache_dir:
+        roots.append(os.path.join(cache_dir, ENGINES_DIR))
+    return roots
+
+
+def find_artifacts(roots: list[str]) -> list[tuple[str, dict]]:
+    """(directory, artifact.json contents) of every readable artifact under the roots."""
+    out = []
+    for root in roots:
+        try:
+            names = sorted(os.listdir(root))
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(root, name)
+            try:
+                with open(os.path.join(path, ARTIFACT_FILE)) as f:
+                    out.append((path, json.load(f)))
+            except (OSError, ValueError):
+                continue
+    return out
+
+
+@dataclass(frozen=True)
+class Selection:
+    mode: str  # "compiled" or "jit": what runs
+    artifact: str | None  # the artifact directory (compiled)
+    reason: str  # one line: why this mode
+
+
+def select(mode: str, roots: list[str], key: dict) -> Selection:
+    """ENGINE_MODE -> what runs. compiled without a matching artifact raises ArtifactError (one line naming the
+    fields of the closest artifact that differ); auto falls back to jit with that line as its reason."""
+    if mode not in ENGINE_MODES:
+        raise ValueError(f"ENGINE_MODE: must be one of {', '.join(ENGINE_MODES)}, got {mode!r}")
+    if mode == "jit":
+        return Selection("jit", None, "ENGINE_MODE=jit")
+    found = find_artifacts(roots)
+    for path, data in found:
+        if not mismatches(data.get("key", {}), key):
+            return Selection("compiled", path, f"compiled engine {path} matches this worker")
+    if found:
+        path, data = min(found, key=lambda pd: len(mismatches(pd[1].get("key", {}), key)))
+        why = f"the closest, {path}, differs in " + "; ".join(mismatches(data.get("key", {}), key))
+    else:
+        why = f"none was found in {', '.join(roots)}"
+    line = f"no compiled engine matches this worker: {why}"
+    if mode == "compiled":
+        raise ArtifactError(f"ENGINE_MODE=compiled: {line}")
+    return Selection("jit", None, f"ENGINE_MODE=auto: jit, {line}")
+
+
+def install(artifact: str, triton_cache_dir: str | None = None) -> dict:
+    """Copy the artifact's kernels into Triton's cache (the current one unless given; entries already there are
+    kept) and return the EngineArgs overrides of its record: the measured KV step and the graph sizes."""
+    if triton_cache_dir is None:
+        import triton.knobs
+
+        triton_cache_dir = triton.knobs.cache.dir
+    src = os.path.join(artifact, TRITON_DIR)
+    if os.path.isdir(src):
+        shutil.copytree(src, triton_cache_dir, dirs_exist_ok=True, copy_function=_copy_if_missing)
+    with open(os.path.join(artifact, ARTIFACT_FILE)) as f:
+        record = json.load(f)["record"]
+    return {"kv_step_bytes": record["kv_step_bytes"], "cuda_graph_sizes": record["graph_sizes"]}
+
+
+def _copy_if_missing(src: str, dst: str) -> str:
+    """Copy one cache file. Triton's group files (__grp__*.json) list their kernel's files by absolute path, which
+    named the build's directory: they are rewritten to where the files are now, or Triton would compile again."""
+    if os.path.exists(dst):
+        return dst
+    if not os.path.basename(src).startswith("__grp__"):
+        shutil.copy2(src, dst)
+        return dst
+    with open(src) as f:
+        group = json.load(f)
+    here = os.path.dirname(dst)
+    group["child_paths"] = {name: os.path.join(here, os.path.basename(path))
+                            for name, path in group.get("child_paths", {}).items()}
+    tmp = f"{dst}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(group, f)
+    os.replace(tmp, dst)
+    return dst
+
+
+def pull_matching(key: dict, remote: str, cache_dir: str, opts=None) -> str | None:
+    """The artifact for `key` from a fleet cache (remote/engines/<id>, as `warmup build --push` wrote it) into
+    cache_dir/engines/<id>, atomically; None when the fleet has none. Raises cache.remote.RemoteError."""
+    import tempfile
+
+    from cache.remote import join_uri, pull_dir
+
+    dest = os.path.join(cache_dir, ENGINES_DIR, key_id(key))
+    if os.path.isfile(os.path.join(dest, ARTIFACT_FILE)):
+        return dest
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".pull-", dir=os.path.dirname(dest))
+    try:
+        if pull_dir(join_uri(remote, ENGINES_DIR, key_id(key)), staging, opts, progress=False) is None:
+            return None
+        try:
+            os.rename(staging, dest)
+        except OSError:  # another worker published it first
+            pass
+        return dest
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def prepare(mode: str, args, cache_dir: str | None = None, remote: str | None = None, s3_options=None):
+    """ENGINE_MODE applied to EngineArgs `args` (call once torch is up): -> (the args to build the engine with,
+    the Selection). compiled installs the artifact's kernels and takes its KV-sizing record and graph sizes.
+    remote (s3://...): with no matching artifact on disk, one pushed there for this key is pulled first."""
+    import dataclasses
+
+    if mode not in ENGINE_MODES:
+        raise ValueError(f"ENGINE_MODE: must be one of {', '.join(ENGINE_MODES)}, got {mode!r}")
+    if mode == "jit":
+        return args, Selection("jit", None, "ENGINE_MODE=jit")
+    device = args.torch_device().type
+    if device != "cuda":
+        if mode == "compiled":
+            raise ArtifactError(f"ENGINE_MODE=compiled: compiled engines are for CUDA devices; this engine runs on "
+                                f"{device}")
+        return args, Selection("jit", None, f"ENGINE_MODE=auto: jit, the engine runs on {device}")
+    key, roots = current_key(args), artifact_roots(args.model, cache_dir)
+    sel = select("auto", roots, key)
+    if sel.mode == "jit" and remote and cache_dir:
+        from cache.remote import RemoteError
+
+        try:
+            if pull_matching(key, remote, cache_dir, s3_options):
+                log.info("engine mode: pulled the compiled engine %s from %s", key_id(key), remote)
+        except RemoteError as e:
+            log.warning("engine mode: no compiled engine from the fleet cache (%s)", e)
+    sel = select(mode, roots, key)
+    if sel.mode == "compiled":
+        args = dataclasses.replace(args, **install(sel.artifact))
+    return args, sel
