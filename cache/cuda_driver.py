@@ -74,7 +74,24 @@ def _u64(value: int) -> ctypes.c_uint64:
     return ctypes.c_uint64(value)
 
 
+_ATTRIBUTE_COMPUTE_MODE = 20
+_COMPUTE_MODE_DEFAULT = 0
+
+
 # ---- context -------------------------------------------------------------------------------------------------
+def check_shared_compute_mode(ordinal: int) -> None:
+    """Raise CudaError unless the GPU lets several processes hold contexts at once (compute mode "default"): in
+    exclusive-process mode a second process's context would keep the worker itself off the GPU."""
+    _call("cuInit", 0)
+    dev = ctypes.c_int()
+    _call("cuDeviceGet", ctypes.byref(dev), ordinal)
+    mode = ctypes.c_int()
+    _call("cuDeviceGetAttribute", ctypes.byref(mode), _ATTRIBUTE_COMPUTE_MODE, dev)
+    if mode.value != _COMPUTE_MODE_DEFAULT:
+        raise CudaError(f"GPU {ordinal} is in compute mode {mode.value}, not the default shared mode: a second "
+                        f"process may not hold a context beside the worker")
+
+
 def primary_context(ordinal: int) -> ctypes.c_void_p:
     """Initialise the driver and make `ordinal`'s primary context (the one torch uses) current on this thread."""
     _call("cuInit", 0)

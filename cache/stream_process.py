@@ -85,6 +85,7 @@ class Streamer:
 
     def run(self) -> None:
         threading.Thread(target=self.listen, daemon=True, name="stream-listen").start()
+        cu.check_shared_compute_mode(self.ordinal)
         self.ctx = cu.primary_context(self.ordinal)
         t_ctx = time.perf_counter()
         gran = cu.granularity(self.ordinal)
