@@ -110,9 +110,16 @@ def run_child(mode: str, model_dir: str, prompt_len: int, extra: dict | None = N
 
 
 VARIANT_HELP = ("mode=jit|compiled|auto (ENGINE_MODE), triton=empty (a fresh Triton cache), "
-                "stream=process|thread (where the pack streams from), pages=0 (no start-page read-ahead), warmup=0 (no start-time warm-up thread), loader=MiB (chunk), prefetch=THREADSxMiB (0: no prefetch), imports=1 (prefetch torch's own files "
+                "stream=process|thread (where the pack streams from), pages=0 (no start-page read-ahead), warmup=0 (no start-time warm-up), loader=MiB (chunk), prefetch=THREADSxMiB (0: no prefetch), imports=1 (prefetch torch's own files "
                 "first), gentle=MiB (one prefetch read of that size at a time until torch is up), preload=0 (the "
                 "engine starts the stream), kv=profile, graphs=start")
+
+
+# variant setting -> (the child's option, how its value is read); prefetch=THREADSxMiB is parsed on its own
+VARIANT_SETTINGS = {"loader": ("_loader_chunk_mb", int), "mode": ("_engine_mode", str), "triton": ("_triton", str),
+                    "warmup": ("_warmup", int), "pages": ("_pages", int), "stream": ("_stream", str),
+                    "imports": ("_imports_first", int), "gentle": ("_gentle_mb", int), "preload": ("_preload", int),
+                    "kv": ("kv_sizing", str), "graphs": ("cuda_graph_capture", str)}
 
 
 def variant_options(spec: str) -> dict:
@@ -120,31 +127,12 @@ def variant_options(spec: str) -> dict:
     out: dict = {}
     for part in filter(None, spec.split(",")):
         key, _, value = part.partition("=")
-        if key == "loader":
-            out["_loader_chunk_mb"] = int(value)
-        elif key == "prefetch":
+        if key == "prefetch":
             threads, _, mib = value.partition("x")
             out["_prefetch"] = [int(threads), int(mib or 16)]
-        elif key == "mode":
-            out["_engine_mode"] = value
-        elif key == "triton":
-            out["_triton"] = value
-        elif key == "warmup":
-            out["_warmup"] = int(value)
-        elif key == "pages":
-            out["_pages"] = int(value)
-        elif key == "stream":
-            out["_stream"] = value
-        elif key == "imports":
-            out["_imports_first"] = int(value)
-        elif key == "gentle":
-            out["_gentle_mb"] = int(value)
-        elif key == "preload":
-            out["_preload"] = int(value)
-        elif key == "kv":
-            out["kv_sizing"] = value
-        elif key == "graphs":
-            out["cuda_graph_capture"] = value
+        elif key in VARIANT_SETTINGS:
+            option, read = VARIANT_SETTINGS[key]
+            out[option] = read(value)
         elif key != "defaults":
             raise SystemExit(f"--variants: unknown setting {key!r} ({VARIANT_HELP})")
     return out

@@ -64,12 +64,13 @@ class DeviceStream:
                 data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 1)
             except OSError:
                 data, fds = b"", []
+            exit_code = self.proc.wait() if not data else None  # end of file: the process is exiting
             with self.cond:
                 if fds and self.fd is None:
                     self.fd = fds[0]
                 if not data:
                     if self.finished is None and self.error is None:
-                        self.error = f"the stream process ended early (exit code {self.proc.wait()})"
+                        self.error = f"the stream process ended early (exit code {exit_code})"
                     self.cond.notify_all()
                     return
                 buf += data

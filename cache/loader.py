@@ -18,8 +18,8 @@ from cache.prefetch import _ACTIVE, Prefetch, prefetch, resident_fraction
 
 # The engine imports cache.loader only: the pack's writer, reader and error, and prefetch, come from here too.
 __all__ = ["LoadStats", "Pack", "PackError", "PackWriter", "Prefetch", "StreamingLoad", "discard_preloads",
-           "group_spans", "load_pack", "prefetch", "preload", "read_pack", "register_pending", "resident_fraction",
-           "tensor_views"]
+           "group_spans", "load_pack", "prefetch", "preload", "read_pack", "read_span", "register_pending",
+           "resident_fraction", "tensor_views"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,29 @@ def group_spans(pack: Pack) -> dict[int, tuple[int, int]]:
         lo, hi = spans.get(e.group, (e.offset, e.offset + e.nbytes))
         spans[e.group] = (min(lo, e.offset), max(hi, e.offset + e.nbytes))
     return spans
+
+
+def read_span(path: str, fds: dict[bool, int], view: memoryview, offset: int, n: int, direct: bool) -> bool:
+    """Fill view[:n] from `path` at offset, opening it once per mode (fds: O_DIRECT or not -> fd, the caller's to
+    close). O_DIRECT reads whole aligned pages, as far as the view has room; where it is refused (EINVAL,
+    EOPNOTSUPP: tmpfs, odd alignment) the reads go on buffered. Returns whether O_DIRECT is still in use."""
+    done = 0
+    while done < n:
+        want = min(len(view), -(-n // ALIGNMENT) * ALIGNMENT) if direct else n
+        try:
+            fd = fds.get(direct)
+            if fd is None:
+                fd = fds[direct] = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0))
+            got = os.preadv(fd, [view[done:want]], offset + done)
+        except OSError as e:
+            if direct and e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                direct = False
+                continue
+            raise
+        if got == 0:
+            raise OSError(errno.EIO, f"pack {path}: unexpected end of file at {offset + done}")
+        done += got
+    return direct
 
 
 @dataclass
@@ -135,33 +158,15 @@ class StreamingLoad:
         return "buffered" if resident is None or resident >= 0.5 else "direct"
 
     # -- workers --
-    def _open(self, direct: bool) -> int:
-        flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
-        return os.open(self.pack.path, flags)
-
-    def _read(self, fds: dict[str, int], dest: memoryview, offset: int) -> None:
-        """Fill dest from the file at offset; O_DIRECT refused (EINVAL: tmpfs, odd alignment) falls back to pread."""
-        done = 0
-        while done < len(dest):
-            mode = self.mode
-            try:
-                fd = fds.get(mode)
-                if fd is None:
-                    fd = fds[mode] = self._open(mode == "direct")
-                got = os.preadv(fd, [dest[done:]], offset + done)
-            except OSError as e:
-                if mode == "direct" and e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
-                    self.mode = "buffered"
-                    continue
-                raise
-            if got == 0:
-                raise OSError(errno.EIO, f"pack {self.pack.path}: unexpected end of file at {offset + done}")
-            done += got
+    def _read(self, fds: dict[bool, int], dest: memoryview, offset: int) -> None:
+        """Fill dest from the file at offset; a refused O_DIRECT switches this load to buffered reads."""
+        if not read_span(self.pack.path, fds, dest, offset, len(dest), self.mode == "direct"):
+            self.mode = "buffered"
 
     def _worker(self, ring: int) -> None:
         import torch
 
-        fds: dict[str, int] = {}
+        fds: dict[bool, int] = {}
         slots: list[tuple] = []  # (pinned buffer, its numpy memoryview, the event of the last copy out of it)
         try:
             if self.cuda:

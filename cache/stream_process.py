@@ -14,7 +14,6 @@ allocation (this process may then let its own mapping go and exit) or "cancel"; 
 from __future__ import annotations
 
 import ctypes
-import errno
 import json
 import os
 import socket
@@ -24,7 +23,8 @@ import time
 
 from cache import cuda_driver as cu
 from cache import start_pages
-from cache.pack import ALIGNMENT, read_pack
+from cache.loader import read_span
+from cache.pack import read_pack
 from cache.prefetch import resident_fraction
 
 RING_PER_THREAD = 2  # pinned buffers per reader: one is read into while the other's copy runs
@@ -64,24 +64,16 @@ class Streamer:
 
     def listen(self) -> None:
         """The worker's side of the socket: 'mapped', 'cancel', or end of file (the worker is gone)."""
-        buf = b""
-        while True:
-            try:
-                data = self.sock.recv(4096)
-            except OSError:
-                data = b""
-            if not data:
-                self.stop.set()
-                self.mapped.set()
-                return
-            buf += data
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                if line == b"mapped":
+        try:
+            for line in self.sock.makefile("rb"):
+                if line.strip() == b"mapped":
                     self.mapped.set()
-                elif line == b"cancel":
-                    self.stop.set()
-                    self.mapped.set()
+                elif line.strip() == b"cancel":
+                    break
+        except OSError:
+            pass
+        self.stop.set()  # cancelled, or nobody left to stream for
+        self.mapped.set()
 
     def run(self) -> None:
         threading.Thread(target=self.listen, daemon=True, name="stream-listen").start()
@@ -142,7 +134,8 @@ class Streamer:
                         cu.event_synchronize(slot[2])
                         self.completed(slot[3])
                     off, n = self.chunks[i]
-                    self.read(fds, slot[1], off, n)
+                    if not read_span(self.pack.path, fds, slot[1], off, n, self.direct):
+                        self.direct = False  # O_DIRECT refused (tmpfs): every reader goes on buffered
                     cu.copy_to_device_async(self.base + off - self.pack.data_offset, slot[0], n, stream)
                     cu.event_record(slot[2], stream)
                     slot[3] = i
@@ -161,26 +154,6 @@ class Streamer:
                 self.error = self.error or e
             self.stop.set()
 
-    def read(self, fds: dict[bool, int], view: memoryview, offset: int, n: int) -> None:
-        """Fill view[:n] from the pack at offset (O_DIRECT reads whole aligned pages; tmpfs refuses it: pread)."""
-        done = 0
-        while done < n:
-            direct = self.direct
-            want = -(-n // ALIGNMENT) * ALIGNMENT if direct else n
-            try:
-                fd = fds.get(direct)
-                if fd is None:
-                    fd = fds[direct] = os.open(self.pack.path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
-                got = os.preadv(fd, [view[done:want]], offset + done)
-            except OSError as e:
-                if direct and e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
-                    self.direct = False
-                    continue
-                raise
-            if got == 0:
-                raise OSError(errno.EIO, f"pack {self.pack.path}: unexpected end of file at {offset + done}")
-            done += got
-
     def completed(self, chunk: int) -> None:
         with self.lock:
             self.done[chunk] = 1
@@ -197,15 +170,12 @@ def main(argv: list[str]) -> int:
     path, ordinal, sock_fd, threads, chunk_bytes = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), int(argv[4])
     pages = argv[5] if len(argv) > 5 else None
     sock = socket.socket(fileno=sock_fd)
-    streamer = None
     try:
-        streamer = Streamer(path, ordinal, sock, threads, chunk_bytes, pages)
-        streamer.run()
+        Streamer(path, ordinal, sock, threads, chunk_bytes, pages).run()
         return 0
     except BaseException as e:  # noqa: BLE001 - the worker falls back to loading in-process
         try:
-            msg = {"error": f"{type(e).__name__}: {e}"}
-            (streamer.send(msg) if streamer else sock.sendall((json.dumps(msg) + "\n").encode()))
+            sock.sendall((json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n").encode())
         except OSError:
             pass
         return 1

@@ -68,11 +68,10 @@ def resolve_model(ref: str, revision: str | None, settings: Settings) -> Path:
                               **_resolve_options(settings)))
 
 
-def start_weight_stream(model_dir: str, settings: Settings) -> str:
+def start_weight_stream(model_dir: str, settings: Settings, pages: str) -> str:
     """Weights on their way before torch is imported: the pack straight to the GPU from a separate process (after
-    the start path's recorded pages when the disk is cold), else the page cache filled by stdlib threads."""
+    the start path's recorded pages, `pages`, when the disk is cold), else the page cache filled by stdlib threads."""
     if settings.device != "cpu":
-        pages = start_pages.default_path(str(settings.resolved_cache_dir()))
         device = "cuda" if settings.device == "auto" else settings.device
         if device_stream.start(model_dir, device, start_pages=pages) is not None:
             return "device_stream"
@@ -148,14 +147,12 @@ class EngineBoot:
 
     def _engine_mode(self, args):
         """ENGINE_MODE: a compiled engine's kernels and records when one matches (or is required), else jit."""
+        from cache.resolver import make_s3_options
         from warmup.artifacts import prepare
 
-        from cache.resolver import make_s3_options
-
         s = self.settings
-        opts = _resolve_options(s)
-        s3 = make_s3_options(**{k: opts[k] for k in ("s3_endpoint_url", "aws_access_key_id", "aws_secret_access_key",
-                                                     "aws_region") if k in opts})
+        s3 = make_s3_options(s3_endpoint_url=s.s3_endpoint_url, aws_access_key_id=s.aws_access_key_id,
+                             aws_secret_access_key=s.aws_secret_access_key, aws_region=s.aws_region)
         args, self.engine_selection = prepare(s.engine_mode, args, str(s.resolved_cache_dir()), s.s3_cache_uri, s3)
         log.info("engine mode: %s (%s)", self.engine_selection.mode, self.engine_selection.reason)
         return args
@@ -185,8 +182,9 @@ class EngineBoot:
             raise ModelLoadError(f"MODEL_NAME={s.model_name!r}: could not resolve the model: {exc}") from exc
         self.model_dir = model_dir
         warm = start_warmup()
+        pages = start_pages.default_path(str(s.resolved_cache_dir()))
         # The weights stream while `import torch` and the engine's set-up run.
-        self.weight_stream = self._timed("stream_start", start_weight_stream, str(model_dir), s)
+        self.weight_stream = self._timed("stream_start", start_weight_stream, str(model_dir), s, pages)
         args = s.engine_args(model_dir, tokenizer_dir)
         # Once torch is up, the pack streams to the GPU while the engine imports and builds (load_model takes it).
         self._timed("preload_start", _preload_weights, args)
@@ -199,7 +197,7 @@ class EngineBoot:
         self.phases["import_engine"] = time.perf_counter() - t_import
         engine = self._timed("engine", AsyncLLM.from_engine_args, args)
         self.phases["total"] = time.perf_counter() - t0
-        start_pages.record_in_background(start_pages.default_path(str(s.resolved_cache_dir())))
+        start_pages.record_in_background(pages)
         log.info("ready: model %s from %s in %.2fs (%s)", self.served_names[0], model_dir, self.phases["total"],
                  ", ".join(f"{k} {v:.2f}s" for k, v in self.phases.items() if k != "total"))
         return engine

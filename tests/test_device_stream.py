@@ -51,6 +51,24 @@ def test_the_process_names_the_missing_driver_and_a_cpu_load_goes_on_in_process(
     assert all(torch.equal(load.tensors[k], v) for k, v in ref.items())
 
 
+def test_the_stream_process_hears_mapped_and_stops_once_the_worker_is_gone(tmp_path):
+    import socket
+    import threading
+
+    from cache.stream_process import Streamer
+
+    path = pack_of({"w": torch.ones(4)}, str(tmp_path / "p.cbpack"))
+    ours, theirs = socket.socketpair()
+    streamer = Streamer(path, 0, theirs, threads=2, chunk_bytes=1 << 20)
+    listener = threading.Thread(target=streamer.listen, daemon=True)
+    listener.start()
+    ours.sendall(b"mapped\n")
+    assert streamer.mapped.wait(10) and not streamer.stop.is_set()  # the worker holds its mapping; reads go on
+    ours.close()  # the worker exited
+    listener.join(10)
+    assert not listener.is_alive() and streamer.stop.is_set()
+
+
 # ---- GPU ----------------------------------------------------------------------------------------------------
 
 

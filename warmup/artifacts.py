@@ -116,20 +116,24 @@ class Selection:
     reason: str  # one line: why this mode
 
 
+def _check_mode(mode: str) -> None:
+    if mode not in ENGINE_MODES:
+        raise ValueError(f"ENGINE_MODE: must be one of {', '.join(ENGINE_MODES)}, got {mode!r}")
+
+
 def select(mode: str, roots: list[str], key: dict) -> Selection:
     """ENGINE_MODE -> what runs. compiled without a matching artifact raises ArtifactError (one line naming the
     fields of the closest artifact that differ); auto falls back to jit with that line as its reason."""
-    if mode not in ENGINE_MODES:
-        raise ValueError(f"ENGINE_MODE: must be one of {', '.join(ENGINE_MODES)}, got {mode!r}")
+    _check_mode(mode)
     if mode == "jit":
         return Selection("jit", None, "ENGINE_MODE=jit")
-    found = find_artifacts(roots)
-    for path, data in found:
-        if not mismatches(data.get("key", {}), key):
+    found = [(path, mismatches(data.get("key", {}), key)) for path, data in find_artifacts(roots)]
+    for path, differs in found:
+        if not differs:
             return Selection("compiled", path, f"compiled engine {path} matches this worker")
     if found:
-        path, data = min(found, key=lambda pd: len(mismatches(pd[1].get("key", {}), key)))
-        why = f"the closest, {path}, differs in " + "; ".join(mismatches(data.get("key", {}), key))
+        path, differs = min(found, key=lambda pd: len(pd[1]))
+        why = f"the closest, {path}, differs in " + "; ".join(differs)
     else:
         why = f"none was found in {', '.join(roots)}"
     line = f"no compiled engine matches this worker: {why}"
@@ -203,8 +207,7 @@ def prepare(mode: str, args, cache_dir: str | None = None, remote: str | None = 
     remote (s3://...): with no matching artifact on disk, one pushed there for this key is pulled first."""
     import dataclasses
 
-    if mode not in ENGINE_MODES:
-        raise ValueError(f"ENGINE_MODE: must be one of {', '.join(ENGINE_MODES)}, got {mode!r}")
+    _check_mode(mode)
     if mode == "jit":
         return args, Selection("jit", None, "ENGINE_MODE=jit")
     device = args.torch_device().type
@@ -214,8 +217,7 @@ def prepare(mode: str, args, cache_dir: str | None = None, remote: str | None = 
                                 f"{device}")
         return args, Selection("jit", None, f"ENGINE_MODE=auto: jit, the engine runs on {device}")
     key, roots = current_key(args), artifact_roots(args.model, cache_dir)
-    sel = select("auto", roots, key)
-    if sel.mode == "jit" and remote and cache_dir:
+    if remote and cache_dir and select("auto", roots, key).mode == "jit":  # none on disk: the fleet may have one
         from cache.remote import RemoteError
 
         try:
