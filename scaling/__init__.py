@@ -1,4 +1,7 @@
-"""Queue-depth autoscaling: the pure policy, the RunPod controller, the local endpoint, the trace simulator.
+"""Queue-depth autoscaling: the pure policy, the RunPod controller, the local endpoint, the trace
+simulator.
 
-Built in a later issue; see DESIGN.md. Speaks HTTP to workers; imports nothing of ours.
+`policy` (observed state -> desired workers) is shared by `controller` (a RunPod endpoint through
+`runpod_api`), `endpoint/` (a local emulator with real worker processes) and `sim/` (trace replay).
+Speaks HTTP to workers; imports nothing else of ours.
 """

@@ -1,7 +1,9 @@
-"""The scaling policy: a pure function from what an endpoint looks like now to how many workers it should have.
+"""The scaling policy: a pure function from what an endpoint looks like now to how many workers it
+should have.
 
-No I/O, no clocks, no globals: the controller, the local endpoint and the simulator all call `decide` with an
-`Observation` and act on the `Decision`. The formula is documented in `decide` and in the README.
+No I/O, no clocks, no globals: the controller, the local endpoint and the simulator all call
+`decide` with an `Observation` and act on the `Decision`. The formula is documented in `decide` and
+in docs/scaling.md.
 """
 from __future__ import annotations
 
@@ -38,10 +40,12 @@ class PolicyConfig:
     max_workers: int = 8
     target_utilization: float = 0.85  # fraction of a worker's slots we plan to fill
     max_keep_alive_s: float = 1800.0
-    # GPU-seconds we would pay to spare the first request after an idle gap one second of cold-start wait: 0 keeps a
-    # worker warm as long as pure cost says (one cold start), larger values keep it through longer gaps.
+    # GPU-seconds we would pay to spare the first request after an idle gap one second of cold-start
+    # wait: 0 keeps a worker warm as long as pure cost says (one cold start), larger values keep it
+    # through longer gaps.
     wait_cost_weight: float = 8.0
-    min_gap_history: int = 4  # idle gaps needed before the history overrides the one-cold-start keep-alive
+    # idle gaps needed before the history overrides the one-cold-start keep-alive
+    min_gap_history: int = 4
 
     def __post_init__(self) -> None:
         checks = (
@@ -59,9 +63,10 @@ class PolicyConfig:
 
 
 class IdleGaps:
-    """The idle-gap inputs of an Observation from successive looks at an endpoint (the caller passes the time): the
-    lengths of recent spells with no request queued or running, and how long the current one has lasted. A spell
-    that began before any request was seen has no known start, so it ends no gap."""
+    """The idle-gap inputs of an Observation from successive looks at an endpoint (the caller passes
+    the time): the lengths of recent spells with no request queued or running, and how long the
+    current one has lasted. A spell that began before any request was seen has no known start, so it
+    ends no gap."""
 
     def __init__(self, history: int = 32):
         self.gaps: deque[float] = deque(maxlen=history)
@@ -86,21 +91,24 @@ class Decision:
     desired_workers: int  # ready + booting workers the endpoint should have
     keep_alive_s: float  # how long an idle worker beyond desired_workers stays before it is drained
     reasons: tuple[str, ...] = field(default=())
-    keep_warm_s: float = 0.0  # how long after the last request the policy keeps one worker warm (in desired_workers)
+    # how long after the last request the policy keeps one worker warm (in desired_workers)
+    keep_warm_s: float = 0.0
 
 
 @functools.lru_cache(maxsize=4096)  # pure; the gap history changes only when traffic resumes
 def keep_warm_horizon(gaps: tuple[float, ...], cold_start_s: float, config: PolicyConfig) -> float:
-    """Seconds to keep the last worker warm after traffic stops: ski rental with the idle-gap history.
+    """Seconds to keep the last worker warm after traffic stops: ski rental with the idle-gap
+    history.
 
-    A cold start costs P = cold_start_s * (1 + wait_cost_weight): the boot we pay for plus the wait of whoever arrives
-    into a cold endpoint. Keeping warm for K seconds costs min(gap, K) per gap, and P for every gap longer than K.
-    Without enough history K = P (rent until renting has cost what buying does: within 2x of the best K in hindsight).
-    With history, K minimises sum(min(g, K) + P * [g > K]) over the recent gaps plus one not seen yet, as long as
-    twice the longest seen or P, whichever is longer (the next gap beats all n seen with probability 1/(n + 1);
-    without it K would sit exactly on the longest gap and every new record would pay a cold start). With history K
-    may fall below one cold start (when traffic that stops stays away, the best is to go at once); it is at most
-    max_keep_alive_s.
+    A cold start costs P = cold_start_s * (1 + wait_cost_weight): the boot we pay for plus the wait
+    of whoever arrives into a cold endpoint. Keeping warm for K seconds costs min(gap, K) per gap,
+    and P for every gap longer than K. Without enough history K = P (rent until renting has cost
+    what buying does: within 2x of the best K in hindsight). With history, K minimises sum(min(g, K)
+    + P * [g > K]) over the recent gaps plus one not seen yet, as long as twice the longest seen or
+    P, whichever is longer (the next gap beats all n seen with probability 1/(n + 1); without it K
+    would sit exactly on the longest gap and every new record would pay a cold start). With history
+    K may fall below one cold start (when traffic that stops stays away, the best is to go at once);
+    it is at most max_keep_alive_s.
     """
     penalty = cold_start_s * (1.0 + config.wait_cost_weight)
     top = config.max_keep_alive_s
@@ -122,41 +130,48 @@ def keep_warm_horizon(gaps: tuple[float, ...], cold_start_s: float, config: Poli
 def predicted_backlog(obs: Observation) -> float:
     """Requests still queued one cold start from now if no worker is added (a fluid estimate).
 
-    Over the next C = cold_start_s seconds the queue gains arrival_rate * C requests; ready workers take them into
-    their free slots and drain workers_ready * capacity / mean_service per second; every booting worker is up by
-    then (it started before a worker started now would), takes `capacity` of them and drains for about C / 2:
-    capacity on its way.
+    Over the next C = cold_start_s seconds the queue gains arrival_rate * C requests; ready workers
+    take them into their free slots and drain workers_ready * capacity / mean_service per second;
+    every booting worker is up by then (it started before a worker started now would), takes
+    `capacity` of them and drains for about C / 2: capacity on its way.
     """
     cap = max(obs.capacity_per_worker, 0.0)
     free_ready = max(obs.workers_ready * cap - obs.in_progress, 0.0)
-    # a booting worker has on average half a cold start to go: it drains for about the second half of the horizon
-    drained = (obs.workers_ready + 0.5 * obs.workers_booting) * cap / max(obs.mean_service_s, 1e-9) * obs.cold_start_s
+    # a booting worker has on average half a cold start to go: it drains for about the second half
+    # of the horizon
+    draining_workers = obs.workers_ready + 0.5 * obs.workers_booting
+    drained = draining_workers * cap / max(obs.mean_service_s, 1e-9) * obs.cold_start_s
     incoming = obs.in_queue + obs.arrival_rate * obs.cold_start_s
     return max(0.0, incoming - free_ready - drained - obs.workers_booting * cap)
 
 
 def decide(obs: Observation, config: PolicyConfig = PolicyConfig()) -> Decision:
-    """Desired workers (ready + booting) and the keep-alive of idle workers beyond them, for one observation.
+    """Desired workers (ready + booting) and the keep-alive of idle workers beyond them, for one
+    observation.
 
-    With s = capacity_per_worker * target_utilization slots planned per worker, S = mean_service_s, C = cold_start_s:
+    With s = capacity_per_worker * target_utilization slots planned per worker, S = mean_service_s,
+    C = cold_start_s:
 
-    - rate need   N_rate  = ceil(arrival_rate * S / s) while any request is present: the slots that the arrival rate
-      keeps busy (Little's law). In a pause the warm floor below decides, not a decaying rate estimate.
-    - queue need  N_queue: with no worker ready or booting, ceil((in_queue + in_progress) / s) at once. Otherwise
-      B = predicted_backlog: the requests still queued one cold start from now without a new worker (queue plus
-      arrivals over C, less the ready workers' free slots and drain, less every booting worker's slots: capacity on
-      its way). If the newest of them would still wait longer than the latency budget,
-      B * S / ((workers_ready + workers_booting) * capacity) > latency_budget_s, add ceil(B / s) workers at once.
-      A queue the fleet clears within one cold start is not helped by a worker that arrives after it is gone.
-    - busy        N_busy  = workers_ready - workers_idle + workers_booting: scale down only by draining idle
-      workers; a booting worker is capacity on its way, never cancelled.
-    - warm floor  N_warm  = 1 while any worker exists and the endpoint has been idle less than K = keep_warm_horizon
-      (ski rental over the idle-gap history; one cold start times 1 + wait_cost_weight until there is history); it
-      never starts a worker, only keeps one.
+    - rate need   N_rate  = ceil(arrival_rate * S / s) while any request is present: the slots that
+      the arrival rate keeps busy (Little's law). In a pause the warm floor below decides, not a
+      decaying rate estimate.
+    - queue need  N_queue: with no worker ready or booting, ceil((in_queue + in_progress) / s) at
+      once. Otherwise B = predicted_backlog: the requests still queued one cold start from now
+      without a new worker (queue plus arrivals over C, less the ready workers' free slots and
+      drain, less every booting worker's slots: capacity on its way). If the newest of them would
+      still wait longer than the latency budget, B * S / ((workers_ready + workers_booting) *
+      capacity) > latency_budget_s, add ceil(B / s) workers at once. A queue the fleet clears within
+      one cold start is not helped by a worker that arrives after it is gone.
+    - busy        N_busy  = workers_ready - workers_idle + workers_booting: scale down only by
+      draining idle workers; a booting worker is capacity on its way, never cancelled.
+    - warm floor  N_warm  = 1 while any worker exists and the endpoint has been idle less than K =
+      keep_warm_horizon (ski rental over the idle-gap history; one cold start times 1 +
+      wait_cost_weight until there is history); it never starts a worker, only keeps one.
 
-    desired = clamp(max(N_rate, N_queue, N_busy, N_warm), min_workers, max_workers). Workers beyond desired are
-    drained once idle for keep_alive_s = K too: the same ski rental for a surplus worker (restarting it costs a cold
-    start), which also keeps the fleet from flapping when the rate hovers at a worker boundary.
+    desired = clamp(max(N_rate, N_queue, N_busy, N_warm), min_workers, max_workers). Workers beyond
+    desired are drained once idle for keep_alive_s = K too: the same ski rental for a surplus worker
+    (restarting it costs a cold start), which also keeps the fleet from flapping when the rate
+    hovers at a worker boundary.
     """
     cap = max(obs.capacity_per_worker, 1e-9)
     slots = cap * config.target_utilization

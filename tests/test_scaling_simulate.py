@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from scaling import simulate
-from scaling.baselines import POLICIES, FixedKeepAlive, Ours
 from scaling.policy import PolicyConfig
-from scaling.sim_engine import simulate_run
-from scaling.sim_worker import SERVING_JSON, load_worker_model
-from scaling.traces import load_trace, trace_path
+from scaling.sim.baselines import POLICIES, FixedKeepAlive, Ours
+from scaling.sim.replay import simulate_run
+from scaling.sim.traces import load_trace, trace_path
+from scaling.sim.worker_model import SERVING_JSON, load_worker_model
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,9 @@
-"""The local endpoint's job queue: jobs from IN_QUEUE to a final status, leased to one worker at a time, their streamed
-chunks and results, one retry when a worker is lost mid-job, and the waits the HTTP routes block on.
+"""The local endpoint's job queue: jobs from IN_QUEUE to a final status, leased to one worker at a
+time, their streamed chunks and results, one retry when a worker is lost mid-job, and the waits the
+HTTP routes block on.
 
-Everything here runs in the endpoint's one event loop (no locks); `changed` wakes every waiter after any update.
+Everything here runs in the endpoint's one event loop (no locks); `changed` wakes every waiter after
+any update.
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMED_OUT")
-MAX_ATTEMPTS = 2  # a job lost with its worker runs once more on another worker, then fails with an error
+# a job lost with its worker runs once more on another worker, then fails with an error
+MAX_ATTEMPTS = 2
 
 
 @dataclass
@@ -23,9 +26,11 @@ class Job:
     id: str
     input: Any
     created: float
-    probe_for: str | None = None  # set on a worker's readiness probe: only that worker takes it, it is never listed
+    # set on a worker's readiness probe: only that worker takes it, it is never listed
+    probe_for: str | None = None
     status: str = "IN_QUEUE"
-    worker_id: str | None = None  # the worker holding the lease while IN_PROGRESS (the last one after)
+    # the worker holding the lease while IN_PROGRESS (the last one after)
+    worker_id: str | None = None
     attempts: int = 0
     started: float | None = None
     finished: float | None = None
@@ -33,7 +38,8 @@ class Job:
     error: str | None = None
     stream: list = field(default_factory=list)  # every chunk the worker streamed, in order
     stream_read: int = 0  # chunks already handed to a /stream poller
-    delivered: bool = False  # some chunk reached a client: a retry could show it twice, so the job is not retried
+    # some chunk reached a client: a retry could show it twice, so the job is not retried
+    delivered: bool = False
     done_posts: int = 0  # job-done posts received for this job, stale or duplicate ones included
 
     @property
@@ -41,7 +47,8 @@ class Job:
         return self.status in FINAL
 
     def view(self) -> dict:
-        """The job as RunPod's /status answers: id, status, delayTime and executionTime (ms), output or error."""
+        """The job as RunPod's /status answers: id, status, delayTime and executionTime (ms), output
+        or error."""
         out: dict[str, Any] = {"id": self.id, "status": self.status}
         if self.started is not None:
             out["delayTime"] = round((self.started - self.created) * 1000)
@@ -57,24 +64,28 @@ class Job:
 
 
 class JobQueue:
-    """The jobs, the FIFO of those waiting, the leases, the stop signals for workers and the endpoint's counters."""
+    """The jobs, the FIFO of those waiting, the leases, the stop signals for workers and the
+    endpoint's counters."""
 
     def __init__(self) -> None:
         self.jobs: dict[str, Job] = {}
         self.waiting: deque[str] = deque()
-        self.stops: dict[str, list[str]] = {}  # worker id -> job ids it must stop (cancelled while running)
+        # worker id -> job ids it must stop (cancelled while running)
+        self.stops: dict[str, list[str]] = {}
         self.counts = {"completed": 0, "failed": 0, "retried": 0}
-        self.arrivals: deque[float] = deque()  # creation times of recent public jobs (the arrival rate)
+        # creation times of recent public jobs (the arrival rate)
+        self.arrivals: deque[float] = deque()
         self.service_s: float | None = None  # moving average of take -> result of completed jobs
         self.changed = asyncio.Condition()
 
-    # ---- waiting ---------------------------------------------------------------------------------------------------
+    # ---- waiting --------------------------------------------------------------------------------
     async def notify(self) -> None:
         async with self.changed:
             self.changed.notify_all()
 
     async def wait_until(self, predicate, timeout: float) -> bool:
-        """Block until predicate() holds (re-checked after each change) or timeout seconds pass; its last value."""
+        """Block until predicate() holds (re-checked after each change) or timeout seconds pass; its
+        last value."""
         async with self.changed:
             try:
                 await asyncio.wait_for(self.changed.wait_for(predicate), timeout)
@@ -82,7 +93,7 @@ class JobQueue:
                 pass
             return bool(predicate())
 
-    # ---- the public side -------------------------------------------------------------------------------------------
+    # ---- the public side ------------------------------------------------------------------------
     def submit(self, job_input: Any, prefix: str = "") -> Job:
         now = time.monotonic()
         job = Job(id=f"{prefix}{uuid.uuid4()}", input=job_input, created=now)
@@ -92,13 +103,14 @@ class JobQueue:
         return job
 
     def add_probe(self, worker_id: str, probe_input: Any) -> Job:
-        job = Job(id=f"probe-{worker_id}-{uuid.uuid4().hex[:8]}", input=probe_input, created=time.monotonic(),
-                  probe_for=worker_id)
+        job = Job(id=f"probe-{worker_id}-{uuid.uuid4().hex[:8]}", input=probe_input,
+                  created=time.monotonic(), probe_for=worker_id)
         self.jobs[job.id] = job
         return job
 
     def cancel(self, job: Job) -> None:
-        """A queued job leaves the queue; a running one is signalled to its worker, whose later posts are ignored."""
+        """A queued job leaves the queue; a running one is signalled to its worker, whose later
+        posts are ignored."""
         if job.final:
             return
         if job.status == "IN_QUEUE":
@@ -119,9 +131,10 @@ class JobQueue:
             self.stops.setdefault(job.worker_id, []).append(job.id)
         self._finish(job, "TIMED_OUT", error=reason)
 
-    # ---- the worker side -------------------------------------------------------------------------------------------
+    # ---- the worker side ------------------------------------------------------------------------
     def take(self, worker_id: str, n: int, *, ready: bool) -> list[Job]:
-        """Up to n jobs for this worker: its readiness probe while it boots, public jobs (oldest first) once ready."""
+        """Up to n jobs for this worker: its readiness probe while it boots, public jobs (oldest
+        first) once ready."""
         now = time.monotonic()
         taken: list[Job] = []
         if not ready:
@@ -137,13 +150,15 @@ class JobQueue:
         return taken
 
     def probe_of(self, worker_id: str) -> Job | None:
-        return next((j for j in self.jobs.values() if j.probe_for == worker_id and not j.final), None)
+        return next((j for j in self.jobs.values() if j.probe_for == worker_id and not j.final),
+                    None)
 
     def take_stops(self, worker_id: str) -> list[str]:
         return self.stops.pop(worker_id, [])
 
     def holds(self, worker_id: str, job_id: str) -> Job | None:
-        """The job if this worker holds its lease now; None for stale posts (the job moved on or ended)."""
+        """The job if this worker holds its lease now; None for stale posts (the job moved on or
+        ended)."""
         job = self.jobs.get(job_id)
         if job is None or job.status != "IN_PROGRESS" or job.worker_id != worker_id:
             return None
@@ -157,8 +172,8 @@ class JobQueue:
         return True
 
     def record_done(self, worker_id: str, job_id: str, body: dict) -> Job | None:
-        """A worker's result: the job ends COMPLETED (output) or FAILED (its error); stale or repeated posts count
-        in done_posts but change nothing."""
+        """A worker's result: the job ends COMPLETED (output) or FAILED (its error); stale or
+        repeated posts count in done_posts but change nothing."""
         job = self.jobs.get(job_id)
         if job is not None:
             job.done_posts += 1
@@ -171,16 +186,18 @@ class JobQueue:
             self._finish(job, "COMPLETED", output=body.get("output"))
             if job.probe_for is None and job.started is not None:
                 took = job.finished - job.started
-                self.service_s = took if self.service_s is None else 0.8 * self.service_s + 0.2 * took
+                average = self.service_s
+                self.service_s = took if average is None else 0.8 * average + 0.2 * took
         return job
 
     def lose_worker(self, worker_id: str, reason: str) -> list[tuple[Job, str]]:
-        """The worker is gone: each job it held runs again (first loss, nothing shown to a client yet) or fails
-        explicitly. Returns (job, "retried" | "failed") pairs."""
+        """The worker is gone: each job it held runs again (first loss, nothing shown to a client
+        yet) or fails explicitly. Returns (job, "retried" | "failed") pairs."""
         outcomes = []
-        for job in [j for j in self.jobs.values() if j.status == "IN_PROGRESS" and j.worker_id == worker_id]:
+        for job in self.leased_by(worker_id):
             if job.probe_for is not None:
-                self._finish(job, "FAILED", error=f"worker {worker_id} {reason} before it was ready")
+                self._finish(job, "FAILED",
+                             error=f"worker {worker_id} {reason} before it was ready")
                 outcomes.append((job, "failed"))
             elif job.attempts < MAX_ATTEMPTS and not job.delivered:
                 job.status, job.stream, job.stream_read = "IN_QUEUE", [], 0
@@ -190,8 +207,8 @@ class JobQueue:
             else:
                 why = ("part of its output was already streamed to the client" if job.delivered
                        else f"this was attempt {job.attempts} of {MAX_ATTEMPTS}")
-                self._finish(job, "FAILED", error=f"worker {worker_id} {reason} while running the job; not retried: "
-                                                  f"{why}")
+                self._finish(job, "FAILED", error=f"worker {worker_id} {reason} while running "
+                                                  f"the job; not retried: {why}")
                 outcomes.append((job, "failed"))
         self.stops.pop(worker_id, None)
         return outcomes
@@ -204,15 +221,21 @@ class JobQueue:
             self._finish(self.jobs[job_id], "FAILED", error=error)
         return len(ids)
 
-    # ---- what the scaler and /health read ---------------------------------------------------------------------------
+    # ---- what the scaler and /health read -------------------------------------------------------
     def in_queue(self) -> int:
         return len(self.waiting)
 
     def in_progress(self) -> int:
-        return sum(1 for j in self.jobs.values() if j.status == "IN_PROGRESS" and j.probe_for is None)
+        return sum(1 for j in self.jobs.values()
+                   if j.status == "IN_PROGRESS" and j.probe_for is None)
+
+    def leased_by(self, worker_id: str) -> list[Job]:
+        """The jobs the worker holds now (IN_PROGRESS under its lease)."""
+        return [j for j in self.jobs.values()
+                if j.status == "IN_PROGRESS" and j.worker_id == worker_id]
 
     def held_by(self, worker_id: str) -> int:
-        return sum(1 for j in self.jobs.values() if j.status == "IN_PROGRESS" and j.worker_id == worker_id)
+        return len(self.leased_by(worker_id))
 
     def oldest_wait_s(self, now: float) -> float:
         return now - self.jobs[self.waiting[0]].created if self.waiting else 0.0
@@ -228,14 +251,15 @@ class JobQueue:
                        and now - j.finished > keep_s]:
             del self.jobs[job_id]
 
-    # ---- internals -------------------------------------------------------------------------------------------------
+    # ---- internals ------------------------------------------------------------------------------
     def _unqueue(self, job_id: str) -> None:
         try:
             self.waiting.remove(job_id)
         except ValueError:
             pass
 
-    def _finish(self, job: Job, status: str, *, output: Any = None, error: str | None = None) -> None:
+    def _finish(self, job: Job, status: str, *, output: Any = None,
+                error: str | None = None) -> None:
         job.status, job.finished, job.output, job.error = status, time.monotonic(), output, error
         if job.probe_for is None:
             if status == "COMPLETED":

@@ -1,6 +1,8 @@
-"""The event loop of the trace simulator: one trace, one worker model, one cold-start time, one autoscaler.
+"""The event loop of the trace simulator: one trace, one worker model, one cold-start time, one
+autoscaler.
 
-Arrivals and completions are events; the fleet acts every second; billing is per worker, start to stop.
+Arrivals and completions are events; the fleet acts every second; billing is per worker, start to
+stop.
 """
 from __future__ import annotations
 
@@ -12,24 +14,26 @@ from dataclasses import dataclass
 import numpy as np
 
 from scaling.policy import Observation
-from scaling.sim_worker import WorkerModel
-from scaling.traces import Trace
+from scaling.sim.traces import Trace
+from scaling.sim.worker_model import WorkerModel
 
-RATE_TAU_S = 10.0  # time constant of the arrival-rate EWMA the controllers see (bias-corrected while young)
+# time constant of the arrival-rate EWMA the controllers see (bias-corrected while young)
+RATE_TAU_S = 10.0
 SERVICE_EWMA = 0.05  # weight of each completed request in the mean-service EWMA
 GAP_HISTORY = 64  # idle gaps the controllers see
 
 
 def arrival_rate(rate: float, rate_t: float, now: float, first: float) -> float:
-    """The EWMA of arrivals (per second) at `now`, divided by the weight it has had time to gather since the first
-    arrival, so that a burst into an empty endpoint is not read as a trickle."""
+    """The EWMA of arrivals (per second) at `now`, divided by the weight it has had time to gather
+    since the first arrival, so that a burst into an empty endpoint is not read as a trickle."""
     if now <= first:
         return rate
     return rate * math.exp(-(now - rate_t) / RATE_TAU_S) / -math.expm1(-(now - first) / RATE_TAU_S)
 
 
 class _Worker:
-    __slots__ = ("wid", "start", "ready_at", "stop", "ready", "load", "busy_since", "busy", "idle_since", "idle")
+    __slots__ = ("wid", "start", "ready_at", "stop", "ready", "load", "busy_since", "busy",
+                 "idle_since", "idle")
 
     def __init__(self, wid: int, start: float, ready_at: float):
         self.wid, self.start, self.ready_at, self.stop = wid, start, ready_at, math.nan
@@ -59,25 +63,32 @@ class RunResult:
     def metrics(self) -> dict:
         ttft, wait = self.ttft_s, self.queue_wait_s
         return {
-            "gpu_s": self.billed_s, "boot_s": self.boot_s, "busy_s": self.busy_s, "idle_s": self.idle_s,
-            "queue_wait_p50_s": float(np.percentile(wait, 50)), "queue_wait_p99_s": float(np.percentile(wait, 99)),
-            "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
+            "gpu_s": self.billed_s, "boot_s": self.boot_s, "busy_s": self.busy_s,
+            "idle_s": self.idle_s,
+            "queue_wait_p50_s": float(np.percentile(wait, 50)),
+            "queue_wait_p99_s": float(np.percentile(wait, 99)),
+            "ttft_p50_s": float(np.percentile(ttft, 50)),
+            "ttft_p99_s": float(np.percentile(ttft, 99)),
             "slo_2s": float(np.mean(ttft <= 2.0)), "slo_5s": float(np.mean(ttft <= 5.0)),
-            "cold_starts": self.cold_starts, "peak_workers": self.peak_workers, "requests": int(len(ttft)),
+            "cold_starts": self.cold_starts, "peak_workers": self.peak_workers,
+            "requests": int(len(ttft)),
         }
 
 
-def simulate_run(trace: Trace, model: WorkerModel, controller, cold_start_s: float, initial_workers: int = 0,
-                 tick_s: float = 1.0, max_overrun_s: float = 36_000.0) -> RunResult:
-    """Replay `trace` under `controller` (callable (now, Observation) -> (desired, keep_alive_s), with `poll_s`).
+def simulate_run(trace: Trace, model: WorkerModel, controller, cold_start_s: float,
+                 initial_workers: int = 0, tick_s: float = 1.0,
+                 max_overrun_s: float = 36_000.0) -> RunResult:
+    """Replay `trace` under `controller` (callable (now, Observation) -> (desired, keep_alive_s),
+    with `poll_s`).
 
-    Every second the fleet applies the controller's last answer (polled every `poll_s`): start workers up to
-    `desired`; stop idle workers beyond it once idle for `keep_alive_s`, longest-idle first. Requests wait in one
-    FIFO queue and go to the ready worker with the most requests that still has a free slot. A worker is billed from
-    its start to its stop: boot, then busy (any request in it) or idle.
+    Every second the fleet applies the controller's last answer (polled every `poll_s`): start
+    workers up to `desired`; stop idle workers beyond it once idle for `keep_alive_s`, longest-idle
+    first. Requests wait in one FIFO queue and go to the ready worker with the most requests that
+    still has a free slot. A worker is billed from its start to its stop: boot, then busy (any
+    request in it) or idle.
 
-    initial_workers: workers already ready (idle) at time 0, billed from 0, not counted as cold starts: the endpoint
-    was serving before the trace's sample begins."""
+    initial_workers: workers already ready (idle) at time 0, billed from 0, not counted as cold
+    starts: the endpoint was serving before the trace's sample begins."""
     arrival = trace.arrival_s.tolist()
     ctx = trace.context_tokens.tolist()
     gen = trace.generated_tokens.tolist()
@@ -93,7 +104,8 @@ def simulate_run(trace: Trace, model: WorkerModel, controller, cold_start_s: flo
 
     workers: list[_Worker] = []
     active: list[int] = []  # ids of workers not stopped
-    events: list[tuple[float, int, int, int]] = []  # (time, kind 0=completion 1=ready, worker id, request)
+    # (time, kind 0=completion 1=ready, worker id, request)
+    events: list[tuple[float, int, int, int]] = []
     queue: deque[int] = deque()
     in_progress = 0
     rate, rate_t = 0.0, 0.0
@@ -177,20 +189,24 @@ def simulate_run(trace: Trace, model: WorkerModel, controller, cold_start_s: flo
             now = next_tick
             next_tick += tick_s
             if now > limit:
-                raise RuntimeError(f"{controller!r} left {len(queue)} requests waiting past {limit:.0f}s")
+                raise RuntimeError(f"{controller!r} left {len(queue)} requests waiting past "
+                                   f"{limit:.0f}s")
             ready = sum(1 for wid in active if workers[wid].ready)
             booting = len(active) - ready
             if now >= next_poll:
                 next_poll += poll
-                idle_ready = sum(1 for wid in active if workers[wid].ready and workers[wid].load == 0)
+                idle_ready = sum(1 for wid in active
+                                 if workers[wid].ready and workers[wid].load == 0)
                 empty = not queue and in_progress == 0
+                idle_for = (now - empty_since) if empty and not math.isnan(empty_since) else 0.0
                 obs = Observation(
-                    in_queue=len(queue), in_progress=in_progress, workers_ready=ready, workers_booting=booting,
-                    workers_idle=idle_ready, capacity_per_worker=float(cap),
-                    arrival_rate=arrival_rate(rate, rate_t, now, arrival[0] if n else 0.0), mean_service_s=service,
-                    cold_start_s=cold_start_s, oldest_wait_s=(now - arrival[queue[0]]) if queue else 0.0,
-                    idle_gaps_s=tuple(gaps),
-                    idle_for_s=(now - empty_since) if empty and not math.isnan(empty_since) else 0.0,
+                    in_queue=len(queue), in_progress=in_progress, workers_ready=ready,
+                    workers_booting=booting, workers_idle=idle_ready,
+                    capacity_per_worker=float(cap),
+                    arrival_rate=arrival_rate(rate, rate_t, now, arrival[0] if n else 0.0),
+                    mean_service_s=service, cold_start_s=cold_start_s,
+                    oldest_wait_s=(now - arrival[queue[0]]) if queue else 0.0,
+                    idle_gaps_s=tuple(gaps), idle_for_s=idle_for,
                 )
                 desired, keep_alive = controller(now, obs)
             total = len(active)

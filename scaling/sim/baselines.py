@@ -1,6 +1,8 @@
-"""The autoscalers the simulator compares: RunPod's two scaler types, KEDA-like, Knative-like, a fixed keep-alive, ours.
+"""The autoscalers the simulator compares: RunPod's two scaler types, KEDA-like, Knative-like, a
+fixed keep-alive, ours.
 
-Each is a small stateful controller: (now, Observation) every `poll_s` -> (desired workers, idle keep-alive).
+Each is a small stateful controller: (now, Observation) every `poll_s` -> (desired workers, idle
+keep-alive).
 """
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ from scaling.policy import Observation, PolicyConfig, decide
 
 @dataclass
 class RunPodQueueDelay:
-    """RunPod QUEUE_DELAY: the first request into an empty endpoint starts a worker; after that one more worker per
-    poll while a request has waited longer than `delay_s`. Idle workers go after RunPod's idle timeout (5 s)."""
+    """RunPod QUEUE_DELAY: the first request into an empty endpoint starts a worker; after that one
+    more worker per poll while a request has waited longer than `delay_s`. Idle workers go after
+    RunPod's idle timeout (5 s)."""
 
     delay_s: float = 4.0
     idle_timeout_s: float = 5.0
@@ -35,7 +38,8 @@ class RunPodQueueDelay:
 
 @dataclass
 class RunPodRequestCount:
-    """RunPod REQUEST_COUNT: ceil((in queue + in progress) / requests_per_worker) workers; idle timeout 5 s."""
+    """RunPod REQUEST_COUNT: ceil((in queue + in progress) / requests_per_worker) workers; idle
+    timeout 5 s."""
 
     requests_per_worker: float = 4.0
     idle_timeout_s: float = 5.0
@@ -49,8 +53,9 @@ class RunPodRequestCount:
 
 @dataclass
 class KedaLike:
-    """KEDA on a queue length: every 30 s, ceil(backlog / target) with backlog = in queue + in progress; the HPA keeps
-    the highest recommendation of the last 300 s; to zero only after 300 s (cooldown) with no backlog."""
+    """KEDA on a queue length: every 30 s, ceil(backlog / target) with backlog = in queue + in
+    progress; the HPA keeps the highest recommendation of the last 300 s; to zero only after 300 s
+    (cooldown) with no backlog."""
 
     target: float = 32.0
     poll_s: float = 30.0
@@ -76,9 +81,10 @@ class KedaLike:
 
 @dataclass
 class KnativeLike:
-    """Knative KPA: concurrency (in queue + in progress) averaged over a 60 s stable and a 6 s panic window, divided
-    by target * 0.7; panic (never scale down, follow the panic window) while the panic count is at least twice the
-    ready pods; to zero once the stable window has seen no request plus a 30 s grace period. Polls every 2 s."""
+    """Knative KPA: concurrency (in queue + in progress) averaged over a 60 s stable and a 6 s panic
+    window, divided by target * 0.7; panic (never scale down, follow the panic window) while the
+    panic count is at least twice the ready pods; to zero once the stable window has seen no request
+    plus a 30 s grace period. Polls every 2 s."""
 
     target: float = 100.0
     utilization: float = 0.7
@@ -123,7 +129,8 @@ class KnativeLike:
 
 @dataclass
 class FixedKeepAlive:
-    """A Lambda/Modal-style fleet: enough workers for the requests present, each kept for a fixed time once idle."""
+    """A Lambda/Modal-style fleet: enough workers for the requests present, each kept for a fixed
+    time once idle."""
 
     keep_alive_s: float = 600.0
     max_workers: int = 8
@@ -150,18 +157,22 @@ class Ours:
 POLICIES = {
     "runpod-queue-delay": ("delay_s", 4.0, (0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0),
                            lambda v, m: RunPodQueueDelay(delay_s=v, max_workers=m)),
-    "runpod-request-count": ("requests_per_worker", 4.0, (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 96.0, 128.0),
+    "runpod-request-count": ("requests_per_worker", 4.0,
+                             (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 96.0, 128.0),
                              lambda v, m: RunPodRequestCount(requests_per_worker=v, max_workers=m)),
     "keda": ("target", 32.0, (4.0, 8.0, 16.0, 32.0, 48.0, 64.0, 96.0, 128.0, 192.0),
              lambda v, m: KedaLike(target=v, max_workers=m)),
     "knative": ("target", 100.0, (10.0, 25.0, 50.0, 75.0, 100.0, 150.0, 200.0, 300.0),
                 lambda v, m: KnativeLike(target=v, max_workers=m)),
-    "keep-alive": ("keep_alive_s", 600.0, (15.0, 30.0, 60.0, 120.0, 180.0, 300.0, 450.0, 600.0, 900.0, 1200.0),
+    "keep-alive": ("keep_alive_s", 600.0,
+                   (15.0, 30.0, 60.0, 120.0, 180.0, 300.0, 450.0, 600.0, 900.0, 1200.0),
                    lambda v, m: FixedKeepAlive(keep_alive_s=v, max_workers=m)),
-    # two knobs, each its own concern: wait_cost_weight (keep-warm through idle gaps) x target_utilization (headroom)
+    # two knobs, each its own concern: wait_cost_weight (keep-warm through idle gaps) x
+    # target_utilization (headroom)
     "ours": ("wait_cost_weight/target_utilization",
              (PolicyConfig().wait_cost_weight, PolicyConfig().target_utilization),
              tuple((w, u) for u in (0.85, 0.5, 0.25)
                    for w in (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 512.0)),
-             lambda v, m: Ours(PolicyConfig(wait_cost_weight=v[0], target_utilization=v[1], max_workers=m))),
+             lambda v, m: Ours(PolicyConfig(wait_cost_weight=v[0], target_utilization=v[1],
+                                            max_workers=m))),
 }

@@ -1,6 +1,8 @@
-"""The Azure LLM inference traces (2023) as arrays the simulator replays: arrival times and token counts.
+"""The Azure LLM inference traces (2023) as arrays the simulator replays: arrival times and token
+counts.
 
-Reads the CSVs kept with their CC-BY attribution in bench/data/ (plain or gzip); time-scales and slices them.
+Reads the CSVs kept with their CC-BY attribution in bench/data/ (plain or gzip); time-scales and
+slices them.
 """
 from __future__ import annotations
 
@@ -12,13 +14,14 @@ from pathlib import Path
 
 import numpy as np
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "bench" / "data"
+DATA_DIR = Path(__file__).resolve().parents[2] / "bench" / "data"
 TRACE_NAMES = ("code", "conv")
 
 
 @dataclass(frozen=True)
 class Trace:
-    """One arrival process: seconds from the first arrival (sorted), prompt and output tokens per request."""
+    """One arrival process: seconds from the first arrival (sorted), prompt and output tokens per
+    request."""
 
     name: str
     arrival_s: np.ndarray  # float64, starts at 0, non-decreasing
@@ -33,15 +36,18 @@ class Trace:
         return float(self.arrival_s[-1]) if len(self) else 0.0
 
     def time_scaled(self, speed: float) -> "Trace":
-        """The same requests arriving `speed` times as fast (2.0: twice the rate in half the time)."""
+        """The same requests arriving `speed` times as fast (2.0: twice the rate in half the
+        time)."""
         if not speed > 0:
             raise ValueError(f"speed: must be > 0, got {speed}")
-        return Trace(f"{self.name}@{speed:g}x", self.arrival_s / speed, self.context_tokens, self.generated_tokens)
+        return Trace(f"{self.name}@{speed:g}x", self.arrival_s / speed, self.context_tokens,
+                     self.generated_tokens)
 
     def head(self, seconds: float) -> "Trace":
         """The requests that arrive in the first `seconds`."""
         n = int(np.searchsorted(self.arrival_s, seconds, side="right"))
-        return Trace(self.name, self.arrival_s[:n], self.context_tokens[:n], self.generated_tokens[:n])
+        return Trace(self.name, self.arrival_s[:n], self.context_tokens[:n],
+                     self.generated_tokens[:n])
 
 
 def trace_path(name: str, data_dir: Path = DATA_DIR) -> Path:

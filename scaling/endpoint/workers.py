@@ -1,12 +1,13 @@
-"""The local endpoint's worker processes: each one is the real RunPod worker (`python -m handler`, the runpod SDK's
-loop) pointed at the endpoint's job routes through the SDK's own RUNPOD_* variables; started, drained, reaped.
+"""The local endpoint's worker processes: each one is the real RunPod worker (`python -m handler`,
+the runpod SDK's loop) pointed at the endpoint's job routes through the SDK's own RUNPOD_*
+variables; started, drained, reaped.
 
-A worker is booting until its readiness probe (a /v1/models job, which waits for the engine) comes back, then ready.
+A worker is booting until its readiness probe (a /v1/models job, which waits for the engine) comes
+back, then ready.
 """
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import signal
 import subprocess
@@ -15,9 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-log = logging.getLogger(__name__)
-
-REPO_ROOT = Path(__file__).resolve().parent.parent  # where `python -m handler` is found when not installed
+REPO_ROOT = Path(__file__).resolve().parents[2]  # where `python -m handler` is found
 PING_INTERVAL_MS = 2000  # the SDK's heartbeat period (RUNPOD_PING_INTERVAL)
 
 
@@ -31,11 +30,12 @@ class Worker:
     log_path: Path
     state: str = "booting"  # booting -> ready -> draining -> exited
     ready_at: float | None = None
-    last_seen: float | None = None  # its last request of any kind (job-take, ping, stream, done); None: none yet
+    last_seen: float | None = None  # its last request (job-take, ping, stream, done), if any
     idle_since: float | None = None  # ready and holding no job since then
     drain_started: float | None = None
-    polled_capacity: int | None = None  # jobs its SDK holds at once: the batch size it asks for + the jobs it holds
-    reported_capacity: int | None = None  # capacity_requests from the metrics of its last job output
+    # jobs its SDK holds at once: the batch size it asks for + the jobs it holds
+    polled_capacity: int | None = None
+    reported_capacity: int | None = None  # capacity_requests in its last job output's metrics
     pings: int = 0  # heartbeats received
     ping_jobs: frozenset[str] = frozenset()  # the jobs its last heartbeat said it holds
 
@@ -49,9 +49,11 @@ class Worker:
 
 
 class WorkerPool:
-    """Starts workers with the RUNPOD_* variables that point the SDK at `job_base` (.../v2/<endpoint id>)."""
+    """Starts workers with the RUNPOD_* variables that point the SDK at `job_base`
+    (.../v2/<endpoint id>)."""
 
-    def __init__(self, job_base: str, token: str, log_dir: Path, worker_env: dict[str, str] | None = None,
+    def __init__(self, job_base: str, token: str, log_dir: Path,
+                 worker_env: dict[str, str] | None = None,
                  worker_command: list[str] | None = None):
         self.job_base = job_base
         self.token = token
@@ -63,17 +65,19 @@ class WorkerPool:
         self.pids: dict[str, int] = {}  # every worker ever started -> its pid
 
     def sdk_env(self, worker_id: str) -> dict[str, str]:
-        """The variables the runpod SDK reads to find its job server (it substitutes $ID and $RUNPOD_POD_ID)."""
+        """The variables the runpod SDK reads to find its job server (it substitutes $ID and
+        $RUNPOD_POD_ID)."""
         q = f"?token={self.token}"
         return {
             "RUNPOD_POD_ID": worker_id,
-            "RUNPOD_AI_API_KEY": self.token,  # the heartbeat starts only when a key is set; sent as its auth header
+            # the heartbeat starts only when a key is set; sent as its auth header
+            "RUNPOD_AI_API_KEY": self.token,
             "RUNPOD_WEBHOOK_GET_JOB": f"{self.job_base}/job-take/$ID{q}",
             "RUNPOD_WEBHOOK_POST_OUTPUT": f"{self.job_base}/job-done/$RUNPOD_POD_ID/$ID{q}",
             "RUNPOD_WEBHOOK_POST_STREAM": f"{self.job_base}/job-stream/$RUNPOD_POD_ID/$ID{q}",
             "RUNPOD_WEBHOOK_PING": f"{self.job_base}/ping/$RUNPOD_POD_ID{q}",
             "RUNPOD_PING_INTERVAL": str(PING_INTERVAL_MS),
-            # The SDK's start-up fitness checks probe the network and a GPU; a local endpoint needs neither.
+            # The SDK's start-up checks probe the network and a GPU; a local endpoint needs neither.
             "RUNPOD_SKIP_AUTO_SYSTEM_CHECKS": "true",
             "RUNPOD_SKIP_GPU_CHECK": "true",
         }
@@ -82,13 +86,16 @@ class WorkerPool:
         self.started_total += 1
         worker_id = f"worker-{self.started_total}"
         env = {**os.environ, **self.worker_env, **self.sdk_env(worker_id)}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        paths = (str(REPO_ROOT), env.get("PYTHONPATH", ""))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{worker_id}.log"
         with open(log_path, "wb") as out:
-            # Its own session: the SDK's heartbeat is a child process that outlives a killed worker; the group goes.
-            proc = subprocess.Popen(self.worker_command, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            # Its own session: the SDK's heartbeat is a child process that outlives a killed
+            # worker; the group goes.
+            proc = subprocess.Popen(self.worker_command, env=env, stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
         worker = Worker(worker_id, proc, started=now, log_path=log_path)
         self.workers[worker_id] = worker
         self.pids[worker_id] = proc.pid
@@ -114,7 +121,8 @@ class WorkerPool:
             worker.proc.kill()
 
     def reap(self, worker: Worker) -> int | None:
-        """The worker's exit status once its main process has ended (its leftover children are killed); else None."""
+        """The worker's exit status once its main process has ended (its leftover children are
+        killed); else None."""
         code = worker.proc.poll()
         if code is None:
             return None
@@ -132,7 +140,8 @@ class WorkerPool:
         return ""
 
     def stop_all(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM every worker, wait up to timeout_s for them to exit, then SIGKILL what is left (groups too)."""
+        """SIGTERM every worker, wait up to timeout_s for them to exit, then SIGKILL what is left
+        (groups too)."""
         now = time.monotonic()
         for worker in list(self.workers.values()):
             if worker.state != "draining":

@@ -1,0 +1,6 @@
+"""`python -m scaling.controller`: see scaling.controller.cli."""
+import sys
+
+from scaling.controller.cli import main
+
+sys.exit(main())
