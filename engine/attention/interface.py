@@ -1,24 +1,32 @@
-"""The engine's attention interface: what one step's batch looks like to attention, and how backends are chosen.
+"""The engine's attention interface: what one step's batch looks like to attention
+(AttentionMetadata), the one interface every backend implements (AttentionBackend), and the KV
+cache's shape.
 
-The runner fills an AttentionMetadata per step; every layer's Attention hands it, with its own slice of the paged
-KV cache, to the backend. Backends write the new K/V at `slot_mapping`, then attend over the whole context.
+The runner fills an AttentionMetadata per step; every layer's Attention hands it, with its own slice
+of the paged KV cache, to the backend. Backends write the new K/V at `slot_mapping`, then attend
+over the whole context.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 
 @dataclass
 class AttentionMetadata:
-    """One step's ragged batch. B sequences, T = sum of their new tokens, flattened in sequence order.
+    """One step's ragged batch. B sequences, T = sum of their new tokens, flattened in sequence
+    order.
 
-    Sequence i contributes query tokens [query_start_loc[i], query_start_loc[i+1]) whose positions are the last
-    query_len_i positions of a context of seq_lens[i] tokens (the cached prefix plus the new tokens).
+    Sequence i contributes query tokens [query_start_loc[i], query_start_loc[i+1]) whose positions
+    are the last query_len_i positions of a context of seq_lens[i] tokens (the cached prefix plus
+    the new tokens).
     """
 
-    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset where each new token's K/V goes
+    # [T] int64: block_id * block_size + offset, where each new token's K/V goes
+    slot_mapping: torch.Tensor
     query_start_loc: torch.Tensor  # [B + 1] int32, cumulative query lengths (device)
     seq_lens: torch.Tensor  # [B] int32, context length after this step (device)
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0 (device)
@@ -34,32 +42,42 @@ class AttentionMetadata:
         return len(self.seq_lens_cpu)
 
 
-def kv_cache_shape(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
-    """One allocation for the whole cache: [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim]."""
+def kv_cache_shape(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                   head_dim: int):
+    """One allocation for the whole cache: [layers, 2 (K, V), blocks, block_size, kv_heads,
+    head_dim]."""
     return (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
 
 
-BACKEND_NAMES = ("auto", "torch", "triton")
+class AttentionBackend(ABC):
+    """Paged attention over one layer's KV cache [2, num_blocks, block_size, Hkv, D], GQA without
+    repeating K/V. Every backend computes the same thing (the torch reference defines it); they
+    differ in the devices, dtypes and shapes they take, each refusing the rest with a ValueError
+    naming the field."""
 
+    name: ClassVar[str]  # what select_backend() calls it
+    # Its decode launches depend on tensor shapes only, so a decode step may be captured in a CUDA
+    # graph and replayed.
+    supports_cuda_graphs: bool = False
+    # The model should store this step's K/V itself (RoPE writing straight into the cache) and call
+    # forward(..., kv_written=True); otherwise forward writes them.
+    accepts_written_kv: bool = False
 
-def select_backend(device: torch.device | str, name: str = "auto"):
-    """The attention backend for `device`: "auto" is triton on CUDA when triton imports, else the torch reference.
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        kv_written: bool = False,
+    ) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D].
 
-    Triton is imported only when it is chosen, so CPU paths never load it.
-    """
-    if name not in BACKEND_NAMES:
-        raise ValueError(f"attention backend {name!r} is not one of {', '.join(repr(n) for n in BACKEND_NAMES)}")
-    device = torch.device(device)
-    if name in ("auto", "triton") and device.type == "cuda":
-        try:
-            from engine.attention.triton_attn import TritonAttentionBackend
-        except ImportError as exc:
-            if name == "triton":
-                raise ValueError(f"attention backend 'triton' needs the triton package: {exc}") from exc
-        else:
-            return TritonAttentionBackend(device)
-    elif name == "triton":
-        raise ValueError(f"attention backend 'triton' needs a CUDA device, got {device}")
-    from engine.attention.torch_ref import TorchAttentionBackend
-
-    return TorchAttentionBackend()
+        Writes k/v at meta.slot_mapping (unless kv_written: the caller already stored them there,
+        and k, v only give shapes), then attends: query token j of sequence i sits at context
+        position seq_len_i - query_len_i + j and sees the context positions p <= its own (and, with
+        a sliding window W, p > its own - W, as HF Mistral does), scores scaled by `scale`."""

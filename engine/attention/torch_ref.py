@@ -1,16 +1,18 @@
-"""Reference paged attention in plain PyTorch (CPU and CUDA; float32, bf16, fp16): correct first, fast never.
+"""Reference paged attention in plain PyTorch (CPU and CUDA; float32, bf16, fp16): correct first,
+fast never.
 
-Writes the step's new K/V into the paged cache; one batched pass for all decodes, a loop for prefill chunks.
+Writes the step's new K/V into the paged cache; one batched pass for all decodes, a loop for prefill
+chunks.
 """
 from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention.interface import AttentionBackend, AttentionMetadata
 
 
-class TorchAttentionBackend:
-    """Paged attention over a KV cache layer [2, num_blocks, block_size, Hkv, D]; GQA without repeating K/V."""
+class TorchAttentionBackend(AttentionBackend):
+    """The reference: every device and float dtype, a loop over prefill chunks, no CUDA graphs."""
 
     name = "torch"
 
@@ -23,18 +25,16 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        kv_written: bool = False,
     ) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D].
-
-        Query token j of sequence i sits at context position seq_len_i - query_len_i + j and sees the context
-        positions p <= its own (and, with a sliding window W, p > its own - W, as HF Mistral does).
-        """
+        """See AttentionBackend.forward."""
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k.shape[1]
         group = num_heads // num_kv_heads
         k_cache, v_cache = kv_cache_layer[0], kv_cache_layer[1]
         block_size = k_cache.shape[1]
-        write_kv(k, v, kv_cache_layer, meta.slot_mapping)
+        if not kv_written:
+            write_kv(k, v, kv_cache_layer, meta.slot_mapping)
 
         out = torch.empty_like(q)
         starts = meta.query_start_loc_cpu
@@ -51,18 +51,22 @@ class TorchAttentionBackend:
             keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [S, Hkv, D]
             values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
 
-            # [q_len, H, D] -> [Hkv, group * q_len, D]; head h = kv_head * group + g, as HF's repeat_kv.
+            # [q_len, H, D] -> [Hkv, group * q_len, D]; head h = kv_head * group + g, as HF's
+            # repeat_kv.
             qi = q[q_start:q_end].view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
             qi = qi.reshape(num_kv_heads, group * q_len, head_dim)
-            scores = torch.matmul(qi, keys.permute(1, 2, 0)).float() * scale  # [Hkv, group * q_len, S]
+            # [Hkv, group * q_len, S]
+            scores = torch.matmul(qi, keys.permute(1, 2, 0)).float() * scale
 
-            mask = _context_mask(seq_len, q_len, sliding_window, q.device)  # [q_len, S], True = masked
-            scores = scores.view(num_kv_heads, group, q_len, seq_len).masked_fill(mask, float("-inf"))
-            probs = torch.softmax(scores, dim=-1).to(q.dtype).view(num_kv_heads, group * q_len, seq_len)
+            # [q_len, S], True = masked
+            mask = _context_mask(seq_len, q_len, sliding_window, q.device)
+            scores = scores.view(num_kv_heads, group, q_len, seq_len)
+            scores = scores.masked_fill(mask, float("-inf"))
+            probs = torch.softmax(scores, dim=-1).to(q.dtype)
+            probs = probs.view(num_kv_heads, group * q_len, seq_len)
             oi = torch.matmul(probs, values.transpose(0, 1))  # [Hkv, group * q_len, D]
-            out[q_start:q_end] = oi.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(
-                q_len, num_heads, head_dim
-            )
+            oi = oi.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
+            out[q_start:q_end] = oi.reshape(q_len, num_heads, head_dim)
         return out
 
 
@@ -76,7 +80,8 @@ def _decode_batch(
     sliding_window: int | None,
     out: torch.Tensor,
 ) -> None:
-    """All one-token queries at once: gather each context padded to the longest, mask the padding."""
+    """All one-token queries at once: gather each context padded to the longest, mask the padding.
+    """
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     block_size = k_cache.shape[1]
@@ -98,23 +103,29 @@ def _decode_batch(
         mask |= k_pos <= seq_len - 1 - sliding_window
     scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    # Padding slots hold whatever the cache held (never-written memory can be NaN): 0 * NaN would leak through.
+    # Padding slots hold whatever the cache held (never-written memory can be NaN): 0 * NaN would
+    # leak through.
     values = values.masked_fill(mask[:, :, None, None], 0)
     od = torch.einsum("bkgs,bskd->bkgd", probs, values)
     out[token] = od.reshape(b, num_heads, head_dim)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store k/v [T, Hkv, D] at flat slots (block_id * block_size + offset) of the layer's cache, in place."""
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store k/v [T, Hkv, D] at flat slots (block_id * block_size + offset) of the layer's cache, in
+    place."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     slots = slot_mapping.long()
-    # view (not reshape): a non-contiguous cache must fail here rather than write into a silent copy.
+    # view (not reshape): a non-contiguous cache must fail here rather than write into a silent
+    # copy.
     kv_cache_layer[0].view(-1, num_kv_heads, head_dim)[slots] = k.to(kv_cache_layer.dtype)
     kv_cache_layer[1].view(-1, num_kv_heads, head_dim)[slots] = v.to(kv_cache_layer.dtype)
 
 
-def _context_mask(seq_len: int, q_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
-    """[q_len, seq_len] bool, True where query j (at position seq_len - q_len + j) must not see key p."""
+def _context_mask(seq_len: int, q_len: int, sliding_window: int | None,
+                  device: torch.device) -> torch.Tensor:
+    """[q_len, seq_len] bool, True where query j (at position seq_len - q_len + j) must not see key
+    p."""
     q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
     k_pos = torch.arange(seq_len, device=device)[None, :]
     mask = k_pos > q_pos

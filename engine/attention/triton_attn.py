@@ -1,26 +1,30 @@
-"""Paged attention in Triton (CUDA; bf16, fp16, fp32): the fast path behind the reference backend's interface.
+"""Paged attention in Triton (CUDA; bf16, fp16, fp32): the fast path behind the reference backend's
+interface.
 
-Writes the step's K/V at slot_mapping, then one attention launch: split-KV decode (merged in the same kernel)
-when every query is one token (its launch depends on shapes only: CUDA-graph safe), tiled prefill otherwise.
+Writes the step's K/V at slot_mapping, then one attention launch: split-KV decode (merged in the
+same kernel) when every query is one token (its launch depends on shapes only: CUDA-graph safe),
+tiled prefill otherwise.
 """
 from __future__ import annotations
 
 import torch
 import triton
 
-from engine.attention import AttentionMetadata
-from engine.attention.triton_kernels import merge_splits_kernel, paged_attention_kernel, write_kv_kernel
+from engine.attention.interface import AttentionBackend, AttentionMetadata
+from engine.attention.triton_kernels import (merge_splits_kernel, paged_attention_kernel,
+                                             write_kv_kernel)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 MAX_SPLITS = 64
-ARRIVAL_SLOTS = 1 << 16  # (sequence, kv head) pairs the decode merge counters cover before they must grow
+# (sequence, kv head) pairs the decode merge counters cover before they must grow
+ARRIVAL_SLOTS = 1 << 16
 LOG2_E = 1.4426950408889634
 TileConfig = tuple[int, int, int, int]  # (BLOCK_M rows, BLOCK_N keys, num_warps, num_stages)
 
 
-class TritonAttentionBackend:
-    """Paged attention over a KV cache layer [2, num_blocks, block_size, Hkv, D]; GQA without repeating K/V."""
+class TritonAttentionBackend(AttentionBackend):
+    """The CUDA fast path: bf16, fp16, fp32; head_dim <= 256; decode launches fit CUDA graphs."""
 
     name = "triton"
     supports_cuda_graphs = True  # decode launches depend on tensor shapes only (see forward)
@@ -34,18 +38,22 @@ class TritonAttentionBackend:
         prefill_tiles: TileConfig | None = None,
         fused_merge: bool = True,
     ) -> None:
-        """programs_per_sm sets how far decode splits the context; the tile configs override the defaults (bench);
-        fused_merge=False merges decode splits in a second launch (the fallback while capturing, kept to compare)."""
+        """programs_per_sm sets how far decode splits the context; the tile configs override the
+        defaults (bench); fused_merge=False merges decode splits in a second launch (the fallback
+        while capturing, kept to compare)."""
         device = torch.device(device) if device is not None else None
         if device is not None and device.type == "cuda":
             self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         else:
-            self.num_sms = 2  # interpreter runs on CPU tensors: a small figure still exercises the splits
+            # interpreter runs on CPU tensors: a small figure still exercises the splits
+            self.num_sms = 2
         self.target_programs = programs_per_sm * self.num_sms
         self.decode_tiles = decode_tiles
         self.prefill_tiles = prefill_tiles
-        # Split-KV decode counts arriving splits per (sequence, kv head) here; the last one merges and resets its
-        # count, so the buffer stays zero between launches. Allocated (zeroed) outside any CUDA-graph capture.
+        # Split-KV decode counts arriving splits per (sequence, kv head) here; the last one merges
+        # and resets its
+        # count, so the buffer stays zero between launches. Allocated (zeroed) outside any CUDA-
+        # graph capture.
         self.fused_merge = fused_merge
         self.arrivals: torch.Tensor | None = None
         if fused_merge and device is not None and device.type == "cuda":
@@ -62,10 +70,8 @@ class TritonAttentionBackend:
         sliding_window: int | None = None,
         kv_written: bool = False,
     ) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]; the same semantics as TorchAttentionBackend.forward.
-
-        kv_written: the caller already stored this step's K/V at slot_mapping (RotaryEmbedding.rotate_into_cache);
-        k and v then only give shapes."""
+        """See AttentionBackend.forward; with kv_written the caller stored this step's K/V
+        (RotaryEmbedding.rotate_into_cache)."""
         _check_inputs(q, k, v, kv_cache_layer, sliding_window)
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
@@ -86,13 +92,16 @@ class TritonAttentionBackend:
         if num_tokens == 0 or num_seqs == 0:
             return out
 
-        small = kv_cache_layer.dtype == torch.float32 or block_d > 128  # tiles that fit shared memory
+        # tiles that fit shared memory
+        small = kv_cache_layer.dtype == torch.float32 or block_d > 128
         if meta.max_query_len == 1:  # decode: the launch depends on shapes only (CUDA-graph safe)
-            _, block_n, num_warps, num_stages = self.decode_tiles or ((16, 32, 4, 2) if small else (16, 128, 4, 3))
+            _, block_n, num_warps, num_stages = self.decode_tiles or (
+                (16, 32, 4, 2) if small else (16, 128, 4, 3))
             block_m = max(16, triton.next_power_of_2(group))
             block_q = num_q_tiles = 1
             max_context = meta.block_tables.shape[1] * block_size
-            num_splits = self._num_splits(num_seqs * num_kv_heads, triton.cdiv(max_context, block_n))
+            num_splits = self._num_splits(num_seqs * num_kv_heads,
+                                          triton.cdiv(max_context, block_n))
         else:
             block_m, block_n, num_warps, num_stages = self.prefill_tiles or (
                 (64, 32, 4, 2) if small else (128, 128, 8, 3)
@@ -105,8 +114,8 @@ class TritonAttentionBackend:
         fused_merge = (num_splits > 1 and self.fused_merge
                        and self._arrivals_for(num_seqs * num_kv_heads, q.device) is not None)
         if num_splits > 1:  # one scratch allocation: partial outputs, then their log2-sum-exps
-            scratch = torch.empty(num_tokens * num_heads * num_splits * (block_d + 1), dtype=torch.float32,
-                                  device=q.device)
+            scratch = torch.empty(num_tokens * num_heads * num_splits * (block_d + 1),
+                                  dtype=torch.float32, device=q.device)
             part_out, part_lse = scratch.split([num_tokens * num_heads * num_splits * block_d,
                                                 num_tokens * num_heads * num_splits])
         else:
@@ -120,7 +129,8 @@ class TritonAttentionBackend:
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=block_size,
-            NUM_SPLITS=num_splits, USE_WINDOW=sliding_window is not None, IEEE=kv_cache_layer.dtype == torch.float32,
+            NUM_SPLITS=num_splits, USE_WINDOW=sliding_window is not None,
+            IEEE=kv_cache_layer.dtype == torch.float32,
             FUSED_MERGE=fused_merge, BLOCK_S=triton.next_power_of_2(num_splits),
             num_warps=num_warps, num_stages=num_stages,
         )
@@ -134,37 +144,45 @@ class TritonAttentionBackend:
         return out
 
     def _arrivals_for(self, slots: int, device: torch.device) -> torch.Tensor | None:
-        """The zeroed arrival counts for `slots` (sequence, kv head) pairs, grown outside graph capture; None while
-        capturing with too few (a zero-fill recorded in a graph would not run before eager use)."""
-        if self.arrivals is not None and self.arrivals.numel() >= slots and self.arrivals.device == device:
-            return self.arrivals
+        """The zeroed arrival counts for `slots` (sequence, kv head) pairs, grown outside graph
+        capture; None while capturing with too few (a zero-fill recorded in a graph would not run
+        before eager use)."""
+        arrivals = self.arrivals
+        if arrivals is not None and arrivals.numel() >= slots and arrivals.device == device:
+            return arrivals
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
         self.arrivals = torch.zeros(max(slots, ARRIVAL_SLOTS), dtype=torch.int32, device=device)
         return self.arrivals
 
     def _num_splits(self, programs: int, max_tiles: int) -> int:
-        """Splits per (sequence, kv head): enough programs to fill the GPU, never more than the context has tiles."""
+        """Splits per (sequence, kv head): enough programs to fill the GPU, never more than the
+        context has tiles."""
         return max(1, min(triton.cdiv(self.target_programs, programs), max_tiles, MAX_SPLITS))
 
 
 def _check_inputs(q, k, v, kv_cache_layer, sliding_window) -> None:
     """Refuse what the kernels cannot do, naming the field and its limit."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"q, k, v must be [tokens, heads, head_dim]: got {tuple(q.shape)}, {tuple(k.shape)}")
+        raise ValueError(f"q, k, v must be [tokens, heads, head_dim]: got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}")
     head_dim = q.shape[2]
     if head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim={head_dim}: the triton attention backend supports head_dim <= {MAX_HEAD_DIM}")
+        raise ValueError(f"head_dim={head_dim}: the triton attention backend supports head_dim <= "
+                         f"{MAX_HEAD_DIM}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"num_heads={q.shape[1]} must be a multiple of num_kv_heads={k.shape[1]}")
     if kv_cache_layer.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"kv cache dtype {kv_cache_layer.dtype}: the triton backend supports {SUPPORTED_DTYPES}")
+        raise ValueError(f"kv cache dtype {kv_cache_layer.dtype}: the triton backend supports "
+                         f"{SUPPORTED_DTYPES}")
     if kv_cache_layer.shape[3:] != k.shape[1:] or kv_cache_layer.shape[0] != 2:
         raise ValueError(
-            f"kv_cache_layer {tuple(kv_cache_layer.shape)} must be [2, blocks, block_size, {k.shape[1]}, {head_dim}]"
+            f"kv_cache_layer {tuple(kv_cache_layer.shape)} must be "
+            f"[2, blocks, block_size, {k.shape[1]}, {head_dim}]"
         )
     if not kv_cache_layer.is_contiguous():
-        raise ValueError("kv_cache_layer must be contiguous (a slice of the one [layers, 2, ...] allocation)")
+        raise ValueError("kv_cache_layer must be contiguous (a slice of the one [layers, 2, ...] "
+                         "allocation)")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window={sliding_window} must be >= 1")
 
