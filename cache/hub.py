@@ -1,9 +1,9 @@
-"""The Hugging Face Hub source: a revision's commit, the repo's file listing, the engine's files downloaded and checked.
+"""The Hugging Face Hub source: a revision's commit, its file listing, the engine's files checked.
 
-Files come through the real huggingface_hub client (auth, the redirect of LFS files to the CDN, resumed downloads).
-Each is hashed once, in chunks, right after it arrives, and compared with the hub's listing: the LFS sha256 for an
-LFS file, the git blob id otherwise. config.json (and the weight index) come first, so check_config can refuse the
-model before a weight byte moves.
+Files come through the real huggingface_hub client (auth, the redirect of LFS files to the CDN, its
+resume metadata). Each is hashed once, in chunks, right after it arrives, and compared with the
+hub's listing: the LFS sha256 for an LFS file, the git blob id otherwise. config.json (and the
+weight index) come first, so check_config can refuse the model before a weight byte moves.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 from cache.redact import hide_secrets, mask, secret_value
 from cache.snapshot import hash_file, list_files
-from cache.sources import (CONFIG_FILE, INDEX_FILE, SourceError, check_first_files, is_commit, small_files,
-                           weight_files)
+from cache.sources import (CONFIG_FILE, INDEX_FILE, SourceError, check_first_files, is_commit,
+                           small_files, weight_files)
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +26,9 @@ DOWNLOAD_WORKERS = 8  # files in flight at once, as huggingface_hub's snapshot_d
 
 def hub_error(repo_id: str, revision: str | None, endpoint: str | None, err: Exception,
               name: str | None = None) -> SourceError:
-    """One line naming the repo, the revision (and file) and what the hub said, from the client's own error classes
-    (huggingface_hub.errors, the same names from the oldest client we admit to the newest)."""
+    """One line naming the repo, the revision (and file) and what the hub said, from the client's
+    own error classes (huggingface_hub.errors: the same names in the oldest client we admit and the
+    newest)."""
     from huggingface_hub import constants, errors
 
     where = (endpoint or constants.ENDPOINT).rstrip("/")
@@ -35,8 +36,8 @@ def hub_error(repo_id: str, revision: str | None, endpoint: str | None, err: Exc
     status = getattr(getattr(err, "response", None), "status_code", None)
     if isinstance(err, errors.GatedRepoError):
         who = "the token given has no access to it" if status == 403 else "no token was given"
-        reason = (f"a gated repo and {who}: accept its conditions at {where}/{repo_id} and set HF_TOKEN to a "
-                  "token of that account")
+        reason = (f"a gated repo and {who}: accept its conditions at {where}/{repo_id} and set "
+                  "HF_TOKEN to a token of that account")
     elif isinstance(err, errors.RepositoryNotFoundError):
         reason = "repository not found (a private repo needs HF_TOKEN with read access to it)"
     elif isinstance(err, errors.RevisionNotFoundError):
@@ -47,12 +48,14 @@ def hub_error(repo_id: str, revision: str | None, endpoint: str | None, err: Exc
         reason = getattr(err, "server_message", None) or str(err)
     else:
         reason = f"{type(err).__name__}: {err}"
-    reason = next((line.strip() for line in reason.splitlines() if line.strip()), type(err).__name__)
+    lines = [line.strip() for line in reason.splitlines() if line.strip()]
+    reason = lines[0] if lines else type(err).__name__
     suffix = f" (HTTP {status})" if status else ""
     return SourceError(mask(f"{what} at {where}: {reason}{suffix}"))
 
 
-def hub_commit(repo_id: str, revision: str | None, *, token: Any = None, endpoint: str | None = None) -> str:
+def hub_commit(repo_id: str, revision: str | None, *, token: Any = None,
+               endpoint: str | None = None) -> str:
     """The commit hash a hub revision (branch, tag or commit) points at now."""
     from huggingface_hub import HfApi, get_token
 
@@ -65,18 +68,21 @@ def hub_commit(repo_id: str, revision: str | None, *, token: Any = None, endpoin
     except Exception as e:  # HTTP, connection, not-found, gated: all become one clear error
         raise hub_error(repo_id, revision, endpoint, e) from None
     if not info.sha:
-        raise SourceError(f"hub {repo_id} revision {revision or 'main'}: the hub returned no commit hash")
+        raise SourceError(f"hub {repo_id} revision {revision or 'main'}: the hub gave no commit "
+                          "hash")
     return info.sha
 
 
-def list_repo(repo_id: str, commit: str, *, token: str | None = None, endpoint: str | None = None) -> dict:
-    """{path: RepoFile} of every file of the repo at commit (the hub's recursive tree listing, all its pages): size,
-    git blob id and, for LFS files, `lfs.sha256`."""
+def list_repo(repo_id: str, commit: str, *, token: str | None = None,
+              endpoint: str | None = None) -> dict:
+    """{path: RepoFile} of every file of the repo at commit (the hub's recursive tree listing, all
+    its pages): size, git blob id and, for LFS files, `lfs.sha256`."""
     from huggingface_hub import HfApi
     from huggingface_hub.hf_api import RepoFile
 
     try:
-        entries = HfApi(endpoint=endpoint, token=token).list_repo_tree(repo_id, revision=commit, recursive=True)
+        api = HfApi(endpoint=endpoint, token=token)
+        entries = api.list_repo_tree(repo_id, revision=commit, recursive=True)
         return {e.path: e for e in entries if isinstance(e, RepoFile)}
     except Exception as e:
         raise hub_error(repo_id, commit, endpoint, e) from None
@@ -94,7 +100,8 @@ def _silent_tqdm():
 
 
 def _download_options(progress: bool) -> dict:
-    """hf_hub_download's progress bar off when asked (clients before 1.0 take no tqdm_class: theirs stays)."""
+    """hf_hub_download's progress bar off when asked (a client that takes no tqdm_class, as 0.30,
+    keeps its own)."""
     from huggingface_hub import hf_hub_download
 
     if progress or "tqdm_class" not in inspect.signature(hf_hub_download).parameters:
@@ -103,26 +110,30 @@ def _download_options(progress: bool) -> dict:
 
 
 def verify_file(path: Path, entry, where: str) -> dict:
-    """{size, sha256} of a downloaded file, read once; SourceError (the file removed) when it differs from its
-    listing entry: LFS sha256 and size for an LFS file, git blob id otherwise."""
+    """{size, sha256} of a downloaded file, read once; SourceError (the file removed) when it
+    differs from its listing entry: LFS sha256 and size for an LFS file, git blob id otherwise."""
     lfs = entry.lfs
     got = hash_file(path, git_blob=lfs is None)
-    kind, want, have = ("LFS sha256", lfs.sha256, got["sha256"]) if lfs is not None else \
-        ("git blob id", entry.blob_id, got["git_sha1"])
-    if have != want or got["size"] != entry.size:
+    if lfs is not None:
+        kind, want, have, size = "LFS sha256", lfs.sha256, got["sha256"], lfs.size
+    else:
+        kind, want, have, size = "git blob id", entry.blob_id, got["git_sha1"], entry.size
+    if have != want or got["size"] != size:
         path.unlink(missing_ok=True)
-        raise SourceError(f"{where}: {entry.path} does not match the hub's listing ({got['size']} bytes with "
-                          f"{kind} {have[:12]}..., the hub lists {entry.size} bytes with {want[:12]}...): "
-                          "corrupted on the way; removed it and published nothing, fetch again")
+        raise SourceError(f"{where}: {entry.path} does not match the hub's listing "
+                          f"({got['size']} bytes, {kind} {have[:12]}...; the hub lists {size} "
+                          f"bytes, {want[:12]}...): corrupted on the way; removed it and published "
+                          "nothing, fetch again")
     return {"size": got["size"], "sha256": got["sha256"]}
 
 
-def fetch_hub(repo_id: str, commit: str, dest: Path, *, token: Any = None, endpoint: str | None = None,
-              progress: bool = True, check_config: Callable[[dict], Any] | None = None) -> dict[str, dict]:
-    """Download the engine's files of repo_id at commit into dest (resuming a killed download there): config.json
-    and the weight index first (check_config(config) raises ValueError to refuse the model), then the tokenizer and
-    chat-template files and exactly the shards the index names. Each file is checked against the hub's listing.
-    Returns {name: {size, sha256}}."""
+def fetch_hub(repo_id: str, commit: str, dest: Path, *, token: Any = None,
+              endpoint: str | None = None, progress: bool = True,
+              check_config: Callable[[dict], Any] | None = None) -> dict[str, dict]:
+    """Download the engine's files of repo_id at commit into dest (keeping what a killed fetch there
+    completed): config.json and the weight index first (check_config(config) raises ValueError to
+    refuse the model), then the tokenizer and chat-template files and exactly the shards the index
+    names. Each file is checked against the hub's listing. Returns {name: {size, sha256}}."""
     import huggingface_hub as hf
 
     token = secret_value(token)
@@ -130,20 +141,22 @@ def fetch_hub(repo_id: str, commit: str, dest: Path, *, token: Any = None, endpo
     where = f"hub {repo_id}@{commit}"
     tree = list_repo(repo_id, commit, token=token, endpoint=endpoint)
     if CONFIG_FILE not in tree:
-        raise SourceError(f"{where}: no {CONFIG_FILE} in the repo (an HF-format checkpoint is needed)")
+        raise SourceError(f"{where}: no {CONFIG_FILE} in the repo (an HF-format checkpoint is "
+                          "needed)")
     options = _download_options(progress)
 
     def one(name: str) -> dict:
         try:
-            path = hf.hf_hub_download(repo_id, name, revision=commit, local_dir=str(dest), token=token,
-                                      endpoint=endpoint, **options)
+            path = hf.hf_hub_download(repo_id, name, revision=commit, local_dir=str(dest),
+                                      token=token, endpoint=endpoint, **options)
         except Exception as e:
             raise hub_error(repo_id, commit, endpoint, e, name) from None
         return verify_file(Path(path), tree[name], where)
 
     def download(names: list[str]) -> dict[str, dict]:
         out: dict[str, dict] = {}
-        with ThreadPoolExecutor(max_workers=max(1, min(DOWNLOAD_WORKERS, len(names)))) as pool:
+        workers = max(1, min(DOWNLOAD_WORKERS, len(names)))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
             futures = {pool.submit(one, name): name for name in names}
             try:
                 for future in as_completed(futures):
@@ -161,7 +174,7 @@ def fetch_hub(repo_id: str, commit: str, dest: Path, *, token: Any = None, endpo
     files.update(download([n for n in wanted if n not in files]))
     shutil.rmtree(dest / ".cache", ignore_errors=True)  # the client's resume metadata
     for name in list_files(dest):
-        if name not in files:  # left in the staging directory by an earlier attempt: not part of this snapshot
+        if name not in files:  # left in staging by an earlier attempt, not part of this snapshot
             (dest / name).unlink()
     log.debug("%s: %d files downloaded and checked against the hub's listing", where, len(files))
     return files

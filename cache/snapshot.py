@@ -41,8 +41,8 @@ def coldbrew_version() -> str:
 
 
 def hash_file(path: Path, git_blob: bool = False) -> dict:
-    """{"size", "sha256"} of one file read once, in chunks; git_blob adds "git_sha1", its git blob id (what the
-    hub lists for a file that is not in LFS), from the same read."""
+    """{"size", "sha256"} of one file read once, in chunks; git_blob adds "git_sha1", its git blob
+    id (what the hub lists for a file not in LFS), from the same read."""
     size = os.stat(path).st_size
     sha256 = hashlib.sha256()
     git_sha1 = hashlib.sha1(b"blob %d\0" % size) if git_blob else None
@@ -226,7 +226,7 @@ class SnapshotStore:
         Only one process builds at a time (a file lock); the others wait and then find it published. The build
         writes into a staging directory on the same filesystem, which is fsynced and renamed into place, so a
         process killed mid-build leaves nothing that looks published. `resume` keeps a killed build's staging
-        files (the hub client resumes partial downloads from its own metadata)."""
+        files (the hub client keeps what a killed download completed)."""
         final = self.path(key, revision)
         if check_snapshot(final, verify) is None:
             return final

@@ -1,7 +1,8 @@
 """Model sources: parse a reference (hub repo id, s3://, local dir, RunPod cached model, .gguf) and fetch its files.
 
-Each fetch writes only the files the engine reads into a staging directory and returns their sizes and sha256;
-config.json comes first, so an unsupported model is refused before any weight moves. The hub is in cache/hub.py.
+Each fetch writes only the files the engine reads into a staging directory and returns their sizes
+and sha256; config.json comes first, so an unsupported model is refused before any weight moves.
+The Hugging Face Hub source is cache/hub.py.
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ log = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_WEIGHTS = "model.safetensors"
-# What the engine reads besides the weights (engine/config.py, tokenizer.py, chat_template.py; it loads fast
-# tokenizers only, so no tokenizer.model, vocab.json or merges.txt), and the generation defaults. No pickles.
+# What the engine reads besides the weights (engine/config.py, tokenizer.py, chat_template.py; fast
+# tokenizers only: no tokenizer.model, vocab.json, merges.txt), and the generation defaults.
 SMALL_FILES = frozenset({
     CONFIG_FILE, "generation_config.json", INDEX_FILE,
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -103,54 +104,58 @@ def check_model_dir(path: Path) -> str | None:
     return None if any(path.glob("*.safetensors")) else "no *.safetensors"
 
 
-# ---- what the engine reads ---------------------------------------------------------------------------------------
+# ---- what the engine reads ---------------------------------------------------------------------
 def small_files(names: Iterable[str]) -> list[str]:
-    """The files of a listing that the engine reads besides the weights: config, tokenizer, chat templates, index."""
-    return sorted(n for n in names if n in SMALL_FILES
-                  or (n.startswith(TEMPLATES_DIR + "/") and n.endswith(".jinja") and n.count("/") == 1))
+    """The files of a listing the engine reads besides the weights: config, tokenizer, chat
+    templates, weight index."""
+    return sorted(n for n in names if n in SMALL_FILES or (
+        n.startswith(TEMPLATES_DIR + "/") and n.endswith(".jinja") and n.count("/") == 1))
 
 
 def weight_files(names: Iterable[str], index: dict | None, where: str) -> list[str]:
-    """The safetensors the engine loads, picked as engine/models/weights.py picks them: the shards the index names,
-    else model.safetensors, else every top-level *.safetensors; never consolidated*.safetensors (Mistral's own
-    format, a second copy of the same weights)."""
+    """The safetensors the engine loads, picked as engine/models/weights.py picks them: the shards
+    the index names, else model.safetensors, else every top-level *.safetensors; never
+    consolidated*.safetensors (Mistral's own format, a second copy of the same weights)."""
     names = set(names)
     if index is not None:
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise SourceError(f"{where}: {INDEX_FILE} has no weight_map")
         shards = sorted(set(map(str, weight_map.values())))
-        bad = [s for s in shards if s.startswith("/") or ".." in Path(s).parts]
-        missing = [s for s in shards if s not in names]
-        if bad or missing:
-            raise SourceError(f"{where}: {INDEX_FILE} names shards that are not in the repo: {(bad or missing)[:3]}")
+        absent = [s for s in shards if s not in names or s.startswith("/") or ".." in Path(s).parts]
+        if absent:
+            raise SourceError(f"{where}: {INDEX_FILE} names shards that are not in the repo: "
+                              f"{absent[:3]}")
         return shards
     if SINGLE_WEIGHTS in names:
         return [SINGLE_WEIGHTS]
     found = sorted(n for n in names if n.endswith(".safetensors") and "/" not in n
                    and not n.startswith("consolidated"))
     if not found:
-        raise SourceError(f"{where}: no safetensors weights (model.safetensors, or shards with {INDEX_FILE}); "
-                          "only safetensors are loaded")
+        raise SourceError(f"{where}: no safetensors weights (model.safetensors, or shards and "
+                          f"{INDEX_FILE}); only safetensors are loaded")
     return found
 
 
-def check_first_files(dest: Path, where: str, check_config: Callable[[dict], Any] | None) -> dict | None:
-    """Read config.json (and the weight index) fetched into dest ahead of the weights and let check_config refuse
-    the model (a ValueError, passed on with `where`). Returns the index, None without one."""
+def check_first_files(dest: Path, where: str,
+                      check_config: Callable[[dict], Any] | None) -> dict | None:
+    """Read config.json (and the weight index) fetched into dest ahead of the weights, and let
+    check_config refuse the model (its ValueError, passed on naming `where`). Returns the index,
+    None without one."""
     def read(name: str) -> dict:
         try:
             return json.loads((dest / name).read_text())
         except (OSError, ValueError) as e:
-            raise SourceError(f"{where}: {name} is not readable JSON ({type(e).__name__})") from None
+            reason = f"{name} is not readable JSON ({type(e).__name__})"
+            raise SourceError(f"{where}: {reason}") from None
 
     config = read(CONFIG_FILE)
     if check_config is not None:
         try:
             check_config(config)
         except ValueError as e:
-            raise SourceError(f"{where}: this model is not supported, refused before downloading its weights: "
-                              f"{e}") from None
+            raise SourceError(f"{where}: this model is not supported, refused before downloading "
+                              f"its weights: {e}") from None
     return read(INDEX_FILE) if (dest / INDEX_FILE).is_file() else None
 
 
@@ -193,20 +198,22 @@ def find_runpod_cached(base_path: str | os.PathLike | None, repo_id: str, revisi
 # ---- S3 -------------------------------------------------------------------------------------------------------------
 def fetch_s3(uri: str, dest: Path, opts=None, progress: bool = True,
              check_config: Callable[[dict], Any] | None = None) -> dict[str, dict]:
-    """Download the engine's files under an s3:// prefix into dest: config.json and the weight index first (for
-    check_config to refuse the model), then the rest. When the prefix carries a coldbrew manifest, every file is
-    checked against it. Returns {name: {size, sha256}}."""
+    """Download the engine's files under an s3:// prefix into dest: config.json and the weight index
+    first (for check_config to refuse the model), then the rest. When the prefix carries a coldbrew
+    manifest, every file is checked against it. Returns {name: {size, sha256}}."""
     from cache import remote
 
     s3 = remote.client(opts)
     listing = remote.list_dir(uri, opts, s3)
     if CONFIG_FILE not in listing:
-        raise SourceError(f"{uri}: no {CONFIG_FILE} under this prefix (an HF-format model directory is needed)")
+        raise SourceError(f"{uri}: no {CONFIG_FILE} under this prefix (an HF-format model "
+                          "directory is needed)")
     first = [n for n in (CONFIG_FILE, INDEX_FILE) if n in listing]
     remote.download_dir(uri, dest, {n: listing[n] for n in first}, opts, s3, progress)
     index = check_first_files(dest, uri, check_config)
     names = sorted(set(small_files(listing)) | set(weight_files(listing, index, uri)))
-    remote.download_dir(uri, dest, {n: listing[n] for n in names if n not in first}, opts, s3, progress)
+    rest = {n: listing[n] for n in names if n not in first}
+    remote.download_dir(uri, dest, rest, opts, s3, progress)
     files = hash_files(dest, names)
     if MANIFEST in listing:
         want = json.loads(remote.read_text(remote.join_uri(uri, MANIFEST), opts, s3) or "{}").get("files", {})

@@ -1,7 +1,7 @@
 """Engine configuration: EngineArgs (what the caller asks for) and ModelConfig (an HF config.json normalised).
 
-ModelConfig reads both spellings transformers has used for rope settings; engine.model_support refuses what the
-engine cannot run.
+ModelConfig reads both spellings transformers has used for rope settings; engine.model_support
+refuses what the engine cannot run.
 """
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from engine.model_support import SUPPORTED_ARCHITECTURES, check_model_config, rope_settings  # noqa: F401
+from engine.model_support import (SUPPORTED_ARCHITECTURES,  # noqa: F401 (decoder.py reads it here)
+                                  check_model_config, rope_settings)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -59,7 +60,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        arch, family = check_model_config(cfg)  # the same check the cache runs before downloading weights
+        arch, family = check_model_config(cfg)  # as the cache checks it before fetching weights
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // num_heads

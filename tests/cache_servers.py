@@ -1,32 +1,37 @@
-"""Loopback servers for the cache tests: a stand-in Hugging Face Hub with its LFS CDN, moto's S3 server, and the files
-of a tiny sharded Llama checkpoint (written with safetensors, not transformers: the hub tests also run with the oldest
-huggingface_hub we admit, beside which today's transformers does not import).
+"""Loopback servers for the cache tests: a stand-in Hugging Face Hub with its LFS CDN, moto's S3
+server, and the files of a tiny sharded Llama checkpoint (written with safetensors, not
+transformers: the hub tests also run with the oldest huggingface_hub we admit, beside which today's
+transformers does not import).
 
-The hub answers as huggingface.co does, as huggingface_hub's own source reads it (module and function named):
-- Model info: GET /api/models/{repo_id}[/revision/{rev}] -> {"id", "sha", "private", "gated", "siblings":
-  [{"rfilename"}], ...} (hf_api.py HfApi.model_info and ModelInfo; snapshot_download before 1.0 lists files from
-  "siblings").
-- The tree: GET /api/models/{repo_id}/tree/{rev}[/{path}]?recursive=&expand= -> a JSON list of {"type": "file",
-  "oid", "size", "path"[, "lfs"]} and {"type": "directory", "oid", "size": 0, "path"}, `page_size` entries a page
-  (the hub: 1000), the next page's URL with an opaque cursor in a `Link: <...>; rel="next"` header (hf_api.py
-  list_repo_tree, RepoFile, RepoFolder, BlobLfsInfo; utils/_pagination.py paginate). An LFS file's "oid" is the git
-  blob id of its *pointer* file and "lfs" is {"oid": the content's sha256, "size", "pointerSize"}; "size" is the
-  content's (list_repo_tree's docstring example). Which files are LFS: the hub's default .gitattributes patterns,
-  and any file of 10 MB or more.
-- resolve: HEAD/GET /{repo_id}/resolve/{rev}/{path}, every answer with X-Repo-Commit. A regular file: 200, ETag =
-  its git blob id, quoted; GET honours Range. An LFS file: 302 to a signed URL on the CDN (another origin), ETag and
-  X-Linked-Etag = its sha256, quoted, X-Linked-Size, body "Found. Redirecting to ..." (file_download.py
-  get_hf_file_metadata, _get_metadata_or_catch_error: the metadata is read from the 302 itself; a redirect to
-  another origin is not followed and the Authorization header is dropped before the download from it).
-- Errors (utils/_http.py hf_raise_for_status), body {"error": message} and X-Error-Message: X-Error-Code
-  RepoNotFound for a missing or private repo (401 without a token, 404 with one), RevisionNotFound (404),
-  EntryNotFound (404, with X-Repo-Commit), GatedRepo for a gated repo's files (401 without a token, 403 with a token
-  not granted access; its model info and tree stay public); a token the hub does not know: 401 "Invalid credentials
-  in Authorization header", no error code.
-- The CDN serves an LFS object to a URL with a valid signature only, and refuses a request that also carries an
-  Authorization header (400), as S3 does for a presigned URL.
-Not modelled: Xet storage (no X-Xet-* headers, so the client takes the LFS path), renamed repos (relative
-redirects), rate limits.
+The hub answers as huggingface.co does, as huggingface_hub's own source reads it (module, function):
+- Model info: GET /api/models/{repo_id}[/revision/{rev}] -> {"id", "sha", "private", "gated",
+  "siblings": [{"rfilename"}], ...} (hf_api.py HfApi.model_info, ModelInfo; snapshot_download
+  before 1.0 lists files from "siblings").
+- The tree: GET /api/models/{repo_id}/tree/{rev}[/{path}]?recursive=&expand= -> a JSON list of
+  {"type": "file", "oid", "size", "path"[, "lfs"]} and {"type": "directory", "oid", "size": 0,
+  "path"}, `page_size` entries a page (the hub: 1000), the next page's URL with an opaque cursor in
+  a `Link: <...>; rel="next"` header (hf_api.py list_repo_tree, RepoFile, RepoFolder, BlobLfsInfo;
+  utils/_pagination.py paginate). An LFS file's "oid" is the git blob id of its *pointer* file,
+  "lfs" is {"oid": the content's sha256, "size", "pointerSize"} and "size" the content's (the
+  example in list_repo_tree's docstring). LFS files: the hub's default .gitattributes patterns, and
+  any file of 10 MB or more.
+- resolve: HEAD/GET /{repo_id}/resolve/{rev}/{path}, every answer with X-Repo-Commit. A regular
+  file: 200, ETag = its git blob id, quoted; GET honours Range. An LFS file: 302 to a signed URL on
+  the CDN (another origin) with ETag and X-Linked-Etag = its sha256, quoted, X-Linked-Size, and the
+  body "Found. Redirecting to ..." (file_download.py get_hf_file_metadata,
+  _get_metadata_or_catch_error: the metadata is read from the 302 itself, a redirect to another
+  origin is not followed, and the Authorization header is dropped before downloading from it).
+- Errors (utils/_http.py hf_raise_for_status): body {"error": message}, X-Error-Message, and
+  X-Error-Code RepoNotFound for a missing or private repo (401 without a token, 404 with one),
+  RevisionNotFound (404), EntryNotFound (404, with X-Repo-Commit), GatedRepo for a gated repo's
+  files (401 without a token, 403 with a token not granted access). A gated repo's info and tree
+  need no access (huggingface.js issue 945). A token the hub does not know: 401 "Invalid
+  credentials in Authorization header", no error code.
+- The CDN serves an LFS object to a URL with a valid signature only, and refuses a request that
+  also carries an Authorization header (400), as S3 does for a presigned URL.
+
+Not modelled: Xet storage (no X-Xet-* headers, so the client takes the LFS path), renamed repos
+(relative redirects), rate limits.
 """
 from __future__ import annotations
 
@@ -43,7 +48,8 @@ from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
-# The hub's default .gitattributes (a subset): these files go to LFS, as does any file of LFS_MIN_SIZE or more.
+# The hub's default .gitattributes (a subset): these files go to LFS, as does any file of
+# LFS_MIN_SIZE or more.
 GITATTRIBUTES = b"".join(b"*%s filter=lfs diff=lfs merge=lfs -text\n" % s for s in (
     b".safetensors", b".bin", b".pt", b".pth", b".gguf", b".h5", b".msgpack", b".onnx", b".model"))
 LFS_SUFFIXES = tuple(line.split()[0][1:].decode() for line in GITATTRIBUTES.splitlines())
@@ -67,8 +73,9 @@ def is_lfs(name: str, data: bytes) -> bool:
 
 @dataclass
 class FakeRepo:
-    """A model repo: commits, branch/tag refs, and who may read it. private: only the hub's tokens see it (others
-    get RepoNotFound); gated: anyone sees its info and tree, only tokens in `granted` get its files."""
+    """A model repo: commits, branch/tag refs, and who may read it. private: only the hub's tokens
+    see it (others get RepoNotFound); gated: anyone sees its info and tree, only tokens in `granted`
+    get its files."""
 
     commits: dict[str, dict[str, bytes]] = field(default_factory=dict)  # commit -> {path: content}
     refs: dict[str, str] = field(default_factory=dict)  # branch/tag -> commit
@@ -76,10 +83,11 @@ class FakeRepo:
     gated: bool = False
     granted: set[str] = field(default_factory=set)
 
-    def add_commit(self, files: dict[str, bytes], *, branch: str | None = "main", seed: str = "") -> str:
+    def add_commit(self, files: dict[str, bytes], *, branch: str | None = "main",
+                   seed: str = "") -> str:
         files = {".gitattributes": GITATTRIBUTES, **files}
-        commit = hashlib.sha1((seed + json.dumps(sorted((k, hashlib.sha256(v).hexdigest())
-                                                         for k, v in files.items()))).encode()).hexdigest()
+        digests = sorted((k, hashlib.sha256(v).hexdigest()) for k, v in files.items())
+        commit = hashlib.sha1((seed + json.dumps(digests)).encode()).hexdigest()
         self.commits[commit] = files
         if branch:
             self.refs[branch] = commit
@@ -95,7 +103,8 @@ class Request(NamedTuple):
 
 def files_of(directory: str | Path) -> dict[str, bytes]:
     root = Path(directory)
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {p.relative_to(root).as_posix(): p.read_bytes()
+            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 class _Server(ThreadingHTTPServer):
@@ -113,10 +122,10 @@ class _Server(ThreadingHTTPServer):
 class FakeHub:
     """The stand-in hub and its CDN. token: a token the hub knows. page_size: tree entries a page.
 
-    Test hooks: `corrupt_file` (served with its last byte flipped, size and headers unchanged), `stall_file` (GETs
-    send half the bytes, then hang until `release` is set), `gate_after_infos` (LFS downloads wait until that many
-    model-info requests have arrived). `log` holds every request, `served` the name of every file whose bytes went
-    out, in order."""
+    Test hooks: `corrupt_file` (served with its last byte flipped, size and headers unchanged),
+    `stall_file` (GETs send half the bytes, then hang until `release` is set), `gate_after_infos`
+    (LFS downloads wait until that many model-info requests have arrived). `log` holds every
+    request, `served` the name of every file whose bytes went out, in order."""
 
     def __init__(self, token: str | None = None, page_size: int = 1000):
         self.tokens = {token} if token else set()
@@ -134,10 +143,11 @@ class FakeHub:
         self.stalled = threading.Event()
         self.release = threading.Event()
         self._secret = os.urandom(16)
-        self._objects: dict[str, tuple[str, bytes]] = {}  # sha256 -> (file name, content), for the CDN
+        self._objects: dict[str, tuple[str, bytes]] = {}  # the CDN's: sha256 -> (name, content)
         self._hub = _Server(self, _HubHandler)
         self._cdn = _Server(self, _CdnHandler)
-        self._threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in (self._hub, self._cdn)]
+        self._threads = [threading.Thread(target=s.serve_forever, daemon=True)
+                         for s in (self._hub, self._cdn)]
 
     @property
     def url(self) -> str:
@@ -161,7 +171,7 @@ class FakeHub:
             return sum(1 for n in self.served if name is None or n == name)
 
     def requests_for(self, suffix: str) -> list[Request]:
-        """Every request, to the hub or its CDN, HEAD or GET, about a file whose name ends with suffix."""
+        """Every request (hub or CDN, HEAD or GET) about a file whose name ends with suffix."""
         with self.lock:
             return [r for r in self.log if r.file is not None and r.file.endswith(suffix)]
 
@@ -181,7 +191,7 @@ class FakeHub:
         commit = repo.refs.get(revision, revision)
         return (commit, repo.commits[commit]) if commit in repo.commits else None
 
-    # ---- the CDN's signed URLs ---------------------------------------------------------------------------------
+    # ---- the CDN's signed URLs -------------------------------------------------------------------
     def _signature(self, path: str, expires: str) -> str:
         return hmac.new(self._secret, f"{path}\n{expires}".encode(), hashlib.sha256).hexdigest()
 
@@ -228,7 +238,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _record(self, file: str | None) -> None:
         self.hub.record(Request(self.kind, self.command, unquote(urlsplit(self.path).path), file))
 
-    def _send(self, status: int, body: bytes = b"", headers: dict | None = None, length: int | None = None) -> None:
+    def _send(self, status: int, body: bytes = b"", headers: dict | None = None,
+              length: int | None = None) -> None:
         self.send_response(status)
         headers = {"X-Request-Id": f"Root=1-{os.urandom(12).hex()}", **(headers or {})}
         for k, v in headers.items():
@@ -239,11 +250,13 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def _json(self, obj, status: int = 200, headers: dict | None = None) -> None:
-        self._send(status, json.dumps(obj).encode(), {"Content-Type": "application/json; charset=utf-8",
-                                                      **(headers or {})})
+        headers = {"Content-Type": "application/json; charset=utf-8", **(headers or {})}
+        self._send(status, json.dumps(obj).encode(), headers)
 
-    def _error(self, status: int, code: str | None, message: str, headers: dict | None = None) -> None:
-        extra = {"X-Error-Message": message, **({"X-Error-Code": code} if code else {}), **(headers or {})}
+    def _error(self, status: int, code: str | None, message: str,
+               headers: dict | None = None) -> None:
+        extra = {"X-Error-Message": message, **({"X-Error-Code": code} if code else {}),
+                 **(headers or {})}
         self._json({"error": message}, status, extra)
 
     def _content(self, name: str, data: bytes, headers: dict) -> None:
@@ -283,7 +296,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def _split_repo(parts: list[str], keyword: str | None) -> tuple[str, list[str]] | None:
-    """(repo_id, the parts after it) of a path whose repo id (org/name or name) is followed by `keyword`."""
+    """(repo_id, the parts after it) of a path where the repo id (org/name or name) is followed by
+    `keyword`."""
     for n in (2, 1):
         if len(parts) > n and parts[n] == keyword or keyword is None and len(parts) == n:
             return "/".join(unquote(p) for p in parts[:n]), parts[n + 1:] if keyword else []
@@ -304,7 +318,8 @@ class _HubHandler(_Handler):
             info = _split_repo(parts[2:], "revision") or _split_repo(parts[2:], None)
             self._record(None)
             if tree and tree[1]:
-                return self._tree(tree[0], unquote(tree[1][0]), unquote("/".join(tree[1][1:])), token, query)
+                under = unquote("/".join(tree[1][1:]))
+                return self._tree(tree[0], unquote(tree[1][0]), under, token, query)
             if info:
                 return self._info(info[0], unquote(info[1][0]) if info[1] else "main", token)
         elif (resolve := _split_repo(parts, "resolve")) and len(resolve[1]) >= 2:
@@ -327,16 +342,20 @@ class _HubHandler(_Handler):
         name, repo = found
         if files and repo.gated and token not in repo.granted:
             if token is None:
-                message = (f"Access to model {name} is restricted. You must have access to it and be "
-                           "authenticated to access it. Please log in.")
+                message = (f"Access to model {name} is restricted. You must have access to it "
+                           "and be authenticated to access it. Please log in.")
             else:
-                message = (f"Access to model {name} is restricted and you are not in the authorized list. "
-                           f"Visit {self.hub.url}/{name} to ask for access.")
+                message = (f"Access to model {name} is restricted and you are not in the "
+                           f"authorized list. Visit {self.hub.url}/{name} to ask for access.")
             self._error(401 if token is None else 403, "GatedRepo", message)
             return True
         return False
 
-    def _revision(self, repo_id: str, revision: str) -> tuple[str, dict[str, bytes]] | None:
+    def _readable(self, repo_id: str, revision: str, token: str | None,
+                  files: bool) -> tuple[str, dict[str, bytes]] | None:
+        """(commit, files) of the revision when this token may read them, else None (answered)."""
+        if self._denied(repo_id, token, files):
+            return None
         found = self.hub.find(repo_id, revision)
         if found is None:
             self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
@@ -348,18 +367,20 @@ class _HubHandler(_Handler):
             hub.infos += 1
             if hub.gate_after_infos and hub.infos >= hub.gate_after_infos:
                 hub.gate.set()
-        if self._denied(repo_id, token, files=False) or (found := self._revision(repo_id, revision)) is None:
+        if (found := self._readable(repo_id, revision, token, files=False)) is None:
             return
         name, repo = hub.find_repo(repo_id)
         commit, files = found
-        self._json({"_id": hashlib.md5(name.encode()).hexdigest()[:24], "id": name, "modelId": name,
-                    "author": name.split("/")[0], "sha": commit, "lastModified": STAMP, "createdAt": STAMP,
-                    "private": repo.private, "gated": "manual" if repo.gated else False, "disabled": False,
+        self._json({"_id": hashlib.md5(name.encode()).hexdigest()[:24], "id": name,
+                    "modelId": name, "author": name.split("/")[0], "sha": commit,
+                    "lastModified": STAMP, "createdAt": STAMP, "private": repo.private,
+                    "gated": "manual" if repo.gated else False, "disabled": False,
                     "downloads": 0, "likes": 0, "tags": [], "library_name": "transformers",
                     "siblings": [{"rfilename": p} for p in sorted(files)]})
 
-    def _tree(self, repo_id: str, revision: str, under: str, token: str | None, query: dict) -> None:
-        if self._denied(repo_id, token, files=False) or (found := self._revision(repo_id, revision)) is None:
+    def _tree(self, repo_id: str, revision: str, under: str, token: str | None,
+              query: dict) -> None:
+        if (found := self._readable(repo_id, revision, token, files=False)) is None:
             return
         commit, files = found
         recursive = query.get("recursive", "false").lower() == "true"
@@ -377,7 +398,7 @@ class _HubHandler(_Handler):
         self._json(page, headers=headers)
 
     def _resolve(self, repo_id: str, revision: str, name: str, token: str | None) -> None:
-        if self._denied(repo_id, token, files=True) or (found := self._revision(repo_id, revision)) is None:
+        if (found := self._readable(repo_id, revision, token, files=True)) is None:
             return
         commit, files = found
         if name not in files:
@@ -387,15 +408,17 @@ class _HubHandler(_Handler):
             location = self.hub.signed_url(name, data)
             sha = f'"{hashlib.sha256(data).hexdigest()}"'
             body = f"Found. Redirecting to {location}".encode()
-            return self._send(302, body, {"Location": location, "Content-Type": "text/plain; charset=utf-8",
-                                          "X-Repo-Commit": commit, "ETag": sha, "X-Linked-Etag": sha,
-                                          "X-Linked-Size": str(len(data))})
+            return self._send(302, body, {"Location": location,
+                                          "Content-Type": "text/plain; charset=utf-8",
+                                          "X-Repo-Commit": commit, "ETag": sha,
+                                          "X-Linked-Etag": sha, "X-Linked-Size": str(len(data))})
         self._content(name, data, {"X-Repo-Commit": commit, "ETag": f'"{git_blob_sha1(data)}"',
                                    "Content-Type": "application/octet-stream"})
 
 
 def _tree_entries(files: dict[str, bytes], under: str, recursive: bool) -> list[dict] | None:
-    """The tree listing's entries below `under` (all levels, or one); None when `under` is not a directory."""
+    """The tree listing's entries below `under` (all levels, or one); None when `under` is not a
+    directory."""
     prefix = f"{under.strip('/')}/" if under.strip("/") else ""
     dirs: set[str] = set()
     for name in files:
@@ -409,18 +432,23 @@ def _tree_entries(files: dict[str, bytes], under: str, recursive: bool) -> list[
 
     out = []
     for d in sorted(p for p in dirs if shown(p)):
-        oid = hashlib.sha1(json.dumps(sorted(n for n in files if n.startswith(d + "/"))).encode()).hexdigest()
+        inside = json.dumps(sorted(n for n in files if n.startswith(d + "/")))
+        oid = hashlib.sha1(inside.encode()).hexdigest()
         out.append({"type": "directory", "oid": oid, "size": 0, "path": d})
     for name in sorted(n for n in files if shown(n)):
         data = files[name]
         if is_lfs(name, data):
             pointer = lfs_pointer(data)
-            out.append({"type": "file", "oid": git_blob_sha1(pointer), "size": len(data), "path": name,
-                        "lfs": {"oid": hashlib.sha256(data).hexdigest(), "size": len(data),
-                                "pointerSize": len(pointer)}})
+            out.append({"type": "file", "oid": git_blob_sha1(pointer), "size": len(data),
+                        "path": name, "lfs": {"oid": hashlib.sha256(data).hexdigest(),
+                                              "size": len(data), "pointerSize": len(pointer)}})
         else:
-            out.append({"type": "file", "oid": git_blob_sha1(data), "size": len(data), "path": name})
+            out.append({"type": "file", "oid": git_blob_sha1(data), "size": len(data),
+                        "path": name})
     return out
+
+
+_XML = {"Content-Type": "application/xml"}
 
 
 class _CdnHandler(_Handler):
@@ -431,10 +459,10 @@ class _CdnHandler(_Handler):
         found = self.hub.cdn_object(url.path, dict(parse_qsl(url.query)))
         self._record(found[0] if found else None)
         if self.headers.get("Authorization"):
-            return self._send(400, b"<Error><Code>InvalidArgument</Code><Message>Only one auth mechanism "
-                                   b"allowed</Message></Error>", {"Content-Type": "application/xml"})
+            return self._send(400, b"<Error><Code>InvalidArgument</Code><Message>Only one auth "
+                                   b"mechanism allowed</Message></Error>", _XML)
         if found is None:
-            return self._send(403, b"<Error><Code>AccessDenied</Code></Error>", {"Content-Type": "application/xml"})
+            return self._send(403, b"<Error><Code>AccessDenied</Code></Error>", _XML)
         name, data = found
         if self.hub.gate_after_infos and self.command == "GET":
             self.hub.gate.wait(60)
@@ -486,13 +514,14 @@ def upload_tree(s3, bucket: str, prefix: str, files: dict[str, bytes]) -> None:
         s3.put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=data)
 
 
-# ---- a tiny sharded Llama checkpoint, as save_pretrained lays one out ---------------------------------------------
+# ---- a tiny sharded Llama checkpoint, as save_pretrained lays one out ----------------------------
 TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 16, "hidden_act": "silu", "max_position_embeddings": 128, "rms_norm_eps": 1e-5,
-    "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False, "attention_bias": False,
-    "mlp_bias": False, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "dtype": "float32",
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256,
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu", "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+    "attention_bias": False, "mlp_bias": False, "dtype": "float32",
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
 }
 
 
@@ -503,23 +532,29 @@ def _llama_tensors(cfg: dict, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    layer_shapes = {
+        "self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (kv, hidden),
+        "self_attn.v_proj": (kv, hidden), "self_attn.o_proj": (hidden, hidden),
+        "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+        "mlp.down_proj": (hidden, inter), "input_layernorm": (hidden,),
+        "post_attention_layernorm": (hidden,),
+    }
     shapes = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(cfg["num_hidden_layers"]):
-        layer = f"model.layers.{i}."
-        shapes.update({layer + "self_attn.q_proj.weight": (hidden, hidden), layer + "self_attn.k_proj.weight":
-                       (kv, hidden), layer + "self_attn.v_proj.weight": (kv, hidden),
-                       layer + "self_attn.o_proj.weight": (hidden, hidden),
-                       layer + "mlp.gate_proj.weight": (inter, hidden), layer + "mlp.up_proj.weight": (inter, hidden),
-                       layer + "mlp.down_proj.weight": (hidden, inter),
-                       layer + "input_layernorm.weight": (hidden,), layer + "post_attention_layernorm.weight": (hidden,)})
+        shapes.update({f"model.layers.{i}.{part}.weight": s for part, s in layer_shapes.items()})
     shapes.update({"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)})
-    return {name: (1.0 + 0.2 * rng.standard_normal(shape) if "norm" in name else
-                   0.05 * rng.standard_normal(shape)).astype(np.float32) for name, shape in shapes.items()}
+    out = {}
+    for name, shape in shapes.items():
+        noise = rng.standard_normal(shape)
+        out[name] = (1.0 + 0.2 * noise if "norm" in name else 0.05 * noise).astype(np.float32)
+    return out
 
 
-def tiny_model_files(tmp_dir: str | Path, seed: int = 0, shard_bytes: int = 100_000) -> dict[str, bytes]:
-    """The files of a tiny random Llama in five safetensors shards of at most shard_bytes with their index (split as
-    save_pretrained splits: a new shard when the next tensor would not fit), plus files a snapshot must leave out."""
+def tiny_model_files(tmp_dir: str | Path, seed: int = 0,
+                     shard_bytes: int = 100_000) -> dict[str, bytes]:
+    """The files of a tiny random Llama in five safetensors shards of at most shard_bytes with their
+    index (split as save_pretrained splits: a new shard when the next tensor would not fit), plus
+    files a snapshot must leave out."""
     from safetensors.numpy import save_file
 
     tensors = _llama_tensors(TINY_LLAMA, seed)
@@ -535,7 +570,8 @@ def tiny_model_files(tmp_dir: str | Path, seed: int = 0, shard_bytes: int = 100_
         shard = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         save_file(group, str(out / shard), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(group, shard))
-    index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())}, "weight_map": weight_map}
+    total = sum(a.nbytes for a in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (out / "config.json").write_text(json.dumps(TINY_LLAMA, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))

@@ -1,9 +1,10 @@
-"""The hub source through the real huggingface_hub client against the stand-in hub of cache_servers (LFS pointers,
-the CDN redirect, paginated trees, the hub's error codes): verified shards, refusal before any weight, gated repos,
-the index's shards only, hashing once, corruption and quarantine, a fetch SIGKILLed mid-download, four processes.
+"""The hub source through the real huggingface_hub client against the stand-in hub of cache_servers
+(LFS pointers, the CDN redirect, paginated trees, the hub's error codes): verified shards, refusal
+before any weight, gated repos, the index's shards only, hashing once, corruption and quarantine, a
+fetch SIGKILLed mid-download, four processes.
 
-`make test` also runs this file with the oldest huggingface_hub we admit first on PYTHONPATH (COLDBREW_HF_HUB_VERSION
-names the version that must be the one imported).
+`make test` also runs this file with the oldest huggingface_hub we admit first on PYTHONPATH
+(COLDBREW_HF_HUB_VERSION names the version that must be the one imported).
 """
 from __future__ import annotations
 
@@ -58,11 +59,13 @@ def _engine_files(files: dict[str, bytes]) -> dict[str, bytes]:
 def _fetch(hub, tmp_path, repo="org/tiny-lm", **kw):
     kw.setdefault("cache_dir", tmp_path / "cache")
     kw.setdefault("token", TOKEN)
-    return resolve(repo, endpoint=hub.url, base_path=None, progress=False, check_config=check_model_config, **kw)
+    return resolve(repo, endpoint=hub.url, base_path=None, progress=False,
+                   check_config=check_model_config, **kw)
 
 
 def _env(**extra) -> dict:
-    """A child's environment: this checkout first on PYTHONPATH, then whatever the parent has (an older client)."""
+    """A child's environment: this checkout first on PYTHONPATH, then the parent's (an older
+    client)."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "PYTHONPATH": path, **extra}
 
@@ -84,18 +87,21 @@ def test_the_client_under_test_is_the_version_asked_for():
     wanted = os.environ.get("COLDBREW_HF_HUB_VERSION")
     if wanted:
         assert huggingface_hub.__version__ == wanted
-    floor = re.search(r'"huggingface-hub>=([^",;]+)"', (REPO / "pyproject.toml").read_text()).group(1)
+    pyproject = (REPO / "pyproject.toml").read_text()
+    floor = re.search(r'"huggingface-hub>=([^",;]+)"', pyproject).group(1)
     makefile = (REPO / "Makefile").read_text()
-    assert f"HF_HUB_OLDEST ?= {floor}" in makefile, "the Makefile tests another floor than pyproject admits"
+    assert f"HF_HUB_OLDEST ?= {floor}" in makefile, "make tests another floor than pyproject admits"
 
 
-def test_lfs_shards_named_by_the_index_download_verified_and_the_engine_loads_them(hub, revisions, tmp_path):
+def test_lfs_shards_named_by_the_index_download_verified_and_the_engine_loads_them(hub, revisions,
+                                                                                   tmp_path):
     c1, c2 = hub.commits
     main = _fetch(hub, tmp_path)
     tagged = _fetch(hub, tmp_path, revision="v1")
     by_commit = _fetch(hub, tmp_path, revision=c1)
     assert tagged == by_commit != main
-    for path, files, commit, requested in ((main, revisions[1], c2, "main"), (tagged, revisions[0], c1, "v1")):
+    for path, files, commit, requested in ((main, revisions[1], c2, "main"),
+                                           (tagged, revisions[0], c1, "v1")):
         wanted = _engine_files(files)
         on_disk = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()}
         assert on_disk == set(wanted) | {MANIFEST}  # no README, .gitattributes, .bin, .pth
@@ -113,12 +119,13 @@ def test_lfs_shards_named_by_the_index_download_verified_and_the_engine_loads_th
     assert sum(1 for r in hub.log if "/tree/" in r.path) > 1
     from engine import LLM, SamplingParams
 
-    out = LLM(model=str(main), device="cpu", max_model_len=64).generate([[1, 2, 3]], SamplingParams(max_tokens=3))
+    llm = LLM(model=str(main), device="cpu", max_model_len=64)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3))
     assert len(out[0].outputs[0].token_ids) == 3
 
 
-def test_each_file_is_hashed_once_at_fetch_and_a_second_fetch_makes_no_download_request(hub, tmp_path,
-                                                                                        monkeypatch):
+def test_each_file_is_hashed_once_and_a_second_fetch_makes_no_download_request(hub, tmp_path,
+                                                                               monkeypatch):
     reads = Counter()
     real = cache.snapshot.hash_file
 
@@ -135,22 +142,27 @@ def test_each_file_is_hashed_once_at_fetch_and_a_second_fetch_makes_no_download_
     reads.clear()
     assert _fetch(hub, tmp_path) == first  # the branch is pinned locally: no request at all
     assert len(hub.log) == requests and not reads
-    assert _fetch(hub, tmp_path, refresh=True) == first  # asks what main points at now, downloads nothing
+    assert _fetch(hub, tmp_path, refresh=True) == first  # asks where main is now, downloads nothing
     asked = [r.path for r in hub.log[requests:]]
-    assert len(asked) == 1 and asked[0].startswith("/api/models/org/tiny-lm") and "/tree/" not in asked[0]
+    assert len(asked) == 1 and asked[0].startswith("/api/models/org/tiny-lm")
+    assert "/tree/" not in asked[0]
     assert hub.file_gets() == served and not reads
 
 
 def test_an_unsupported_model_is_refused_before_any_weight_request(revisions, tmp_path):
     variants = {
-        "arch": ({"architectures": ["GemmaForCausalLM"], "model_type": "gemma"}, "unsupported architecture"),
-        "quant": ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quantization_config"),
-        "rope": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope type"),
+        "arch": ({"architectures": ["GemmaForCausalLM"], "model_type": "gemma"},
+                 "unsupported architecture"),
+        "quant": ({"quantization_config": {"quant_method": "awq", "bits": 4}},
+                  "quantization_config"),
+        "rope": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+                 "rope type"),
     }
     with FakeHub() as hub:
         for name, (change, words) in variants.items():
             files = dict(revisions[1])
-            files["config.json"] = json.dumps({**json.loads(files["config.json"]), **change}).encode()
+            config = {**json.loads(files["config.json"]), **change}
+            files["config.json"] = json.dumps(config).encode()
             hub.repos[f"org/{name}"] = repo = FakeRepo()
             repo.add_commit(files)
             with pytest.raises(SourceError) as err:
@@ -173,8 +185,8 @@ def test_the_handler_refuses_an_unsupported_model_before_any_weight_request(revi
         env = _env(HF_ENDPOINT=hub.url, MODEL_NAME="org/phi", CACHE_DIR=str(tmp_path / "cache"),
                    BASE_PATH=str(tmp_path / "volume"), DEVICE="cpu")
         env.pop("HF_TOKEN", None)
-        done = subprocess.run([sys.executable, "-m", "handler", "chat", "--prompt", "hi"], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=300)
+        done = subprocess.run([sys.executable, "-m", "handler", "chat", "--prompt", "hi"], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode != 0
         assert "unsupported architecture ['Phi3ForCausalLM']" in done.stderr, done.stderr[-3000:]
         assert hub.requests_for(".safetensors") == []
@@ -217,14 +229,16 @@ def test_the_hubs_error_codes_become_one_line_each(hub, tmp_path, caplog):
     caplog.set_level(logging.DEBUG)
     cases = {
         "org/missing": ("main", TOKEN, "repository not found", "(HTTP 404)"),
-        "org/tiny-lm": ("no-such-branch", TOKEN, "revision 'no-such-branch' not found", "(HTTP 404)"),
+        "org/tiny-lm": ("no-such-branch", TOKEN, "revision 'no-such-branch' not found",
+                        "(HTTP 404)"),
     }
     for repo, (revision, token, words, status) in cases.items():
         with pytest.raises(SourceError) as err:
             _fetch(hub, tmp_path, repo=repo, revision=revision, token=token)
         text = _one_line_error(err)
         assert words in text and status in text and repo in text, text
-    # A private repo without a token: the hub says 401 RepoNotFound (it does not tell private from missing).
+    # A private repo without a token: the hub says 401 RepoNotFound (it does not tell private from
+    # missing).
     with pytest.raises(SourceError) as err:
         _fetch(hub, tmp_path, token=None)
     assert "repository not found" in _one_line_error(err) and "(HTTP 401)" in str(err.value)
@@ -265,8 +279,9 @@ def test_a_flipped_byte_on_disk_is_caught_only_by_full_verification(hub, revisio
     assert (path / WEIGHTS).read_bytes() == revisions[1][WEIGHTS]
 
 
-@pytest.mark.parametrize("served", [WEIGHTS, "generation_config.json"])  # an LFS file, a regular one
-def test_a_flipped_byte_in_a_served_file_fails_the_fetch_and_publishes_nothing(hub, revisions, tmp_path, served):
+@pytest.mark.parametrize("served", [WEIGHTS, "generation_config.json"])  # LFS, and not
+def test_a_flipped_byte_in_a_served_file_fails_the_fetch_and_publishes_nothing(hub, revisions,
+                                                                               tmp_path, served):
     hub.corrupt_file = served
     with pytest.raises(SourceError) as err:
         _fetch(hub, tmp_path)
@@ -298,6 +313,7 @@ def test_a_fetch_killed_mid_download_leaves_nothing_valid_and_the_next_start_com
     proc = _cli(["fetch", "org/tiny-lm", "--cache-dir", str(cache_dir), "--quiet"], env)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
+    assert hub.file_gets(WEIGHTS) == 2
     path = Path(out.strip().splitlines()[-1])
     assert check_snapshot(path, "full") is None
     assert (path / WEIGHTS).read_bytes() == revisions[1][WEIGHTS]
