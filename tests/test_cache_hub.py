@@ -113,6 +113,15 @@ def test_lfs_shards_named_by_the_index_download_verified_and_the_engine_loads_th
                                      for n, d in wanted.items()}
         assert check_snapshot(path, "full") is None
     assert revisions[0][WEIGHTS] != revisions[1][WEIGHTS]
+    # huggingface_hub's own checker (2.x) agrees: every file we kept matches the hub's listing.
+    from huggingface_hub import HfApi
+
+    api = HfApi(endpoint=hub.url, token=TOKEN)
+    if hasattr(api, "verify_repo_checksums"):
+        checked = api.verify_repo_checksums("org/tiny-lm", revision=c2, local_dir=main)
+        assert checked.mismatches == [] and checked.extra_paths == [MANIFEST]
+        left_out = set(revisions[1]) - set(_engine_files(revisions[1])) | {".gitattributes"}
+        assert set(checked.missing_paths) == left_out
     # The shards came from the CDN without the token; the listing took several pages.
     cdn = [r for r in hub.log if r.server == "cdn"]
     assert cdn and all(r.file.endswith(".safetensors") for r in cdn)
