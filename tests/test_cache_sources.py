@@ -78,6 +78,70 @@ def test_a_baked_snapshot_comes_first_and_needs_no_network(hub, tmp_path, dead_e
     assert (baked / "config.json").read_text() == "{}"
 
 
+def _one_weights_file(model_files: dict[str, bytes]) -> dict[str, bytes]:
+    """model_files with the shards merged into one model.safetensors and no index."""
+    from safetensors.numpy import load, save
+
+    tensors = {}
+    for name, data in model_files.items():
+        if name.endswith(".safetensors"):
+            tensors.update(load(data))
+    files = {n: d for n, d in model_files.items()
+             if not n.endswith((".safetensors", ".safetensors.index.json"))}
+    return {**files, "model.safetensors": save(tensors, metadata={"format": "pt"})}
+
+
+def test_without_an_index_the_single_weights_file_and_the_chat_templates_come(model_files, tmp_path):
+    files = {**_one_weights_file(model_files), "consolidated.safetensors": b"\0" * 64,
+             "chat_template.jinja": b"{{ messages }}", "tokenizer.model": b"sentencepiece",
+             "additional_chat_templates/tool_use.jinja": b"{{ tools }}", "original/params.json": b"{}"}
+    with FakeHub() as hub:
+        hub.repos["org/one"] = repo = FakeRepo()
+        repo.add_commit(files)
+        path = resolve("org/one", cache_dir=tmp_path / "cache", base_path=None, endpoint=hub.url,
+                       progress=False)
+        on_disk = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()}
+        assert on_disk == {"config.json", "generation_config.json", "model.safetensors",
+                           "chat_template.jinja", "additional_chat_templates/tool_use.jinja", MANIFEST}
+        asked = {r.file for r in hub.log if r.file}
+        assert not asked & {"consolidated.safetensors", "tokenizer.model", "original/params.json"}
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=str(path), device="cpu", max_model_len=64)
+    assert len(llm.generate([[1, 2]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
+
+
+def test_an_index_naming_a_shard_the_repo_lacks_is_refused_before_any_weight(model_files, tmp_path):
+    files = dict(model_files)
+    del files["model-00003-of-00005.safetensors"]
+    with FakeHub() as hub:
+        hub.repos["org/broken"] = repo = FakeRepo()
+        repo.add_commit(files)
+        with pytest.raises(SourceError, match=r"names shards that are not in the repo: "
+                                              r"\['model-00003-of-00005.safetensors'\]"):
+            resolve("org/broken", cache_dir=tmp_path / "cache", base_path=None, endpoint=hub.url,
+                    progress=False)
+        assert hub.requests_for(".safetensors") == []
+
+
+def test_an_s3_source_is_refused_before_its_weights_move(model_files, tmp_path):
+    from cache_servers import S3Server, upload_tree
+    from engine.model_support import check_model_config
+
+    files = dict(model_files)
+    files["config.json"] = json.dumps({**json.loads(files["config.json"]),
+                                       "architectures": ["Gemma3ForCausalLM"]}).encode()
+    with S3Server() as s3:
+        upload_tree(s3.client(), s3.bucket, "models/gemma", files)
+        with pytest.raises(SourceError, match="s3://fleet/models/gemma: this model is not supported, "
+                                              "refused before downloading its weights: unsupported "
+                                              "architecture"):
+            resolve("s3://fleet/models/gemma", cache_dir=tmp_path / "cache", base_path=None,
+                    s3_options=s3.options(), progress=False, check_config=check_model_config)
+    staged = [p.name for p in (tmp_path / "cache" / ".staging").rglob("*") if p.is_file()]
+    assert staged and not [n for n in staged if n.endswith(".safetensors")]
+
+
 def test_a_local_directory_is_used_in_place_and_checked(tmp_path, model_files):
     d = tmp_path / "model"
     d.mkdir()
