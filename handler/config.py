@@ -1,11 +1,14 @@
 """The worker's settings: every environment variable it reads, in one validated, documented pydantic-settings class.
 
-`load_settings()` reads them once at start and raises SettingsError naming the variable and its allowed values.
+`load_settings()` reads them once at start (RunPod worker-vllm's variables as
+handler/worker_vllm_env.json says) and raises SettingsError with one line for each variable it
+cannot honour, naming it and what it allows.
 """
 from __future__ import annotations
 
 import contextvars
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from types import UnionType
@@ -13,6 +16,8 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
+
+from handler import worker_vllm_env
 
 # Where the demo model (and other local conversions) go when neither CACHE_DIR nor a network volume is there.
 DEFAULT_LOCAL_CACHE = Path("~/.cache/coldbrew").expanduser()
@@ -33,6 +38,25 @@ class _EnvSource(EnvSettingsSource):
         if env is None:
             return super()._load_env_vars()
         return {str(k).lower(): v for k, v in env.items() if not (self.env_ignore_empty and v == "")}
+
+
+_TOKEN_COUNT = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT])")
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def parse_token_count(text: str) -> int | str:
+    """'32k' -> 32000, '32K' -> 32768 (binary suffixes take whole numbers only), as vLLM reads
+    --max-model-len; anything else is returned for pydantic to parse (and refuse)."""
+    m = _TOKEN_COUNT.fullmatch(text.strip())
+    if m is None:
+        return text
+    number, suffix = m.groups()
+    if suffix in _DECIMAL:
+        return int(float(number) * _DECIMAL[suffix])
+    if "." in number:
+        raise ValueError(f"{text.strip()!r}: a binary suffix ({suffix}) takes a whole number; "
+                         f"{number}{suffix.lower()} is decimal")
+    return int(number) << (10 * "KMGT".index(suffix) + 10)
 
 
 class Settings(BaseSettings):
@@ -56,12 +80,15 @@ class Settings(BaseSettings):
 
     # ---- the engine --------------------------------------------------------------------------------------------
     max_model_len: int | None = Field(None, ge=1, le=1 << 24, description=(
-        "Longest sequence (prompt + output) in tokens. Unset: the model's max_position_embeddings."))
+        "Longest sequence (prompt + output) in tokens; 32k is 32000 and 32K 32768, as vLLM "
+        "reads them. Unset (or auto, 0, -1): the model's max_position_embeddings, capped by "
+        "what the KV cache holds."))
     gpu_memory_utilization: float = Field(0.95, gt=0.0, le=1.0, description=(
         "Fraction of GPU memory the engine may use (weights + KV cache), in (0, 1]."))
     max_num_seqs: int = Field(256, ge=1, le=1 << 20, description="Most sequences decoded in one step.")
     max_num_batched_tokens: int = Field(8192, ge=1, le=1 << 24, description=(
-        "Token budget of one engine step (chunked prefill splits longer prompts)."))
+        "Token budget of one engine step (chunked prefill splits longer prompts); "
+        "0 counts as unset."))
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache block; a power of two.")
     enable_prefix_caching: bool = Field(True, description="Reuse the KV blocks of shared prompt prefixes.")
     dtype: Literal["auto", "bfloat16", "float16", "half", "float32", "float"] = Field("auto", description=(
@@ -74,6 +101,9 @@ class Settings(BaseSettings):
         "auto: compiled when a matching artifact exists, else jit."))
 
     enforce_eager: bool = Field(False, description="Run decode steps eagerly, without CUDA graphs (as vLLM's flag).")
+    async_scheduling: bool | None = Field(None, description=(
+        "Schedule and launch the next step before the last one's tokens are read back (as "
+        "vLLM's flag). Unset: on for a GPU, off on CPU."))
     load_format: Literal["auto", "pack", "safetensors"] = Field("auto", description=(
         "Weights: auto loads the engine-ready pack when one matches, else safetensors (and writes the pack); "
         "pack: fail if the pack can't be used; safetensors: never use packs."))
@@ -101,6 +131,14 @@ class Settings(BaseSettings):
         "Role of the generated message in chat completions."))
     max_request_bytes: int = Field(16 << 20, ge=1024, le=1 << 30, description=(
         "Largest HTTP request body the OpenAI server accepts, in bytes (413 above)."))
+    port: int | None = Field(None, ge=1, le=65535, description=(
+        "Port of `python -m handler serve`, listening on 0.0.0.0 (RunPod load-balancing "
+        "endpoints set it). Unset: 127.0.0.1:8000. --host and --port win over it."))
+    port_health: int | None = Field(None, ge=1, le=65535, description=(
+        "Second port where `serve` answers the load balancer's /ping (204 loading, 200 ready, "
+        "503 failed). Unset: /ping on PORT only."))
+    health_check_path: Literal["/ping"] = Field("/ping", description=(
+        "Path RunPod's load balancer polls for health; coldbrew answers it at /ping."))
 
     # ---- the cache ---------------------------------------------------------------------------------------------
     base_path: str = Field("/runpod-volume", description=(
@@ -128,6 +166,11 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         """Keyword arguments, then the environment (no .env files, no secrets directory)."""
         return init_settings, _EnvSource(settings_cls)
+
+    @field_validator("max_model_len", mode="before")
+    @classmethod
+    def _token_count(cls, value: Any) -> Any:
+        return parse_token_count(value) if isinstance(value, str) else value
 
     @field_validator("block_size")
     @classmethod
@@ -190,11 +233,14 @@ class Settings(BaseSettings):
             seed=self.seed,
             chat_template=self.custom_chat_template,
         )
-        kwargs.update(enforce_eager=self.enforce_eager, load_format=self.load_format)
+        kwargs.update(enforce_eager=self.enforce_eager, load_format=self.load_format,
+                      async_scheduling=self.async_scheduling)
         return EngineArgs(**kwargs)  # ENGINE_MODE is applied by the boot (warmup.artifacts.prepare)
 
 
-_ALLOWED_TEXT = {"block_size": "a power of two in [1, 1024]", "s3_cache_uri": "s3://bucket/prefix"}
+_ALLOWED_TEXT = {"block_size": "a power of two in [1, 1024]", "s3_cache_uri": "s3://bucket/prefix",
+                 "max_model_len": ("an integer in [1, 16777216] (or 32k, 32K), or auto/0/-1 for "
+                                   "the model's length")}
 _SECRET_FIELDS = {name for name, f in Settings.model_fields.items() if "SecretStr" in str(f.annotation)}
 
 
@@ -237,34 +283,12 @@ def _describe_error(err: dict) -> str:
     return f"{name.upper()}: {msg}{got}; allowed: {_allowed(name)}"
 
 
-# worker-vllm variables this worker has no equivalent for: harmless values pass, anything else stops the start
-# (a user who asked for quantization or tensor parallelism must not silently get something else).
-_FALSY = ("", "0", "false", "no", "off", "none")
-UNSUPPORTED_WORKER_VLLM_VARS = {
-    "QUANTIZATION": (_FALSY, "quantized checkpoints are not supported; serve an unquantized model"),
-    "TENSOR_PARALLEL_SIZE": (("", "1"), "one GPU per worker; tensor parallelism is not supported"),
-    "PIPELINE_PARALLEL_SIZE": (("", "1"), "one GPU per worker; pipeline parallelism is not supported"),
-    "TRUST_REMOTE_CODE": (_FALSY, "remote model code is never run; supported architectures load without it"),
-    "ENABLE_LORA": (_FALSY, "LoRA adapters are not supported"),
-    "SPECULATIVE_MODEL": (("",), "speculative decoding is not supported"),
-    "KV_CACHE_DTYPE": (("", "auto"), "the KV cache uses the model dtype"),
-}
-
-
-def _unsupported(env: Mapping[str, str]) -> list[str]:
-    problems = []
-    for name, (harmless, why) in UNSUPPORTED_WORKER_VLLM_VARS.items():
-        value = next((v for k, v in env.items() if k.upper() == name), None)
-        if value is not None and value.strip().lower() not in harmless:
-            allowed = " or ".join(["unset", "/".join(h for h in harmless if h)]) if any(harmless) else "unset"
-            problems.append(f"{name}: {why}, got {value[:100]!r}; allowed: {allowed}")
-    return problems
-
-
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
-    """The validated settings from `env` (default: os.environ). Raises SettingsError naming each bad variable."""
-    problems = _unsupported(os.environ if env is None else env)
-    token = _ENV_OVERRIDE.set(env)
+    """The validated settings from `env` (default: os.environ). Raises SettingsError with one
+    line per variable that can't be honoured: a bad value, or a worker-vllm variable that
+    worker_vllm_env.json refuses."""
+    translated, problems = worker_vllm_env.translate(os.environ if env is None else env)
+    token = _ENV_OVERRIDE.set(translated)
     try:
         settings = Settings()
     except ValidationError as e:
@@ -272,7 +296,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     finally:
         _ENV_OVERRIDE.reset(token)
     if problems:
-        raise SettingsError("invalid environment: " + "; ".join(problems))
+        raise SettingsError("\n".join(f"invalid environment: {line}" for line in problems))
     return settings
 
 

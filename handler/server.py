@@ -255,8 +255,10 @@ def serve(settings: Settings, host: str, port: int) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m handler serve", description=__doc__)
-    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    ap.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
+    ap.add_argument("--host", help="address to listen on (default: 0.0.0.0 if PORT is set, "
+                                   "else 127.0.0.1)")
+    ap.add_argument("--port", type=int, help="port to listen on; 0 picks a free one "
+                                             "(default: PORT, else 8000)")
     args = ap.parse_args(argv)
     try:
         settings = load_settings()
@@ -264,7 +266,19 @@ def main(argv: list[str] | None = None) -> None:
         print(f"coldbrew: {e}", file=sys.stderr)
         sys.exit(2)
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    sys.exit(serve(settings, args.host, args.port))
+    # RunPod load-balancing endpoints set PORT (and PORT_HEALTH): listen on every interface.
+    host = args.host or ("0.0.0.0" if settings.port else "127.0.0.1")
+    port = args.port if args.port is not None else settings.port or 8000
+    if settings.port_health not in (None, port):
+        from handler.health_port import HealthPort
+
+        if port == 0:
+            sys.exit("coldbrew: PORT_HEALTH needs the server's port: give --port a number, not 0")
+        try:
+            HealthPort(host, settings.port_health, host, port).start()
+        except OSError as e:
+            sys.exit(f"coldbrew: PORT_HEALTH={settings.port_health}: cannot listen on {host}: {e}")
+    sys.exit(serve(settings, host, port))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +20,13 @@ from child_process import stop
 
 REPO = Path(__file__).resolve().parent.parent
 _PORT_LINE = re.compile(r"OpenAI server on http://127\.0\.0\.1:(\d+)/v1")
+
+
+def free_port() -> int:
+    """A port nothing listens on now (the kernel's pick), for a child told its port in advance."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class ServeProcess:

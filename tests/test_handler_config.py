@@ -1,5 +1,6 @@
-"""The worker's settings: env parsing as worker-vllm users write it, one error naming each bad variable and what
-it allows, secrets never shown, the README's Configuration table equal to the Settings fields (both directions).
+"""The worker's settings: env parsing as worker-vllm users write it (auto and 0 as unset, 32k),
+one error line naming each bad variable and what it allows, secrets never shown, the README's
+Configuration table equal to the Settings fields (both directions).
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def test_load_settings_reads_os_environ(monkeypatch):
     ("ENGINE_MODE", "fast", "jit, compiled, auto"),
     ("DTYPE", "int8", "auto, bfloat16, float16"),
     ("LOG_LEVEL", "loud", "DEBUG, INFO, WARNING, ERROR, CRITICAL"),
-    ("MAX_MODEL_LEN", "0", "[1, "),
+    ("MAX_MODEL_LEN", "-5", "[1, "),
     ("MAX_MODEL_LEN", "lots", "an integer"),
     ("GPU_MEMORY_UTILIZATION", "1.5", "(0.0, 1.0]"),
     ("GPU_MEMORY_UTILIZATION", "0", "(0.0, 1.0]"),
@@ -81,12 +82,50 @@ def test_each_bad_value_names_the_variable_and_what_it_allows(name, value, allow
     assert message.count(":") >= 2  # "invalid environment: NAME: why"
 
 
-def test_several_bad_values_are_reported_together():
+def test_several_bad_values_are_reported_together_one_line_each():
     with pytest.raises(SettingsError) as err:
-        load_settings({"ENGINE_MODE": "x", "BLOCK_SIZE": "3", "MAX_NUM_SEQS": "many"})
+        load_settings({"ENGINE_MODE": "x", "BLOCK_SIZE": "3", "MAX_NUM_SEQS": "many",
+                       "QUANTIZATION": "awq"})
+    lines = str(err.value).splitlines()
+    assert sorted(line.split(":")[1].strip() for line in lines) == [
+        "BLOCK_SIZE", "ENGINE_MODE", "MAX_NUM_SEQS", "QUANTIZATION"]
+    assert all(line.startswith("invalid environment: ") for line in lines)
+
+
+@pytest.mark.parametrize("value", ["auto", "AUTO", "0", "-1", "none", ""])
+def test_max_model_len_values_worker_vllm_treats_as_unset_are_unset(value):
+    assert load_settings({"MAX_MODEL_LEN": value}).max_model_len is None
+
+
+@pytest.mark.parametrize("value, tokens", [("4096", 4096), ("32k", 32000), ("32K", 32768),
+                                           ("25.6k", 25600), ("1M", 1 << 20), (" 8192 ", 8192)])
+def test_max_model_len_reads_vllms_human_readable_counts(value, tokens):
+    assert load_settings({"MAX_MODEL_LEN": value}).max_model_len == tokens
+
+
+@pytest.mark.parametrize("value", ["1.5K", "-2", "lots", "32kk"])
+def test_max_model_len_refuses_other_words(value):
+    with pytest.raises(SettingsError) as err:
+        load_settings({"MAX_MODEL_LEN": value})
     message = str(err.value)
-    for name in ("ENGINE_MODE", "BLOCK_SIZE", "MAX_NUM_SEQS"):
-        assert name in message
+    assert message.startswith("invalid environment: MAX_MODEL_LEN:") and "auto" in message
+
+
+def test_zero_batched_tokens_is_unset_as_worker_vllm_reads_it():
+    assert load_settings({"MAX_NUM_BATCHED_TOKENS": "0"}) == load_settings({})
+    assert load_settings({"MAX_NUM_BATCHED_TOKENS": "4096"}).max_num_batched_tokens == 4096
+
+
+def test_ports_for_runpod_load_balancing():
+    s = load_settings({"PORT": "8080", "PORT_HEALTH": "8081", "HEALTH_CHECK_PATH": "/ping"})
+    assert (s.port, s.port_health, s.health_check_path) == (8080, 8081, "/ping")
+    assert load_settings({}).port is None and load_settings({}).port_health is None
+    for name, value, allowed in [("PORT", "70000", "[1, 65535]"),
+                                 ("PORT_HEALTH", "http", "an integer"),
+                                 ("HEALTH_CHECK_PATH", "/health", "/ping")]:
+        with pytest.raises(SettingsError) as err:
+            load_settings({name: value})
+        assert f"{name}:" in str(err.value) and allowed in str(err.value)
 
 
 def test_secrets_never_appear_in_repr_str_errors_or_logs(caplog):
@@ -107,13 +146,17 @@ def test_secrets_never_appear_in_repr_str_errors_or_logs(caplog):
 def test_engine_args_carry_the_settings():
     s = load_settings({"MAX_MODEL_LEN": "1024", "BLOCK_SIZE": "32", "MAX_NUM_SEQS": "9", "DTYPE": "float32",
                        "ENABLE_PREFIX_CACHING": "0", "GPU_MEMORY_UTILIZATION": "0.5", "SEED": "5",
-                       "CUSTOM_CHAT_TEMPLATE": "{{ messages[0].content }}", "MAX_NUM_BATCHED_TOKENS": "512"})
+                       "CUSTOM_CHAT_TEMPLATE": "{{ messages[0].content }}",
+                       "MAX_NUM_BATCHED_TOKENS": "512", "ASYNC_SCHEDULING": "false"})
     args = s.engine_args("/models/x", "/tokenizers/y")
     assert isinstance(args, EngineArgs)
     assert (args.model, args.tokenizer) == ("/models/x", "/tokenizers/y")
     assert (args.max_model_len, args.block_size, args.max_num_seqs, args.dtype) == (1024, 32, 9, "float32")
     assert args.enable_prefix_caching is False and args.gpu_memory_utilization == 0.5 and args.seed == 5
     assert args.chat_template == "{{ messages[0].content }}" and args.max_num_batched_tokens == 512
+    assert args.async_scheduling is False
+    # Unset: the engine's own choice (on for a GPU, off on CPU).
+    assert load_settings({}).engine_args("/m").async_scheduling is None
     args.validate()  # what the settings allow, the engine accepts
 
 

@@ -20,16 +20,10 @@ import pytest
 
 from child_process import stop
 from engine import LLM, SamplingParams
+from serve_process import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 WAIT_S = 240
-
-
-def _free_port() -> int:
-    # The SDK's --rp_api_port has no "any port" form, so ask the kernel for a free one just before starting.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _listening(port: int) -> bool:
@@ -39,7 +33,7 @@ def _listening(port: int) -> bool:
 
 @pytest.fixture(scope="module")
 def local_api(smollm2_dir):
-    port = _free_port()
+    port = free_port()  # the SDK's --rp_api_port has no "any port" form
     env = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_")}
     env.update(MODEL_NAME=smollm2_dir, MAX_MODEL_LEN="2048", DEVICE="cpu", PYTHONPATH=str(REPO),
                UVICORN_LOG_LEVEL="warning")
