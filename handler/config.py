@@ -77,6 +77,9 @@ class Settings(BaseSettings):
     load_format: Literal["auto", "pack", "safetensors"] = Field("auto", description=(
         "Weights: auto loads the engine-ready pack when one matches, else safetensors (and writes the pack); "
         "pack: fail if the pack can't be used; safetensors: never use packs."))
+    tensor_parallel_size: int = Field(1, ge=1, le=8, description=(
+        "GPUs the model is split over (tensor parallelism, one process per GPU, all started by the "
+        "worker)."))
 
     # ---- the worker --------------------------------------------------------------------------------------------
     max_concurrency: int = Field(300, ge=1, le=100_000, description=(
@@ -190,7 +193,8 @@ class Settings(BaseSettings):
             seed=self.seed,
             chat_template=self.custom_chat_template,
         )
-        kwargs.update(enforce_eager=self.enforce_eager, load_format=self.load_format)
+        kwargs.update(enforce_eager=self.enforce_eager, load_format=self.load_format,
+                      tensor_parallel_size=self.tensor_parallel_size)
         return EngineArgs(**kwargs)  # ENGINE_MODE is applied by the boot (warmup.artifacts.prepare)
 
 
@@ -238,11 +242,10 @@ def _describe_error(err: dict) -> str:
 
 
 # worker-vllm variables this worker has no equivalent for: harmless values pass, anything else stops the start
-# (a user who asked for quantization or tensor parallelism must not silently get something else).
+# (a user who asked for quantization or pipeline parallelism must not silently get something else).
 _FALSY = ("", "0", "false", "no", "off", "none")
 UNSUPPORTED_WORKER_VLLM_VARS = {
     "QUANTIZATION": (_FALSY, "quantized checkpoints are not supported; serve an unquantized model"),
-    "TENSOR_PARALLEL_SIZE": (("", "1"), "one GPU per worker; tensor parallelism is not supported"),
     "PIPELINE_PARALLEL_SIZE": (("", "1"), "one GPU per worker; pipeline parallelism is not supported"),
     "TRUST_REMOTE_CODE": (_FALSY, "remote model code is never run; supported architectures load without it"),
     "ENABLE_LORA": (_FALSY, "LoRA adapters are not supported"),
