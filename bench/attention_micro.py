@@ -42,13 +42,14 @@ def make_step(batch: int, context: int, query_len: int, heads: int, kv_heads: in
     return q, k, v, cache, meta
 
 
-def time_call(fn, graph: bool, calls: int = 20, repeats: int = 7) -> float:
+def time_call(fn, graph: bool, calls: int = 20, repeats: int = 7,
+              capture_error_mode: str = "global") -> float:
     """Median seconds per call: `calls` back-to-back calls, captured in one CUDA graph when `graph`."""
     fn()
     torch.cuda.synchronize()
     if graph:
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        with torch.cuda.graph(g, capture_error_mode=capture_error_mode):
             for _ in range(calls):
                 fn()
         run = g.replay

@@ -21,10 +21,7 @@ CONFIGS = Path(__file__).resolve().parent / "configs"
 def hf_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name of the architecture with its shape, read off the engine's own weight map."""
     model = build_model(ModelConfig.from_dict(config), torch.bfloat16, "meta")
-    params = dict(model.named_parameters())
-    return {
-        name: (end - start, *params[ours].shape[1:]) for name, (ours, start, end) in model.hf_weight_map().items()
-    }
+    return {name: slot.full for name, slot in model.hf_weight_map().items()}
 
 
 def synthesize(config_name: str, out_dir: str, shard_bytes: int = 5 << 30, device: str = "cpu", seed: int = 0) -> str:

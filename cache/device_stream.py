@@ -209,14 +209,15 @@ class DeviceStreamLoad:
 
 
 def start(path: str, device: str = "cuda", threads: int = STREAM_THREADS, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-          start_pages: str | None = None) -> DeviceStream | None:
+          start_pages: str | None = None, shard: tuple[int, int] = (0, 1)) -> DeviceStream | None:
     """Start streaming a pack (or a model directory's newest pack) to the GPU in a separate process; None when
     there is no pack or no NVIDIA driver. load_pack of that pack to that device takes the stream over.
-    start_pages: a cache.start_pages record, read first when the pack is not in the page cache."""
+    start_pages: a cache.start_pages record, read first when the pack is not in the page cache.
+    shard: (rank, size) of a pack split over GPUs: the directory's newest pack of that shard."""
     if not os.path.exists("/dev/nvidiactl"):
         return None
     if os.path.isdir(path):
-        packs = find_packs(os.path.join(path, "packs"))
+        packs = find_packs(os.path.join(path, "packs"), *shard)
         if not packs:
             return None
         path = packs[0]

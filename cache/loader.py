@@ -13,13 +13,13 @@ import threading
 import time
 from dataclasses import dataclass
 
-from cache.pack import ALIGNMENT, Pack, PackError, PackWriter, find_packs, read_pack
+from cache.pack import ALIGNMENT, Pack, PackError, PackWriter, find_packs, read_pack, shard_name
 from cache.prefetch import _ACTIVE, Prefetch, prefetch, resident_fraction
 
 # The engine imports cache.loader only: the pack's writer, reader and error, and prefetch, come from here too.
 __all__ = ["LoadStats", "Pack", "PackError", "PackWriter", "Prefetch", "StreamingLoad", "discard_preloads",
            "group_spans", "load_pack", "prefetch", "preload", "read_pack", "read_span", "register_pending",
-           "resident_fraction", "tensor_views"]
+           "resident_fraction", "shard_name", "tensor_views"]
 
 log = logging.getLogger(__name__)
 

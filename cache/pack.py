@@ -239,9 +239,30 @@ def read_pack(path: str) -> Pack:
     return Pack(path, entries, dict(index.get("metadata") or {}), data_offset, data_end, file_size, by_name)
 
 
-def find_packs(directory: str) -> list[str]:
-    """Complete-looking pack files in `directory` (no temp files), newest first."""
+def shard_name(name: str, rank: int, size: int) -> str:
+    """The file name of shard `rank` of `size` of the pack `name` (a pack split over the GPUs of a
+    tensor-parallel engine, each GPU streaming its own file): name.cbpack ->
+    name.rank<r>-of-<size>.cbpack; size 1: name itself."""
+    if size == 1:
+        return name
+    return f"{name.removesuffix(SUFFIX)}.rank{rank}-of-{size}{SUFFIX}"
+
+
+def _shard_of(name: str) -> tuple[int, int]:
+    """(rank, size) of a pack file name (0, 1 for an unsplit pack)."""
+    stem = name.removesuffix(SUFFIX)
+    tail = stem.rsplit(".", 1)[-1] if "." in stem else ""
+    rank, sep, size = tail.removeprefix("rank").partition("-of-")
+    if tail.startswith("rank") and sep and rank.isdigit() and size.isdigit():
+        return int(rank), int(size)
+    return 0, 1
+
+
+def find_packs(directory: str, rank: int = 0, size: int = 1) -> list[str]:
+    """Complete-looking pack files in `directory` (no temp files), newest first: unsplit packs, or
+    with size > 1 shard `rank` of `size` of split ones."""
     if not os.path.isdir(directory):
         return []
-    paths = [os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(SUFFIX) and not n.startswith(".")]
+    paths = [os.path.join(directory, n) for n in os.listdir(directory)
+             if n.endswith(SUFFIX) and not n.startswith(".") and _shard_of(n) == (rank, size)]
     return sorted(paths, key=lambda p: os.stat(p).st_mtime_ns, reverse=True)

@@ -135,6 +135,9 @@ MAX_CUDA_GRAPH_SIZE = 1024
 CUDA_GRAPH_CAPTURE_MODES = ("lazy", "start")
 KV_SIZING_MODES = ("analytic", "profile")
 
+MAX_TENSOR_PARALLEL_SIZE = 8  # the GPUs of one host
+ALL_REDUCE_BACKENDS = ("nccl", "symm_mem")
+
 # CPU has no "free memory" to size from: without num_kv_blocks the KV cache takes this many bytes.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
@@ -178,6 +181,12 @@ class EngineArgs:
     # Schedule and launch step N+1 before step N's sampled tokens are read back (as vLLM's async scheduling):
     # None turns it on for a GPU and off for CPU.
     async_scheduling: bool | None = None
+    # Tensor parallelism: the model split over this many GPUs of one host (one process each, started
+    # by the engine; on CPU, processes over gloo). all_reduce_backend: "nccl", or "symm_mem"
+    # (torch's symmetric-memory all-reduce for decode-sized messages, NCCL for the rest; NCCL alone
+    # where the machine can't map peer memory).
+    tensor_parallel_size: int = 1
+    all_reduce_backend: str = "nccl"
 
     def validate(self) -> None:
         _check_int("block_size", self.block_size, 1, 1024)
@@ -210,6 +219,14 @@ class EngineArgs:
             _check_int("kv_step_bytes", self.kv_step_bytes, 0, 1 << 50)
         if self.kv_sizing not in KV_SIZING_MODES:
             raise ValueError(f"kv_sizing: must be one of {', '.join(KV_SIZING_MODES)}, got {self.kv_sizing!r}")
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, MAX_TENSOR_PARALLEL_SIZE)
+        if self.all_reduce_backend not in ALL_REDUCE_BACKENDS:
+            choices = ", ".join(ALL_REDUCE_BACKENDS)
+            raise ValueError(f"all_reduce_backend: must be one of {choices}, "
+                             f"got {self.all_reduce_backend!r}")
+        if self.tensor_parallel_size > 1 and ":" in self.device:
+            raise ValueError(f"device: {self.device!r} names one GPU, but tensor_parallel_size "
+                             f"{self.tensor_parallel_size} runs rank i on cuda:i; use cuda or auto")
 
     def graph_sizes(self) -> list[int]:
         """The decode batch sizes to capture, ascending, none above max_num_seqs."""

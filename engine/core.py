@@ -51,22 +51,33 @@ class RequestFailed(RuntimeError):
         self.request_id = request_id
 
 
+def model_limits(args: EngineArgs, device: torch.device) -> tuple[ModelConfig, int, torch.dtype]:
+    """The model's config, context limit and dtype with which the engine runs `args` on `device`."""
+    m = ModelConfig.from_dir(args.model)
+    max_model_len = args.max_model_len or m.max_position_embeddings
+    if max_model_len > m.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len: {max_model_len} exceeds the model's max_position_embeddings "
+            f"({m.max_position_embeddings})"
+        )
+    return m, max_model_len, resolve_dtype(args.dtype, m, device)
+
+
 class EngineCore:
     def __init__(self, args: EngineArgs):
         args.validate()
         self.args = args
         self.device = args.torch_device()
-        self.model_config = ModelConfig.from_dir(args.model)
+        self.model_config, self.max_model_len, self.dtype = model_limits(args, self.device)
         m = self.model_config
-        self.max_model_len = args.max_model_len or m.max_position_embeddings
-        if self.max_model_len > m.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len: {self.max_model_len} exceeds the model's max_position_embeddings "
-                f"({m.max_position_embeddings})"
-            )
-        self.dtype = resolve_dtype(args.dtype, m, self.device)
         self.tokenizer = self._load_tokenizer()
-        self.runner = ModelRunner(args, m, self.dtype, self.device, self.max_model_len)
+        self.ranks = None  # tensor parallelism: the other ranks' processes (distributed.launch)
+        try:
+            tp = self._connect_ranks()  # rank 0 of several: self.device becomes cuda:0
+            self.runner = ModelRunner(args, m, self.dtype, self.device, self.max_model_len, tp)
+        except BaseException:
+            self.shutdown()
+            raise
         self.num_kv_blocks = self.runner.num_blocks
         # A sequence can grow to max_model_len, or to what the whole cache holds if that is less.
         self.context_limit = min(self.max_model_len, self.num_kv_blocks * args.block_size)
@@ -92,6 +103,50 @@ class EngineCore:
         # What start-up built (modules, the model, tokenizer tables) lives as long as the process: moved out of the
         # cyclic GC's reach, a collection during serving walks only what serving allocates (fewer step stalls).
         gc.freeze()
+
+    def _connect_ranks(self):
+        """Tensor parallelism: start (or take over) ranks 1..N-1 and join them; this process is rank
+        0."""
+        n = self.args.tensor_parallel_size
+        if n == 1:
+            return None
+        from engine.distributed.launch import attach_ranks
+        from engine.distributed.sharding import Shard
+
+        Shard(0, n).check(self.model_config)
+        if self.device.type == "cuda":
+            if torch.cuda.device_count() < n:
+                raise ValueError(f"tensor_parallel_size: {n} needs {n} GPUs, this process sees "
+                                 f"{torch.cuda.device_count()}")
+            self.device = torch.device("cuda", 0)
+        self.ranks = attach_ranks(n, self.device.type)
+        tp = self.ranks.connect(self.args, self.device, self.dtype)
+        # A collective waiting on a dead rank returns an error instead.
+        self.ranks.on_death(lambda _: tp.comm.abort())
+        return tp
+
+    def on_rank_death(self, listener) -> None:
+        """Tensor parallelism: call listener(exc) when another rank's process dies (the engine
+        cannot go on)."""
+        if self.ranks is not None:
+            self.ranks.on_death(listener)
+
+    def shutdown(self, idle: bool = True) -> None:
+        """Stop the other ranks (tensor parallelism); nothing to do on one device. idle: no step is
+        running (the ranks are told to stop; else they are only made to exit)."""
+        ranks, self.ranks = self.ranks, None
+        if ranks is None:
+            return
+        runner = getattr(self, "runner", None)
+        if idle and ranks.dead is None and runner is not None:
+            try:
+                runner.close()
+            except Exception as e:  # noqa: BLE001 - the ranks are stopped below either way
+                log.debug("tensor parallel: could not send stop: %s", e)
+        ranks.stop()
+        from engine.distributed.comm import leave
+
+        leave()
 
     def _load_tokenizer(self) -> Tokenizer | None:
         path = self.args.tokenizer or self.args.model
@@ -264,9 +319,14 @@ class EngineCore:
                 p = row.params
                 if p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0:
                     needs_host_tokens = True
+        if self.ranks is not None and self.ranks.dead is not None:
+            raise self.ranks.dead
         try:
             launched = self.runner.execute(sched.scheduled, rows, self._in_flight)
         except torch.OutOfMemoryError as exc:
+            if self.ranks is not None:  # the other ranks are in this step's collectives: no way out
+                raise RuntimeError("out of device memory in a tensor-parallel step; the engine "
+                                   "stops") from exc
             raise self._fail_for_memory(sched.scheduled) from exc
         launched.needs_host_tokens = needs_host_tokens
         now = time.time()
@@ -379,11 +439,10 @@ class EngineCore:
     def capture_cuda_graphs(self) -> float:
         """Capture every decode graph size not captured yet (lazy capture otherwise takes each on its first step);
         the seconds it took, 0 without graphs. Benchmarks call it before timing anything."""
-        graphs = self.runner.graphs
-        if graphs is None:
+        if self.runner.graphs is None:
             return 0.0
         t0 = time.perf_counter()
-        graphs.capture()
+        self.runner.capture_graphs()
         return time.perf_counter() - t0
 
     def stats(self) -> EngineStats:

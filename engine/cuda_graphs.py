@@ -30,8 +30,12 @@ class DecodeGraphs:
         max_model_len: int,
         block_size: int,
         vocab_size: int,
+        capture_error_mode: str = "global",
     ) -> None:
+        """capture_error_mode "thread_local" (tensor parallelism): CUDA calls of other threads, such
+        as the NCCL watchdog's event queries, do not invalidate a capture."""
         self.model = model
+        self.capture_error_mode = capture_error_mode
         self.kv_cache = kv_cache
         self.stager = stager
         self.sizes = sorted(set(sizes))
@@ -81,7 +85,7 @@ class DecodeGraphs:
                 # and sets up cuBLAS (and its workspace) for this stream.
                 self._forward(step, size)
                 stream.synchronize()
-                graph.capture_begin(pool=self.pool)
+                graph.capture_begin(pool=self.pool, capture_error_mode=self.capture_error_mode)
                 try:
                     self._forward(step, size)
                 finally:

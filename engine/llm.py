@@ -54,6 +54,11 @@ class LLM:
         """Capture every decode graph size not captured yet; the seconds it took (0 without graphs)."""
         return self.engine.capture_cuda_graphs()
 
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do on one device); the engine is
+        unusable after."""
+        self.engine.shutdown()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -138,6 +143,7 @@ class AsyncLLM:
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="coldbrew-engine", daemon=True)
         self._thread.start()
+        self.engine.on_rank_death(self._rank_died)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "AsyncLLM":
@@ -192,7 +198,7 @@ class AsyncLLM:
 
     def _loop(self) -> None:
         try:
-            while not self._stopped:
+            while not self._stopped and self._error is None:
                 self._run_commands()
                 if not self.engine.has_unfinished():
                     self._wakeup.wait()
@@ -212,6 +218,15 @@ class AsyncLLM:
             self._deliver_all([(rid, gone) for rid in list(self._streams)])
             while not self._commands.empty():
                 self._commands.get_nowait()[2].set_exception(gone)
+
+    def _rank_died(self, exc: BaseException) -> None:
+        """A tensor-parallel rank died (on its watcher thread): the engine is dead. The engine
+        thread may be stuck in a collective waiting for that rank, so every open stream gets the
+        error from here."""
+        if self._error is None:
+            self._error = exc
+        self._wakeup.set()
+        self._deliver_all([(rid, exc) for rid in dict(self._streams)])
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         self._deliver_all([(request_id, item)])
@@ -285,6 +300,8 @@ class AsyncLLM:
         self._stopped = True
         self._wakeup.set()
         self._thread.join(timeout=10)
+        # Tensor parallelism: the other ranks stop.
+        self.engine.shutdown(idle=not self._thread.is_alive())
 
 
 def _put_all(items: list) -> None:

@@ -1,5 +1,9 @@
 """The model runner: owns the weights and the KV cache tensor, turns a scheduled step into tensors, runs the model
 (decode steps from CUDA graphs on a GPU) and samples. The only engine module that touches the device.
+
+Under tensor parallelism every rank has a runner over its shard: rank 0's plans each step and
+broadcasts the plan, the others run the same plans (engine/distributed/follower.py); only rank 0
+samples.
 """
 from __future__ import annotations
 
@@ -7,11 +11,14 @@ import functools
 import logging
 import time
 
+import numpy as np
 import torch
 
 from engine.attention import kv_cache_shape
 from engine.config import EngineArgs, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
+from engine.distributed.plan import CAPTURE, STEP, STOP, StepPlan
+from engine.distributed.sharding import SINGLE
 from engine.memory_budget import FIXED_SLACK_BYTES, FRAGMENTATION, step_peak_bytes
 from engine.models import load_model
 from engine.outputs import PositionLogprobs
@@ -26,26 +33,35 @@ log = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(
         self, args: EngineArgs, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
-        max_model_len: int,
+        max_model_len: int, tp=None,
     ):
+        """tp: an engine.distributed.comm.TensorParallel (this rank's shard, its collectives, the
+        plan channel)."""
         self.args = args
         self.max_model_len = max_model_len
         self.model_config = model_config
+        self.tp = tp
+        self.shard = tp.shard if tp is not None else SINGLE
+        # This rank's heads, KV heads and MLP columns.
+        self.local_config = self.shard.local_config(model_config)
         self.dtype = dtype
         self.device = device
         self.block_size = args.block_size
         t0 = time.perf_counter()
         self.model = load_model(args.model, model_config, dtype, device, pack_dir=args.pack_dir,
-                                load_format=args.load_format)
+                                load_format=args.load_format, shard=self.shard,
+                                comm=tp.comm if tp is not None else None)
         self.load_seconds = time.perf_counter() - t0
         self.stager = InputStager(device, self.block_size)
         self.sampler = Sampler()
         self.use_graphs = self._use_cuda_graphs()
         self.kv_step_bytes: int | None = None  # the step allowance the KV sizing used (GPU)
         self.num_blocks = args.num_kv_blocks or self._size_kv_cache()
+        if tp is not None:  # one scheduler for all ranks: each holds as many blocks as the tightest
+            self.num_blocks = tp.comm.min_int(self.num_blocks)
         shape = kv_cache_shape(
-            model_config.num_layers, self.num_blocks, self.block_size, model_config.num_kv_heads,
-            model_config.head_dim,
+            model_config.num_layers, self.num_blocks, self.block_size,
+            self.local_config.num_kv_heads, model_config.head_dim,
         )
         self.kv_cache = torch.empty(shape, dtype=dtype, device=device)
         log.info("KV cache: %d blocks of %d tokens, %.2f GiB in one allocation", self.num_blocks, self.block_size,
@@ -54,7 +70,7 @@ class ModelRunner:
         if self.use_graphs:
             self.graphs = DecodeGraphs(
                 self.model, self.kv_cache, self.stager, args.graph_sizes(), max_model_len, self.block_size,
-                model_config.vocab_size,
+                model_config.vocab_size, "thread_local" if tp is not None else "global",
             )
             if args.cuda_graph_capture == "start":  # "lazy": each size is captured by its first decode step
                 self.graphs.capture()
@@ -76,7 +92,7 @@ class ModelRunner:
     # ---- KV sizing -----------------------------------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
-        m = self.model_config
+        m = self.local_config
         return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
 
     def _size_kv_cache(self) -> int:
@@ -98,7 +114,7 @@ class ModelRunner:
                 step = self._profile_gpu_blocks(num_tokens, num_rows) - held
                 how = "peak of a profiled"
             else:
-                step = step_peak_bytes(m, self.dtype.itemsize, num_tokens, num_rows,
+                step = step_peak_bytes(self.local_config, self.dtype.itemsize, num_tokens, num_rows,
                                        getattr(self._attention_backend(), "name", "triton"))
                 how = "bound of a"
             free, total = torch.cuda.mem_get_info(self.device)
@@ -130,7 +146,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         blocks = -(-num_tokens // self.block_size)
-        m = self.model_config
+        m = self.local_config
         scratch = torch.empty(
             kv_cache_shape(m.num_layers, blocks, self.block_size, m.num_kv_heads, m.head_dim),
             dtype=self.dtype, device=self.device,
@@ -161,6 +177,31 @@ class ModelRunner:
         without waiting for it; LaunchedStep.result() waits. rows holds a SamplingRow for each sequence that samples
         this step, by seq_id. A sequence's last token may still be pending (sampled by `previous`, whose result is
         not read yet): its id is taken from previous's tokens on the device."""
+        plan, sampled_seqs, sample_at, prompt_spans = self._plan(scheduled, previous)
+        if self.tp is not None:
+            self.tp.channel.send(STEP, plan.encode())
+        logits = self._forward(plan, previous.sample.token_ids if plan.fill_dst else None)
+        result = LaunchedStep(sampled_seqs, None, {})
+        if logits is None:
+            return result
+        for seq, row, count, first in prompt_spans:
+            targets = seq.token_ids[first + 1 : first + 1 + count]
+            result.prompt_logprobs[seq.seq_id] = prompt_logprobs(
+                logits[row : row + count], targets, seq.params.prompt_logprobs
+            )
+        if sampled_seqs:
+            if len(sample_at) == logits.shape[0]:  # every logits row samples (no prompt-logprob rows)
+                sample_logits = logits
+            else:
+                sample_logits = logits[sample_at]
+            result.sample = self.sampler.sample(sample_logits, [rows[seq.seq_id] for seq in sampled_seqs])
+            result.sample.start_copy()
+        return result
+
+    def _plan(self, scheduled: list[ScheduledSeq], previous: LaunchedStep | None):
+        """The step's plan (what every rank runs), and what only rank 0 needs: the sequences that
+        sample, their rows among the logits, and the prompt-logprob spans (seq, first logit row,
+        count, first position)."""
         ids: list[int] = []
         positions: list[int] = []
         starts: list[int] = []
@@ -168,7 +209,7 @@ class ModelRunner:
         logit_rows: list[int] = []  # rows of the hidden states that need logits
         sampled_seqs: list[Sequence] = []  # in logit-row order after any prompt rows
         sample_at: list[int] = []  # index into logit_rows of each sampled sequence
-        prompt_spans: list[tuple[Sequence, int, int, int]] = []  # (seq, first logit row, count, first position)
+        prompt_spans: list[tuple[Sequence, int, int, int]] = []
         fill_dst: list[int] = []  # input rows whose token is pending on the device ...
         fill_src: list[int] = []  # ... and its row in previous's sampled tokens
         for s in scheduled:
@@ -203,47 +244,76 @@ class ModelRunner:
                 sampled_seqs.append(seq)
                 sample_at.append(len(logit_rows))
                 logit_rows.append(base + n - 1)
+        lens = [s.num_new_tokens for s in scheduled]
+        plan = StepPlan(ids, starts, lens, tables, logit_rows, fill_dst, fill_src,
+                        len(previous.seqs) if fill_dst else 0, positions)
+        return plan, sampled_seqs, sample_at, prompt_spans
 
+    def _forward(self, plan: StepPlan, previous_ids: torch.Tensor | None) -> torch.Tensor | None:
+        """Run one planned step on this rank: the logits [rows, vocab] of plan.logit_rows (None when
+        no row needs them). previous_ids: the ids the previous step sampled, on rank 0 (the others
+        receive them here)."""
         fill = None
-        if fill_dst:
-            tokens = previous.sample.token_ids
-            fill = lambda input_ids: _write_pending(input_ids, fill_dst, fill_src, tokens)  # noqa: E731
-        result = LaunchedStep(sampled_seqs, None, {})
+        if plan.fill_dst:
+            tokens = previous_ids
+            if self.tp is not None:
+                if tokens is None:
+                    tokens = torch.empty(plan.prev_rows, dtype=torch.int64, device=self.device)
+                self.tp.comm.broadcast(tokens)
+
+            def fill(input_ids: torch.Tensor) -> None:
+                _write_pending(input_ids, plan.fill_dst, plan.fill_src, tokens)
+        ids, positions, starts, tables = plan.ids, plan.positions, plan.starts, plan.tables
+        logit_rows = plan.logit_rows
         num_rows = len(ids)
         all_rows = len(logit_rows) == num_rows and (not logit_rows or logit_rows[-1] == num_rows - 1)
-        if self.graphs is not None and num_rows == len(scheduled) and num_rows <= self.graphs.max_size:
+        if self.graphs is not None and num_rows == len(starts) and num_rows <= self.graphs.max_size:
             # Pure decode: the graph computes every row's logits; pick the ones this step needs.
             all_logits = self.graphs.run(ids, positions, starts, tables, fill_input_ids=fill)
             if not logit_rows:
-                return result
+                return None
             if all_rows:
-                logits = all_logits
-            else:
-                logits = all_logits[torch.tensor(logit_rows).to(self.device, non_blocking=True)]
-        else:
-            step = self.stager.stage(ids, positions, starts, [s.num_new_tokens for s in scheduled], tables)
-            if fill is not None:
-                fill(step.input_ids)
-            hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
-            if not logit_rows:
-                return result
-            if not all_rows:
-                hidden = hidden[torch.tensor(logit_rows).to(self.device, non_blocking=True)]
-            logits = self.model.compute_logits(hidden)
+                return all_logits
+            return all_logits[torch.tensor(logit_rows).to(self.device, non_blocking=True)]
+        step = self.stager.stage(ids, positions, starts, plan.lens, tables)
+        if fill is not None:
+            fill(step.input_ids)
+        hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
+        if not logit_rows:
+            return None
+        if not all_rows:
+            hidden = hidden[torch.tensor(logit_rows).to(self.device, non_blocking=True)]
+        return self.model.compute_logits(hidden)
 
-        for seq, row, count, first in prompt_spans:
-            targets = seq.token_ids[first + 1 : first + 1 + count]
-            result.prompt_logprobs[seq.seq_id] = prompt_logprobs(
-                logits[row : row + count], targets, seq.params.prompt_logprobs
-            )
-        if sampled_seqs:
-            if len(sample_at) == logits.shape[0]:  # every logits row samples (no prompt-logprob rows)
-                sample_logits = logits
+    # ---- the other ranks' side (and what rank 0 tells them) ----------------------------------
+    def follow(self) -> None:
+        """A rank other than 0: run rank 0's commands until it says stop (or the channel fails)."""
+        channel = self.tp.channel
+        while True:
+            kind, body = channel.recv()
+            if kind == STEP:
+                with torch.inference_mode():
+                    self._forward(StepPlan.decode(body), None)
+            elif kind == CAPTURE:
+                self.capture_graphs(body.tolist() or None)
+            elif kind == STOP:
+                return
             else:
-                sample_logits = logits[sample_at]
-            result.sample = self.sampler.sample(sample_logits, [rows[seq.seq_id] for seq in sampled_seqs])
-            result.sample.start_copy()
-        return result
+                raise RuntimeError(f"tensor parallel: unknown command {kind} from rank 0")
+
+    def capture_graphs(self, sizes: list[int] | None = None) -> None:
+        """Capture the decode graphs of `sizes` (default: every size) not captured yet, on every
+        rank."""
+        if self.graphs is None:
+            return
+        if self.tp is not None and self.shard.rank == 0:
+            self.tp.channel.send(CAPTURE, np.asarray(sizes or [], dtype=np.int64))
+        self.graphs.capture(sizes)
+
+    def close(self) -> None:
+        """Rank 0: tell the other ranks to stop (they exit once they have)."""
+        if self.tp is not None and self.shard.rank == 0:
+            self.tp.channel.send(STOP)
 
 
 def _write_pending(input_ids: torch.Tensor, dst: list[int], src: list[int], tokens: torch.Tensor) -> None:

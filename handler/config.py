@@ -107,6 +107,9 @@ class Settings(BaseSettings):
     load_format: Literal["auto", "pack", "safetensors"] = Field("auto", description=(
         "Weights: auto loads the engine-ready pack when one matches, else safetensors (and writes the pack); "
         "pack: fail if the pack can't be used; safetensors: never use packs."))
+    tensor_parallel_size: int = Field(1, ge=1, le=8, description=(
+        "GPUs the model is split over (tensor parallelism, one process per GPU, all started by the "
+        "worker)."))
 
     # ---- the worker --------------------------------------------------------------------------------------------
     max_concurrency: int = Field(300, ge=1, le=100_000, description=(
@@ -234,7 +237,8 @@ class Settings(BaseSettings):
             chat_template=self.custom_chat_template,
         )
         kwargs.update(enforce_eager=self.enforce_eager, load_format=self.load_format,
-                      async_scheduling=self.async_scheduling)
+                      async_scheduling=self.async_scheduling,
+                      tensor_parallel_size=self.tensor_parallel_size)
         return EngineArgs(**kwargs)  # ENGINE_MODE is applied by the boot (warmup.artifacts.prepare)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from cache import device_stream, start_pages
 from cache.prefetch import prefetch
 from engine.model_support import check_model_config
+from handler import tp_ranks
 from handler.config import Settings
 from warmup.start import start_warmup
 
@@ -74,7 +75,8 @@ def start_weight_stream(model_dir: str, settings: Settings, pages: str) -> str:
     the start path's recorded pages, `pages`, when the disk is cold), else the page cache filled by stdlib threads."""
     if settings.device != "cpu":
         device = "cuda" if settings.device == "auto" else settings.device
-        if device_stream.start(model_dir, device, start_pages=pages) is not None:
+        shard = (0, settings.tensor_parallel_size)  # tensor parallelism: rank 0's own pack
+        if device_stream.start(model_dir, device, start_pages=pages, shard=shard) is not None:
             return "device_stream"
     prefetch(model_dir)
     return "prefetch"
@@ -185,7 +187,9 @@ class EngineBoot:
         self.model_dir = model_dir
         warm = start_warmup()
         pages = start_pages.default_path(str(s.resolved_cache_dir()))
-        # The weights stream while `import torch` and the engine's set-up run.
+        # The weights stream while `import torch` and the engine's set-up run (ranks 1..N-1 stream
+        # their own).
+        tp_ranks.launch(str(model_dir), s.tensor_parallel_size, s.device)
         self.weight_stream = self._timed("stream_start", start_weight_stream, str(model_dir), s, pages)
         args = s.engine_args(model_dir, tokenizer_dir)
         # Once torch is up, the pack streams to the GPU while the engine imports and builds (load_model takes it).

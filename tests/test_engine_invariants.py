@@ -4,7 +4,6 @@ and AsyncLLM streams, on a tiny random model: random workloads checked against i
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import shutil
 import threading
@@ -18,7 +17,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import SequenceStatus
 from test_kv import make_seq
 from test_scheduler import advance
-from tiny_models import make_tiny_model
+from tiny_models import add_char_tokenizer, make_tiny_model
 
 BLOCK = 4
 
@@ -32,18 +31,10 @@ def tiny_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_tok_dir(tiny_dir, tmp_path_factory) -> str:
-    """The tiny model plus a one-character-per-token tokenizer (id i >= 3 <-> chr(0x100 + i)), so stop strings work."""
-    from tokenizers import Tokenizer as RawTokenizer
-    from tokenizers import decoders, models, pre_tokenizers
-
+    """The tiny model plus a one-character-per-token tokenizer, so stop strings work."""
     d = tmp_path_factory.mktemp("tiny-llama-tok")
     shutil.copytree(tiny_dir, d, dirs_exist_ok=True)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{chr(0x100 + i): i for i in range(3, 256)}}
-    raw = RawTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    raw.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    raw.decoder = decoders.Fuse()
-    raw.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+    add_char_tokenizer(str(d))
     return str(d)
 
 

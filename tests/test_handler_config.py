@@ -199,7 +199,7 @@ def test_the_markdown_table_is_printed_by_the_module():
     assert out.count("\n| `") == len(Settings.model_fields)
 
 
-@pytest.mark.parametrize("name, value", [("QUANTIZATION", "awq"), ("TENSOR_PARALLEL_SIZE", "2"),
+@pytest.mark.parametrize("name, value", [("QUANTIZATION", "awq"), ("PIPELINE_PARALLEL_SIZE", "2"),
                                          ("TRUST_REMOTE_CODE", "true"), ("KV_CACHE_DTYPE", "fp8")])
 def test_worker_vllm_variables_we_cannot_honour_stop_the_start(name, value):
     with pytest.raises(SettingsError) as err:
@@ -210,3 +210,9 @@ def test_worker_vllm_variables_we_cannot_honour_stop_the_start(name, value):
 def test_harmless_worker_vllm_values_pass():
     load_settings({"QUANTIZATION": "", "TENSOR_PARALLEL_SIZE": "1", "TRUST_REMOTE_CODE": "false",
                    "KV_CACHE_DTYPE": "auto", "ENFORCE_EAGER": "true"})
+
+
+def test_tensor_parallel_size_reaches_the_engine_and_is_bounded():
+    assert load_settings({"TENSOR_PARALLEL_SIZE": "2"}).engine_args("/m").tensor_parallel_size == 2
+    with pytest.raises(SettingsError, match="TENSOR_PARALLEL_SIZE"):
+        load_settings({"TENSOR_PARALLEL_SIZE": "0"})

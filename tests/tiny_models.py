@@ -73,12 +73,13 @@ FAMILIES: dict[str, tuple[str, dict]] = {
 }
 
 
-def hf_config(family: str):
+def hf_config(family: str, **extra):
+    """The HF config of `family`; `extra` overrides its fields (e.g. attention_bias=True)."""
     import transformers
 
     arch, overrides = FAMILIES[family]
     config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
-    cfg = config_cls(**{**_COMMON, **overrides})
+    cfg = config_cls(**{**_COMMON, **overrides, **extra})
     cfg._attn_implementation = "eager"
     return cfg
 
@@ -90,15 +91,17 @@ def make_tiny_model(
     seed: int = 0,
     max_shard_size: str | None = None,
     rope_spelling: str = "new",
+    **config,
 ):
     """Build a seeded random HF model of `family`, save it to `out_dir` and return it (eval, float32).
 
     rope_spelling "old" rewrites config.json with `rope_theta` + `rope_scaling` instead of `rope_parameters`.
+    `config` overrides fields of the family's config.
     """
     import transformers
 
     arch, _ = FAMILIES[family]
-    cfg = hf_config(family)
+    cfg = hf_config(family, **config)
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(cfg).float().eval()
     _randomize(model, seed)
@@ -123,6 +126,21 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             p.copy_(0.1 * noise)
         else:
             p.copy_(0.05 * noise)
+
+
+def add_char_tokenizer(model_dir: str) -> None:
+    """Give a tiny model (vocab 256) a one-character-per-token tokenizer: id i >= 3 <-> chr(0x100 +
+    i)."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{chr(0x100 + i): i for i in range(3, 256)}}
+    raw = RawTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    raw.decoder = decoders.Fuse()
+    raw.save(os.path.join(model_dir, "tokenizer.json"))
+    with open(os.path.join(model_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}, f)
 
 
 def write_old_rope_spelling(model_dir: str) -> None:

@@ -1,10 +1,17 @@
 """The one decoder template (Llama, Mistral, Qwen2, Qwen3), readable top to bottom, with per-family switches.
 
 Switches come from ModelConfig: qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3), explicit head_dim, tied lm_head.
+
+Under tensor parallelism (a Shard of more than one rank) each rank builds its slice: qkv and gate_up
+keep its rows (heads, MLP columns), o_proj and down_proj its input columns and all-reduce, the
+embedding and lm_head its rows of the vocabulary; hf_weight_map says which slice of each HF tensor a
+rank holds.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -12,14 +19,32 @@ from torch import nn
 
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
+from engine.distributed.sharding import SINGLE, Shard
 from engine.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, silu_and_mul
+from engine.layers.parallel import RowParallelLinear, VocabParallelEmbedding
 from engine.layers.skinny_gemm import skinny_applies, skinny_gemm
+
+
+class WeightSlot(NamedTuple):
+    """Where one HF tensor goes: rows [start, end) of our parameter `param` receive the slice
+    [first, first + count) along dim `dim` of the HF tensor, whose full shape is `full`."""
+
+    param: str
+    start: int
+    end: int
+    dim: int
+    first: int
+    count: int
+    full: tuple[int, ...]
 
 
 class Attention(nn.Module):
     """Fused qkv projection -> (q/k norm) -> RoPE -> paged attention backend -> o_proj."""
 
-    def __init__(self, cfg: ModelConfig, backend, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, backend, dtype: torch.dtype, device: torch.device,
+                 row_linear=Linear) -> None:
+        """cfg: this rank's slice (engine.distributed.sharding.Shard.local_config); row_linear:
+        o_proj's class."""
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
@@ -32,7 +57,7 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, dtype, device)
         # Qwen2 biases only q/k/v; Llama/Mistral/Qwen3 with attention_bias bias o_proj too.
         o_bias = cfg.qkv_bias and cfg.family != "qwen2"
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, o_bias, dtype, device)
+        self.o_proj = row_linear(self.q_size, cfg.hidden_size, o_bias, dtype, device)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
@@ -67,11 +92,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one projection."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 row_linear=Linear) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype, device)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, device)
+        self.down_proj = row_linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -83,12 +109,13 @@ class DecoderLayer(nn.Module):
     Each residual add is fused with the norm that follows it: norm(x, residual) -> (normed, x + residual).
     """
 
-    def __init__(self, cfg: ModelConfig, backend, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, backend, dtype: torch.dtype, device: torch.device,
+                 row_linear=Linear) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, backend, dtype, device)
+        self.self_attn = Attention(cfg, backend, dtype, device, row_linear)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = MLP(cfg, dtype, device)
+        self.mlp = MLP(cfg, dtype, device, row_linear)
 
     def forward(
         self,
@@ -118,23 +145,39 @@ class DecoderModel(nn.Module):
 
     def __init__(
         self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, backend,
-        param_device: torch.device | str | None = None,
+        param_device: torch.device | str | None = None, shard: Shard = SINGLE, comm=None,
     ) -> None:
         """param_device="meta" builds the parameters without memory (a loader then points them into its own
-        buffer); buffers (the rotary cos/sin tables) always live on `device`."""
+        buffer); buffers (the rotary cos/sin tables) always live on `device`.
+
+        shard: the slice this rank holds; comm: its collectives
+        (engine.distributed.comm.Communicator; a shard without one can load, not run)."""
         super().__init__()
+        shard.check(cfg)
         device = torch.device(device)
         params_on = torch.device(param_device) if param_device is not None else device
         self.config = cfg
+        self.shard = shard
+        self.comm = comm
         self.dtype = dtype
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, params_on)
+        vocab_rows = cfg.vocab_size
+        row_linear = Linear
+        if shard.size > 1:
+            first, _, vocab_rows = shard.vocab(cfg)
+            self.embed_tokens = VocabParallelEmbedding(first, vocab_rows, cfg.hidden_size, dtype,
+                                                       params_on, comm)
+            row_linear = functools.partial(RowParallelLinear, comm=comm)
+        else:
+            self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, params_on)
+        local = shard.local_config(cfg)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings, dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, dtype, params_on) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(local, backend, dtype, params_on, row_linear)
+                                    for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, params_on)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
-            else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, params_on)
+            else Linear(cfg.hidden_size, vocab_rows, False, dtype, params_on)
         )
 
     def forward(
@@ -156,6 +199,14 @@ class DecoderModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32 (written into `out` [N, vocab] when given)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.shard.size > 1:  # each rank's vocabulary rows, gathered in the model dtype (rounded
+            if self.comm is None:  # as TP=1 rounds them)
+                raise RuntimeError("tensor parallel: this model holds one rank's shard and has no "
+                                   "communicator")
+            skinny = skinny_applies(hidden, weight)
+            local = skinny_gemm(hidden, weight) if skinny else F.linear(hidden, weight)
+            logits = self.comm.gather_vocab(local)[:, : self.config.vocab_size]
+            return logits.float() if out is None else out.copy_(logits)
         if out is not None and skinny_applies(hidden, weight):  # decode: bf16-rounded logits straight into out
             return skinny_gemm(hidden, weight, out=out)
         logits = F.linear(hidden, weight)
@@ -163,56 +214,90 @@ class DecoderModel(nn.Module):
             return logits.float()
         return out.copy_(logits)
 
-    # --- HF checkpoint names -> this model's (fused) parameters -------------------------------------------
+    # --- HF checkpoint names -> this model's (fused, sharded) parameters
+    # ------------------------------------
 
-    def hf_weight_map(self) -> dict[str, tuple[str, int, int]]:
-        """HF tensor name -> (our parameter name, first row, end row) of the rows of dim 0 it fills."""
-        cfg = self.config
-        q, kv, inter = self.layers[0].self_attn.q_size, self.layers[0].self_attn.kv_size, cfg.intermediate_size
+    def hf_weight_map(self) -> dict[str, WeightSlot]:
+        """HF tensor name -> the WeightSlot saying which slice of it this rank holds, and where."""
+        cfg, shard, d = self.config, self.shard, self.config.head_dim
+        q_first, q_heads = shard.q_heads(cfg)
+        kv_first, kv_heads = shard.kv_heads(cfg)
+        i_first, inter = shard.intermediate(cfg)
+        v_first, v_rows, _ = shard.vocab(cfg)
+        q, kv = q_heads * d, kv_heads * d
         params = dict(self.named_parameters())
-        out: dict[str, tuple[str, int, int]] = {}
+        out: dict[str, WeightSlot] = {}
+
+        def rows(hf: str, ours: str, start: int, count: int, first: int, total: int) -> None:
+            """Rows [first, first + count) of an HF tensor of `total` rows -> our rows [start, start
+            + count)."""
+            if ours in params:
+                full = (total, *params[ours].shape[1:])
+                out[hf] = WeightSlot(ours, start, start + count, 0, first, count, full)
+
+        def columns(hf: str, ours: str, first: int, total: int) -> None:
+            """Columns [first, first + ours' width) of an HF tensor of `total` columns -> all of our
+            rows."""
+            if ours in params:
+                n, width = params[ours].shape
+                out[hf] = WeightSlot(ours, 0, n, 1, first, width, (n, total))
 
         def whole(hf: str, ours: str) -> None:
             if ours in params:
-                out[hf] = (ours, 0, params[ours].shape[0])
+                n = params[ours].shape[0]
+                out[hf] = WeightSlot(ours, 0, n, 0, 0, n, tuple(params[ours].shape))
 
-        whole("model.embed_tokens.weight", "embed_tokens.weight")
+        rows("model.embed_tokens.weight", "embed_tokens.weight", 0, v_rows, v_first, cfg.vocab_size)
+        rows("lm_head.weight", "lm_head.weight", 0, v_rows, v_first, cfg.vocab_size)
         whole("model.norm.weight", "norm.weight")
-        whole("lm_head.weight", "lm_head.weight")
         for i in range(cfg.num_layers):
             hf, ours = f"model.layers.{i}", f"layers.{i}"
             for kind in ("weight", "bias"):
-                if f"{ours}.self_attn.qkv_proj.{kind}" in params:
-                    fused = f"{ours}.self_attn.qkv_proj.{kind}"
-                    out[f"{hf}.self_attn.q_proj.{kind}"] = (fused, 0, q)
-                    out[f"{hf}.self_attn.k_proj.{kind}"] = (fused, q, q + kv)
-                    out[f"{hf}.self_attn.v_proj.{kind}"] = (fused, q + kv, q + 2 * kv)
-                whole(f"{hf}.self_attn.o_proj.{kind}", f"{ours}.self_attn.o_proj.{kind}")
-            out[f"{hf}.mlp.gate_proj.weight"] = (f"{ours}.mlp.gate_up_proj.weight", 0, inter)
-            out[f"{hf}.mlp.up_proj.weight"] = (f"{ours}.mlp.gate_up_proj.weight", inter, 2 * inter)
-            for name in ("mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+                fused = f"{ours}.self_attn.qkv_proj.{kind}"
+                q_rows, kv_rows = cfg.num_heads * d, cfg.num_kv_heads * d
+                rows(f"{hf}.self_attn.q_proj.{kind}", fused, 0, q, q_first * d, q_rows)
+                rows(f"{hf}.self_attn.k_proj.{kind}", fused, q, kv, kv_first * d, kv_rows)
+                rows(f"{hf}.self_attn.v_proj.{kind}", fused, q + kv, kv, kv_first * d, kv_rows)
+            columns(f"{hf}.self_attn.o_proj.weight", f"{ours}.self_attn.o_proj.weight", q_first * d,
+                    cfg.num_heads * d)
+            whole(f"{hf}.self_attn.o_proj.bias", f"{ours}.self_attn.o_proj.bias")
+            gate_up = f"{ours}.mlp.gate_up_proj.weight"
+            rows(f"{hf}.mlp.gate_proj.weight", gate_up, 0, inter, i_first, cfg.intermediate_size)
+            rows(f"{hf}.mlp.up_proj.weight", gate_up, inter, inter, i_first, cfg.intermediate_size)
+            columns(f"{hf}.mlp.down_proj.weight", f"{ours}.mlp.down_proj.weight", i_first,
+                    cfg.intermediate_size)
+            for name in ("input_layernorm.weight", "post_attention_layernorm.weight",
                          "self_attn.q_norm.weight", "self_attn.k_norm.weight"):
                 whole(f"{hf}.{name}", f"{ours}.{name}")
         return out
 
     @torch.no_grad()
-    def load_hf_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_hf_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                        presliced: bool = False) -> None:
         """Copy HF-named tensors into our parameters (slices of the fused ones), casting to the model dtype.
 
-        Raises ValueError for a shape mismatch, for unknown tensors, and, at the end, for unfilled parameters.
+        Each tensor is whole (this rank's slice is cut here), or with presliced=True already its
+        slice (as iter_safetensors(..., slots) reads them). Raises ValueError for a shape mismatch,
+        for unknown tensors, and, at the end, for unfilled parameters. The vocabulary rows past the
+        real ones (a shard's padding) are zeros.
         """
         weight_map = self.hf_weight_map()
         params = dict(self.named_parameters())
         seen: set[str] = set()
         unknown: list[str] = []
         for name, tensor in named_tensors:
-            target = weight_map.get(name)
-            if target is None:
+            slot = weight_map.get(name)
+            if slot is None:
                 if not _ignorable(name, self.config):
                     unknown.append(name)
                 continue
-            ours, start, end = target
-            dest = params[ours][start:end]
+            if not presliced:
+                shape = tuple(tensor.shape)
+                if shape != slot.full:
+                    raise ValueError(f"weights: {name} has shape {shape} but the model expects "
+                                     f"{slot.full}")
+                tensor = tensor.narrow(slot.dim, slot.first, slot.count)
+            dest = params[slot.param][slot.start : slot.end]
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise ValueError(
                     f"weights: {name} has shape {tuple(tensor.shape)} but the model expects {tuple(dest.shape)}"
@@ -224,6 +309,16 @@ class DecoderModel(nn.Module):
         missing = sorted(set(weight_map) - seen)
         if missing:
             raise ValueError(f"weights: missing tensors: {_few(missing)}")
+        self.zero_vocab_padding()
+
+    @torch.no_grad()
+    def zero_vocab_padding(self) -> None:
+        """Zero the rows of the embedding table and lm_head past the vocabulary (the last shard's
+        padding)."""
+        _, real, _ = self.shard.vocab(self.config)
+        for table in (self.embed_tokens, self.lm_head):
+            if table is not None and table.weight.shape[0] > real:
+                table.weight[real:].zero_()
 
 
 def _ignorable(name: str, cfg: ModelConfig) -> bool:
@@ -245,9 +340,12 @@ def build_model(
     device: torch.device | str,
     attn_backend=None,
     param_device: torch.device | str | None = None,
+    shard: Shard = SINGLE,
+    comm=None,
 ) -> DecoderModel:
     """An empty (unloaded) DecoderModel with parameters allocated once, on `device` (or `param_device`), in
-    `dtype`."""
+    `dtype`; under tensor parallelism, the slice `shard` of it, with its collectives through
+    `comm`."""
     from engine.config import SUPPORTED_ARCHITECTURES, resolve_dtype
 
     if model_config.family not in SUPPORTED_ARCHITECTURES.values():
@@ -262,4 +360,4 @@ def build_model(
         from engine.attention import select_backend
 
         attn_backend = select_backend(device, attn_backend or "auto")
-    return DecoderModel(model_config, dtype, device, attn_backend, param_device).eval()
+    return DecoderModel(model_config, dtype, device, attn_backend, param_device, shard, comm).eval()

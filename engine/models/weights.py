@@ -1,5 +1,9 @@
 """Loads a DecoderModel's weights: from a pack in the final layout through the streaming loader when one exists,
 otherwise from HF safetensors (sharded or not), writing the pack for next time. Never transformers, never pickle.
+
+Under tensor parallelism each rank loads and packs only its own slice (one pack per rank,
+cache.pack.shard_name), so each GPU streams its own bytes at start. load_format "dummy" fills random
+weights on the device (benchmarks).
 """
 # The model code (and triton with it) is imported inside the functions that build a model, so preload_weights can
 # start the stream right after `import torch`, before the rest of the engine imports.
@@ -17,11 +21,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from cache.loader import LoadStats, PackError, PackWriter, discard_preloads, load_pack, preload, read_pack
+from cache.loader import (LoadStats, PackError, PackWriter, discard_preloads, load_pack, preload,
+                          read_pack, shard_name)
 from engine.config import EngineArgs, ModelConfig, resolve_dtype
+from engine.distributed.sharding import SINGLE, Shard
 
 if TYPE_CHECKING:
-    from engine.models.decoder import DecoderModel
+    from engine.models.decoder import DecoderModel, WeightSlot
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +37,7 @@ MANIFEST_FILE = "coldbrew-manifest.json"  # written by cache.snapshot: when pres
 PACKS_DIR = "packs"
 # Bump when the parameter names, fusions or byte layout of the pack change: old packs then no longer match.
 PACK_LAYOUT_VERSION = 1
-LOAD_FORMATS = ("auto", "pack", "safetensors")
+LOAD_FORMATS = ("auto", "pack", "safetensors", "dummy")
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -56,12 +62,24 @@ def safetensors_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, n) for n in found]
 
 
-def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, CPU tensor) for every tensor of the checkpoint, one at a time."""
+def iter_safetensors(model_dir: str, slots: dict[str, "WeightSlot"] | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every tensor of the checkpoint, one at a time. With `slots` (a model's
+    hf_weight_map), a tensor it names is read as its slot's slice only (then presliced=True)."""
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                slot = slots.get(name) if slots is not None else None
+                part = f.get_slice(name) if slot is not None else None
+                if part is not None and tuple(part.get_shape()) != slot.full:
+                    shape = tuple(part.get_shape())
+                    raise ValueError(f"weights: {name} has shape {shape} but the model expects "
+                                     f"{slot.full}")
+                if part is None or slot.count == slot.full[slot.dim]:  # not the model's, or whole
+                    yield name, f.get_tensor(name)
+                    continue
+                cut = slice(slot.first, slot.first + slot.count)
+                yield name, part[cut] if slot.dim == 0 else part[:, cut]
 
 
 # ---- which pack belongs to this checkpoint ------------------------------------------------------------------
@@ -81,16 +99,23 @@ def model_digest(model_dir: str) -> str:
     return h.hexdigest()
 
 
-def pack_key(model_dir: str, dtype: torch.dtype) -> dict:
-    """What a pack must match to be used: the checkpoint's bytes, the final dtype and the engine's layout."""
-    return {"format": "coldbrew-weights", "model_digest": model_digest(model_dir),
-            "dtype": _dtype_name(dtype), "layout_version": PACK_LAYOUT_VERSION}
+def pack_key(model_dir: str, dtype: torch.dtype, shard: Shard = SINGLE) -> dict:
+    """What a pack must match to be used: the checkpoint's bytes, the final dtype, the engine's
+    layout and, for a tensor-parallel rank, which slice it holds."""
+    key = {"format": "coldbrew-weights", "model_digest": model_digest(model_dir),
+           "dtype": _dtype_name(dtype), "layout_version": PACK_LAYOUT_VERSION}
+    if shard.size > 1:
+        key["shard"] = [shard.rank, shard.size]
+    return key
 
 
-def pack_path(model_dir: str, dtype: torch.dtype, pack_dir: str | None = None) -> str:
-    """<pack_dir or model_dir/packs>/<digest[:16]>-<dtype>-v<layout>.cbpack"""
+def pack_path(model_dir: str, dtype: torch.dtype, pack_dir: str | None = None,
+              shard: Shard = SINGLE) -> str:
+    """<pack_dir or model_dir/packs>/<digest[:16]>-<dtype>-v<layout>.cbpack (a rank's:
+    cache.pack.shard_name)"""
     key = pack_key(model_dir, dtype)
-    name = f"{key['model_digest'][:16]}-{key['dtype']}-v{PACK_LAYOUT_VERSION}.cbpack"
+    whole = f"{key['model_digest'][:16]}-{key['dtype']}-v{PACK_LAYOUT_VERSION}.cbpack"
+    name = shard_name(whole, shard.rank, shard.size)
     return os.path.join(pack_dir or os.path.join(model_dir, PACKS_DIR), name)
 
 
@@ -114,10 +139,11 @@ def preload_weights(args: EngineArgs) -> bool:
     Never raises: the real load reports any problem."""
     try:
         device = args.torch_device()
-        if device.type != "cuda" or args.load_format == "safetensors":
+        if device.type != "cuda" or args.load_format in ("safetensors", "dummy"):
             return False
         cfg = ModelConfig.from_dir(args.model)
-        path = pack_path(args.model, resolve_dtype(args.dtype, cfg, device), args.pack_dir)
+        shard = Shard(0, args.tensor_parallel_size)  # this process is rank 0
+        path = pack_path(args.model, resolve_dtype(args.dtype, cfg, device), args.pack_dir, shard)
         if not os.path.isfile(path):
             return False
         return preload(path, device) is not None
@@ -135,12 +161,16 @@ def load_model(
     *,
     pack_dir: str | None = None,
     load_format: str = "auto",
+    shard: Shard = SINGLE,
+    comm=None,
 ) -> "DecoderModel":
-    """Build the model on `device` in `dtype` and fill it.
+    """Build the model on `device` in `dtype` and fill it (a tensor-parallel rank: its `shard`, with
+    collectives `comm`).
 
     load_format "auto": from the pack when a valid one matches (model digest, dtype, layout), else from safetensors,
     then write the pack (a failure to write logs one line); "pack": the same, but a failure to write the pack
-    raises; "safetensors": never read or write a pack. `model.load_stats` says what happened.
+    raises; "safetensors": never read or write a pack; "dummy": random weights made on the device,
+    nothing read. `model.load_stats` says what happened.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
@@ -149,25 +179,30 @@ def load_model(
         dtype = resolve_dtype(dtype, model_config, device)
     from engine.models.decoder import build_model
 
-    if load_format == "safetensors":
+    if load_format in ("safetensors", "dummy"):
         discard_preloads()
-        model = build_model(model_config, dtype, device, attn_backend)
-        model.load_hf_weights(iter_safetensors(model_dir))
-        model.load_stats = {"source": "safetensors"}
+        model = build_model(model_config, dtype, device, attn_backend, shard=shard, comm=comm)
+        if load_format == "dummy":
+            fill_random(model)
+        else:
+            slices = iter_safetensors(model_dir, model.hf_weight_map())
+            model.load_hf_weights(slices, presliced=True)
+        model.load_stats = {"source": load_format}
         model.wait_weights = lambda: None
         return model
-    path = pack_path(model_dir, dtype, pack_dir)
-    key = pack_key(model_dir, dtype)
+    path = pack_path(model_dir, dtype, pack_dir, shard)
+    key = pack_key(model_dir, dtype, shard)
     discard_preloads(keep=path)  # a preload of another file would hold device memory for nothing
     try:
-        return load_model_from_pack(path, key, model_config, dtype, device, attn_backend)
+        return load_model_from_pack(path, key, model_config, dtype, device, attn_backend,
+                                    shard=shard, comm=comm)
     except (FileNotFoundError, NotADirectoryError):
         discard_preloads()
     except (PackError, OSError) as e:
         discard_preloads()
         log.warning("weights: %s; loading safetensors and rebuilding the pack", e)
-    model = build_model(model_config, dtype, device, attn_backend)
-    model.load_hf_weights(iter_safetensors(model_dir))
+    model = build_model(model_config, dtype, device, attn_backend, shard=shard, comm=comm)
+    model.load_hf_weights(iter_safetensors(model_dir, model.hf_weight_map()), presliced=True)
     model.load_stats = {"source": "safetensors", "pack_written": None}
     model.wait_weights = lambda: None
     try:
@@ -183,7 +218,8 @@ def load_model(
 
 def load_model_from_pack(
     path: str, key: dict | None, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
-    attn_backend=None, overlap: bool | None = None, **loader_options,
+    attn_backend=None, overlap: bool | None = None, shard: Shard = SINGLE, comm=None,
+    **loader_options,
 ) -> "DecoderModel":
     """The model with every parameter a view into one device buffer streamed from the pack at `path`.
 
@@ -196,7 +232,8 @@ def load_model_from_pack(
     pack = read_pack(path)
     if key is not None and any(pack.metadata.get(k) != v for k, v in key.items()):
         raise PackError(f"pack {path}: built for {pack.metadata}, not for {key}")
-    model = build_model(model_config, dtype, device, attn_backend, param_device="meta")
+    model = build_model(model_config, dtype, device, attn_backend, param_device="meta", shard=shard,
+                        comm=comm)
     params = dict(model.named_parameters())
     want = {n: (_dtype_name(p.dtype), tuple(p.shape)) for n, p in params.items()}
     have = {e.name: (e.dtype, e.shape) for e in pack.entries}
@@ -258,6 +295,20 @@ def _wait_hooks(model: "DecoderModel", load, finished):
     handles += [m.register_forward_pre_hook(wait_group(g)) for g, m in modules if g in groups]
     handles.append(model.norm.register_forward_pre_hook(wait_all))
     return wait_all
+
+
+@torch.no_grad()
+def fill_random(model: "DecoderModel", seed: int = 0) -> None:
+    """Benchmark weights made where the parameters live: norms 1, everything else N(0, 0.02) (as
+    bench/checkpoint.py synthesizes checkpoints); the vocabulary padding stays zero."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed + model.shard.rank)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
+    model.zero_vocab_padding()
 
 
 def write_model_pack(model: nn.Module, path: str, key: dict) -> str:
