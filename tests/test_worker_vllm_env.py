@@ -117,8 +117,8 @@ def test_free_form_values_are_not_repeated_in_the_error():
 def test_names_are_matched_whatever_their_case_as_the_settings_are():
     settings = load_settings({"max_model_len": "auto", "tokenizer": "org/tok"})
     assert settings.tokenizer_name == "org/tok" and settings.max_model_len is None
-    line = _refusal_lines({"tensor_parallel_size": "2"})[0]
-    assert line.startswith("invalid environment: TENSOR_PARALLEL_SIZE:")
+    line = _refusal_lines({"pipeline_parallel_size": "2"})[0]
+    assert line.startswith("invalid environment: PIPELINE_PARALLEL_SIZE:")
 
 
 def test_docs_hold_the_generated_tables():
