@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from handler.config import Settings, SettingsError, load_settings
-from handler.engine_boot import EngineBoot
+from handler.engine_boot import EngineBoot, begin
 from handler.job_timing import TimedEngine
 from handler.metrics import Metrics
 from handler.routes import ROUTES, SSE_DONE, ApiError, ChunkStream, OpenAIRoutes, sse
@@ -228,11 +228,12 @@ async def _watch_engine(boot: EngineBoot, server) -> None:
             server.should_exit = True
 
 
-def serve(settings: Settings, host: str, port: int) -> int:
-    """Run the server until SIGINT/SIGTERM (graceful: in-flight requests finish) or a dead engine (exit 1)."""
+def serve(settings: Settings, host: str, port: int, boot: EngineBoot | None = None) -> int:
+    """Run the server until SIGINT/SIGTERM (graceful: in-flight requests finish) or a dead engine
+    (exit 1). boot: the engine's start if already begun (handler.__main__.begin); None: begin it."""
     import uvicorn
 
-    boot = EngineBoot(settings).start()  # load while uvicorn starts
+    boot = boot or EngineBoot(settings).start()  # load while uvicorn starts
     app = build_app(settings, boot)
     sock = _bind(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
@@ -253,18 +254,20 @@ def serve(settings: Settings, host: str, port: int) -> int:
     return 1 if server.engine_dead else 0
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, boot: EngineBoot | None = None) -> None:
+    """boot: the engine's start, already begun by the entry point before this module's imports (its
+    settings are the server's); None: load the settings and begin it here."""
     ap = argparse.ArgumentParser(prog="python -m handler serve", description=__doc__)
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
     args = ap.parse_args(argv)
-    try:
-        settings = load_settings()
-    except SettingsError as e:
-        print(f"coldbrew: {e}", file=sys.stderr)
-        sys.exit(2)
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    sys.exit(serve(settings, args.host, args.port))
+    if boot is None:
+        try:
+            boot = begin(load_settings())
+        except SettingsError as e:
+            print(f"coldbrew: {e}", file=sys.stderr)
+            sys.exit(2)
+    sys.exit(serve(boot.settings, args.host, args.port, boot))
 
 
 if __name__ == "__main__":
