@@ -1,18 +1,31 @@
-"""Where the first token's time goes once torch is up: cProfile of the engine's imports, its build and the first
-one-token generate, in a fresh process, with the weights already on the GPU (streamed during `import torch`).
+"""Where a cold start's time goes, function by function: cProfile of the one start sequence
+(warmup.start, as the worker runs it: the weights streaming while torch imports) and of the first
+one-token generate, in a fresh process.
 
-`python -m bench.first_token_profile MODEL_DIR [--top 40]`: run it twice (the first run writes the pack).
+`python -m bench.first_token_profile MODEL_DIR [--top 40]`: run it twice (the first run writes the
+pack).
 """
+
 from __future__ import annotations
 
 import argparse
+import asyncio
 import cProfile
 import io
 import pstats
 import sys
+import tempfile
 import time
 
 T0 = time.perf_counter()
+
+
+async def _one_token(engine, request_id: str, prompt: list[int]) -> None:
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    async for _ in engine.generate(request_id, prompt, params):
+        pass
 
 
 def main() -> None:
@@ -20,41 +33,37 @@ def main() -> None:
     ap.add_argument("model_dir")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument(
+        "--cache-dir",
+        default=None,
+        help="the start's cache (start pages); default: a temporary one",
+    )
     args = ap.parse_args()
-    import cache.device_stream
-    from warmup.start import start_warmup
+    from warmup.start import EngineStart, StartArgs
 
-    warm = start_warmup()
-    cache.device_stream.start(args.model_dir)
-    import torch
-
-    torch.zeros(1, device="cuda")
-    torch.cuda.synchronize()
-    stamps = {"torch_and_cuda": time.perf_counter() - T0}
-    if warm is not None:
-        warm.install()
+    start = EngineStart(
+        StartArgs(
+            model=args.model_dir,
+            cache_dir=args.cache_dir or tempfile.mkdtemp(),
+            device=args.device,
+            engine_options={"dtype": "bfloat16", "max_model_len": 4096},
+        )
+    )
     prof = cProfile.Profile()
-    prof.enable()
-    t = time.perf_counter()
-    from engine import LLM, SamplingParams
-
-    stamps["engine_imports"] = time.perf_counter() - t
-    t = time.perf_counter()
-    llm = LLM(model=args.model_dir, dtype="bfloat16", device="cuda", max_model_len=4096)
-    torch.cuda.synchronize()
-    stamps["engine_build"] = time.perf_counter() - t
+    prof.enable()  # this thread: the start runs here (run(), not begin())
+    engine = start.run()
+    stamps = {"start": time.perf_counter() - T0}
     prompt = [(1000 + 7 * i) % 30000 for i in range(args.prompt_len)]
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     t = time.perf_counter()
-    llm.generate([prompt], params)
-    torch.cuda.synchronize()
+    asyncio.run(_one_token(engine, "first", prompt))
     stamps["first_generate"] = time.perf_counter() - t
     prof.disable()
     t = time.perf_counter()
-    llm.generate([[p + 1 for p in prompt]], params)
-    torch.cuda.synchronize()
+    asyncio.run(_one_token(engine, "second", [p + 1 for p in prompt]))
     stamps["second_generate"] = time.perf_counter() - t
-    print({k: round(v, 3) for k, v in stamps.items()})
+    print({k: round(v, 3) for k, v in {**stamps, **start.phases}.items()})
+    engine.shutdown()
     for key in ("cumulative", "tottime"):
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats(key).print_stats(args.top)

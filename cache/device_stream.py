@@ -1,9 +1,11 @@
 """The worker's side of the device stream: weights reach the GPU while the worker is still importing torch.
 
-`start(model_dir)` (stdlib only; the first thing a worker does) spawns cache.stream_process, which fills one
-shareable GPU allocation from the pack. Once torch is up, the engine's load_pack of that pack takes it over: the
-allocation is mapped into torch's CUDA context (a few ms) and becomes one device buffer whose views are the
-parameters, exactly as the in-process loader's. Each layer is ready once the process reports its bytes copied.
+`start_weights(model_dir, device)` (stdlib only; the start sequence calls it before `import torch`)
+starts the device stream, else the page-cache prefetch. `start(model_dir)` spawns
+cache.stream_process, which fills one shareable GPU allocation from the pack. Once torch is up, the
+engine's load_pack of that pack takes it over: the allocation is mapped into torch's CUDA context (a
+few ms) and becomes one device buffer whose views are the parameters, exactly as the in-process
+loader's. Each layer is ready once the process reports its bytes copied.
 
 Anything that goes wrong (no driver, no virtual-memory support, the process dies) logs one line and the engine
 loads the pack in-process instead.
@@ -22,6 +24,7 @@ import time
 from cache import cuda_driver as cu
 from cache.loader import DEFAULT_CHUNK_BYTES, LoadStats, group_spans, register_pending, tensor_views
 from cache.pack import find_packs, read_pack
+from cache.prefetch import prefetch
 
 log = logging.getLogger(__name__)
 
@@ -227,3 +230,19 @@ def start(path: str, device: str = "cuda", threads: int = STREAM_THREADS, chunk_
     stream = DeviceStream(os.path.realpath(path), int(index or 0), threads, chunk_bytes, start_pages)
     register_pending(path, stream)
     return stream
+
+
+def start_weights(model_dir: str, device: str = "auto", start_pages: str | None = None,
+                  shard: tuple[int, int] = (0, 1)) -> str:
+    """Set a model's weights moving, before torch is imported: its pack straight to the GPU from a
+    separate process (after the start path's recorded pages, `start_pages`, when the disk is cold),
+    else its files into the page cache by stdlib threads (on CPU, without a pack or a driver).
+    Either way the engine's load_pack of the pack takes what arrived. `shard` (rank, size): under
+    tensor parallelism, the rank's own pack. Returns which one started: "device_stream" or
+    "prefetch"."""
+    if device != "cpu":
+        gpu = "cuda" if device == "auto" else device
+        if start(model_dir, gpu, start_pages=start_pages, shard=shard) is not None:
+            return "device_stream"
+    prefetch(model_dir)
+    return "prefetch"

@@ -117,8 +117,6 @@ class StreamingLoad:
         self.mode = self._choose_mode(direct)
         # A prefetch still reading this file: the readers follow it instead of queueing disk reads of their own.
         self._prefetch = _ACTIVE.get(os.path.realpath(pack.path)) if self.mode == "buffered" else None
-        if self._prefetch is not None:
-            self._prefetch.boost()  # torch is up: nothing of the start path's imports waits on the disk any more
         self.chunk_bytes = chunk_bytes
         self._chunks = [(off, min(chunk_bytes, pack.data_end - off))
                         for off in range(pack.data_offset, pack.data_end, chunk_bytes)]

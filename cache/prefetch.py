@@ -8,7 +8,6 @@ import ctypes
 import ctypes.util
 import logging
 import os
-import sys
 import threading
 import time
 from typing import Any
@@ -17,11 +16,7 @@ from cache.pack import find_packs
 
 log = logging.getLogger(__name__)
 
-# Caches dropped on the H100, a 16 GB pack: `import torch` beside the prefetch is starved of the disk whatever the
-# prefetch's depth (alone 4.0-5.9 s; beside 1 x 4 MiB reads 10.8 s, 1 x 16 MiB 12.5 s, 8 x 64 MiB 13.3-15.2 s, one
-# 1 MiB read until boost() 9.0 s), while the prefetch reaches the disk's rate only with many reads in flight
-# (0.9 GB/s at 1 x 16 MiB, 1.4-1.6 GB/s at 8 x 64 MiB). Every setting measured lands at 18-19 s to the first token
-# (README, "Cold start"); the deep one finishes the weights first.
+# Many reads in flight: a disk reaches its rate only so.
 PREFETCH_THREADS = 8
 PREFETCH_CHUNK_BYTES = 64 << 20
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -82,8 +77,10 @@ _LIBC: Any = False
 def _libc():
     global _LIBC
     if _LIBC is False:
-        try:
-            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        try:  # the interpreter's own symbols hold libc's (find_library would run `ldconfig -p`)
+            lib = ctypes.CDLL(None, use_errno=True)
+            if not hasattr(lib, "mincore"):
+                lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
             lib.mmap.restype = ctypes.c_void_p
             lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                  ctypes.c_long]
@@ -101,17 +98,8 @@ class Prefetch:
 
     The constructor only starts it. `wait()` blocks until done. It never raises: a prefetch is only a hint."""
 
-    def __init__(self, paths: list[str], threads: int, chunk_bytes: int, lead=None, gentle_bytes: int = 0) -> None:
-        """lead: a callable listing files to read before `paths` (run on the prefetch thread, not the caller's).
-        gentle_bytes: until boost(), one thread reads in pieces of this size (a short disk queue, so the imports'
-        own small reads are not starved); then all threads read whole chunks. 0: full depth from the start."""
+    def __init__(self, paths: list[str], threads: int, chunk_bytes: int) -> None:
         self.paths = paths
-        self._gentle = gentle_bytes
-        self._boosted = threading.Event()
-        if not gentle_bytes:
-            self._boosted.set()
-        self._planned = False
-        self._helpers: list[threading.Thread] | None = None  # None: not started yet
         self.bytes_read = 0
         self.started = time.perf_counter()
         self.finished: float | None = None
@@ -124,35 +112,15 @@ class Prefetch:
             _ACTIVE[os.path.realpath(p)] = self
         self._threads = threads
         self._chunk_bytes = chunk_bytes
-        self._main = threading.Thread(target=self._plan_and_run, args=(lead,), daemon=True, name="prefetch")
+        self._main = threading.Thread(target=self._plan_and_run, daemon=True, name="prefetch")
         self._main.start()
 
-    @property
-    def boosted(self) -> bool:
-        """True once reading at full depth (always, without gentle_bytes)."""
-        return self._boosted.is_set()
-
-    def boost(self) -> None:
-        """Read at full depth from now on (the caller's imports are done); a no-op when already so."""
-        self._boosted.set()
-        self._start_helpers()
-
-    def _start_helpers(self) -> None:
-        with self._cond:
-            if self._helpers is not None or not self._planned or not self._boosted.is_set():
-                return
-            self._helpers = [threading.Thread(target=self._run, daemon=True, name=f"prefetch-{i}")
-                             for i in range(1, max(1, min(self._threads, len(self._work))))]
-            for t in self._helpers:
-                t.start()
-
-    def _plan_and_run(self, lead) -> None:
+    def _plan_and_run(self) -> None:
         chunk_bytes = self._chunk_bytes
         try:
             work: list[tuple[str, int, int]] = []
             spans: dict[str, list[int]] = {}
-            lead_paths = [p for p in (lead() if lead else []) if p not in self.paths]
-            for p in lead_paths + self.paths:
+            for p in self.paths:
                 size = os.path.getsize(p)
                 vec = page_residency(p, 0, None)
                 first = len(work)
@@ -161,13 +129,12 @@ class Prefetch:
                 spans[os.path.realpath(p)] = [first, len(work)]
             with self._cond:
                 self._work, self._done, self._spans = work, bytearray(len(work)), spans
-                self._planned = True
                 self._cond.notify_all()
-            self._start_helpers()
+            helpers = [threading.Thread(target=self._run, daemon=True, name=f"prefetch-{i}")
+                       for i in range(1, max(1, min(self._threads, len(work))))]
+            for t in helpers:
+                t.start()
             self._run()
-            with self._cond:  # no helper starts after this; wait for those that did
-                helpers = self._helpers or []
-                self._helpers = helpers
             for t in helpers:
                 t.join()
         except OSError as e:
@@ -195,9 +162,8 @@ class Prefetch:
                 if fd is None:
                     fd = fds[path] = os.open(path, os.O_RDONLY)
                 got = 0
-                while got < n:  # one read per item at full depth; pieces of gentle_bytes until boosted
-                    step = n - got if self._boosted.is_set() else min(self._gentle, n - got)
-                    step = os.preadv(fd, [buf[got: got + step]], off + got)
+                while got < n:
+                    step = os.preadv(fd, [buf[got:n]], off + got)
                     if step == 0:
                         break
                     got += step
@@ -244,41 +210,18 @@ def _all_resident(vec: bytes, offset: int, length: int) -> bool:
     return 0 not in vec[first:last]
 
 
-def import_files() -> list[str]:
-    """The shared libraries and compiled modules `import torch` (and triton, the CUDA wheels) read, found without
-    importing them: reading these first, in big sequential reads, spares the import random reads on a busy disk."""
-    import importlib.util
-
-    roots = []
-    for name in ("torch", "triton", "nvidia"):
-        try:
-            spec = importlib.util.find_spec(name)
-        except (ImportError, ValueError):
-            continue
-        roots += list(spec.submodule_search_locations or []) if spec else []
-    tag = f".{sys.implementation.cache_tag}."
-    out = []
-    for root in roots:
-        for here, dirs, names in os.walk(root):
-            dirs[:] = [d for d in dirs if d not in ("include", "test", "tests", "testing", "share")]
-            out += [os.path.join(here, n) for n in names if ".so" in n or (n.endswith(".pyc") and tag in n)]
-    return sorted(out, key=lambda p: (".so" in os.path.basename(p), p))  # the many small .pyc first
-
-
-def prefetch(path: str, threads: int = PREFETCH_THREADS, chunk_bytes: int = PREFETCH_CHUNK_BYTES,
-             imports_first: bool = False, gentle_bytes: int = 0) -> Prefetch:
+def prefetch(path: str, threads: int = PREFETCH_THREADS,
+             chunk_bytes: int = PREFETCH_CHUNK_BYTES) -> Prefetch:
     """Start reading weights into the page cache now, in daemon threads, and return at once.
 
     `path` is a pack file, or a model directory: its newest pack under `packs/` if there is one, else its
     *.safetensors files. Imports only the stdlib, so a worker calls it first thing and `import torch` overlaps
     the disk reads; pages already cached are skipped. A later load_pack of the same file reads through the
-    page cache (not O_DIRECT) while this runs. imports_first: read import_files() before the weights.
-    gentle_bytes: read one piece of that size at a time until boost() (a loader following this prefetch boosts it).
+    page cache (not O_DIRECT) while this runs.
     """
     if os.path.isdir(path):
         packs = find_packs(os.path.join(path, "packs"))
         paths = packs[:1] or sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
     else:
         paths = [path]
-    return Prefetch(paths, threads, chunk_bytes, lead=import_files if imports_first else None,
-                    gentle_bytes=gentle_bytes)
+    return Prefetch(paths, threads, chunk_bytes)

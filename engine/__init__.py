@@ -12,7 +12,7 @@ _EXPORTS = {
     "LLM": "engine.llm",
     "AsyncLLM": "engine.llm",
     "EngineArgs": "engine.config",
-    "SamplingParams": "engine.sampling",
+    "SamplingParams": "engine.sampling_params",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
     "Logprob": "engine.outputs",
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from engine.config import EngineArgs
     from engine.llm import LLM, AsyncLLM
     from engine.outputs import CompletionOutput, Logprob, RequestOutput
-    from engine.sampling import SamplingParams
+    from engine.sampling_params import SamplingParams
 
 
 def __getattr__(name: str):

@@ -19,7 +19,8 @@ from engine.config import EngineArgs, ModelConfig, resolve_dtype
 from engine.kv import KVCacheManager
 from engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from engine.runner import LaunchedStep, ModelRunner
-from engine.sampling import SamplingParams, SamplingRow
+from engine.sampling import SamplingRow
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Request, Sequence, SequenceStatus
 from engine.detokenizer import IncrementalDetokenizer

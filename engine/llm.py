@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from engine.config import EngineArgs
 from engine.core import EngineCore, EngineStats, PromptType, RequestFailed
 from engine.outputs import RequestOutput
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,8 @@ from engine.distributed.sharding import SINGLE
 from engine.memory_budget import FIXED_SLACK_BYTES, FRAGMENTATION, step_peak_bytes
 from engine.models import load_model
 from engine.outputs import PositionLogprobs
-from engine.sampling import DeviceSample, Sampler, SamplerOutput, SamplingParams, SamplingRow, prompt_logprobs
+from engine.sampling import DeviceSample, Sampler, SamplerOutput, SamplingRow, prompt_logprobs
+from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 from engine.step_inputs import InputStager

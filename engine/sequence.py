@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.outputs import PositionLogprobs, RequestMetrics
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.detokenizer import IncrementalDetokenizer

@@ -1,12 +1,29 @@
 """`python -m handler`: the RunPod worker; `python -m handler serve ...`: the OpenAI HTTP server; `chat`: a local chat.
 
 Worker flags are the runpod SDK's own (--rp_serve_api --rp_api_host H --rp_api_port N, --test_input JSON, ...).
+The worker and the server begin the same way: settings, then the engine's start (the weights
+moving), and only then their own imports (the SDK; FastAPI and uvicorn), which run beside
+`import torch` on the start's thread.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import sys
+
+
+def begin():
+    """The settings from the environment, logging, and the engine's start (warmup.start's sequence,
+    through EngineBoot): returns the started EngineBoot once the weights are moving, or None when
+    the settings are invalid (the entry point then reports them in its own words)."""
+    from handler.config import SettingsError, load_settings
+    from handler.engine_boot import begin as begin_boot
+
+    try:
+        settings = load_settings()
+    except SettingsError:
+        return None
+    return begin_boot(settings)
 
 
 def chat(argv: list[str]) -> None:
@@ -51,17 +68,19 @@ def chat(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:
+        boot = None if {"-h", "--help"} & set(argv) else begin()
         from handler.server import main as serve
 
-        serve(argv[1:])
+        serve(argv[1:], boot=boot)
     elif argv[:1] == ["chat"]:
         chat(argv[1:])
     elif argv[:1] in (["-h"], ["--help"]):
         print(__doc__)
     else:
+        boot = begin()
         from handler.worker import main as worker
 
-        worker(argv)
+        worker(argv, boot=boot)
 
 
 if __name__ == "__main__":

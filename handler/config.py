@@ -218,15 +218,10 @@ class Settings(BaseSettings):
             return Path(self.base_path) / "coldbrew-cache"
         return DEFAULT_LOCAL_CACHE
 
-    def engine_args(self, model_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None):
-        """The engine's arguments for a model already resolved to a local directory."""
-        from engine import EngineArgs
-
-        kwargs: dict[str, Any] = dict(
-            model=str(model_dir),
-            tokenizer=str(tokenizer_dir) if tokenizer_dir is not None else None,
+    def engine_options(self) -> dict[str, Any]:
+        """EngineArgs fields but the model, tokenizer and device, from the settings (no torch)."""
+        return dict(
             dtype=self.dtype,
-            device=self.device,
             max_model_len=self.max_model_len,
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -235,11 +230,20 @@ class Settings(BaseSettings):
             enable_prefix_caching=self.enable_prefix_caching,
             seed=self.seed,
             chat_template=self.custom_chat_template,
+            enforce_eager=self.enforce_eager,
+            load_format=self.load_format,
+            async_scheduling=self.async_scheduling,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
-        kwargs.update(enforce_eager=self.enforce_eager, load_format=self.load_format,
-                      async_scheduling=self.async_scheduling,
-                      tensor_parallel_size=self.tensor_parallel_size)
-        return EngineArgs(**kwargs)  # ENGINE_MODE is applied by the boot (warmup.artifacts.prepare)
+
+    def engine_args(self, model_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None):
+        """The engine's arguments for a model already resolved to a local directory."""
+        from engine import EngineArgs
+
+        tokenizer = str(tokenizer_dir) if tokenizer_dir is not None else None
+        # ENGINE_MODE is applied by the start sequence (warmup.artifacts.prepare)
+        return EngineArgs(model=str(model_dir), tokenizer=tokenizer, device=self.device,
+                          **self.engine_options())
 
 
 _ALLOWED_TEXT = {"block_size": "a power of two in [1, 1024]", "s3_cache_uri": "s3://bucket/prefix",

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from handler.config import Settings, SettingsError, load_settings
-from handler.engine_boot import EngineBoot
+from handler.engine_boot import EngineBoot, begin
 from handler.job_timing import TimedEngine
 from handler.metrics import Metrics
 from handler.routes import ROUTES, SSE_DONE, ApiError, ChunkStream, OpenAIRoutes, sse
@@ -228,11 +228,12 @@ async def _watch_engine(boot: EngineBoot, server) -> None:
             server.should_exit = True
 
 
-def serve(settings: Settings, host: str, port: int) -> int:
-    """Run the server until SIGINT/SIGTERM (graceful: in-flight requests finish) or a dead engine (exit 1)."""
+def serve(settings: Settings, host: str, port: int, boot: EngineBoot | None = None) -> int:
+    """Run the server until SIGINT/SIGTERM (graceful: in-flight requests finish) or a dead engine
+    (exit 1). boot: the engine's start if already begun (handler.__main__.begin); None: begin it."""
     import uvicorn
 
-    boot = EngineBoot(settings).start()  # load while uvicorn starts
+    boot = boot or EngineBoot(settings).start()  # load while uvicorn starts
     app = build_app(settings, boot)
     sock = _bind(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
@@ -253,19 +254,22 @@ def serve(settings: Settings, host: str, port: int) -> int:
     return 1 if server.engine_dead else 0
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, boot: EngineBoot | None = None) -> None:
+    """boot: the engine's start, already begun by the entry point before this module's imports (its
+    settings are the server's); None: load the settings and begin it here."""
     ap = argparse.ArgumentParser(prog="python -m handler serve", description=__doc__)
     ap.add_argument("--host", help="address to listen on (default: 0.0.0.0 if PORT is set, "
                                    "else 127.0.0.1)")
     ap.add_argument("--port", type=int, help="port to listen on; 0 picks a free one "
                                              "(default: PORT, else 8000)")
     args = ap.parse_args(argv)
-    try:
-        settings = load_settings()
-    except SettingsError as e:
-        print(f"coldbrew: {e}", file=sys.stderr)
-        sys.exit(2)
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if boot is None:
+        try:
+            boot = begin(load_settings())
+        except SettingsError as e:
+            print(f"coldbrew: {e}", file=sys.stderr)
+            sys.exit(2)
+    settings = boot.settings
     # RunPod load-balancing endpoints set PORT (and PORT_HEALTH): listen on every interface.
     host = args.host or ("0.0.0.0" if settings.port else "127.0.0.1")
     port = args.port if args.port is not None else settings.port or 8000
@@ -278,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
             HealthPort(host, settings.port_health, host, port).start()
         except OSError as e:
             sys.exit(f"coldbrew: PORT_HEALTH={settings.port_health}: cannot listen on {host}: {e}")
-    sys.exit(serve(settings, host, port))
+    sys.exit(serve(settings, host, port, boot))
 
 
 if __name__ == "__main__":

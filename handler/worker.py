@@ -21,7 +21,7 @@ from typing import Any
 
 from handler.admission import Admission, Ticket
 from handler.config import Settings, SettingsError, load_settings
-from handler.engine_boot import EngineBoot
+from handler.engine_boot import EngineBoot, begin
 from handler.job_timing import JobTiming, TimedEngine, job_metrics
 from handler.jobs import EngineJob, JobAborted, JobInputError, parse_job, run_engine_job, run_openai_job
 
@@ -203,18 +203,24 @@ def _run_local_job(worker: Worker, argv: list[str]) -> int:
     return 1 if "error" in result else 0
 
 
-def main(argv: list[str] | None = None) -> None:
-    """`python -m handler [--rp_serve_api --rp_api_host H --rp_api_port N ...]`: the RunPod worker."""
+def main(argv: list[str] | None = None, boot: EngineBoot | None = None) -> None:
+    """`python -m handler [--rp_serve_api --rp_api_host H --rp_api_port N ...]`: the RunPod worker.
+
+    boot: the engine's start, already begun by the entry point (handler.__main__.begin) before this
+    module's imports; None: begin it here."""
     argv = sys.argv[1:] if argv is None else argv
-    try:
-        settings = load_settings()
-    except SettingsError as exc:
-        sys.exit(f"coldbrew: {exc}")
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    boot = EngineBoot(settings).start()  # loading runs while the SDK starts and polls for jobs
+    if boot is None:
+        try:
+            boot = begin(load_settings())
+        except SettingsError as exc:
+            sys.exit(f"coldbrew: {exc}")
+    settings = boot.settings
     _log_ready_line(boot, argv)
     worker = Worker(settings, boot)
 
+    # The SDK's import waits on a subprocess (py-cpuinfo's CPU probe, run at import by
+    # runpod.serverless.utils.rp_debugger); the wait releases this interpreter's lock, so the
+    # engine's start, begun above, goes on meanwhile.
     import runpod
     from runpod.serverless.modules.rp_logger import RunPodLogger
     from runpod.serverless.modules.worker_state import IS_LOCAL_TEST

@@ -58,3 +58,13 @@ def test_ready_serves_every_waiter_and_survives_a_cancelled_one(smollm2_dir, tmp
         assert any("tokenizers" in name for name, _ in json.loads(pages.read_text())["files"])
     finally:
         first.shutdown()
+
+
+def test_a_tokenizer_that_does_not_resolve_is_named_as_tokenizer_name(smollm2_dir, tmp_path):
+    missing = str(tmp_path / "no-such-tokenizer")
+    boot = EngineBoot(load_settings({"MODEL_NAME": smollm2_dir, "TOKENIZER_NAME": missing,
+                                     "DEVICE": "cpu", "CACHE_DIR": str(tmp_path / "cache")}))
+    wanted = r"^TOKENIZER_NAME=.*no-such-tokenizer.*could not resolve the tokenizer"
+    with pytest.raises(ModelLoadError, match=wanted):
+        boot.load_blocking()
+    assert str(boot.model_dir) == smollm2_dir  # the model itself resolved first

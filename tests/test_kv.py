@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from engine.kv import KVCacheManager, hash_block
 from engine.outputs import RequestMetrics
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.sequence import Request, Sequence
 
 _ids = iter(range(10**6))

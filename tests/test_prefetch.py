@@ -156,32 +156,3 @@ def test_cpu_engine_greedy_output_is_the_same_with_a_preloaded_pack(model_dir):
     assert llm.engine.runner.model.load_stats["source"] == "pack" and started.buffer is not None
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == first
     assert read_pack(pack_path(model_dir, torch.float32)).data_nbytes == started.buffer.numel()
-
-
-def test_import_files_lists_torch_libraries_without_importing_torch():
-    code = ("import sys\nfrom cache.prefetch import import_files\nfiles = import_files()\n"
-            "print(any('/torch/lib/' in f and '.so' in f for f in files), any(f.endswith('.pyc') for f in files),"
-            " 'torch' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["True", "True", "False"]
-
-
-def test_a_prefetch_with_imports_first_still_covers_the_weights(tmp_path):
-    path = write_pack(str(tmp_path / "p.cbpack"), random_tensors(2))
-    p = prefetch(path, threads=4, chunk_bytes=1 << 20, imports_first=True)
-    assert p.wait_covered(path, os.path.getsize(path), timeout=120) and p.wait(120)
-    assert path in p.paths and len(p.paths) == 1  # the import files are read, not registered as weights
-
-
-def test_a_gentle_prefetch_reads_everything_and_a_following_loader_boosts_it(tmp_path):
-    ref = random_tensors(6)
-    path = write_pack(str(tmp_path / "p.cbpack"), ref)
-    p = prefetch(path, threads=4, chunk_bytes=1 << 20, gentle_bytes=64 << 10)
-    assert not p.boosted
-    load = load_pack(path, "cpu", threads=2, chunk_bytes=8192, direct=False)
-    assert p.boosted  # the loader's start ends the gentle phase
-    load.wait()
-    assert p.wait(60) and all(torch.equal(load.tensors[n], t) for n, t in ref.items())
-    q = prefetch(path, threads=2, chunk_bytes=1 << 20, gentle_bytes=4096)  # never boosted: still reads it all
-    assert q.wait(60) and q.wait_covered(path, os.path.getsize(path), timeout=0)

@@ -1,4 +1,4 @@
-"""Tests for engine.sampling: SamplingParams validation and the batched Sampler.
+"""Tests for engine.sampling_params (SamplingParams validation) and engine.sampling (the Sampler).
 
 Each logits transformation is checked against transformers' own logits processors on random logits.
 """
@@ -20,7 +20,6 @@ from engine.outputs import Logprob
 from engine.sampling import (
     Sampler,
     SamplerOutput,
-    SamplingParams,
     SamplingRow,
     apply_banned_tokens,
     apply_penalties,
@@ -28,6 +27,7 @@ from engine.sampling import (
     apply_top_k_top_p_min_p,
     prompt_logprobs,
 )
+from engine.sampling_params import SamplingParams
 
 VOCAB = 512
 

@@ -54,7 +54,7 @@ def test_serve_starts_its_ranks_and_exits_1_when_one_dies(model_dir, tmp_path):
                 "ignore_eos": True}
         out = httpx.post(server.base_url + "/v1/completions", json=body, timeout=120).json()
         assert out["choices"][0]["text"] == ref
-        (rank1,) = _children_running(server.proc.pid, "handler.tp_ranks")
+        (rank1,) = _children_running(server.proc.pid, "warmup.ranks")
 
         # The next step waits for rank 1 inside a collective: the request is in flight for sure.
         os.kill(rank1, signal.SIGSTOP)

@@ -1,35 +1,72 @@
-"""Start-time warm-up: Triton's compiler key, computed by a second interpreter, is the one Triton computes itself.
+"""The one start sequence (warmup.start) from plain arguments: its phases in order, the weights
+moving before torch is imported, and resolve failures that say which reference failed.
 
-Reference: triton.runtime.cache.triton_key's own (uncached) function, run in the same process after the install.
+References: the engine built directly (engine.LLM) from the same directory gives the same greedy
+tokens.
 """
+
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+import asyncio
 
 import pytest
 
-pytest.importorskip("triton")
-REPO = Path(__file__).resolve().parent.parent
+from engine import LLM, SamplingParams
+from tests.tiny_models import make_tiny_model
+from warmup.start import EngineStart, ResolveError, StartArgs, start_engine
 
-_CHECK = """
-import sys
-from warmup.start import Warmup
-import triton.runtime.cache as tc
-import triton.runtime.autotuner as at
-original = tc.triton_key
-w = Warmup()
-assert w.install() is True
-assert tc.triton_key is not original and at.triton_key is tc.triton_key
-assert tc.triton_key() == original.__wrapped__(), "the installed key differs from Triton's own"
-assert Warmup().install() is True  # a second install finds the key already there and changes nothing
-print("ok")
-"""
+ORDER = ["before_boot", "resolve", "stream_start", "import_torch", "preload_start", "engine_mode",
+         "import_engine", "engine", "total"]
+GREEDY = dict(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
-def test_the_installed_key_is_tritons_own():
-    out = subprocess.run([sys.executable, "-c", _CHECK], cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, PYTHONPATH=str(REPO)))
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+async def _greedy(engine, prompt: list[int]) -> list[int]:
+    out = None
+    async for out in engine.generate("r", prompt, SamplingParams(**GREEDY)):
+        pass
+    return out.outputs[0].token_ids
+
+
+def test_a_local_model_starts_through_every_phase_in_order(tmp_path):
+    model_dir = str(tmp_path / "model")
+    make_tiny_model("llama", model_dir)
+    options = {"dtype": "float32", "num_kv_blocks": 32, "block_size": 4, "max_model_len": 64}
+    start = start_engine(StartArgs(model=model_dir, cache_dir=str(tmp_path / "cache"), device="cpu",
+                                   engine_options=options, engine_mode="auto"))
+    assert start.wait_streaming(60)
+    engine = start.future.result(timeout=300)
+    try:
+        assert list(start.phases) == ORDER
+        assert start.weight_stream == "prefetch" and str(start.model_dir) == model_dir
+        assert start.selection.mode == "jit"  # auto on CPU: no compiled engine
+        reference = LLM(model=model_dir, device="cpu", **options)
+        expected = reference.generate([[3, 5, 7, 9]], SamplingParams(**GREEDY))[0].outputs[0]
+        assert asyncio.run(_greedy(engine, [3, 5, 7, 9])) == expected.token_ids
+    finally:
+        engine.shutdown()
+
+
+def test_a_reference_that_does_not_resolve_fails_naming_it(tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    start = EngineStart(StartArgs(model=missing, cache_dir=str(tmp_path / "cache"), device="cpu"))
+    start.begin()
+    assert start.wait_streaming(60)  # a failure before the stream releases the caller too
+    with pytest.raises(ResolveError) as err:
+        start.future.result(timeout=60)
+    assert err.value.role == "model" and err.value.ref == missing and missing in str(err.value)
+    assert list(start.phases) == ["before_boot", "resolve"] and start.weight_stream is None
+
+
+def test_locate_finds_the_model_instead_of_the_cache(tmp_path):
+    calls = []
+
+    def locate() -> str:
+        calls.append(1)
+        raise FileNotFoundError("the demo wheel is missing")
+
+    start = EngineStart(
+        StartArgs(model="demo", cache_dir=str(tmp_path), device="cpu", locate=locate)
+    ).begin()
+    with pytest.raises(ResolveError, match="the demo wheel is missing"):
+        start.future.result(timeout=60)
+    assert calls == [1]

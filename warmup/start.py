@@ -1,62 +1,213 @@
-"""Start-time warm-up: work a cold process would otherwise do on its critical path, done by a separate interpreter
-while this one imports torch. Imports no torch.
+"""The one start sequence: a model reference -> a running AsyncLLM, the weights moving before torch.
 
-Today one item: Triton's compiler key (triton.runtime.cache.triton_key), which hashes Triton's own sources and its
-shared library before the first kernel of a process can be looked up in the on-disk cache: 0.5 s inside the first
-forward on the H100 machine. A thread of this process could compute it too, but loading Triton there holds this
-interpreter's lock and slowed `import torch` by about as much as it saved (measured); a second interpreter does not.
-Its answer is Triton's own function's, run in the same environment a moment earlier; install() hands it to Triton.
+The RunPod worker, the HTTP server and the cold-start benchmark all run it (the handler through
+EngineBoot, which turns its settings into StartArgs). In order, on a thread of its own, each phase
+timed:
+
+  resolve        the model (and tokenizer) reference -> a local snapshot directory (cache.resolve)
+  stream_start   the weights set moving: the pack to the GPU from a second process, else the
+                 page-cache prefetch (cache.device_stream.start_weights); Triton's compiler key
+                 begins in a second interpreter
+  import_torch   `import torch` (the floor of any Python engine), the engine's config and weights
+  preload_start  the engine's load of the pack begins and takes over what is already moving (the
+                 one hand-off of the weights; with a pack, CUDA is initialised here)
+  triton_key     Triton's compiler key, computed meanwhile, handed to Triton
+  engine_mode    ENGINE_MODE: a compiled engine's kernels and records when one matches, else jit
+  import_engine  the engine's modules
+  engine         its build (model, KV cache, tokenizer) while the last weights arrive
+
+`before_boot` is the time from process start to the start of this sequence (interpreter, settings).
+Module-level imports are the stdlib and cache's stdlib-only start modules: importing this costs no
+torch.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import subprocess
-import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cache import start_pages
+from cache.device_stream import start_weights
+from warmup.ranks import launch as launch_ranks
 
 log = logging.getLogger(__name__)
 
-_KEY_CODE = "from triton.runtime.cache import triton_key; print(triton_key())"
+# cache.resolve's keywords that also reach the S3 store of compiled engines
+_S3_KEYS = ("s3_endpoint_url", "aws_access_key_id", "aws_secret_access_key", "aws_region")
 
 
-class Warmup:
-    def __init__(self) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-c", _KEY_CODE], stdout=subprocess.PIPE,
-                                      stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+class ResolveError(RuntimeError):
+    """A reference could not be turned into a local directory: `role` ("model" or "tokenizer") and
+    `ref` say which, `__cause__` why."""
 
-    def install(self, timeout: float = 30.0) -> bool:
-        """Give Triton the key computed meanwhile (waits for it if need be); False if there is none to give."""
-        try:
-            out, _ = self._proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-            return False
-        key = out.decode().strip()
-        if self._proc.returncode != 0 or not key:
-            return False
-        try:
-            import triton.runtime.cache as triton_cache
-        except ImportError:
-            return False
-        original = getattr(triton_cache, "triton_key", None)
-        if original is None or not hasattr(original, "cache_info"):  # another Triton: leave it alone
-            return False
-        if original.cache_info().currsize:  # already computed in this process
-            return True
-        known = functools.lru_cache(maxsize=None)(lambda: key)
-        triton_cache.triton_key = known
-        autotuner = sys.modules.get("triton.runtime.autotuner")  # imported the name before this ran
-        if autotuner is not None and getattr(autotuner, "triton_key", None) is original:
-            autotuner.triton_key = known
-        log.debug("warm-up: Triton's compiler key installed")
-        return True
+    def __init__(self, role: str, ref: str, cause: BaseException):
+        super().__init__(f"{role} {ref!r}: could not resolve it: {cause}")
+        self.role, self.ref = role, ref
 
 
-def start_warmup() -> Warmup | None:
-    """Begin the warm-up; call first thing, before `import torch`, and install() before the engine's first kernel.
-    None without an NVIDIA driver: the CPU engine runs no Triton kernel."""
-    if not os.path.exists("/dev/nvidiactl"):
+@dataclass(frozen=True)
+class StartArgs:
+    """What the start needs, as plain values (the handler fills it from its settings, a benchmark by
+    hand)."""
+
+    model: str  # a hub repo id, s3://bucket/prefix or local directory: what cache.resolve takes
+    cache_dir: str  # the snapshot cache; also holds the start-page record and compiled engines
+    revision: str | None = None
+    tokenizer: str | None = None  # resolved the same way; None: the model's own
+    tokenizer_revision: str | None = None
+    # more of cache.resolve's keywords: token, base_path, baked_dir, remote, S3 credentials, verify
+    resolve_options: dict[str, Any] = field(default_factory=dict)
+    device: str = "auto"  # auto | cuda | cuda:N | cpu
+    # EngineArgs fields, but model, tokenizer and device
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    engine_mode: str = "auto"  # jit | compiled | auto
+    locate: Callable[[], str] | None = None  # finds the model's directory instead of cache.resolve
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started, from Linux's /proc (10 ms resolution); None where that is
+    not there."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime", encoding="ascii") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
         return None
-    return Warmup()
+
+
+class EngineStart:
+    """One run of the start sequence. begin() returns at once; `future` gives the AsyncLLM or the
+    error."""
+
+    def __init__(self, args: StartArgs):
+        self.args = args
+        self.phases: dict[str, float] = {}  # phase -> seconds, in the order they ran
+        self.model_dir: Path | None = None
+        self.weight_stream: str | None = None  # "device_stream" or "prefetch", once started
+        self.selection = None  # warmup.artifacts.Selection: jit or compiled, and why
+        self.future: Future = Future()
+        self._streaming = threading.Event()  # set once the weights move (or the start failed)
+        self._thread: threading.Thread | None = None
+
+    def begin(self) -> EngineStart:
+        """Run the sequence on a daemon thread (once; later calls do nothing)."""
+        if self._thread is None:
+            self.future.set_running_or_notify_cancel()
+            age = process_age_s()
+            if age is not None:
+                self.phases["before_boot"] = age
+            self._thread = threading.Thread(target=self._run, name="coldbrew-start", daemon=True)
+            self._thread.start()
+        return self
+
+    def wait_streaming(self, timeout: float) -> bool:
+        """Wait (at most `timeout` s) until the weights move or the start failed; True if so.
+
+        A caller with imports of its own waits here first: a local snapshot resolves in
+        milliseconds, and the weight stream then starts without sharing this interpreter's lock
+        with them. A download does not hold the caller past `timeout`."""
+        return self._streaming.wait(timeout)
+
+    def _run(self) -> None:
+        try:
+            self.future.set_result(self.run())
+        except BaseException as exc:  # reported to every waiter; the caller decides the rest
+            log.error("engine failed to load: %s", exc)
+            self.future.set_exception(exc)
+        finally:
+            self._streaming.set()
+
+    def _timed(self, phase: str, fn, *args):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.phases[phase] = time.perf_counter() - t0
+
+    def _resolve(self, role: str, ref: str, revision: str | None) -> Path:
+        import cache
+
+        a = self.args
+        try:
+            if role == "model" and a.locate is not None:
+                return Path(a.locate())
+            options = dict(a.resolve_options)
+            if role == "model":  # an unsupported model is refused before any weight moves
+                from engine.model_support import check_model_config
+
+                options["check_config"] = check_model_config
+            return Path(cache.resolve(ref, revision=revision, cache_dir=a.cache_dir, **options))
+        except Exception as exc:
+            raise ResolveError(role, ref, exc) from exc
+
+    def run(self):
+        """The sequence on the calling thread (begin() runs it on its own thread); returns the
+        AsyncLLM or raises."""
+        a = self.args
+        t0 = time.perf_counter()
+        self.model_dir = self._timed("resolve", self._resolve, "model", a.model, a.revision)
+        tokenizer_dir = None
+        if a.tokenizer:
+            tokenizer_dir = self._timed("resolve_tokenizer", self._resolve, "tokenizer",
+                                        a.tokenizer, a.tokenizer_revision)
+        pages = start_pages.default_path(a.cache_dir)
+        # Tensor parallelism: ranks 1..N-1 start now and stream their own shards; this is rank 0.
+        tp_size = a.engine_options.get("tensor_parallel_size", 1)
+        launch_ranks(str(self.model_dir), tp_size, a.device)
+        self.weight_stream = self._timed("stream_start", start_weights, str(self.model_dir),
+                                         a.device, pages, (0, tp_size))
+        from warmup.triton_key import start_triton_key
+
+        triton_key = start_triton_key()
+        self._streaming.set()
+
+        t_import = time.perf_counter()
+        import torch  # noqa: F401 - the floor: timed on its own
+
+        from engine.config import EngineArgs
+        from engine.models.weights import preload_weights  # torch and the config, no model code
+
+        self.phases["import_torch"] = time.perf_counter() - t_import
+        tokenizer = str(tokenizer_dir) if tokenizer_dir else None
+        args = EngineArgs(model=str(self.model_dir), tokenizer=tokenizer, device=a.device,
+                          **a.engine_options)
+        self._timed("preload_start", preload_weights, args)
+        if triton_key is not None:
+            self._timed("triton_key", triton_key.install)
+        args = self._timed("engine_mode", self._engine_mode, args)
+        t_import = time.perf_counter()
+        from engine import AsyncLLM
+
+        self.phases["import_engine"] = time.perf_counter() - t_import
+        engine = self._timed("engine", AsyncLLM.from_engine_args, args)
+        self.phases["total"] = time.perf_counter() - t0
+        start_pages.record_in_background(pages)
+        phases = ", ".join(f"{k} {v:.2f}s" for k, v in self.phases.items() if k != "total")
+        log.info("ready: model %s from %s in %.2fs (%s)", a.model, self.model_dir,
+                 self.phases["total"], phases)
+        return engine
+
+    def _engine_mode(self, args):
+        from cache.resolver import make_s3_options
+        from warmup.artifacts import prepare
+
+        a = self.args
+        s3 = make_s3_options(**{k: a.resolve_options[k] for k in _S3_KEYS
+                                if k in a.resolve_options})
+        args, self.selection = prepare(a.engine_mode, args, a.cache_dir,
+                                       a.resolve_options.get("remote"), s3)
+        log.info("engine mode: %s (%s)", self.selection.mode, self.selection.reason)
+        return args
+
+
+def start_engine(args: StartArgs) -> EngineStart:
+    """Begin the start sequence on its own thread and return at once (see EngineStart)."""
+    return EngineStart(args).begin()

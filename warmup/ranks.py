@@ -1,5 +1,5 @@
-"""Tensor parallelism in the worker and the server: ranks 1..N-1 start first thing, before this
-process imports torch, each in its own process (`python -m handler.tp_ranks`) that streams its own
+"""Tensor parallelism in the start sequence: ranks 1..N-1 start first thing, before this
+process imports torch, each in its own process (`python -m warmup.ranks`) that streams its own
 pack shard to its GPU (cache.device_stream) while it imports the engine; the engine, rank 0 in this
 process, takes them over when it builds. A rank's death fails the jobs in flight (the engine's
 streams end with its error, and the worker's and the server's fatal paths exit 1); should the
@@ -27,7 +27,7 @@ def launch(model_dir: str, tensor_parallel_size: int, device: str):
     from engine.distributed.launch import start_ranks  # stdlib only: torch is not imported here
 
     gpu = device == "cuda" or (device == "auto" and os.path.exists("/dev/nvidiactl"))
-    ranks = start_ranks(tensor_parallel_size, "cuda" if gpu else "cpu", entry="handler.tp_ranks",
+    ranks = start_ranks(tensor_parallel_size, "cuda" if gpu else "cpu", entry="warmup.ranks",
                         entry_args=("--model-dir", model_dir))
     ranks.on_death(_exit_after_backstop)
     return ranks
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
 
     argv = sys.argv[1:] if argv is None else list(argv)
     opts, rest = parse_args(argv)
-    own = argparse.ArgumentParser(prog="python -m handler.tp_ranks")
+    own = argparse.ArgumentParser(prog="python -m warmup.ranks")
     own.add_argument("--model-dir", required=True)
     model_dir = own.parse_args(rest).model_dir
     if opts.device.startswith("cuda"):

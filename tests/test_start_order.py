@@ -1,0 +1,183 @@
+"""The start order users get: the entry modules import no torch, and in a real `python -m handler`
+and `python -m handler serve` process the weights start moving (the stream process, or the
+page-cache prefetch where there is no GPU) before `torch` is imported and before the entry's own
+server imports (the SDK, FastAPI).
+
+Observed from outside the code under test: a sitecustomize on PYTHONPATH installs a CPython audit
+hook (PEP 578) that logs the interpreter's own `import` events (raised when a module is first
+loaded), its `subprocess.Popen` events, and the `open` events of the prefetch's thread on weight
+files; threading has no audit event, so the same file wraps threading.Thread.start to note when the
+thread named "prefetch" is started. Each line carries the process id and a monotonic time.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from child_process import stop
+
+REPO = Path(__file__).resolve().parent.parent
+WAIT_S = 120
+
+_SITECUSTOMIZE = """
+import os, sys, threading, time
+
+_fd = os.open(os.environ["START_ORDER_LOG"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+_seen = set()
+_WATCHED = {"torch", "fastapi", "uvicorn", "runpod", "pydantic_settings"}
+
+
+def _note(event, detail):
+    line = "%d\\t%.6f\\t%s\\t%s\\n" % (os.getpid(), time.monotonic(), event, detail)
+    os.write(_fd, line.encode())
+
+
+def _hook(event, args):
+    if event == "import" and args[0] in _WATCHED and args[0] not in _seen:
+        _seen.add(args[0])
+        _note("import", args[0])
+    elif event == "subprocess.Popen" and "cache.stream_process" in map(str, args[1] or ()):
+        _note("stream_process", "")
+    elif (event == "open" and "prefetch" not in _seen
+          and threading.current_thread().name == "prefetch"
+          and str(args[0]).endswith((".safetensors", ".cbpack"))):
+        _seen.add("prefetch")
+        _note("prefetch_read", args[0])
+
+
+sys.addaudithook(_hook)
+_thread_start = threading.Thread.start
+
+
+def _start(self):
+    if self.name == "prefetch":
+        _note("prefetch_thread", "")
+    return _thread_start(self)
+
+
+threading.Thread.start = _start
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _events(log: Path, pid: int) -> list[tuple[float, str, str]]:
+    """(time, event, detail) lines the process `pid` wrote (its children's lines are left out)."""
+    out = []
+    for line in log.read_text().splitlines() if log.exists() else []:
+        p, t, event, detail = line.split("\t", 3)
+        if int(p) == pid:
+            out.append((float(t), event, detail))
+    return out
+
+
+def _python(code: str) -> str:
+    """`python -c code` from the repo root: its stdout, stripped (fails the test if it fails)."""
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip()
+
+
+def _first(events, event: str, detail: str | None = None) -> float | None:
+    return next((t for t, e, d in events if e == event and (detail is None or d == detail)), None)
+
+
+def _seen(events) -> set[str]:
+    """The modules imported, plus "weights" once the stream process started or the prefetch read."""
+    return {d if e == "import" else "weights" for _, e, d in events
+            if e in ("import", "stream_process", "prefetch_read")}
+
+
+def _run_until(argv: list[str], own: str, model_dir: str, tmp_path: Path) -> list:
+    """Start a real entry point with the audit hook; once torch and `own` are imported and the
+    weights were read (or the wait runs out), stop it."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_SITECUSTOMIZE)
+    log = tmp_path / "order.log"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RUNPOD_", "MODEL_", "TOKENIZER_"))}
+    env.update(MODEL_NAME=model_dir, CACHE_DIR=str(tmp_path / "cache"), START_ORDER_LOG=str(log),
+               PYTHONPATH=os.pathsep.join([str(site), str(REPO), env.get("PYTHONPATH", "")]))
+    output = tmp_path / "entry.log"
+    with open(output, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "handler", *argv], cwd=REPO, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not {"torch", own, "weights"} <= _seen(_events(log, proc.pid)):
+            assert proc.poll() is None, output.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"not all came: {_events(log, proc.pid)}"
+            time.sleep(0.05)
+    finally:
+        stop(proc)
+    return _events(log, proc.pid)
+
+
+def test_the_entry_modules_import_no_torch():
+    code = (
+        "import sys\n"
+        "import handler.__main__, handler.worker, handler.server, handler.jobs\n"
+        "import handler.engine_boot\n"
+        "import warmup.start, engine.sampling_params\n"
+        "print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))\n"
+    )
+    assert _python(code) == "[]"
+
+
+@pytest.mark.parametrize("entry", ["worker", "serve"])
+def test_the_weights_move_before_torch_and_the_entrys_own_imports(entry, smollm2_dir, tmp_path):
+    port = str(_free_port())
+    argv = (
+        ["serve", "--host", "127.0.0.1", "--port", port]
+        if entry == "serve"
+        else ["--rp_serve_api", "--rp_api_host", "127.0.0.1", "--rp_api_port", port]
+    )
+    own = "runpod" if entry == "worker" else "fastapi"  # the SDK; the HTTP server's framework
+    events = _run_until(argv, own, smollm2_dir, tmp_path)
+    streams = [(t, e) for t, e, _ in events if e in ("stream_process", "prefetch_thread")]
+    assert streams, events
+    stream_at, kind = streams[0]
+    if kind == "prefetch_thread":  # no GPU here: the page cache is filled from the model's files
+        read = next((d for _, e, d in events if e == "prefetch_read"), None)
+        assert read is not None, events
+        assert Path(read).resolve().is_relative_to(Path(smollm2_dir).resolve()), events
+    torch_at = _first(events, "import", "torch")
+    own_at = _first(events, "import", own)
+    settings_at = _first(events, "import", "pydantic_settings")
+    assert settings_at is not None and settings_at < stream_at < torch_at, events
+    assert stream_at < own_at, events  # the entry's own heavy imports come after (beside torch's)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_stream_process_starts_before_torch(tmp_path):
+    """With a GPU and a pack (written by a first start), the weights go to the GPU from the stream
+    process, which the serve process starts before it imports torch."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("fastapi")  # the server's own dependencies (gpu-check needs only torch's)
+    model_dir = str(tmp_path / "model")
+    code = (
+        "from tests.tiny_models import make_tiny_model\nfrom engine import LLM\n"
+        f"make_tiny_model('llama', {model_dir!r})\n"
+        f"LLM(model={model_dir!r}, dtype='float32', device='cuda', num_kv_blocks=16)\n"
+    )  # writes the pack
+    _python(code)
+    argv = ["serve", "--host", "127.0.0.1", "--port", str(_free_port())]
+    events = _run_until(argv, "fastapi", model_dir, tmp_path)
+    streams = [(t, e) for t, e, _ in events if e in ("stream_process", "prefetch_thread")]
+    assert streams and streams[0][1] == "stream_process", events
+    assert streams[0][0] < _first(events, "import", "torch"), events
+    assert streams[0][0] < _first(events, "import", "fastapi"), events
