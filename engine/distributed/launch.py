@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import subprocess
 import sys
 import threading
@@ -25,7 +24,6 @@ FOLLOWER = "engine.distributed.follower"
 HOST = "127.0.0.1"  # one host: every rank meets rank 0's store on loopback
 # From rank 0's connect to the last rank joining (a rank may still be importing torch).
 CONNECT_TIMEOUT_S = 600.0
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class RankDied(RuntimeError):
@@ -44,8 +42,6 @@ class RankProcesses:
         self._lock = threading.Lock()
         self._stopping = False
         self._store = None
-        path = os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")]))
-        env = dict(os.environ, PYTHONPATH=path)
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         self.procs: dict[int, subprocess.Popen] = {}
         for rank in range(1, size):
@@ -53,8 +49,7 @@ class RankProcesses:
             cmd = [sys.executable, "-m", entry, "--rank", str(rank), "--size", str(size),
                    "--device", device, "--log-level", level, *entry_args]
             # Its own session: a terminal's Ctrl-C reaches rank 0, which stops the others.
-            self.procs[rank] = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env,
-                                                start_new_session=True)
+            self.procs[rank] = subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=True)
             threading.Thread(target=self._watch, args=(rank,), name=f"tp-rank-{rank}",
                              daemon=True).start()
         log.info("tensor parallel: started ranks 1..%d (pids %s)", size - 1,
