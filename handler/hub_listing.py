@@ -1,8 +1,11 @@
-"""The RunPod Hub listing: hub.json's env inputs built from handler.config.Settings, and the copies the Hub reads.
+"""The RunPod Hub listing: hub.json's env inputs built from handler.config.Settings, and the copies
+the Hub reads.
 
-`python -m handler.hub_listing [REPO]` rewrites REPO/hub.json's config.env from Settings (keeping everything else),
-then writes .runpod/hub.json and .runpod/tests.json as copies of the root hub.json and tests.json.
+`python -m handler.hub_listing [REPO]` rewrites REPO/hub.json's config.env from Settings (keeping
+everything else), then writes .runpod/hub.json and .runpod/tests.json as copies of the root hub.json
+and tests.json.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,13 +18,25 @@ from pydantic import SecretStr
 
 from handler.config import Settings
 
-# Hub input types beyond string/number/boolean, and inputs tucked under "advanced" in the Hub's form.
+# Hub input types beyond string/number/boolean, and inputs tucked under "advanced" in the Hub's
+# form.
 _HUB_TYPES = {"model_name": "huggingface", "tokenizer_name": "huggingface"}
-_BASIC = {"model_name", "model_revision", "hf_token", "max_model_len", "gpu_memory_utilization", "max_concurrency",
-          "default_max_tokens", "dtype", "openai_served_model_name_override"}
-# Values the image itself sets (Dockerfile ENV): the form shows them, so a deployment keeps them as they are.
+_BASIC = {
+    "model_name",
+    "model_revision",
+    "hf_token",
+    "max_model_len",
+    "gpu_memory_utilization",
+    "max_concurrency",
+    "default_max_tokens",
+    "dtype",
+    "openai_served_model_name_override",
+}
+# Values the image itself sets (Dockerfile ENV): the form shows them, so a deployment keeps them as
+# they are.
 IMAGE_ENV = {"baked_model_dir": "/opt/coldbrew/baked"}
-# The files the Hub reads (its publishing guide: the .runpod directory takes precedence over the root).
+# The files the Hub reads (its publishing guide: the .runpod directory takes precedence over the
+# root).
 HUB_DIR = ".runpod"
 LISTING_FILES = ("hub.json", "tests.json")
 
@@ -34,10 +49,11 @@ def _label(name: str) -> str:
 
 
 def env_entry(name: str) -> dict:
-    """One hub.json env entry: key, and an input with name, type, description, default (and options/bounds).
+    """One hub.json env entry: key, and an input with name, type, description, default (and
+    options/bounds).
 
-    A setting without a default gets no "default" (the Hub's form then leaves the variable unset); a number
-    input's default is a number, a boolean's a boolean and an option's one of its values."""
+    A setting without a default gets no "default" (the Hub's form then leaves the variable unset); a
+    number input's default is a number, a boolean's a boolean and an option's one of its values."""
     field = Settings.model_fields[name]
     kind = field.annotation
     if get_origin(kind) is Union or isinstance(kind, UnionType):
@@ -73,7 +89,10 @@ def write_listing(repo: Path) -> list[Path]:
     hub_path = repo / "hub.json"
     hub = json.loads(hub_path.read_text())
     hub["config"]["env"] = env_entries()
-    text = {"hub.json": json.dumps(hub, indent=2) + "\n", "tests.json": (repo / "tests.json").read_text()}
+    text = {
+        "hub.json": json.dumps(hub, indent=2) + "\n",
+        "tests.json": (repo / "tests.json").read_text(),
+    }
     hub_path.write_text(text["hub.json"])
     (repo / HUB_DIR).mkdir(exist_ok=True)
     written = [hub_path]

@@ -1,12 +1,15 @@
-"""Test helper: read the Dockerfile as Docker does, and carry out its build steps without a Docker daemon.
+"""Test helper: read the Dockerfile as Docker does, and carry out its build steps without a Docker
+daemon.
 
-Parsing follows the Dockerfile reference: `\\`-newline joins lines, `#` lines are comments, `FROM image AS name`
-opens a stage, ARG values feed RUN's environment, ENV/WORKDIR/COPY expand $VAR, ${VAR}, ${VAR:-x} and ${VAR:+x}.
-`Build` runs a stage's instructions on this machine: container paths under /opt/ live under a scratch root, RUN
-goes to /bin/sh -c as in a Linux image, COPY copies from the build context (less .dockerignore) or an earlier
-stage. The deviations are its arguments: the system-package RUN (apt-get) is skipped, and `env` overrides ENV/ARG
-values (a CPU torch instead of the CUDA one, pip's cache allowed).
+Parsing follows the Dockerfile reference: `\\`-newline joins lines, `#` lines are comments, `FROM
+image AS name` opens a stage, ARG values feed RUN's environment, ENV/WORKDIR/COPY expand $VAR,
+${VAR}, ${VAR:-x} and ${VAR:+x}. `Build` runs a stage's instructions on this machine: the
+Dockerfile's paths under /opt/ (the image's own files) are read as paths under a scratch root, RUN
+goes to /bin/sh -c as in a Linux image, COPY copies from the build context (less .dockerignore) or
+an earlier stage. The deviations are its arguments: the system-package RUN (apt-get) is skipped, and
+`env` overrides ENV/ARG values (a CPU torch instead of the CUDA one, pip's cache allowed).
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -15,6 +18,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +29,9 @@ CONTAINER_PREFIX = "/opt/"
 class Instruction:
     op: str
     args: str
-    flags: dict[str, str] = field(default_factory=dict)  # --from=..., --mount=... (repeated: joined by newlines)
+    flags: dict[str, str] = field(
+        default_factory=dict
+    )  # --from=..., --mount=... (repeated: joined by newlines)
 
 
 @dataclass
@@ -36,7 +42,8 @@ class Stage:
 
 
 def instructions(text: str) -> list[Instruction]:
-    """The Dockerfile's instructions in order: continuation lines joined, comments and blank lines dropped."""
+    """The Dockerfile's instructions in order: continuation lines joined, comments and blank lines
+    dropped."""
     out: list[Instruction] = []
     pending = ""
     for line in text.splitlines():
@@ -84,6 +91,7 @@ _VAR = re.compile(r"\$(?:\{(\w+)(?::([-+])([^}]*))?\}|(\w+))")
 
 def expand(value: str, env: dict[str, str]) -> str:
     """Docker's variable substitution for ENV, ARG, WORKDIR, COPY and FROM."""
+
     def one(m: re.Match) -> str:
         name = m.group(1) or m.group(4)
         current = env.get(name, "")
@@ -97,7 +105,8 @@ def expand(value: str, env: dict[str, str]) -> str:
 
 
 def key_values(args: str, env: dict[str, str]) -> dict[str, str]:
-    """ENV's `KEY=VALUE ...` (or the old `KEY VALUE`) with substitution against the environment so far."""
+    """ENV's `KEY=VALUE ...` (or the old `KEY VALUE`) with substitution against the environment so
+    far."""
     if "=" not in args.split()[0]:
         key, value = args.split(None, 1)
         return {key: expand(value, env)}
@@ -124,21 +133,23 @@ def ignored(relative: str, patterns: list[str]) -> bool:
 
 
 class Build:
-    """Carries out the stages of a Dockerfile under `root`, which stands for the image's /opt/."""
+    """Carries out the stages of a Dockerfile with `root` standing for the image's /opt/."""
 
-    def __init__(self, context: Path, root: Path, overrides: dict[str, str | None], base_env: dict[str, str],
-                 skip_run=lambda command: False):
+    def __init__(
+        self,
+        context: Path,
+        root: Path,
+        overrides: dict[str, str | None],
+        base_env: dict[str, str],
+        skip_run=lambda command: False,
+    ):
         self.context, self.root, self.overrides, self.skip_run = context, root, overrides, skip_run
-        self.global_args, self.stages = stages((context / "Dockerfile").read_text())
+        text = (context / "Dockerfile").read_text().replace(CONTAINER_PREFIX, f"{root}/")
+        self.global_args, self.stages = stages(text)
         self.patterns = dockerignore(context)
         self.base_env = base_env
         self.state: dict[str, tuple[dict[str, str], str]] = {}  # stage name -> (env, workdir)
         self.log: list[str] = []
-
-    def host(self, container_path: str) -> str:
-        """A container path as it lies on this machine (only /opt/... is in the image's own file system here)."""
-        return container_path.replace(CONTAINER_PREFIX, f"{self.root}/") if container_path.startswith(
-            CONTAINER_PREFIX) else container_path
 
     def run_stage(self, name: str) -> tuple[dict[str, str], str]:
         """Build the named stage (after its parent stages) and return its ENV and WORKDIR."""
@@ -163,7 +174,7 @@ class Build:
                         del env[key]
             elif ins.op == "WORKDIR":
                 workdir = expand(ins.args, visible)
-                os.makedirs(self.host(workdir), exist_ok=True)
+                os.makedirs(workdir, exist_ok=True)
             elif ins.op == "COPY":
                 self._copy(ins, visible, workdir)
             elif ins.op == "RUN":
@@ -177,11 +188,10 @@ class Build:
         for source in sources:
             if "from" in ins.flags:
                 self.run_stage(ins.flags["from"])
-                src = Path(self.host(source))
-                target = Path(self.host(dest))
+                src, target = Path(source), Path(dest)
             else:
                 src = self.context / source
-                target = Path(self.host(dest)) / (src.name if dest.endswith("/") else "")
+                target = Path(dest) / (src.name if dest.endswith("/") else "")
             if src.is_dir():
                 shutil.copytree(src, target, dirs_exist_ok=True, ignore=self._ignore(src))
             else:
@@ -193,19 +203,26 @@ class Build:
             if not str(directory).startswith(str(self.context)):
                 return []
             base = os.path.relpath(directory, self.context)
-            return [n for n in names if ignored(os.path.normpath(os.path.join(base, n)), self.patterns)]
+            return [
+                n for n in names if ignored(os.path.normpath(os.path.join(base, n)), self.patterns)
+            ]
+
         return skip
 
     def _run(self, command: str, env: dict[str, str], workdir: str) -> None:
         if self.skip_run(command):
             self.log.append(f"skipped: {command[:60]}")
             return
-        command = command.replace(CONTAINER_PREFIX, f"{self.root}/")
-        env = {k: self.host(v) if k != "PATH" else v.replace(CONTAINER_PREFIX, f"{self.root}/")
-               for k, v in env.items()}
-        done = subprocess.run(["/bin/sh", "-c", command], cwd=self.host(workdir), env=env, capture_output=True,
-                              text=True)
-        self.log.append(f"$ {command[:200]}\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
+        started = time.perf_counter()
+        done = subprocess.run(
+            ["/bin/sh", "-c", command], cwd=workdir, env=env, capture_output=True, text=True
+        )
+        self.log.append(
+            f"$ {command[:200]} ({time.perf_counter() - started:.0f} s)\n"
+            f"{done.stdout[-2000:]}{done.stderr[-4000:]}"
+        )
         if done.returncode != 0:
-            raise AssertionError(f"RUN failed ({done.returncode}): {command}\n{done.stdout[-3000:]}"
-                                 f"\n{done.stderr[-5000:]}")
+            raise AssertionError(
+                f"RUN failed ({done.returncode}): {command}\n{done.stdout[-3000:]}"
+                f"\n{done.stderr[-5000:]}"
+            )

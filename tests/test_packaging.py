@@ -1,7 +1,9 @@
-"""Packaging stays true to the code: every Settings variable is in the README table (and nothing else), the lock
-file pins every dependency pyproject names at a version inside its range, and the Makefile installs from it.
-(The Hub listing: tests/test_hub_listing.py; the Dockerfile: tests/test_dockerfile.py.)
+"""Packaging stays true to the code: every Settings variable is in the README table (and nothing
+else), the lock file pins every dependency pyproject names at a version inside its range, and the
+Makefile installs from it. (The Hub listing: tests/test_hub_listing.py; the Dockerfile:
+tests/test_dockerfile.py.)
 """
+
 from __future__ import annotations
 
 import re
@@ -43,7 +45,9 @@ def _lock() -> dict[str, str]:
 
 
 def _requirements() -> list[Requirement]:
-    named = PYPROJECT["dependencies"] + [r for extra in PYPROJECT["optional-dependencies"].values() for r in extra]
+    named = PYPROJECT["dependencies"] + [
+        r for extra in PYPROJECT["optional-dependencies"].values() for r in extra
+    ]
     return [Requirement(r) for r in named]
 
 
@@ -55,12 +59,15 @@ def test_lock_pins_every_dependency_inside_pyproject_range():
             assert name not in pins
             continue
         assert name in pins, f"constraints.txt does not pin {req.name}"
-        assert req.specifier.contains(pins[name], prereleases=True), f"{name}=={pins[name]} is outside {req}"
+        assert req.specifier.contains(pins[name], prereleases=True), (
+            f"{name}=={pins[name]} is outside {req}"
+        )
     assert "coldbrew" not in pins
 
 
 def test_the_tests_run_with_the_locked_versions():
-    """What passes here is what the lock promises: the installed dependencies are the pinned ones."""
+    """What passes here is what the lock promises: the installed dependencies are the pinned
+    ones."""
     pins = _lock()
     for req in _requirements():
         name = canonicalize_name(req.name)
@@ -70,17 +77,27 @@ def test_the_tests_run_with_the_locked_versions():
             installed = version(req.name)
         except PackageNotFoundError:
             continue  # an extra this environment did not install
-        assert installed == pins[name], f"{req.name} {installed} is installed, the lock pins {pins[name]}"
+        assert installed == pins[name], (
+            f"{req.name} {installed} is installed, the lock pins {pins[name]}"
+        )
 
 
 def test_make_installs_from_the_lock_and_run_leaves_the_test_extra_out():
-    plan = subprocess.run(["make", "-n", "-B", "test", "run"], cwd=REPO, capture_output=True, text=True,
-                          check=True).stdout
-    installs = [line for line in plan.splitlines() if " pip install " in line and "TORCH" not in line]
-    assert installs and all("-c constraints.txt" in line for line in installs if "torch==" not in line), installs
-    run_plan = subprocess.run(["make", "-n", "-B", "run"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout
+    plan = subprocess.run(
+        ["make", "-n", "-B", "test", "run"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
+    installs = [
+        line for line in plan.splitlines() if " pip install " in line and "TORCH" not in line
+    ]
+    assert installs and all(
+        "-c constraints.txt" in line for line in installs if "torch==" not in line
+    ), installs
+    run_plan = subprocess.run(
+        ["make", "-n", "-B", "run"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
     assert "[test]" not in run_plan and "-e ." in run_plan
-    help_text = subprocess.run(["make", "help"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    help_text = subprocess.run(
+        ["make", "help"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
     for target in ("run", "serve", "test", "lock", "gpu-check", "bench", "clean"):
         assert re.search(rf"^\s+{target}\s+\S", help_text, re.M), target
