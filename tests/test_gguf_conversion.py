@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -209,3 +210,136 @@ def test_cli_converts_and_reports_errors(tmp_path):
         check=True,
     )
     assert again.stdout.strip() == dest  # a complete directory is kept as is
+
+
+def _tiny_gguf(path: Path, arch: str, pre: str, add_bos: bool) -> dict[str, np.ndarray]:
+    """A two-layer model of `arch` with random weights in HF layout, written by gguf's GGUFWriter as
+    llama.cpp's converter writes one (Q/K rows permuted for llama), with the demo's vocabulary and
+    merges under the pre-tokenizer `pre`; returns the HF tensors it holds."""
+    import gguf
+
+    source = gguf.GGUFReader(os.path.join(_gguf_dir(), SMOLLM2_GGUF))
+    meta = {k: f.contents() for k, f in source.fields.items() if k.startswith("tokenizer.ggml.")}
+    vocab, hidden, heads, kv_heads, ffn, layers = (
+        len(meta["tokenizer.ggml.tokens"]),
+        16,
+        2,
+        1,
+        32,
+        2,
+    )
+    # Qwen3's heads are wider than hidden / heads; 128 is what transformers assumes, since its GGUF
+    # loader reads no head size for qwen3 (llama.cpp writes it as attention.key_length).
+    head_dim = 128 if arch == "qwen3" else hidden // heads
+    rng = np.random.default_rng(0)
+    hf = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        "model.norm.weight": (hidden,),
+        "lm_head.weight": (vocab, hidden),
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        hf |= {
+            p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+            p + "mlp.gate_proj.weight": (ffn, hidden),
+            p + "mlp.up_proj.weight": (ffn, hidden),
+            p + "mlp.down_proj.weight": (hidden, ffn),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+        }
+        if arch == "qwen2":
+            hf |= {
+                p + f"self_attn.{x}_proj.bias": (n * head_dim,)
+                for x, n in (("q", heads), ("k", kv_heads), ("v", kv_heads))
+            }
+        if arch == "qwen3":
+            hf |= {
+                p + "self_attn.q_norm.weight": (head_dim,),
+                p + "self_attn.k_norm.weight": (head_dim,),
+            }
+    tensors = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in hf.items()}
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    if arch == "llama":
+        writer.add_rope_dimension_count(head_dim)
+    if arch == "qwen3":
+        writer.add_key_length(head_dim)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(meta["tokenizer.ggml.tokens"])
+    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_token_merges(meta["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(add_bos)
+    names = gguf.get_tensor_name_map(
+        next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), layers
+    )
+    for name, value in tensors.items():
+        base, suffix = name.rsplit(".", 1)
+        gguf_name = f"{names.get_name(base)}.{suffix}"
+        if (
+            arch == "llama"
+            and suffix == "weight"
+            and gguf_name.split(".")[-2] in ("attn_q", "attn_k")
+        ):
+            n = heads if "attn_q" in gguf_name else kv_heads  # llama.cpp's permutation, forwards
+            value = value.reshape(n, 2, head_dim // 2, hidden).swapaxes(1, 2).reshape(value.shape)
+        writer.add_tensor(gguf_name, np.ascontiguousarray(value))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return tensors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("arch", "pre", "add_bos"),
+    [("llama", "llama-bpe", True), ("qwen2", "qwen2", False), ("qwen3", "qwen2", False)],
+)
+def test_other_architectures_and_splits_match_transformers(
+    tmp_path, monkeypatch, arch, pre, add_bos
+):
+    """Untied output, Qwen2's biases, Qwen3's q/k norms, Llama 3's and Qwen2's split regexes and a
+    BOS added by the post-processor, each against transformers' conversion of the same file; shards
+    and their index when the weights pass SHARD_BYTES."""
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import cache.gguf
+
+    path = tmp_path / f"tiny-{arch}.gguf"
+    original = _tiny_gguf(path, arch, pre, add_bos)
+    monkeypatch.setattr(cache.gguf, "SHARD_BYTES", 2 << 20)  # the embeddings alone are 3 MB
+    ours = Path(convert_gguf(str(path), str(tmp_path / "ours")))
+    index = json.loads((ours / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 1 and set(index) == set(original)
+    tensors = {}
+    for shard in sorted(set(index.values())):
+        tensors |= load_file(str(ours / shard))
+    assert set(tensors) == set(original)
+    for name, value in original.items():
+        assert np.array_equal(tensors[name], value), name  # the permutation undone exactly
+    model = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32
+    )
+    for name, value in model.state_dict().items():
+        assert torch.equal(torch.from_numpy(tensors[name]), value), name
+    reference = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    with open(ours / "tokenizer.json", encoding="utf-8") as f:
+        assert json.load(f) == json.loads(reference.backend_tokenizer.to_str())
+    mine = AutoTokenizer.from_pretrained(str(ours))
+    for text in ["Hello world", "It's 2026: 12345 apples\n\n  indented", "<|im_start|>x"]:
+        assert mine(text)["input_ids"] == reference(text)["input_ids"], text
+    assert mine("Hi")["input_ids"][0] == (1 if add_bos else mine("Hi")["input_ids"][0])
