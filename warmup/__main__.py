@@ -43,7 +43,16 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out-dir", default=None, help="where artifacts go (default: <snapshot>/engines)")
     b.add_argument("--cache-dir", default=None, help="the snapshot cache, when --model is not a directory")
     b.add_argument("--push", default=None, metavar="S3_URI", help="also upload each artifact to S3_URI/engines/<id>")
+    k = sub.add_parser("kernels", help="compile an engine's kernel set into a Triton cache without a GPU (what a "
+                       "worker runs in the background when its cache was empty)")
+    k.add_argument("--engine-args", required=True, help="the engine's EngineArgs as a JSON object")
+    k.add_argument("--arch", required=True, help="one architecture, e.g. sm_90")
+    k.add_argument("--sm-count", type=_ints, required=True, metavar="N[,N]")
+    k.add_argument("--triton-cache", required=True, help="the Triton cache directory to compile into")
+    k.add_argument("--list", default=None, help="write the cache entries of the set here (a JSON list)")
     args = ap.parse_args(argv)
+    if args.command == "kernels":
+        return _kernels(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from warmup.aot import SUPPORTED_ARCHES, parse_arches
 
@@ -77,6 +86,23 @@ def main(argv: list[str] | None = None) -> int:
     for path, data in built:
         print(path)
         print(f"build time {data['record']['build_seconds']:.1f} s ({data['key']['gpu_arch']})")
+    return 0
+
+
+def _kernels(args) -> int:
+    import json
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from engine import EngineArgs
+    from warmup.aot import compile_kernel_set, parse_arches
+
+    engine_args = EngineArgs(**json.loads(args.engine_args))
+    entries = compile_kernel_set(engine_args, args.triton_cache, args.sm_count, parse_arches(args.arch)[0])
+    if args.list:
+        tmp = f"{args.list}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(sorted(entries), f)
+        os.replace(tmp, args.list)
     return 0
 
 
