@@ -25,9 +25,9 @@ ENGINE_MODES = ("auto", "jit", "compiled")
 KEY_FIELDS = ("format", "model_digest", "gpu_arch", "gpu_memory_gib", "torch", "triton", "cuda", "dtype",
               "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "gpu_memory_utilization")
 # An artifact with no measured KV-sizing record (built without a GPU, or published by a worker that sized its
-# cache analytically) holds kernels only, which do not depend on the memory size: its key says "any" there.
+# cache analytically) holds kernels only, which depend on neither field: its key says "any" in both.
 ANY_MEMORY = "any"
-WILDCARD_FIELDS = ("gpu_memory_gib",)
+WILDCARD_FIELDS = ("gpu_memory_gib", "gpu_memory_utilization")
 
 
 class ArtifactError(RuntimeError):
@@ -93,18 +93,19 @@ def current_key(args) -> dict:
 
 def gpuless_key(args, arch: str) -> dict:
     """The key of an artifact built without a GPU for `arch` ("sm_90"): this install's torch, triton and CUDA,
-    and any memory size (it holds kernels only; the KV-sizing record that depends on the memory needs the GPU)."""
+    and any memory size and utilization (it holds kernels only; the KV-sizing record needs the GPU)."""
     import torch
 
     from engine.models.weights import model_digest
 
-    return artifact_key(model_digest(args.model), _limits(args, torch.device("cuda")),
-                        {"gpu_arch": arch, "gpu_memory_gib": ANY_MEMORY}, _software())
+    key = artifact_key(model_digest(args.model), _limits(args, torch.device("cuda")),
+                       {"gpu_arch": arch, "gpu_memory_gib": None}, _software())
+    return any_memory(key)
 
 
 def any_memory(key: dict) -> dict:
-    """`key` as an artifact without a memory record carries it: valid for any GPU memory size."""
-    return {**key, "gpu_memory_gib": ANY_MEMORY}
+    """`key` as an artifact without a memory record carries it: valid for any GPU memory size and utilization."""
+    return {**key, **{f: ANY_MEMORY for f in WILDCARD_FIELDS}}
 
 
 def mismatches(built: dict, wanted: dict) -> list[str]:

@@ -90,9 +90,11 @@ def _trace_steps(live: _Live, steps: list, deadline: float | None = None) -> lis
     return sink
 
 
-def warm_kernels(engine, budget_s: float = READY_BUDGET_S) -> KernelWarmup | None:
+def warm_kernels(engine, engine_mode: str = "jit", budget_s: float = READY_BUDGET_S) -> KernelWarmup | None:
     """Load (or compile) a first request's kernels now, and start the background work that loads the rest.
-    None where there is nothing to warm (no GPU, no Triton backend)."""
+    engine_mode: the mode that runs ("jit": the rest of the set is compiled by a background process first;
+    "compiled": only if a first kernel was missing from the artifact). None where there is nothing to warm (no
+    GPU, no Triton backend)."""
     live = _Live(engine)
     if live.runner.device.type != "cuda" or live.target_programs is None:
         return None
@@ -108,7 +110,7 @@ def warm_kernels(engine, budget_s: float = READY_BUDGET_S) -> KernelWarmup | Non
     result = KernelWarmup(seconds=time.perf_counter() - t0, kernels=len(kernels),
                           compiled=sorted(_entries(cache_dir) - before), cache_dir=cache_dir, before=before,
                           entries=set(kernel_dirs(kernels)))
-    if result.compiled:  # the cache was not warm: the rest is compiled out of this process first
+    if engine_mode == "jit" or result.compiled:  # the rest may be missing: compiled out of this process first
         result.compile_process, result.compile_list = _start_compile_process(live, cache_dir)
     done = set(first)
     rest = [s for s in steps_for(live.args, live.max_model_len) if s not in done]
