@@ -32,8 +32,8 @@ def main(argv: list[str] | None = None) -> int:
                    "then sized by the analytic bound)")
     b.add_argument("--sm-count", type=_ints, default=None, metavar="N[,N]",
                    help="SM counts to compile the decode attention for, beside those of each arch's known GPUs")
-    b.add_argument("--jobs", type=int, default=None, help="architectures compiled at once without a GPU "
-                   "(default: as many as CPUs, at most one per arch)")
+    b.add_argument("--jobs", type=int, default=None, help="processes compiling without a GPU (default: one per "
+                   "CPU)")
     b.add_argument("--dtype", default="auto")
     b.add_argument("--max-model-len", type=int, default=None)
     b.add_argument("--max-num-seqs", type=int, default=256)
@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--sm-count", type=_ints, required=True, metavar="N[,N]")
     k.add_argument("--triton-cache", required=True, help="the Triton cache directory to compile into")
     k.add_argument("--list", default=None, help="write the cache entries of the set here (a JSON list)")
+    k.add_argument("--jobs", type=int, default=1, help="processes compiling at once")
     args = ap.parse_args(argv)
     if args.command == "kernels":
         return _kernels(args)
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     if without_gpu:
         from warmup.build import build_without_gpu
 
-        jobs = args.jobs or min(len(without_gpu), os.cpu_count() or 1)
+        jobs = args.jobs or os.cpu_count() or 1
         built += build_without_gpu(args.model, without_gpu, sm_counts=args.sm_count, jobs=jobs, **limits, **where)
     for path, data in built:
         print(path)
@@ -97,7 +98,8 @@ def _kernels(args) -> int:
     from warmup.aot import compile_kernel_set, parse_arches
 
     engine_args = EngineArgs(**json.loads(args.engine_args))
-    entries = compile_kernel_set(engine_args, args.triton_cache, args.sm_count, parse_arches(args.arch)[0])
+    entries = compile_kernel_set(engine_args, args.triton_cache, args.sm_count, parse_arches(args.arch)[0],
+                                 args.jobs)
     if args.list:
         tmp = f"{args.list}.tmp"
         with open(tmp, "w") as f:

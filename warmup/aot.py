@@ -115,22 +115,49 @@ def sm_counts_for(arch: str, extra: list[int] | None = None) -> list[int]:
     return sorted(set(counts), reverse=True)
 
 
-def compile_kernel_set(args, cache_dir: str, sm_counts: list[int], arch: str | None = None) -> dict[str, str]:
+def compile_kernel_set(args, cache_dir: str, sm_counts: list[int], arch: str | None = None,
+                       jobs: int = 1) -> dict[str, str]:
     """Compile every kernel EngineArgs `args` can launch into Triton cache dir `cache_dir` (kernels already there
-    are kept), for `arch` without a GPU, or (arch None) for this process's GPU through Triton's own driver.
-    Returns {cache entry directory name: kernel name}."""
-    import torch
-
-    from engine.config import ModelConfig, resolve_dtype
-    from warmup.kernel_set import kernel_dirs, meta_model, split_target, steps_for, trace
+    are kept), for `arch` without a GPU (in `jobs` processes, each tracing a share of the steps), or (arch None)
+    for this process's GPU through Triton's own driver. Returns {cache entry directory name: kernel name}."""
+    from engine.config import ModelConfig
+    from warmup.kernel_set import steps_for
 
     cfg = ModelConfig.from_dir(args.model)
     max_model_len = args.max_model_len or cfg.max_position_embeddings
+    items = [(count, step) for count in sm_counts for step in steps_for(args, max_model_len)]
+    jobs = max(1, min(jobs, len(items))) if arch is not None else 1
+    if jobs == 1:
+        return _compile_items(vars(args), cache_dir, arch, items)
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    shares = [items[i::jobs] for i in range(jobs)]  # neighbours (the same kernels) go to different processes
+    out: dict[str, str] = {}
+    with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
+        for part in pool.map(_compile_items, [vars(args)] * jobs, [cache_dir] * jobs, [arch] * jobs, shares):
+            out.update(part)
+    return out
+
+
+def _compile_items(engine_args: dict, cache_dir: str, arch: str | None, items: list) -> dict[str, str]:
+    """Trace (SM count, step) items with compile-only launches (a process of its own when jobs > 1)."""
+    import torch
+
+    from engine import EngineArgs
+    from engine.config import ModelConfig, resolve_dtype
+    from warmup.kernel_set import kernel_dirs, meta_model, split_target, trace
+
+    args = EngineArgs(**engine_args)
+    cfg = ModelConfig.from_dir(args.model)
+    max_model_len = args.max_model_len or cfg.max_position_embeddings
     dtype = resolve_dtype(args.dtype, cfg, torch.device("cuda"))
-    steps = steps_for(args, max_model_len)
     sink: list = []
     driver = target_driver(arch) if arch is not None else contextlib.nullcontext()
     with triton_cache_dir(cache_dir), driver:
-        for count in sm_counts:
-            trace(meta_model(cfg, dtype, split_target(count)), steps, args.block_size, max_model_len, sink)
+        models = {}
+        for count, step in items:
+            if count not in models:
+                models[count] = meta_model(cfg, dtype, split_target(count))
+            trace(models[count], [step], args.block_size, max_model_len, sink)
         return kernel_dirs(sink)

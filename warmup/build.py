@@ -98,29 +98,22 @@ def build(model: str, *, dtype: str = "auto", max_model_len: int | None = None, 
 def build_without_gpu(model: str, arches: list[str], *, sm_counts: list[int] | None = None, jobs: int = 1,
                       out_dir: str | None = None, cache_dir: str | None = None, revision: str | None = None,
                       push: str | None = None, **limits) -> list[tuple[str, dict]]:
-    """One artifact per architecture in `arches`, compiled here without a GPU (in `jobs` processes at once);
+    """One artifact per architecture in `arches`, compiled here without a GPU (each in `jobs` processes);
     returns [(its directory, its artifact.json)]. limits: dtype, max_model_len, max_num_seqs,
     max_num_batched_tokens, gpu_memory_utilization, block_size (EngineArgs' names)."""
-    from concurrent.futures import ProcessPoolExecutor
-    from multiprocessing import get_context
-
     from warmup.aot import sm_counts_for
 
     model = _resolve(model, cache_dir, revision)
     plan = [(a, sm_counts_for(a, sm_counts)) for a in arches]  # refuses an unknown arch before any work
     root = out_dir or os.path.join(model, ENGINES_DIR)
-    jobs = max(1, min(jobs, len(plan)))
-    if jobs == 1:
-        built = [_build_arch(model, arch, counts, root, limits) for arch, counts in plan]
-    else:  # a process each: Triton's compiler holds the interpreter while it works
-        with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
-            built = list(pool.map(_build_arch, *zip(*[(model, a, c, root, limits) for a, c in plan])))
+    built = [_build_arch(model, arch, counts, root, limits, jobs) for arch, counts in plan]
     for final, data in built:
         _push(final, data["key"], push)
     return built
 
 
-def _build_arch(model: str, arch: str, sm_counts: list[int], root: str, limits: dict) -> tuple[str, dict]:
+def _build_arch(model: str, arch: str, sm_counts: list[int], root: str, limits: dict,
+                jobs: int) -> tuple[str, dict]:
     from engine import EngineArgs
     from warmup.aot import compile_kernel_set
 
@@ -130,7 +123,7 @@ def _build_arch(model: str, arch: str, sm_counts: list[int], root: str, limits: 
     key = gpuless_key(args, arch)
     staging = staging_dir(root, "build")
     try:
-        kernels = compile_kernel_set(args, os.path.join(staging, TRITON_DIR), sm_counts, arch)
+        kernels = compile_kernel_set(args, os.path.join(staging, TRITON_DIR), sm_counts, arch, jobs)
         portable_groups(os.path.join(staging, TRITON_DIR))
         record = {"kv_step_bytes": None, "num_kv_blocks": None, "graph_sizes": args.graph_sizes(),
                   "built_without_gpu": True, "sm_counts": sm_counts, "kernels": kernels,

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 log = logging.getLogger(__name__)
 
 READY_BUDGET_S = 30.0  # tracing stops starting new first-request steps past this
+COMPILE_JOBS = 8  # processes of the background compile, at most half the CPUs
 
 
 @dataclass
@@ -178,9 +179,13 @@ def _start_compile_process(live: _Live, cache_dir: str) -> tuple[subprocess.Pope
     counts = sorted({props.multi_processor_count, *ARCH_SM_COUNTS.get(arch, ())})
     fd, listing = tempfile.mkstemp(prefix="coldbrew-kernels-", suffix=".json")
     os.close(fd)
+    jobs = max(1, min(COMPILE_JOBS, (os.cpu_count() or 2) // 2))
     cmd = [sys.executable, "-m", "warmup", "kernels", "--arch", arch, "--sm-count", ",".join(map(str, counts)),
-           "--triton-cache", cache_dir, "--list", listing, "--engine-args", json.dumps(vars(live.args))]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # its warnings and errors reach this worker's log
+           "--triton-cache", cache_dir, "--list", listing, "--jobs", str(jobs),
+           "--engine-args", json.dumps(vars(live.args))]
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where `warmup` is imported from
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=path)  # its warnings reach this worker's log
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             preexec_fn=lambda: os.nice(10))
     return proc, listing
