@@ -1,20 +1,30 @@
-"""Does every worker start compiled? Four starts of `python -m handler serve`, each a fresh process on the same GPU:
+"""Does every worker start compiled? Four starts of `python -m handler serve`, each a fresh process
+on the same GPU:
 
-  (a) an empty Triton cache and no artifact (ENGINE_MODE=auto runs jit; as the fleet's first worker it publishes
+  (a) an empty Triton cache and no artifact (ENGINE_MODE=auto runs jit; as the fleet's first worker
+  it publishes
       its kernels beside the snapshot once it has served);
-  (b) an artifact built on this machine with no GPU visible (`CUDA_VISIBLE_DEVICES= python -m warmup build
+  (b) an artifact built on this machine with no GPU visible (`CUDA_VISIBLE_DEVICES= python -m warmup
+  build
       --no-gpu --arch <this GPU's>`), an empty Triton cache;
   (c) the artifact (a) published, an empty Triton cache;
-  (d) ENGINE_MODE=jit with a warm Triton cache (a worker before it compiled the whole kernel set there).
+  (d) ENGINE_MODE=jit with a warm Triton cache (a worker before it compiled the whole kernel set
+  there).
 
-Each: one streamed request is sent as soon as the server listens (start -> first token, client-timed from the
-spawn), then 32 concurrent streams (mixed prompt lengths, 64 tokens, greedy): burst wall time, time to first token
-p50 / p99, the median stream's longest pause between two tokens. The greedy tokens of every request are compared
-across the four (the model's tokenizer is word-level: one word per token id, so texts compare token ids).
+Each: one streamed request is sent as soon as the server listens (start -> first token, client-timed
+from the
+spawn), then 32 concurrent streams (mixed prompt lengths, 64 tokens, greedy): burst wall time, time
+to first token
+p50 / p99, the median stream's longest pause between two tokens. The greedy tokens of every request
+are compared
+across the four (the model's tokenizer is word-level: one word per token id, so texts compare token
+ids).
 
-`python -m bench.compiled_start --out $OUT` on a GPU machine: synthesizes the model (bench.checkpoint), writes
+`python -m bench.compiled_start --out $OUT` on a GPU machine: synthesizes the model
+(bench.checkpoint), writes
 $OUT/compiled-start.json and prints the table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,7 +49,8 @@ BURST_PROMPT_LENS = (16, 64, 128, 300, 700, 1500)
 
 
 def word_level_tokenizer(model_dir: str, vocab_size: int) -> None:
-    """tokenizer.json with one word per id ("t0" ... ), so outputs are text that spells their token ids."""
+    """tokenizer.json with one word per id ("t0" ... ), so outputs are text that spells their token
+    ids."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
@@ -54,14 +65,28 @@ def prompt(n: int, salt: int, vocab: int) -> list[int]:
 
 
 class Serve:
-    """`python -m handler serve --port 0` with its output kept (and timestamped) for the log lines it waits on."""
+    """`python -m handler serve --port 0` with its output kept (and timestamped) for the log lines
+    it waits on."""
 
     def __init__(self, env: dict[str, str]):
-        full = {k: v for k, v in os.environ.items() if not k.startswith(("MODEL_", "ENGINE_", "TRITON_CACHE"))}
-        full.update(env, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+        full = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("MODEL_", "ENGINE_", "TRITON_CACHE"))
+        }
+        full.update(
+            env,
+            PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+        )
         self.spawned = time.perf_counter()
-        self.proc = subprocess.Popen([sys.executable, "-m", "handler", "serve", "--host", "127.0.0.1", "--port", "0"],
-                                     cwd=REPO, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "handler", "serve", "--host", "127.0.0.1", "--port", "0"],
+            cwd=REPO,
+            env=full,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: list[tuple[float, str]] = []
         self.port: int | None = None
         self._port_seen = threading.Event()
@@ -82,12 +107,14 @@ class Serve:
         return "\n".join(line for _, line in self.lines[-last:])
 
     def wait_for(self, pattern: str, timeout: float) -> bool:
-        """Until a log line matches; False at once when the worker logged no "kernels:" line at ready (a start
+        """Until a log line matches; False at once when the worker logged no "kernels:" line at
+        ready (a start
         sequence without warmup.ready's hooks: nothing to wait for)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not any("kernels:" in line for _, line in self.lines) and any(
-                    "ready:" in line for _, line in self.lines):
+                "ready:" in line for _, line in self.lines
+            ):
                 return False
             if any(re.search(pattern, line) for _, line in self.lines):
                 return True
@@ -106,16 +133,30 @@ class Serve:
 
 
 def stream(port: int, ids: list[int], max_tokens: int) -> dict:
-    """One streamed /v1/completions request, greedy, exactly max_tokens: its chunks' arrival times and text."""
-    body = json.dumps({"model": "bench", "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
-                       "ignore_eos": True, "stream": True})
+    """One streamed /v1/completions request, greedy, exactly max_tokens: its chunks' arrival times
+    and text."""
+    body = json.dumps(
+        {
+            "model": "bench",
+            "prompt": ids,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    )
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     sent = time.perf_counter()
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     resp = conn.getresponse()
     times, text = [], []
     if resp.status != 200:
-        return {"sent": sent, "error": f"{resp.status} {resp.read()[:300]!r}", "times": [], "text": ""}
+        return {
+            "sent": sent,
+            "error": f"{resp.status} {resp.read()[:300]!r}",
+            "times": [],
+            "text": "",
+        }
     while line := resp.readline():
         line = line.strip()
         if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -129,21 +170,28 @@ def stream(port: int, ids: list[int], max_tokens: int) -> dict:
     return {"sent": sent, "times": times, "text": "".join(text)}
 
 
-def measure(name: str, env: dict[str, str], vocab: int, wait_line: str | None = None,
-            wait_s: float = 300.0) -> dict:
-    """One start: the first streamed request, then the burst; optionally wait for a log line before stopping."""
+def measure(
+    name: str, env: dict[str, str], vocab: int, wait_line: str | None = None, wait_s: float = 300.0
+) -> dict:
+    """One start: the first streamed request, then the burst; optionally wait for a log line before
+    stopping."""
     server = Serve(env)
     first = stream(server.port, prompt(128, 0, vocab), 16)
     if not first["times"]:
         server.stop()
-        raise RuntimeError(f"[{name}] first request failed: {first.get('error')}\n" + server.output())
+        raise RuntimeError(
+            f"[{name}] first request failed: {first.get('error')}\n" + server.output()
+        )
     burst: list[dict] = [{} for _ in range(BURST)]
     gate = threading.Barrier(BURST)
 
     def one(i: int) -> None:
         gate.wait()
-        burst[i] = stream(server.port, prompt(BURST_PROMPT_LENS[i % len(BURST_PROMPT_LENS)], 100 + i, vocab),
-                          BURST_TOKENS)
+        burst[i] = stream(
+            server.port,
+            prompt(BURST_PROMPT_LENS[i % len(BURST_PROMPT_LENS)], 100 + i, vocab),
+            BURST_TOKENS,
+        )
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(BURST)]
     for t in threads:
@@ -154,21 +202,36 @@ def measure(name: str, env: dict[str, str], vocab: int, wait_line: str | None = 
     code = server.stop()
     start = min(r["sent"] for r in burst)
     ttft = sorted(r["times"][0] - r["sent"] for r in burst if r["times"])
-    pauses = sorted(max((b - a for a, b in zip(r["times"], r["times"][1:])), default=0.0) for r in burst)
+    pauses = sorted(
+        max((b - a for a, b in zip(r["times"], r["times"][1:])), default=0.0) for r in burst
+    )
     keep = re.compile(r"ready:|kernels:|engine mode:|fleet:|CUDA graphs|warmup")
-    return {"name": name, "first_token_s": first["times"][0] - server.spawned, "first_text": first["text"],
-            "burst_wall_s": max(r["times"][-1] for r in burst if r["times"]) - start,
-            "ttft_p50_s": statistics.median(ttft), "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
-            "median_longest_pause_s": statistics.median(pauses), "longest_pause_s": pauses[-1],
-            "burst_texts": [r["text"] for r in burst], "errors": [r["error"] for r in burst if "error" in r],
-            "waited_for": wait_line, "wait_found": waited, "exit_code": code,
-            "log": [f"{t:7.2f}s {line}" for t, line in server.lines if keep.search(line)]}
+    return {
+        "name": name,
+        "first_token_s": first["times"][0] - server.spawned,
+        "first_text": first["text"],
+        "burst_wall_s": max(r["times"][-1] for r in burst if r["times"]) - start,
+        "ttft_p50_s": statistics.median(ttft),
+        "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+        "median_longest_pause_s": statistics.median(pauses),
+        "longest_pause_s": pauses[-1],
+        "burst_texts": [r["text"] for r in burst],
+        "errors": [r["error"] for r in burst if "error" in r],
+        "waited_for": wait_line,
+        "wait_found": waited,
+        "exit_code": code,
+        "log": [f"{t:7.2f}s {line}" for t, line in server.lines if keep.search(line)],
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--config", default="llama-3.1-8b.json")
-    ap.add_argument("--root", default="/tmp/coldbrew-compiled-start", help="models, caches and artifacts")
+    ap.add_argument(
+        "--root", default="/tmp/coldbrew-compiled-start", help="models, caches and artifacts"
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ap.add_argument("--max-model-len", type=int, default=4096)
     args = ap.parse_args()
@@ -185,37 +248,84 @@ def main() -> None:
     word_level_tokenizer(model_dir, vocab)
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}"
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": args.config,
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "arch": arch,
-              "max_model_len": args.max_model_len, "burst": BURST, "burst_tokens": BURST_TOKENS, "runs": {}}
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "config": args.config,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "arch": arch,
+        "max_model_len": args.max_model_len,
+        "burst": BURST,
+        "burst_tokens": BURST_TOKENS,
+        "runs": {},
+    }
     torch.cuda.empty_cache()
     log = lambda msg: print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", flush=True)  # noqa: E731
 
     def env(tag: str, mode: str, triton: str | None = None) -> dict[str, str]:
-        return {"MODEL_NAME": model_dir, "OPENAI_SERVED_MODEL_NAME_OVERRIDE": "bench", "ENGINE_MODE": mode,
-                "MAX_MODEL_LEN": str(args.max_model_len), "CACHE_DIR": str(root / f"cache-{tag}"),
-                "TRITON_CACHE_DIR": str(root / f"triton-{triton or tag}")}
+        return {
+            "MODEL_NAME": model_dir,
+            "OPENAI_SERVED_MODEL_NAME_OVERRIDE": "bench",
+            "ENGINE_MODE": mode,
+            "MAX_MODEL_LEN": str(args.max_model_len),
+            "CACHE_DIR": str(root / f"cache-{tag}"),
+            "TRITON_CACHE_DIR": str(root / f"triton-{triton or tag}"),
+        }
 
     runs = report["runs"]
-    # The first start writes the pack; it also fills the warm cache of (d) with the whole kernel set.
-    runs["prime"] = measure("prime", env("prime", "jit", "warm"), vocab, r"kernels: the rest of the set")
+    # The first start writes the pack; it also fills the warm cache of (d) with the whole kernel
+    # set.
+    runs["prime"] = measure(
+        "prime", env("prime", "jit", "warm"), vocab, r"kernels: the rest of the set"
+    )
     log(f"prime (writes the pack, warms (d)'s cache): {runs['prime']['first_token_s']:.2f} s")
     runs["a"] = measure("a", env("a", "auto"), vocab, r"fleet: (shared|could not)")
-    log(f"(a) empty cache: {runs['a']['first_token_s']:.2f} s; published: {runs['a']['wait_found']}")
+    log(
+        f"(a) empty cache: {runs['a']['first_token_s']:.2f} s; published: {runs['a']['wait_found']}"
+    )
     runs["c"] = measure("c", env("c", "auto"), vocab)
     log(f"(c) published artifact: {runs['c']['first_token_s']:.2f} s")
     published = Path(model_dir) / "engines"
     if published.exists():  # (b) must find only its own artifact
         published.rename(root / "engines-published")
-    build_env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
-                 "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    build_env = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+    }
     tb = time.perf_counter()
-    built = subprocess.run([sys.executable, "-m", "warmup", "build", "--model", model_dir, "--no-gpu", "--arch", arch,
-                            "--max-model-len", str(args.max_model_len), "--out-dir", str(root / "cache-b" / "engines")],
-                           cwd=REPO, env=build_env, capture_output=True, text=True, timeout=600)
-    report["gpuless_build"] = {"seconds": time.perf_counter() - tb, "rc": built.returncode,
-                               "stdout": built.stdout[-2000:], "stderr": built.stderr[-3000:]}
-    log(f"GPU-less build for {arch}: rc {built.returncode} in {report['gpuless_build']['seconds']:.1f} s")
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "warmup",
+            "build",
+            "--model",
+            model_dir,
+            "--no-gpu",
+            "--arch",
+            arch,
+            "--max-model-len",
+            str(args.max_model_len),
+            "--out-dir",
+            str(root / "cache-b" / "engines"),
+        ],
+        cwd=REPO,
+        env=build_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    report["gpuless_build"] = {
+        "seconds": time.perf_counter() - tb,
+        "rc": built.returncode,
+        "stdout": built.stdout[-2000:],
+        "stderr": built.stderr[-3000:],
+    }
+    log(
+        f"GPU-less build for {arch}: rc {built.returncode} in "
+        f"{report['gpuless_build']['seconds']:.1f} s"
+    )
     if built.returncode == 0:
         runs["b"] = measure("b", env("b", "auto"), vocab)
         log(f"(b) GPU-less artifact: {runs['b']['first_token_s']:.2f} s")
@@ -230,28 +340,54 @@ def main() -> None:
 
 def summarize(report: dict) -> None:
     runs, d = report["runs"], report["runs"].get("d")
-    report["tokens"] = {"first_request_identical": len({r["first_text"] for k, r in runs.items()
-                                                         if k in "abcd"}) == 1,
-                        "burst_streams_identical_to_d": {k: sum(x == y for x, y in zip(r["burst_texts"],
-                                                                                       d["burst_texts"]))
-                                                         for k, r in runs.items() if k in "abc"} if d else None}
+    report["tokens"] = {
+        "first_request_identical": len({r["first_text"] for k, r in runs.items() if k in "abcd"})
+        == 1,
+        "burst_streams_identical_to_d": {
+            k: sum(x == y for x, y in zip(r["burst_texts"], d["burst_texts"]))
+            for k, r in runs.items()
+            if k in "abc"
+        }
+        if d
+        else None,
+    }
     if d:
-        report["targets"] = {k: {"first_token_within_0.3s_of_d": runs[k]["first_token_s"] - d["first_token_s"] <= 0.3,
-                                 "ttft_p99_within_1.2x": runs[k]["ttft_p99_s"] <= 1.2 * d["ttft_p99_s"],
-                                 "pause_within_1.2x": runs[k]["median_longest_pause_s"]
-                                 <= 1.2 * d["median_longest_pause_s"]} for k in ("b", "c") if k in runs}
+        report["targets"] = {
+            k: {
+                "first_token_within_0.3s_of_d": runs[k]["first_token_s"] - d["first_token_s"]
+                <= 0.3,
+                "ttft_p99_within_1.2x": runs[k]["ttft_p99_s"] <= 1.2 * d["ttft_p99_s"],
+                "pause_within_1.2x": runs[k]["median_longest_pause_s"]
+                <= 1.2 * d["median_longest_pause_s"],
+            }
+            for k in ("b", "c")
+            if k in runs
+        }
 
 
 def print_table(report: dict) -> None:
-    names = {"a": "(a) empty cache, jit", "b": "(b) GPU-less artifact", "c": "(c) published artifact",
-             "d": "(d) warm cache"}
-    print(f"\n{report['device']}, {report['date']}, {report['config']} bf16, max-model-len {report['max_model_len']}")
-    print(f"{'':26}{'first token':>12}{'burst wall':>12}{'TTFT p50':>10}{'TTFT p99':>10}{'longest pause':>15}")
+    names = {
+        "a": "(a) empty cache, jit",
+        "b": "(b) GPU-less artifact",
+        "c": "(c) published artifact",
+        "d": "(d) warm cache",
+    }
+    print(
+        f"\n{report['device']}, {report['date']}, {report['config']} bf16, "
+        f"max-model-len {report['max_model_len']}"
+    )
+    print(
+        f"{'':26}{'first token':>12}{'burst wall':>12}{'TTFT p50':>10}{'TTFT p99':>10}"
+        f"{'longest pause':>15}"
+    )
     for key, label in names.items():
         r = report["runs"].get(key)
         if r:
-            print(f"{label:26}{r['first_token_s']:>11.2f}s{r['burst_wall_s']:>11.2f}s{r['ttft_p50_s']:>9.2f}s"
-                  f"{r['ttft_p99_s']:>9.2f}s{r['median_longest_pause_s']:>14.3f}s")
+            print(
+                f"{label:26}{r['first_token_s']:>11.2f}s{r['burst_wall_s']:>11.2f}s"
+                f"{r['ttft_p50_s']:>9.2f}s"
+                f"{r['ttft_p99_s']:>9.2f}s{r['median_longest_pause_s']:>14.3f}s"
+            )
     print("tokens:", json.dumps(report["tokens"]), "\ntargets:", json.dumps(report.get("targets")))
 
 

@@ -4,8 +4,10 @@ or lazily (a size on its first step).
 A decode batch is padded up to the next captured size; its inputs are copied into the graph's static buffer, then
 the graph replays. Padded rows have seq_len 0 and slot -1: attention writes nothing for them and returns zeros.
 
-Lazy capture in the background (`background` on, once `prepare_size` can load a size's kernels off the step loop):
-a step whose size has no graph yet is replayed from a larger captured graph, or run eagerly, while another thread
+Lazy capture in the background (`background` on, once `prepare_size` can load a size's kernels off
+the step loop):
+a step whose size has no graph yet is replayed from a larger captured graph, or run eagerly, while
+another thread
 captures that size (capture records, it runs nothing), so no step waits for a capture.
 """
 from __future__ import annotations
@@ -49,7 +51,8 @@ class DecodeGraphs:
         self.inputs: dict[int, torch.Tensor] = {}  # size -> the graph's static packed input buffer
         self.capture_seconds = 0.0
         self.pool_bytes = 0
-        # Background capture: on once prepare_size(size) loads a size's kernels (compiled, modules on the GPU) in
+        # Background capture: on once prepare_size(size) loads a size's kernels (compiled, modules
+        # on the GPU) in
         # the calling thread; the worker's warm-up sets both.
         self.background = False
         self.prepare_size: Callable[[int], None] | None = None
@@ -57,7 +60,8 @@ class DecodeGraphs:
         self._capturing = threading.Lock()  # one capture at a time into the shared pool
         self._queue: list[int] = []  # sizes waiting for the background thread
         self._worker: threading.Thread | None = None
-        self._eager_inputs: dict[int, torch.Tensor] = {}  # size -> its packed inputs for steps run eagerly
+        # size -> its packed inputs for steps run eagerly
+        self._eager_inputs: dict[int, torch.Tensor] = {}
         self._primed = threading.local()
 
     @property
@@ -141,9 +145,11 @@ class DecodeGraphs:
                 self.capture([size])
             else:
                 self._request(size)
-                size = next((s for s in self.sizes[self.sizes.index(size):] if s in self.graphs), None)
+                larger = self.sizes[self.sizes.index(size):]
+                size = next((s for s in larger if s in self.graphs), None)
                 if size is None:  # no larger graph yet either: this step runs eagerly
-                    return self._run_eager(batch, token_ids, positions, starts, block_tables, fill_input_ids)
+                    return self._run_eager(batch, token_ids, positions, starts, block_tables,
+                                           fill_input_ids)
         self.stager.stage(token_ids, positions, starts, [1] * batch, block_tables, table_width=self.table_width,
                           pad_to=size, dest=self.inputs[size], max_seq_len=self.max_model_len, want_views=False)
         if fill_input_ids is not None:
@@ -151,13 +157,16 @@ class DecodeGraphs:
         self.graphs[size].replay()
         return self.logits[:batch]
 
-    def _run_eager(self, batch, token_ids, positions, starts, block_tables, fill_input_ids) -> torch.Tensor:
-        """One decode step without a graph, padded to its size as the graph would be (the same kernels)."""
+    def _run_eager(self, batch, token_ids, positions, starts, block_tables,
+                   fill_input_ids) -> torch.Tensor:
+        """One decode step without a graph, padded to its size as the graph would be (the same
+        kernels)."""
         size = self.padded_size(batch)
         dest = self._eager_inputs.get(size)
         if dest is None:
             _, nbytes = StepLayout(size, size, self.table_width).offsets()
-            dest = self._eager_inputs[size] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            dest = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self._eager_inputs[size] = dest
         step = self.stager.stage(token_ids, positions, starts, [1] * batch, block_tables,
                                  table_width=self.table_width, pad_to=size, dest=dest,
                                  max_seq_len=self.max_model_len)
@@ -166,7 +175,8 @@ class DecodeGraphs:
         self._forward(step, size)
         return self.logits[:batch]
 
-    # ---- background capture ------------------------------------------------------------------------------------
+    # ---- background capture
+    # ------------------------------------------------------------------------------------
     def _request(self, size: int) -> None:
         """Queue `size` for the background thread (started when none runs)."""
         with self._lock:
@@ -174,8 +184,8 @@ class DecodeGraphs:
                 return
             self._queue.append(size)
             if self._worker is None:
-                self._worker = threading.Thread(target=self._capture_queued, name="coldbrew-graph-capture",
-                                                daemon=True)
+                self._worker = threading.Thread(target=self._capture_queued,
+                                                name="coldbrew-graph-capture", daemon=True)
                 self._worker.start()
 
     def _capture_queued(self) -> None:
@@ -192,18 +202,21 @@ class DecodeGraphs:
                 with self._capturing:
                     if size not in self.graphs:
                         self._capture_background(size)
-            except Exception as exc:  # the step loop goes on eager / from larger graphs; later sizes inline
+            except Exception as exc:  # steps go on eager or from larger graphs; later sizes inline
                 self.background = False
-                log.warning("CUDA graphs: capturing batch size %d in the background failed (%s: %s); sizes not "
-                            "captured yet are captured in their first step", size, type(exc).__name__, exc)
+                log.warning("CUDA graphs: capturing batch size %d in the background failed "
+                            "(%s: %s); sizes not captured yet are captured in their first step",
+                            size, type(exc).__name__, exc)
             finally:
                 with self._lock:
                     self._queue.remove(size)
 
     @torch.inference_mode()
     def _capture_background(self, size: int) -> None:
-        """Capture one size on this (non-step) thread: no warm-up run (prepare_size loaded the kernels; cuBLAS is
-        primed on the capture stream once per thread), and thread-local capture, so the step loop's own CUDA calls
+        """Capture one size on this (non-step) thread: no warm-up run (prepare_size loaded the
+        kernels; cuBLAS is
+        primed on the capture stream once per thread), and thread-local capture, so the step loop's
+        own CUDA calls
         stay legal meanwhile."""
         t0 = time.perf_counter()
         if self.pool is None:
@@ -211,14 +224,16 @@ class DecodeGraphs:
         stream = getattr(self._primed, "stream", None)
         if stream is None:
             stream = torch.cuda.Stream(self.device)
-            with torch.cuda.stream(stream):  # cuBLAS's handle and workspace for this thread and stream
+            # cuBLAS's handle and workspace for this thread and stream
+            with torch.cuda.stream(stream):
                 x = torch.zeros(32, 32, dtype=self.kv_cache.dtype, device=self.device)
                 torch.mm(x, x)
             stream.synchronize()
             self._primed.stream = stream
         layout = StepLayout(size, size, self.table_width)
         _, nbytes = layout.offsets()
-        dest = torch.empty(nbytes, dtype=torch.uint8, device=self.device)  # run() stages all of it before a replay
+        # run() stages all of it before a replay
+        dest = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         step = views(dest, layout, self._padding_meta(size))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream):
@@ -232,9 +247,12 @@ class DecodeGraphs:
             self.graphs[size] = graph
         seconds = time.perf_counter() - t0
         self.capture_seconds += seconds
-        log.info("CUDA graphs: captured decode batch size %d in the background in %.3f s", size, seconds)
+        log.info("CUDA graphs: captured decode batch size %d in the background in %.3f s", size,
+                 seconds)
 
     def _padding_meta(self, size: int) -> dict:
-        """The host half of the metadata the stager gives `size` padding rows (what a capture's launches read)."""
-        return dict(max_query_len=1, max_seq_len=self.max_model_len, query_start_loc_cpu=list(range(size + 1)),
-                    seq_lens_cpu=[0] * size, block_size=self.stager.block_size)
+        """The host half of the metadata the stager gives `size` padding rows (what a capture's
+        launches read)."""
+        return dict(max_query_len=1, max_seq_len=self.max_model_len,
+                    query_start_loc_cpu=list(range(size + 1)), seq_lens_cpu=[0] * size,
+                    block_size=self.stager.block_size)

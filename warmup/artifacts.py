@@ -24,7 +24,8 @@ ENGINE_MODES = ("auto", "jit", "compiled")
 # The key's fields, in the order a mismatch names them: what was built for must be what runs.
 KEY_FIELDS = ("format", "model_digest", "gpu_arch", "gpu_memory_gib", "torch", "triton", "cuda", "dtype",
               "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "gpu_memory_utilization")
-# An artifact with no measured KV-sizing record (built without a GPU, or published by a worker that sized its
+# An artifact with no measured KV-sizing record (built without a GPU, or published by a worker that
+# sized its
 # cache analytically) holds kernels only, which depend on neither field: its key says "any" in both.
 ANY_MEMORY = "any"
 WILDCARD_FIELDS = ("gpu_memory_gib", "gpu_memory_utilization")
@@ -52,7 +53,8 @@ def key_id(key: dict) -> str:
 
 
 def _limits(args, device) -> dict:
-    """The key's engine fields for EngineArgs `args` on `device` (dtype "auto" resolved as the engine does)."""
+    """The key's engine fields for EngineArgs `args` on `device` (dtype "auto" resolved as the
+    engine does)."""
     from engine.config import ModelConfig
     from engine.models.weights import resolve_dtype
 
@@ -92,8 +94,10 @@ def current_key(args) -> dict:
 
 
 def gpuless_key(args, arch: str) -> dict:
-    """The key of an artifact built without a GPU for `arch` ("sm_90"): this install's torch, triton and CUDA,
-    and any memory size and utilization (it holds kernels only; the KV-sizing record needs the GPU)."""
+    """The key of an artifact built without a GPU for `arch` ("sm_90"): this install's torch, triton
+    and CUDA,
+    and any memory size and utilization (it holds kernels only; the KV-sizing record needs the
+    GPU)."""
     import torch
 
     from engine.models.weights import model_digest
@@ -104,7 +108,8 @@ def gpuless_key(args, arch: str) -> dict:
 
 
 def any_memory(key: dict) -> dict:
-    """`key` as an artifact without a memory record carries it: valid for any GPU memory size and utilization."""
+    """`key` as an artifact without a memory record carries it: valid for any GPU memory size and
+    utilization."""
     return {**key, **{f: ANY_MEMORY for f in WILDCARD_FIELDS}}
 
 
@@ -162,9 +167,11 @@ def select(mode: str, roots: list[str], key: dict) -> Selection:
     _check_mode(mode)
     if mode == "jit":
         return Selection("jit", None, "ENGINE_MODE=jit")
-    found = [(path, data.get("key", {}), mismatches(data.get("key", {}), key)) for path, data in find_artifacts(roots)]
+    found = [(path, data.get("key", {})) for path, data in find_artifacts(roots)]
+    found = [(path, built, mismatches(built, key)) for path, built in found]
     matching = [(built != key, path) for path, built, differs in found if not differs]
-    if matching:  # an exact match (a GPU build, with its memory record) before one for any memory size
+    # an exact match (a GPU build, with its memory record) before one for any memory size
+    if matching:
         path = min(matching)[1]
         return Selection("compiled", path, f"compiled engine {path} matches this worker")
     found = [(path, differs) for path, _, differs in found]
@@ -192,7 +199,8 @@ def install(artifact: str, triton_cache_dir: str | None = None) -> dict:
     with open(os.path.join(artifact, ARTIFACT_FILE)) as f:
         record = json.load(f)["record"]
     overrides = {"cuda_graph_sizes": record["graph_sizes"]}
-    if record.get("kv_step_bytes") is not None:  # measured on the GPU; else the analytic bound sizes the KV cache
+    # measured on the GPU; without it the analytic bound sizes the KV cache
+    if record.get("kv_step_bytes") is not None:
         overrides["kv_step_bytes"] = record["kv_step_bytes"]
     return overrides
 
@@ -218,8 +226,10 @@ def _copy_if_missing(src: str, dst: str) -> str:
 
 
 def pull_matching(key: dict, remote: str, cache_dir: str, opts=None) -> str | None:
-    """The artifact for `key` from a fleet cache (remote/engines/<id>, as `warmup build --push` or a worker's
-    publish wrote it: the exact key first, then the key for any memory size) into cache_dir/engines/<id>,
+    """The artifact for `key` from a fleet cache (remote/engines/<id>, as `warmup build --push` or a
+    worker's
+    publish wrote it: the exact key first, then the key for any memory size) into
+    cache_dir/engines/<id>,
     atomically; None when the fleet has none. Raises cache.remote.RemoteError."""
     for wanted in (key, any_memory(key)):
         path = _pull_one(key_id(wanted), remote, cache_dir, opts)
