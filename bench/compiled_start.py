@@ -242,8 +242,11 @@ def main() -> None:
 
     t0 = time.perf_counter()
     root = Path(args.root)
-    shutil.rmtree(root, ignore_errors=True)
+    for old in root.glob("*"):  # caches and artifacts of a previous run; the model (and its pack) stay
+        if old.name != "model":
+            shutil.rmtree(old, ignore_errors=True)
     model_dir = synthesize(args.config, str(root / "model"), device="cuda")
+    shutil.rmtree(os.path.join(model_dir, "engines"), ignore_errors=True)
     vocab = ModelConfig.from_dir(model_dir).vocab_size
     word_level_tokenizer(model_dir, vocab)
     major, minor = torch.cuda.get_device_capability()
