@@ -81,17 +81,13 @@ def wait_served(engine, poll_s: float = IDLE_POLL_S, idle_wait_s: float = IDLE_W
 
 
 def engines_root(model_dir: str, cache_dir: str) -> str:
-    """Beside the snapshot when its directory is writable (a network volume), else the cache dir's
-    engines/."""
+    """Beside the snapshot when it lives in the worker's cache (the network volume, which the next worker
+    shares), else the cache dir's engines/ (a snapshot baked into the image is no one else's)."""
     from warmup.artifacts import ENGINES_DIR
 
-    beside = os.path.join(model_dir, ENGINES_DIR)
-    try:
-        os.makedirs(beside, exist_ok=True)
-        if os.access(beside, os.W_OK):
-            return beside
-    except OSError:
-        pass
+    model, cache = os.path.realpath(model_dir), os.path.realpath(cache_dir)
+    if os.path.commonpath([model, cache]) == cache and os.access(model, os.W_OK):
+        return os.path.join(model_dir, ENGINES_DIR)
     return os.path.join(cache_dir, ENGINES_DIR)
 
 
