@@ -81,7 +81,7 @@ def wait_served(engine, poll_s: float = IDLE_POLL_S, idle_wait_s: float = IDLE_W
 
 
 def engines_root(model_dir: str, cache_dir: str) -> str:
-    """Beside the snapshot when it lives in the worker's cache (the network volume, which the next worker
+    """Beside the snapshot when it lives in the worker's cache (the network volume the next worker
     shares), else the cache dir's engines/ (a snapshot baked into the image is no one else's)."""
     from warmup.artifacts import ENGINES_DIR
 
