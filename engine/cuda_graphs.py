@@ -3,17 +3,24 @@ or lazily (a size on its first step).
 
 A decode batch is padded up to the next captured size; its inputs are copied into the graph's static buffer, then
 the graph replays. Padded rows have seq_len 0 and slot -1: attention writes nothing for them and returns zeros.
+
+Lazy capture in the background (`background` on, once `prepare_size` can load a size's kernels off
+the step loop):
+a step whose size has no graph yet is replayed from a larger captured graph, or run eagerly, while
+another thread
+captures that size (capture records, it runs nothing), so no step waits for a capture.
 """
 from __future__ import annotations
 
 import bisect
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.step_inputs import InputStager, StepLayout, StepTensors, input_ids_view
+from engine.step_inputs import InputStager, StepLayout, StepTensors, input_ids_view, views
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +55,18 @@ class DecodeGraphs:
         self.inputs: dict[int, torch.Tensor] = {}  # size -> the graph's static packed input buffer
         self.capture_seconds = 0.0
         self.pool_bytes = 0
+        # Background capture: on once prepare_size(size) loads a size's kernels (compiled, modules
+        # on the GPU) in
+        # the calling thread; the worker's warm-up sets both.
+        self.background = False
+        self.prepare_size: Callable[[int], None] | None = None
+        self._lock = threading.Lock()  # the dicts above and the queue below
+        self._capturing = threading.Lock()  # one capture at a time into the shared pool
+        self._queue: list[int] = []  # sizes waiting for the background thread
+        self._worker: threading.Thread | None = None
+        # size -> its packed inputs for steps run eagerly
+        self._eager_inputs: dict[int, torch.Tensor] = {}
+        self._primed = threading.local()
 
     @property
     def max_size(self) -> int:
@@ -67,6 +86,10 @@ class DecodeGraphs:
     def capture(self, sizes: Sequence[int] | None = None) -> None:
         """Capture every size (or only `sizes`: run() captures a size lazily on its first step), largest first,
         so the smaller graphs reuse the pool's blocks."""
+        with self._capturing:
+            self._capture_inline(sizes)
+
+    def _capture_inline(self, sizes: Sequence[int] | None) -> None:
         t0 = time.perf_counter()
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_allocated(self.device)
@@ -91,8 +114,9 @@ class DecodeGraphs:
                 finally:
                     graph.capture_end()
             torch.cuda.current_stream(self.device).wait_stream(stream)
-            self.graphs[size] = graph
-            self.inputs[size] = dest
+            with self._lock:
+                self.inputs[size] = dest
+                self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
         self.pool_bytes += torch.cuda.memory_allocated(self.device) - before
         self.capture_seconds += time.perf_counter() - t0
@@ -121,10 +145,118 @@ class DecodeGraphs:
         if size is None:
             raise ValueError(f"batch: {batch} sequences exceed the largest captured CUDA graph ({self.max_size})")
         if size not in self.graphs:
-            self.capture([size])
+            if not self.background:
+                self.capture([size])
+            else:
+                self._request(size)
+                larger = self.sizes[self.sizes.index(size):]
+                size = next((s for s in larger if s in self.graphs), None)
+                if size is None:  # no larger graph yet either: this step runs eagerly
+                    return self._run_eager(batch, token_ids, positions, starts, block_tables,
+                                           fill_input_ids)
         self.stager.stage(token_ids, positions, starts, [1] * batch, block_tables, table_width=self.table_width,
                           pad_to=size, dest=self.inputs[size], max_seq_len=self.max_model_len, want_views=False)
         if fill_input_ids is not None:
             fill_input_ids(input_ids_view(self.inputs[size], StepLayout(size, size, self.table_width)))
         self.graphs[size].replay()
         return self.logits[:batch]
+
+    def _run_eager(self, batch, token_ids, positions, starts, block_tables,
+                   fill_input_ids) -> torch.Tensor:
+        """One decode step without a graph, padded to its size as the graph would be (the same
+        kernels)."""
+        size = self.padded_size(batch)
+        dest = self._eager_inputs.get(size)
+        if dest is None:
+            _, nbytes = StepLayout(size, size, self.table_width).offsets()
+            dest = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self._eager_inputs[size] = dest
+        step = self.stager.stage(token_ids, positions, starts, [1] * batch, block_tables,
+                                 table_width=self.table_width, pad_to=size, dest=dest,
+                                 max_seq_len=self.max_model_len)
+        if fill_input_ids is not None:
+            fill_input_ids(step.input_ids)
+        self._forward(step, size)
+        return self.logits[:batch]
+
+    # ---- background capture
+    # ------------------------------------------------------------------------------------
+    def _request(self, size: int) -> None:
+        """Queue `size` for the background thread (started when none runs)."""
+        with self._lock:
+            if size in self._queue or size in self.graphs:
+                return
+            self._queue.append(size)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._capture_queued,
+                                                name="coldbrew-graph-capture", daemon=True)
+                self._worker.start()
+
+    def _capture_queued(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue or not self.background:
+                    self._queue.clear()
+                    self._worker = None
+                    return
+                size = self._queue[0]
+            try:
+                if self.prepare_size is not None:
+                    self.prepare_size(size)
+                with self._capturing:
+                    if size not in self.graphs:
+                        self._capture_background(size)
+            except Exception as exc:  # steps go on eager or from larger graphs; later sizes inline
+                self.background = False
+                log.warning("CUDA graphs: capturing batch size %d in the background failed "
+                            "(%s: %s); sizes not captured yet are captured in their first step",
+                            size, type(exc).__name__, exc)
+            finally:
+                with self._lock:
+                    self._queue.remove(size)
+
+    @torch.inference_mode()
+    def _capture_background(self, size: int) -> None:
+        """Capture one size on this (non-step) thread: no warm-up run (prepare_size loaded the
+        kernels; cuBLAS is
+        primed on the capture stream once per thread), and thread-local capture, so the step loop's
+        own CUDA calls
+        stay legal meanwhile."""
+        t0 = time.perf_counter()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        stream = getattr(self._primed, "stream", None)
+        if stream is None:
+            stream = torch.cuda.Stream(self.device)
+            # cuBLAS's handle and workspace for this thread and stream
+            with torch.cuda.stream(stream):
+                x = torch.zeros(32, 32, dtype=self.kv_cache.dtype, device=self.device)
+                torch.mm(x, x)
+            stream.synchronize()
+            self._primed.stream = stream
+        layout = StepLayout(size, size, self.table_width)
+        _, nbytes = layout.offsets()
+        # run() stages all of it before a replay
+        dest = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        step = views(dest, layout, self._padding_meta(size))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                self._forward(step, size)
+            finally:
+                graph.capture_end()
+        with self._lock:
+            self.inputs[size] = dest
+            self.graphs[size] = graph
+        seconds = time.perf_counter() - t0
+        self.capture_seconds += seconds
+        log.info("CUDA graphs: captured decode batch size %d in the background in %.3f s", size,
+                 seconds)
+
+    def _padding_meta(self, size: int) -> dict:
+        """The host half of the metadata the stager gives `size` padding rows (what a capture's
+        launches read)."""
+        return dict(max_query_len=1, max_seq_len=self.max_model_len,
+                    query_start_loc_cpu=list(range(size + 1)), seq_lens_cpu=[0] * size,
+                    block_size=self.stager.block_size)

@@ -24,6 +24,11 @@ ENGINE_MODES = ("auto", "jit", "compiled")
 # The key's fields, in the order a mismatch names them: what was built for must be what runs.
 KEY_FIELDS = ("format", "model_digest", "gpu_arch", "gpu_memory_gib", "torch", "triton", "cuda", "dtype",
               "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "gpu_memory_utilization")
+# An artifact with no measured KV-sizing record (built without a GPU, or published by a worker that
+# sized its
+# cache analytically) holds kernels only, which depend on neither field: its key says "any" in both.
+ANY_MEMORY = "any"
+WILDCARD_FIELDS = ("gpu_memory_gib", "gpu_memory_utilization")
 
 
 class ArtifactError(RuntimeError):
@@ -47,39 +52,72 @@ def key_id(key: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def current_key(args) -> dict:
-    """The key this process would need, for EngineArgs `args` on its CUDA device (imports torch and triton)."""
+def _limits(args, device) -> dict:
+    """The key's engine fields for EngineArgs `args` on `device` (dtype "auto" resolved as the
+    engine does)."""
+    from engine.config import ModelConfig
+    from engine.models.weights import resolve_dtype
+
+    cfg = ModelConfig.from_dir(args.model)
+    return {"dtype": str(resolve_dtype(args.dtype, cfg, device)).removeprefix("torch."),
+            "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "block_size": args.block_size,
+            "gpu_memory_utilization": args.gpu_memory_utilization}
+
+
+def _software() -> dict:
     import torch
 
-    from engine.config import ModelConfig
-    from engine.models.weights import model_digest, resolve_dtype
-
-    device = args.torch_device()
-    if device.type != "cuda":
-        raise ArtifactError(f"compiled engines are for CUDA devices; this engine runs on {device.type}")
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    props = torch.cuda.get_device_properties(index)
     try:
         import triton
 
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    cfg = ModelConfig.from_dir(args.model)
-    limits = {"dtype": str(resolve_dtype(args.dtype, cfg, device)).removeprefix("torch."),
-              "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
-              "max_num_batched_tokens": args.max_num_batched_tokens, "block_size": args.block_size,
-              "gpu_memory_utilization": args.gpu_memory_utilization}
-    return artifact_key(model_digest(args.model), limits,
+    return {"torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda}
+
+
+def current_key(args) -> dict:
+    """The key this process would need, for EngineArgs `args` on its CUDA device (imports torch and triton)."""
+    import torch
+
+    from engine.models.weights import model_digest
+
+    device = args.torch_device()
+    if device.type != "cuda":
+        raise ArtifactError(f"compiled engines are for CUDA devices; this engine runs on {device.type}")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    return artifact_key(model_digest(args.model), _limits(args, device),
                         {"gpu_arch": f"sm_{props.major}{props.minor}",
-                         "gpu_memory_gib": round(props.total_memory / (1 << 30))},
-                        {"torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda})
+                         "gpu_memory_gib": round(props.total_memory / (1 << 30))}, _software())
+
+
+def gpuless_key(args, arch: str) -> dict:
+    """The key of an artifact built without a GPU for `arch` ("sm_90"): this install's torch, triton
+    and CUDA,
+    and any memory size and utilization (it holds kernels only; the KV-sizing record needs the
+    GPU)."""
+    import torch
+
+    from engine.models.weights import model_digest
+
+    key = artifact_key(model_digest(args.model), _limits(args, torch.device("cuda")),
+                       {"gpu_arch": arch, "gpu_memory_gib": None}, _software())
+    return any_memory(key)
+
+
+def any_memory(key: dict) -> dict:
+    """`key` as an artifact without a memory record carries it: valid for any GPU memory size and
+    utilization."""
+    return {**key, **{f: ANY_MEMORY for f in WILDCARD_FIELDS}}
 
 
 def mismatches(built: dict, wanted: dict) -> list[str]:
     """'field (built for X, this worker Y)' for each key field that differs, in KEY_FIELDS order."""
     return [f"{f} (built for {built.get(f)!r}, this worker {wanted.get(f)!r})"
-            for f in KEY_FIELDS if built.get(f) != wanted.get(f)]
+            for f in KEY_FIELDS if built.get(f) != wanted.get(f)
+            and not (f in WILDCARD_FIELDS and built.get(f) == ANY_MEMORY)]
 
 
 # ---- finding and choosing ------------------------------------------------------------------------------------
@@ -100,6 +138,8 @@ def find_artifacts(roots: list[str]) -> list[tuple[str, dict]]:
         except OSError:
             continue
         for name in names:
+            if name.startswith("."):  # a build, a publish or a lock in progress
+                continue
             path = os.path.join(root, name)
             try:
                 with open(os.path.join(path, ARTIFACT_FILE)) as f:
@@ -127,10 +167,14 @@ def select(mode: str, roots: list[str], key: dict) -> Selection:
     _check_mode(mode)
     if mode == "jit":
         return Selection("jit", None, "ENGINE_MODE=jit")
-    found = [(path, mismatches(data.get("key", {}), key)) for path, data in find_artifacts(roots)]
-    for path, differs in found:
-        if not differs:
-            return Selection("compiled", path, f"compiled engine {path} matches this worker")
+    found = [(path, data.get("key", {})) for path, data in find_artifacts(roots)]
+    found = [(path, built, mismatches(built, key)) for path, built in found]
+    matching = [(built != key, path) for path, built, differs in found if not differs]
+    # an exact match (a GPU build, with its memory record) before one for any memory size
+    if matching:
+        path = min(matching)[1]
+        return Selection("compiled", path, f"compiled engine {path} matches this worker")
+    found = [(path, differs) for path, _, differs in found]
     if found:
         path, differs = min(found, key=lambda pd: len(pd[1]))
         why = f"the closest, {path}, differs in " + "; ".join(differs)
@@ -154,7 +198,11 @@ def install(artifact: str, triton_cache_dir: str | None = None) -> dict:
         shutil.copytree(src, triton_cache_dir, dirs_exist_ok=True, copy_function=_copy_if_missing)
     with open(os.path.join(artifact, ARTIFACT_FILE)) as f:
         record = json.load(f)["record"]
-    return {"kv_step_bytes": record["kv_step_bytes"], "cuda_graph_sizes": record["graph_sizes"]}
+    overrides = {"cuda_graph_sizes": record["graph_sizes"]}
+    # measured on the GPU; without it the analytic bound sizes the KV cache
+    if record.get("kv_step_bytes") is not None:
+        overrides["kv_step_bytes"] = record["kv_step_bytes"]
+    return overrides
 
 
 def _copy_if_missing(src: str, dst: str) -> str:
@@ -178,19 +226,30 @@ def _copy_if_missing(src: str, dst: str) -> str:
 
 
 def pull_matching(key: dict, remote: str, cache_dir: str, opts=None) -> str | None:
-    """The artifact for `key` from a fleet cache (remote/engines/<id>, as `warmup build --push` wrote it) into
-    cache_dir/engines/<id>, atomically; None when the fleet has none. Raises cache.remote.RemoteError."""
+    """The artifact for `key` from a fleet cache (remote/engines/<id>, as `warmup build --push` or a
+    worker's
+    publish wrote it: the exact key first, then the key for any memory size) into
+    cache_dir/engines/<id>,
+    atomically; None when the fleet has none. Raises cache.remote.RemoteError."""
+    for wanted in (key, any_memory(key)):
+        path = _pull_one(key_id(wanted), remote, cache_dir, opts)
+        if path is not None:
+            return path
+    return None
+
+
+def _pull_one(name: str, remote: str, cache_dir: str, opts) -> str | None:
     import tempfile
 
     from cache.remote import join_uri, pull_dir
 
-    dest = os.path.join(cache_dir, ENGINES_DIR, key_id(key))
+    dest = os.path.join(cache_dir, ENGINES_DIR, name)
     if os.path.isfile(os.path.join(dest, ARTIFACT_FILE)):
         return dest
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".pull-", dir=os.path.dirname(dest))
     try:
-        if pull_dir(join_uri(remote, ENGINES_DIR, key_id(key)), staging, opts, progress=False) is None:
+        if pull_dir(join_uri(remote, ENGINES_DIR, name), staging, opts, progress=False) is None:
             return None
         try:
             os.rename(staging, dest)

@@ -1,0 +1,402 @@
+"""Does every worker start compiled? Four starts of `python -m handler serve`, each a fresh process
+on the same GPU:
+
+  (a) an empty Triton cache and no artifact (ENGINE_MODE=auto runs jit; as the fleet's first worker
+  it publishes
+      its kernels beside the snapshot once it has served);
+  (b) an artifact built on this machine with no GPU visible (`CUDA_VISIBLE_DEVICES= python -m warmup
+  build
+      --no-gpu --arch <this GPU's>`), an empty Triton cache;
+  (c) the artifact (a) published, an empty Triton cache;
+  (d) ENGINE_MODE=jit with a warm Triton cache (a worker before it compiled the whole kernel set
+  there).
+
+Each: one streamed request is sent as soon as the server listens (start -> first token, client-timed
+from the
+spawn), then 32 concurrent streams (mixed prompt lengths, 64 tokens, greedy): burst wall time, time
+to first token
+p50 / p99, the median stream's longest pause between two tokens. The greedy tokens of every request
+are compared
+across the four (the model's tokenizer is word-level: one word per token id, so texts compare token
+ids).
+
+`python -m bench.compiled_start --out $OUT` on a GPU machine: synthesizes the model
+(bench.checkpoint), writes
+$OUT/compiled-start.json and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PORT_LINE = re.compile(r"OpenAI server on http://127\.0\.0\.1:(\d+)/v1")
+BURST = 32
+BURST_TOKENS = 64
+BURST_PROMPT_LENS = (16, 64, 128, 300, 700, 1500)
+
+
+def word_level_tokenizer(model_dir: str, vocab_size: int) -> None:
+    """tokenizer.json with one word per id ("t0" ... ), so outputs are text that spells their token
+    ids."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = Whitespace()
+    tok.save(os.path.join(model_dir, "tokenizer.json"))
+
+
+def prompt(n: int, salt: int, vocab: int) -> list[int]:
+    return [(salt * 7919 + 131 * i) % (vocab - 3) + 3 for i in range(n)]
+
+
+class Serve:
+    """`python -m handler serve --port 0` with its output kept (and timestamped) for the log lines
+    it waits on."""
+
+    def __init__(self, env: dict[str, str]):
+        full = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("MODEL_", "ENGINE_", "TRITON_CACHE"))
+        }
+        full.update(
+            env,
+            PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+        )
+        self.spawned = time.perf_counter()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "handler", "serve", "--host", "127.0.0.1", "--port", "0"],
+            cwd=REPO,
+            env=full,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[tuple[float, str]] = []
+        self.port: int | None = None
+        self._port_seen = threading.Event()
+        threading.Thread(target=self._pump, daemon=True).start()
+        if not self._port_seen.wait(300) or self.port is None:
+            raise RuntimeError("serve did not listen:\n" + self.output())
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.perf_counter() - self.spawned, line.rstrip()))
+            m = PORT_LINE.search(line)
+            if m and self.port is None:
+                self.port = int(m.group(1))
+                self._port_seen.set()
+        self._port_seen.set()
+
+    def output(self, last: int = 80) -> str:
+        return "\n".join(line for _, line in self.lines[-last:])
+
+    def wait_for(self, pattern: str, timeout: float) -> bool:
+        """Until a log line matches; False at once when the worker logged no "kernels:" line at
+        ready (a start
+        sequence without warmup.ready's hooks: nothing to wait for)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not any("kernels:" in line for _, line in self.lines) and any(
+                "ready:" in line for _, line in self.lines
+            ):
+                return False
+            if any(re.search(pattern, line) for _, line in self.lines):
+                return True
+            if self.proc.poll() is not None:
+                return False
+            time.sleep(0.2)
+        return False
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def stream(port: int, ids: list[int], max_tokens: int) -> dict:
+    """One streamed /v1/completions request, greedy, exactly max_tokens: its chunks' arrival times
+    and text."""
+    body = json.dumps(
+        {
+            "model": "bench",
+            "prompt": ids,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    )
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    sent = time.perf_counter()
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    times, text = [], []
+    if resp.status != 200:
+        return {
+            "sent": sent,
+            "error": f"{resp.status} {resp.read()[:300]!r}",
+            "times": [],
+            "text": "",
+        }
+    while line := resp.readline():
+        line = line.strip()
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        piece = "".join(c.get("text") or "" for c in chunk.get("choices", []))
+        if piece:
+            times.append(time.perf_counter())
+            text.append(piece)
+    conn.close()
+    return {"sent": sent, "times": times, "text": "".join(text)}
+
+
+def measure(
+    name: str, env: dict[str, str], vocab: int, wait_line: str | None = None, wait_s: float = 300.0
+) -> dict:
+    """One start: the first streamed request, then the burst; optionally wait for a log line before
+    stopping."""
+    server = Serve(env)
+    first = stream(server.port, prompt(128, 0, vocab), 16)
+    if not first["times"]:
+        server.stop()
+        raise RuntimeError(
+            f"[{name}] first request failed: {first.get('error')}\n" + server.output()
+        )
+    burst: list[dict] = [{} for _ in range(BURST)]
+    gate = threading.Barrier(BURST)
+
+    def one(i: int) -> None:
+        gate.wait()
+        burst[i] = stream(
+            server.port,
+            prompt(BURST_PROMPT_LENS[i % len(BURST_PROMPT_LENS)], 100 + i, vocab),
+            BURST_TOKENS,
+        )
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(BURST)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    waited = server.wait_for(wait_line, wait_s) if wait_line else None
+    code = server.stop()
+    start = min(r["sent"] for r in burst)
+    ttft = sorted(r["times"][0] - r["sent"] for r in burst if r["times"])
+    pauses = sorted(
+        max((b - a for a, b in zip(r["times"], r["times"][1:])), default=0.0) for r in burst
+    )
+    keep = re.compile(r"ready:|kernels:|engine mode:|fleet:|CUDA graphs|warmup")
+    return {
+        "name": name,
+        "first_token_s": first["times"][0] - server.spawned,
+        "first_text": first["text"],
+        "burst_wall_s": max(r["times"][-1] for r in burst if r["times"]) - start,
+        "ttft_p50_s": statistics.median(ttft),
+        "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+        "median_longest_pause_s": statistics.median(pauses),
+        "longest_pause_s": pauses[-1],
+        "burst_texts": [r["text"] for r in burst],
+        "errors": [r["error"] for r in burst if "error" in r],
+        "waited_for": wait_line,
+        "wait_found": waited,
+        "exit_code": code,
+        "log": [f"{t:7.2f}s {line}" for t, line in server.lines if keep.search(line)],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--config", default="llama-3.1-8b.json")
+    ap.add_argument(
+        "--root", default="/tmp/coldbrew-compiled-start", help="models, caches and artifacts"
+    )
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    args = ap.parse_args()
+    import torch
+
+    from bench.checkpoint import synthesize
+    from engine.config import ModelConfig
+
+    t0 = time.perf_counter()
+    root = Path(args.root)
+    for old in root.glob(
+        "*"
+    ):  # caches and artifacts of a previous run; the model (and its pack) stay
+        if old.name != "model":
+            shutil.rmtree(old, ignore_errors=True)
+    model_dir = synthesize(args.config, str(root / "model"), device="cuda")
+    shutil.rmtree(os.path.join(model_dir, "engines"), ignore_errors=True)
+    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    word_level_tokenizer(model_dir, vocab)
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"sm_{major}{minor}"
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "config": args.config,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "arch": arch,
+        "max_model_len": args.max_model_len,
+        "burst": BURST,
+        "burst_tokens": BURST_TOKENS,
+        "runs": {},
+    }
+    torch.cuda.empty_cache()
+    log = lambda msg: print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", flush=True)  # noqa: E731
+
+    def env(tag: str, mode: str, triton: str | None = None) -> dict[str, str]:
+        return {
+            "MODEL_NAME": model_dir,
+            "OPENAI_SERVED_MODEL_NAME_OVERRIDE": "bench",
+            "ENGINE_MODE": mode,
+            "MAX_MODEL_LEN": str(args.max_model_len),
+            "CACHE_DIR": str(root / f"cache-{tag}"),
+            "TRITON_CACHE_DIR": str(root / f"triton-{triton or tag}"),
+        }
+
+    runs = report["runs"]
+    # The first start writes the pack; it also fills the warm cache of (d) with the whole kernel
+    # set.
+    runs["prime"] = measure(
+        "prime", env("prime", "jit", "warm"), vocab, r"kernels: the rest of the set"
+    )
+    log(f"prime (writes the pack, warms (d)'s cache): {runs['prime']['first_token_s']:.2f} s")
+    runs["a"] = measure("a", env("a", "auto"), vocab, r"fleet: (shared|could not)")
+    log(
+        f"(a) empty cache: {runs['a']['first_token_s']:.2f} s; published: {runs['a']['wait_found']}"
+    )
+    runs["c"] = measure(
+        "c", {**env("c", "auto"), "CACHE_DIR": str(root / "cache-a")}, vocab
+    )  # (a)'s volume
+    log(f"(c) published artifact: {runs['c']['first_token_s']:.2f} s")
+    published = Path(model_dir) / "engines"
+    if published.exists():  # (b) must find only its own artifact
+        published.rename(root / "engines-published")
+    build_env = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+    }
+    tb = time.perf_counter()
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "warmup",
+            "build",
+            "--model",
+            model_dir,
+            "--no-gpu",
+            "--arch",
+            arch,
+            "--max-model-len",
+            str(args.max_model_len),
+            "--out-dir",
+            str(root / "cache-b" / "engines"),
+        ],
+        cwd=REPO,
+        env=build_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    report["gpuless_build"] = {
+        "seconds": time.perf_counter() - tb,
+        "rc": built.returncode,
+        "stdout": built.stdout[-2000:],
+        "stderr": built.stderr[-3000:],
+    }
+    log(
+        f"GPU-less build for {arch}: rc {built.returncode} in "
+        f"{report['gpuless_build']['seconds']:.1f} s"
+    )
+    if built.returncode == 0:
+        runs["b"] = measure("b", env("b", "auto"), vocab)
+        log(f"(b) GPU-less artifact: {runs['b']['first_token_s']:.2f} s")
+    runs["d"] = measure("d", env("d", "jit", "warm"), vocab)
+    log(f"(d) warm cache: {runs['d']['first_token_s']:.2f} s")
+    summarize(report)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "compiled-start.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print_table(report)
+
+
+def summarize(report: dict) -> None:
+    runs, d = report["runs"], report["runs"].get("d")
+    report["tokens"] = {
+        "first_request_identical": len({r["first_text"] for k, r in runs.items() if k in "abcd"})
+        == 1,
+        "burst_streams_identical_to_d": {
+            k: sum(x == y for x, y in zip(r["burst_texts"], d["burst_texts"]))
+            for k, r in runs.items()
+            if k in "abc"
+        }
+        if d
+        else None,
+    }
+    if d:
+        report["targets"] = {
+            k: {
+                "first_token_within_0.3s_of_d": runs[k]["first_token_s"] - d["first_token_s"]
+                <= 0.3,
+                "ttft_p99_within_1.2x": runs[k]["ttft_p99_s"] <= 1.2 * d["ttft_p99_s"],
+                "pause_within_1.2x": runs[k]["median_longest_pause_s"]
+                <= 1.2 * d["median_longest_pause_s"],
+            }
+            for k in ("b", "c")
+            if k in runs
+        }
+
+
+def print_table(report: dict) -> None:
+    names = {
+        "a": "(a) empty cache, jit",
+        "b": "(b) GPU-less artifact",
+        "c": "(c) published artifact",
+        "d": "(d) warm cache",
+    }
+    print(
+        f"\n{report['device']}, {report['date']}, {report['config']} bf16, "
+        f"max-model-len {report['max_model_len']}"
+    )
+    print(
+        f"{'':26}{'first token':>12}{'burst wall':>12}{'TTFT p50':>10}{'TTFT p99':>10}"
+        f"{'longest pause':>15}"
+    )
+    for key, label in names.items():
+        r = report["runs"].get(key)
+        if r:
+            print(
+                f"{label:26}{r['first_token_s']:>11.2f}s{r['burst_wall_s']:>11.2f}s"
+                f"{r['ttft_p50_s']:>9.2f}s"
+                f"{r['ttft_p99_s']:>9.2f}s{r['median_longest_pause_s']:>14.3f}s"
+            )
+    print("tokens:", json.dumps(report["tokens"]), "\ntargets:", json.dumps(report.get("targets")))
+
+
+if __name__ == "__main__":
+    main()

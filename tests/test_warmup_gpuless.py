@@ -1,0 +1,258 @@
+"""Compiled engines built without a GPU: `python -m warmup build --no-gpu --arch sm_80,sm_90` on a
+tiny model gives
+one artifact per architecture whose cubins are ELF files for that SM (read from the ELF header, as
+cuobjdump does),
+keyed for any memory size with this install's versions; the kernel set it traces follows the
+engine's limits.
+
+CPU; Triton must be importable (its wheel carries ptxas). GPU (-m gpu): an artifact built with no
+GPU visible,
+installed into an empty Triton cache, leaves a worker nothing to compile, with jit's greedy tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import EngineArgs
+from warmup.artifacts import ARTIFACT_FILE, TRITON_DIR, artifact_key, install, select
+from warmup.kernel_set import Step, steps_for
+
+triton = pytest.importorskip("triton")
+
+REPO = Path(__file__).resolve().parent.parent
+EM_CUDA = 190  # the ELF machine number of NVIDIA's CUDA objects
+ENGINE_KERNELS = {
+    "paged_attention_kernel",
+    "_rms_norm_kernel",
+    "_rope_kernel",
+    "_silu_and_mul_kernel",
+    "_skinny_gemm_kernel",
+    "_race_kernel",
+}
+LIMITS = ["--dtype", "bfloat16", "--max-model-len", "128", "--max-num-seqs", "4"]
+
+
+def cubin_sm(data: bytes) -> int:
+    """The SM number a CUDA ELF object was built for: e_flags' low byte, or the next one from ELF
+    ABI version 8
+    (CUDA 12.8's new layout)."""
+    assert data[:4] == b"\x7fELF" and data[4] == 2, "not a 64-bit ELF file"
+    assert struct.unpack_from("<H", data, 18)[0] == EM_CUDA, "not a CUDA object"
+    flags = struct.unpack_from("<I", data, 48)[0]
+    return (flags >> 8) & 0xFF if data[8] >= 8 else flags & 0xFF
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    from tiny_models import make_tiny_model
+
+    path = str(tmp_path_factory.mktemp("tiny") / "llama")
+    make_tiny_model("llama", path)
+    return path
+
+
+def build(model: str, *extra: str, env: dict | None = None) -> list[Path]:
+    out = subprocess.run(
+        [sys.executable, "-m", "warmup", "build", "--model", model, *LIMITS, *extra],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path]), **(env or {})},
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    return [Path(line) for line in out.stdout.splitlines() if line.startswith("/")]
+
+
+@pytest.mark.slow
+def test_a_build_without_a_gpu_has_kernels_for_each_architecture_keyed_for_it(tiny_llama):
+    from engine.models.weights import model_digest
+
+    paths = build(tiny_llama, "--no-gpu", "--arch", "sm_80,sm_90", "--jobs", "2")
+    assert len(paths) == 2
+    by_arch = {}
+    for path in paths:
+        data = json.loads((path / ARTIFACT_FILE).read_text())
+        key, record = data["key"], data["record"]
+        by_arch[key["gpu_arch"]] = path
+        assert key == {
+            "format": 1,
+            "model_digest": model_digest(tiny_llama),
+            "gpu_arch": key["gpu_arch"],
+            "gpu_memory_gib": "any",
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "cuda": torch.version.cuda,
+            "dtype": "bfloat16",
+            "max_model_len": 128,
+            "max_num_seqs": 4,
+            "max_num_batched_tokens": 8192,
+            "block_size": 16,
+            "gpu_memory_utilization": "any",
+        }
+        assert (
+            record["built_without_gpu"]
+            and record["kv_step_bytes"] is None
+            and record["graph_sizes"] == [1, 2, 4]
+        )
+        sm = int(key["gpu_arch"].removeprefix("sm_"))
+        cubins = sorted((path / TRITON_DIR).rglob("*.cubin"))
+        assert len(cubins) == len(record["kernels"]) >= len(ENGINE_KERNELS)
+        assert {cubin_sm(c.read_bytes()) for c in cubins} == {sm}
+        for cubin in cubins:  # Triton's metadata beside each cubin names the same target
+            meta = json.loads(cubin.with_suffix(".json").read_text())
+            assert (meta["target"]["backend"], meta["target"]["arch"]) == ("cuda", sm)
+        assert set(record["kernels"].values()) == ENGINE_KERNELS
+        assert set(record["kernels"]) == {p.name for p in (path / TRITON_DIR).iterdir()}
+    assert sorted(by_arch) == ["sm_80", "sm_90"]
+    # A worker on an A100 or an H100 of any memory, with the same install, takes its architecture's
+    # artifact
+    for arch, gib in (("sm_90", 80), ("sm_90", 141), ("sm_80", 40)):
+        worker = json.loads((by_arch[arch] / ARTIFACT_FILE).read_text())["key"]
+        worker = artifact_key(
+            worker["model_digest"],
+            {
+                **{
+                    k: worker[k]
+                    for k in (
+                        "dtype",
+                        "max_model_len",
+                        "max_num_seqs",
+                        "max_num_batched_tokens",
+                        "block_size",
+                    )
+                },
+                "gpu_memory_utilization": 0.95,
+            },
+            {"gpu_arch": arch, "gpu_memory_gib": gib},
+            {k: worker[k] for k in ("torch", "triton", "cuda")},
+        )
+        assert select("compiled", [str(p.parent) for p in paths], worker).artifact == str(
+            by_arch[arch]
+        )
+    # installed into a worker's empty cache, each kernel is a hit for Triton's own cache manager
+    from triton.runtime.cache import FileCacheManager
+
+    cache = by_arch["sm_90"].parent.parent / "worker-triton"
+    install(str(by_arch["sm_90"]), str(cache))
+    os.environ["TRITON_CACHE_DIR"] = str(cache)
+    try:
+        for entry, name in json.loads((by_arch["sm_90"] / ARTIFACT_FILE).read_text())["record"][
+            "kernels"
+        ].items():
+            manager = FileCacheManager(entry)  # the entry's directory name is the manager's key
+            assert manager.cache_dir == str(cache / entry)
+            assert manager.get_group(f"{name}.json") is not None, entry
+    finally:
+        os.environ.pop("TRITON_CACHE_DIR")
+
+
+def test_the_kernel_set_follows_the_engine_limits():
+    args = EngineArgs(model="x", max_num_seqs=4, max_model_len=128)
+    steps = steps_for(args, 128)
+    assert [s for s in steps if s.graph] == [Step(s, s, 8, graph=True) for s in (1, 2, 4)]
+    eager = {(s.num_tokens, s.table_width) for s in steps if not s.graph}
+    assert eager == {
+        (t, w) for t in (2, 16, 17) for w in (1, 2, 8)
+    }  # widths: 1, other, the widest (< 16)
+    first = steps_for(args, 128, first_only=True)
+    assert [s for s in first if s.graph] == [Step(1, 1, 8, graph=True)] and set(first) <= set(steps)
+    wide = steps_for(EngineArgs(model="x", max_num_seqs=4, max_model_len=4096), 4096)
+    assert {s.table_width for s in wide if not s.graph} == {1, 2, 16, 256}
+    # batches above the largest graph run eager: every batch at the widest tables, every width at
+    # the first
+    big = steps_for(
+        EngineArgs(model="x", max_num_seqs=6, cuda_graph_sizes=[1, 2, 4], max_model_len=64), 64
+    )
+    decode = {
+        (s.num_seqs, s.table_width) for s in big if not s.graph and s.num_seqs == s.num_tokens
+    }
+    assert decode == {(5, 4), (5, 3), (6, 4), (6, 3), (5, 1), (5, 2)}
+    eager_only = steps_for(
+        EngineArgs(model="x", max_num_seqs=2, enforce_eager=True, max_model_len=32), 32
+    )
+    assert not any(s.graph for s in eager_only)
+    assert {(s.num_seqs, s.table_width) for s in eager_only if s.num_seqs == s.num_tokens} == {
+        (1, 1),
+        (1, 2),
+        (2, 1),
+        (2, 2),
+    }
+
+
+# ---- GPU ---------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_artifact_built_with_no_gpu_visible_leaves_the_worker_nothing_to_compile(
+    tiny_llama, tmp_path
+):
+    from engine import LLM, SamplingParams
+    from warmup.artifacts import prepare
+    from warmup.ready import warm_kernels
+
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"sm_{major}{minor}"
+    out = tmp_path / "engines"
+    build(
+        tiny_llama,
+        "--no-gpu",
+        "--arch",
+        arch,
+        "--out-dir",
+        str(out),
+        env={"CUDA_VISIBLE_DEVICES": ""},
+    )
+    args = EngineArgs(
+        model=tiny_llama,
+        dtype="bfloat16",
+        device="cuda",
+        max_model_len=128,
+        max_num_seqs=4,
+        gpu_memory_utilization=0.3,
+    )
+    prompts = [[5 + i, 9, 17, 33] * (1 + 3 * i) for i in range(4)] + [[7]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=6, ignore_eos=True, seed=3)
+    tokens = {}
+    for mode in ("jit", "compiled"):
+        cache = tmp_path / f"triton-{mode}"
+        triton.knobs.cache.dir = str(cache)  # an empty cache each: a fresh machine
+        engine_args, sel = prepare(mode, args, str(tmp_path))
+        if mode == "compiled":
+            assert sel.artifact.startswith(str(tmp_path / "engines"))
+        before = set(os.listdir(cache)) if cache.exists() else set()
+        llm = LLM(**vars(engine_args))
+        warm = warm_kernels(llm, sel.mode)
+        tokens[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        for n in (
+            1,
+            3,
+            4,
+        ):  # every decode graph size, prompts alone and batched, the sampler's draw
+            llm.generate(prompts[:n], sampled)
+        after = set(os.listdir(cache))
+        if mode == "compiled":
+            assert warm.compiled == [] and after == before, (
+                f"compiled at run time: {sorted(after - before)}"
+            )
+        else:
+            assert (
+                warm.compiled
+            )  # the empty cache compiled the first request's kernels before ready
+        warm.loaded.wait(300)
+        del llm
+        from conftest import free_gpu_memory
+
+        free_gpu_memory()
+    assert tokens["compiled"] == tokens["jit"]
+    shutil.rmtree(out)

@@ -1,0 +1,189 @@
+"""Compile the engine's kernel set for GPU architectures this machine need not have: no GPU, no CUDA
+driver.
+
+Triton's driver is replaced by one that names a target (GPUTarget("cuda", <cc>, 32)) and owns no
+device, and
+warmup.kernel_set traces the model's steps with launches compile-only. Each kernel lands in Triton's
+cache directory
+under the key Triton's JIT computes on a GPU of that architecture (source, target, options,
+environment), so a
+worker that has the directory compiles nothing. The decode attention splits its work by the GPU's SM
+count, so the
+set is traced once per SM count of the architecture's GPUs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+from collections.abc import Iterator
+
+log = logging.getLogger(__name__)
+
+# SMs of the data-centre and workstation GPUs of each supported architecture (NVIDIA's
+# specifications):
+# sm_80 A100 108, A30 56; sm_86 A40 / RTX A6000 84, RTX 3090 82, A10 72, RTX A5000 64, RTX A4000 48;
+# sm_89 L40 / L40S / RTX 6000 Ada 142, RTX 4090 128, L4 58, RTX 4000 Ada 48, RTX 2000 Ada 22;
+# sm_90 H100 SXM / NVL, H200, GH200 132, H100 PCIe 114, H20 78.
+ARCH_SM_COUNTS = {
+    "sm_80": (108, 56),
+    "sm_86": (84, 82, 72, 64, 48),
+    "sm_89": (142, 128, 58, 48, 22),
+    "sm_90": (132, 114, 78),
+}
+SUPPORTED_ARCHES = tuple(ARCH_SM_COUNTS)
+WARP_SIZE = 32
+
+
+def parse_arches(text: str) -> list[str]:
+    """'sm_80,sm_90' -> ['sm_80', 'sm_90'], refusing a name that is not sm_<digits>."""
+    arches = [a.strip() for a in text.split(",") if a.strip()]
+    bad = [a for a in arches if not re.fullmatch(r"sm_\d{2,3}", a)]
+    if bad or not arches:
+        raise ValueError(
+            f"--arch: expected names like sm_80,sm_90 (supported: {', '.join(SUPPORTED_ARCHES)}), "
+            f"got {text!r}"
+        )
+    return list(dict.fromkeys(arches))
+
+
+def capability(arch: str) -> int:
+    return int(arch.removeprefix("sm_"))
+
+
+class TargetDriver:
+    """Stands in for Triton's CUDA driver where there is no GPU: it names the target and the
+    (virtual) device the
+    JIT keys its in-memory cache by; nothing is launched through it (kernel_set's launches are
+    compile-only)."""
+
+    def __init__(self, arch: str):
+        from triton.backends.compiler import GPUTarget
+
+        self.arch = arch
+        self.target = GPUTarget("cuda", capability(arch), WARP_SIZE)
+
+    def get_current_device(self) -> str:
+        return f"aot:{self.arch}"
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def get_active_torch_device(self):
+        import torch
+
+        return torch.device("meta")
+
+
+@contextlib.contextmanager
+def target_driver(arch: str) -> Iterator[None]:
+    """Triton's active driver names `arch` inside (the previous one is restored, never created:
+    creating the real
+    one needs a CUDA driver)."""
+    from triton.runtime.driver import driver
+
+    previous = getattr(driver, "_active", None)
+    driver.set_active(TargetDriver(arch))
+    try:
+        yield
+    finally:
+        driver._active = previous
+
+
+@contextlib.contextmanager
+def triton_cache_dir(path: str) -> Iterator[None]:
+    """Triton writes and reads its kernel cache in `path` inside."""
+    import triton
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        previous = knobs.cache.dir
+        knobs.cache.dir = path
+    else:  # Triton before 3.4 reads the variable when it opens a cache entry
+        previous = os.environ.get("TRITON_CACHE_DIR")
+        os.environ["TRITON_CACHE_DIR"] = path
+    try:
+        yield
+    finally:
+        if knobs is not None:
+            knobs.cache.dir = previous
+        elif previous is None:
+            os.environ.pop("TRITON_CACHE_DIR", None)
+        else:
+            os.environ["TRITON_CACHE_DIR"] = previous
+
+
+def sm_counts_for(arch: str, extra: list[int] | None = None) -> list[int]:
+    """The SM counts to trace for `arch`: its GPUs' (ARCH_SM_COUNTS) and any extra ones asked
+    for."""
+    counts = list(ARCH_SM_COUNTS.get(arch, ())) + list(extra or [])
+    if not counts:
+        raise ValueError(
+            f"--arch {arch}: no GPU of this architecture is known here; name its SM count with "
+            f"--sm-count (supported without it: {', '.join(SUPPORTED_ARCHES)})"
+        )
+    return sorted(set(counts), reverse=True)
+
+
+def compile_kernel_set(
+    args, cache_dir: str, sm_counts: list[int], arch: str | None = None, jobs: int = 1
+) -> dict[str, str]:
+    """Compile every kernel EngineArgs `args` can launch into Triton cache dir `cache_dir` (kernels
+    already there
+    are kept), for `arch` without a GPU (in `jobs` processes, each tracing a share of the steps), or
+    (arch None)
+    for this process's GPU through Triton's own driver. Returns {cache entry directory name: kernel
+    name}."""
+    from engine.config import ModelConfig
+    from warmup.kernel_set import steps_for
+
+    cfg = ModelConfig.from_dir(args.model)
+    max_model_len = args.max_model_len or cfg.max_position_embeddings
+    items = [(count, step) for count in sm_counts for step in steps_for(args, max_model_len)]
+    jobs = max(1, min(jobs, len(items))) if arch is not None else 1
+    if jobs == 1:
+        return _compile_items(vars(args), cache_dir, arch, items)
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    shares = [
+        items[i::jobs] for i in range(jobs)
+    ]  # neighbours (the same kernels) go to different processes
+    out: dict[str, str] = {}
+    with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
+        for part in pool.map(
+            _compile_items, [vars(args)] * jobs, [cache_dir] * jobs, [arch] * jobs, shares
+        ):
+            out.update(part)
+    return out
+
+
+def _compile_items(
+    engine_args: dict, cache_dir: str, arch: str | None, items: list
+) -> dict[str, str]:
+    """Trace (SM count, step) items with compile-only launches (a process of its own when jobs >
+    1)."""
+    import torch
+
+    from engine import EngineArgs
+    from engine.config import ModelConfig, resolve_dtype
+    from warmup.kernel_set import kernel_dirs, meta_model, split_target, trace
+
+    args = EngineArgs(**engine_args)
+    cfg = ModelConfig.from_dir(args.model)
+    max_model_len = args.max_model_len or cfg.max_position_embeddings
+    dtype = resolve_dtype(args.dtype, cfg, torch.device("cuda"))
+    sink: list = []
+    driver = target_driver(arch) if arch is not None else contextlib.nullcontext()
+    with triton_cache_dir(cache_dir), driver:
+        models = {}
+        for count, step in items:
+            if count not in models:
+                models[count] = meta_model(cfg, dtype, split_target(count))
+            trace(models[count], [step], args.block_size, max_model_len, sink)
+        return kernel_dirs(sink)

@@ -1,0 +1,257 @@
+"""The engine's Triton kernel set, found without running a kernel: the model's forward runs on meta
+tensors (shapes
+and strides, no memory) for every step shape the runner can make, and each Triton launch compiles or
+loads its kernel
+instead of running it.
+
+The launches are the engine's own: its layers and attention backend compute every argument, so each
+kernel's
+specialization (argument types, 16-divisibility, constexprs, warps, stages) is the one a real step
+looks up. Whether
+that compile is for this GPU or for a named target depends on Triton's active driver (see
+warmup.aot).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+_state = threading.local()  # .sink: the list this thread's launches go to while it traces
+_patch_lock = threading.Lock()
+_patch_users = 0
+_patched: list[tuple[object, str, object]] = []  # (owner, attribute, original) to put back
+# The engine's "is this a CUDA tensor that takes the Triton path" checks, by module and name.
+_CUDA_CHECKS = (
+    ("engine.layers.fused", "fused_kernels_available"),
+    ("engine.layers.skinny_gemm", "skinny_applies"),
+)
+TRACED_LAYERS = (
+    2  # layer 0 (no residual into its first norm) and any later one: every layer's launches
+)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step the runner can launch: T tokens of B sequences, block tables B x W; `graph`: a
+    decode graph's step
+    (B one-token rows, logits written into the graphs' static buffer), else an eager step."""
+
+    num_tokens: int
+    num_seqs: int
+    table_width: int
+    graph: bool = False
+
+
+class _AsCuda:
+    """A meta tensor as the engine's is-this-CUDA checks see it (everything else is the tensor's
+    own)."""
+
+    is_cuda = True
+
+    def __init__(self, tensor: torch.Tensor):
+        self._tensor = tensor
+
+    def __getattr__(self, name: str):
+        return getattr(self._tensor, name)
+
+
+def _meta_as_cuda(check):
+    def patched(x, *rest):
+        return check(_AsCuda(x) if getattr(x, "is_meta", False) else x, *rest)
+
+    patched.__wrapped__ = check
+    return patched
+
+
+def _compile_only(run):
+    """JITFunction.run for a thread that traces: compile (or load) the kernel, run nothing, keep
+    it."""
+
+    def patched(self, *args, grid, warmup, **kwargs):
+        sink = getattr(_state, "sink", None)
+        if sink is None:  # every other thread (a worker serving meanwhile) launches as usual
+            return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        if kernel is not None:
+            sink.append(kernel)
+        return kernel
+
+    patched.__wrapped__ = run
+    return patched
+
+
+def _install_patches() -> None:
+    """The compile-only launch and the meta-aware CUDA checks, in every engine module that holds
+    them."""
+    import importlib
+
+    from triton.runtime.jit import JITFunction
+
+    # the modules whose checks are patched are loaded first
+    import engine.attention.triton_attn  # noqa: F401
+    import engine.models.decoder  # noqa: F401
+    import engine.sampling  # noqa: F401
+
+    _patched.append((JITFunction, "run", JITFunction.run))
+    JITFunction.run = _compile_only(JITFunction.run)
+    for module_name, name in _CUDA_CHECKS:
+        original = getattr(importlib.import_module(module_name), name)
+        for module in [
+            m for n, m in list(sys.modules.items()) if n.startswith("engine") and m is not None
+        ]:
+            if getattr(module, name, None) is original:
+                _patched.append((module, name, original))
+                setattr(module, name, _meta_as_cuda(original))
+
+
+@contextlib.contextmanager
+def compile_only(sink: list) -> Iterator[None]:
+    """Within: this thread's Triton launches compile or load their kernel into Triton's caches (disk
+    and this
+    process's memory, for the active driver's device), append it to `sink` and run nothing; meta
+    tensors take the
+    engine's CUDA paths. Other threads are unaffected; the patches are removed when the last tracer
+    leaves."""
+    global _patch_users
+    with _patch_lock:
+        if _patch_users == 0:
+            _install_patches()
+        _patch_users += 1
+    _state.sink = sink
+    try:
+        yield
+    finally:
+        _state.sink = None
+        with _patch_lock:
+            _patch_users -= 1
+            if _patch_users == 0:
+                while _patched:
+                    owner, name, original = _patched.pop()
+                    setattr(owner, name, original)
+
+
+# ---- the step shapes
+# -----------------------------------------------------------------------------------------
+def steps_for(args, max_model_len: int, first_only: bool = False) -> list[Step]:
+    """Every step shape that selects a different kernel specialization, for EngineArgs `args` on a
+    GPU.
+
+    Eager (prefill and mixed) steps vary the skinny GEMM's row count (1, 16, other) and the block
+    table's width
+    (1, a multiple of 16, other); decode graphs are one step per captured size at the full table
+    width. Decode
+    steps that run eager (enforce_eager, or batches above the largest graph) vary the batch and the
+    table width,
+    which set the attention's split count. first_only: what a first request meets (a prompt, then
+    decode at 1).
+    """
+    width = -(-max_model_len // args.block_size)
+    widths = sorted({w for w in (1, 2, 16, width) if w <= width})
+    tokens = [t for t in (2, 16, 17) if t <= args.max_num_batched_tokens] or [
+        args.max_num_batched_tokens
+    ]
+    steps = [Step(t, 1, w) for t in tokens for w in widths]
+    sizes = [] if args.enforce_eager else args.graph_sizes()
+    steps += [Step(s, s, width, graph=True) for s in (sizes[:1] if first_only else sizes)]
+    if first_only:
+        return steps
+    eager_from = 1 if not sizes else sizes[-1] + 1
+    if (
+        eager_from <= args.max_num_seqs
+    ):  # decode steps without a graph: every batch at the widest tables ...
+        near = sorted({w for w in (width, width - 1, width // 16 * 16) if w >= 1})
+        steps += [Step(b, b, w) for b in range(eager_from, args.max_num_seqs + 1) for w in near]
+        steps += [
+            Step(eager_from, eager_from, w) for w in range(1, width + 1)
+        ]  # ... and every width
+    return steps
+
+
+# ---- tracing
+# -------------------------------------------------------------------------------------------------
+def meta_model(model_config, dtype: torch.dtype, target_programs: int):
+    """The decoder on the meta device with the Triton attention backend, TRACED_LAYERS layers deep;
+    the backend
+    splits decode as a GPU whose split target is `target_programs` (programs per SM x the SM count)
+    would."""
+    from engine.attention.triton_attn import TritonAttentionBackend
+    from engine.models.decoder import build_model
+
+    backend = TritonAttentionBackend(None)
+    backend.target_programs = target_programs
+    layers = min(TRACED_LAYERS, model_config.num_layers)
+    return build_model(dataclasses.replace(model_config, num_layers=layers), dtype, "meta", backend)
+
+
+def split_target(num_sms: int) -> int:
+    """The attention backend's decode split target on a GPU with num_sms SMs (as its constructor
+    computes it)."""
+    from engine.attention.triton_attn import TritonAttentionBackend
+
+    default = TritonAttentionBackend(None)  # its CPU stand-in counts 2 SMs
+    return default.target_programs // default.num_sms * num_sms
+
+
+def _inputs(step: Step, block_size: int, max_model_len: int):
+    """A step's packed inputs as the stager lays them out, on the meta device."""
+    from engine.step_inputs import StepLayout, views
+
+    layout = StepLayout(step.num_tokens, step.num_seqs, step.table_width)
+    _, nbytes = layout.offsets()
+    buf = torch.empty(nbytes, dtype=torch.uint8, device="meta")
+    per_seq = [1] * step.num_seqs
+    per_seq[0] += step.num_tokens - step.num_seqs
+    starts = [0, *itertools.accumulate(per_seq)]
+    host = dict(
+        max_query_len=max(per_seq),
+        max_seq_len=max_model_len,
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=per_seq,
+        block_size=block_size,
+    )
+    return views(buf, layout, host)
+
+
+def trace(model, steps: list[Step], block_size: int, max_model_len: int, sink: list) -> None:
+    """Run each step's forward (and a graph step's logits, and the sampler's draw) with launches
+    compile-only."""
+    from engine.attention import kv_cache_shape
+    from engine.layers.random_race import race_sample
+
+    cfg, dtype = model.config, model.dtype
+    blocks = 16 * -(-max_model_len // (16 * block_size)) or 16
+    kv = torch.empty(
+        kv_cache_shape(len(model.layers), blocks, block_size, cfg.num_kv_heads, cfg.head_dim),
+        dtype=dtype,
+        device="meta",
+    )
+    largest = max([s.num_seqs for s in steps if s.graph], default=1)
+    logits = torch.empty(largest, cfg.vocab_size, dtype=torch.float32, device="meta")
+    with compile_only(sink), torch.inference_mode():
+        for step in steps:
+            inputs = _inputs(step, block_size, max_model_len)
+            hidden = model(inputs.input_ids, inputs.positions, kv, inputs.meta)
+            if step.graph:
+                model.compute_logits(hidden, out=logits[: step.num_seqs])
+        race_sample(logits[:1], torch.empty(1, dtype=torch.int64, device="meta"))
+
+
+def kernel_dirs(kernels: list) -> dict[str, str]:
+    """Triton cache directory (its name under the cache root) -> kernel name, for compiled
+    kernels."""
+    from triton.runtime.cache import get_cache_manager
+
+    out = {}
+    for kernel in kernels:
+        manager = get_cache_manager(kernel.hash)
+        out[os.path.basename(manager.cache_dir)] = kernel.metadata.name
+    return out

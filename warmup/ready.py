@@ -1,0 +1,270 @@
+"""A worker's kernels before its first request, and never a compile inside a step after it.
+
+warm_kernels() runs once the engine is built, before the worker reports ready: the kernel set of a
+first request
+(prompts of every specialization class, then decode at batch 1; warmup.kernel_set) is traced with
+this GPU's driver,
+so each kernel is loaded from Triton's disk cache (an installed artifact, a warm cache) or compiled,
+and its module
+is on the GPU. It is bounded by a time budget and timed for the start-up log.
+
+What is not loaded yet is loaded by a background thread: when the first kernels were on disk, right
+away; when they
+had to be compiled (an empty cache), a separate process (`python -m warmup kernels`, no GPU context,
+so no step of
+this worker waits on its compiles) compiles the whole set into this worker's Triton cache first.
+Once the set is
+loaded, decode graphs are captured in the background (engine.cuda_graphs) with each size's kernels
+loaded by the
+capture thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+READY_BUDGET_S = 30.0  # tracing stops starting new first-request steps past this
+COMPILE_JOBS = 8  # processes of the background compile, at most half the CPUs
+
+
+@dataclass
+class KernelWarmup:
+    """What warm_kernels did, and the background work it left (for the fleet share and the start-up
+    log)."""
+
+    seconds: float = 0.0
+    kernels: int = 0  # kernels loaded or compiled before ready
+    compiled: list[str] = field(
+        default_factory=list
+    )  # Triton cache entries that appeared meanwhile
+    cache_dir: str | None = None  # this worker's Triton cache
+    before: set[str] | None = None  # its entries when the warm-up began
+    entries: set[str] = field(default_factory=set)  # cache entries of the loaded kernels
+    compile_process: subprocess.Popen | None = None
+    compile_list: str | None = None  # where that process writes the entries it compiled or found
+    loaded: threading.Event = field(default_factory=threading.Event)  # the whole set is loaded
+
+    def summary(self) -> str:
+        made = f", {len(self.compiled)} compiled" if self.compiled else ""
+        rest = "; the rest compiled in a background process" if self.compile_process else ""
+        return f"{self.kernels} kernels loaded in {self.seconds:.2f} s{made}{rest}"
+
+
+class _Live:
+    """The engine's numbers the trace needs, read from the built engine (an AsyncLLM or LLM)."""
+
+    def __init__(self, engine):
+        core = engine.engine
+        self.args, self.runner = core.args, core.runner
+        self.max_model_len = core.max_model_len
+        backend = (
+            self.runner.model.layers[0].self_attn.backend if len(self.runner.model.layers) else None
+        )
+        self.target_programs = getattr(
+            backend, "target_programs", None
+        )  # None: not the Triton backend
+
+    def model(self):
+        from warmup.kernel_set import meta_model
+
+        return meta_model(self.runner.model_config, self.runner.dtype, self.target_programs)
+
+
+def _entries(cache_dir: str) -> set[str]:
+    try:
+        return set(os.listdir(cache_dir))
+    except OSError:
+        return set()
+
+
+def _load(kernels: list) -> None:
+    """Put each kernel's module on the GPU now (Triton does it at a kernel's first launch
+    otherwise)."""
+    for kernel in kernels:
+        init = getattr(kernel, "_init_handles", None)
+        if init is not None:
+            init()
+
+
+def _trace_steps(live: _Live, steps: list, deadline: float | None = None) -> list:
+    from warmup.kernel_set import trace
+
+    model, sink = live.model(), []
+    for step in steps:
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        trace(model, [step], live.args.block_size, live.max_model_len, sink)
+    _load(sink)
+    return sink
+
+
+def warm_kernels(
+    engine, engine_mode: str = "jit", budget_s: float = READY_BUDGET_S
+) -> KernelWarmup | None:
+    """Load (or compile) a first request's kernels now, and start the background work that loads the
+    rest.
+    engine_mode: the mode that runs ("jit": the rest of the set is compiled by a background process
+    first;
+    "compiled": only if a first kernel was missing from the artifact). None where there is nothing
+    to warm (no
+    GPU, no Triton backend)."""
+    live = _Live(engine)
+    if live.runner.device.type != "cuda" or live.target_programs is None:
+        return None
+    import triton
+
+    from warmup.kernel_set import kernel_dirs, steps_for
+
+    t0 = time.perf_counter()
+    cache_dir = (
+        triton.knobs.cache.dir if hasattr(triton, "knobs") else os.environ.get("TRITON_CACHE_DIR")
+    )
+    before = _entries(cache_dir)
+    first = steps_for(live.args, live.max_model_len, first_only=True)
+    kernels = _trace_steps(live, first, t0 + budget_s)
+    result = KernelWarmup(
+        seconds=time.perf_counter() - t0,
+        kernels=len(kernels),
+        compiled=sorted(_entries(cache_dir) - before),
+        cache_dir=cache_dir,
+        before=before,
+        entries=set(kernel_dirs(kernels)),
+    )
+    if (
+        engine_mode == "jit" or result.compiled
+    ):  # the rest may be missing: compiled out of this process first
+        result.compile_process, result.compile_list = _start_compile_process(live, cache_dir)
+    done = set(first)
+    rest = [s for s in steps_for(live.args, live.max_model_len) if s not in done]
+    threading.Thread(
+        target=_load_rest, args=(live, rest, result), name="coldbrew-kernels", daemon=True
+    ).start()
+    log.info("kernels: %s", result.summary())
+    return result
+
+
+def _load_rest(live: _Live, steps: list, result: KernelWarmup) -> None:
+    """Background: wait for the compile process (if any), load every other kernel of the set from
+    disk, then let
+    decode graphs be captured off the step loop."""
+    from warmup.kernel_set import kernel_dirs
+
+    try:
+        if result.compile_process is not None:
+            code = result.compile_process.wait()
+            if code != 0:
+                log.warning(
+                    "kernels: the background compile process exited with %d; kernels it did not "
+                    "compile compile on first use",
+                    code,
+                )
+            result.entries |= set(_read_list(result.compile_list))
+        t0 = time.perf_counter()
+        kernels = _trace_steps(live, steps)
+        result.entries |= set(kernel_dirs(kernels))
+        graphs = live.runner.graphs
+        if graphs is not None:
+            model = live.model()
+
+            def prepare_size(
+                size: int,
+            ) -> None:  # the capture thread loads a size's kernels (disk hits)
+                from warmup.kernel_set import Step, trace
+
+                width = -(-live.max_model_len // live.args.block_size)
+                sink: list = []
+                trace(
+                    model,
+                    [Step(size, size, width, graph=True)],
+                    live.args.block_size,
+                    live.max_model_len,
+                    sink,
+                )
+                _load(sink)
+
+            graphs.prepare_size = prepare_size
+            graphs.background = True
+        log.info(
+            "kernels: the rest of the set (%d kernels) loaded in the background in %.2f s; "
+            "decode graphs are captured off the step loop",
+            len(kernels),
+            time.perf_counter() - t0,
+        )
+    except (
+        Exception
+    ) as exc:  # serving goes on: a kernel not loaded loads (or compiles) on first use
+        log.warning(
+            "kernels: loading the kernel set in the background failed: %s: %s",
+            type(exc).__name__,
+            exc,
+        )
+    finally:
+        result.loaded.set()
+
+
+def _read_list(path: str | None) -> list[str]:
+    try:
+        with open(path) as f:
+            return list(json.load(f))
+    except (OSError, ValueError, TypeError):
+        return []
+
+
+def _start_compile_process(live: _Live, cache_dir: str) -> tuple[subprocess.Popen, str]:
+    """`python -m warmup kernels` for this GPU's architecture and SM count into this worker's Triton
+    cache, with no
+    GPU visible (no CUDA context, no GPU memory) and at a low CPU priority."""
+    import tempfile
+
+    import torch
+
+    from warmup.aot import ARCH_SM_COUNTS
+
+    props = torch.cuda.get_device_properties(live.runner.device)
+    arch = f"sm_{props.major}{props.minor}"
+    counts = sorted({props.multi_processor_count, *ARCH_SM_COUNTS.get(arch, ())})
+    fd, listing = tempfile.mkstemp(prefix="coldbrew-kernels-", suffix=".json")
+    os.close(fd)
+    jobs = max(1, min(COMPILE_JOBS, (os.cpu_count() or 2) // 2))
+    cmd = [
+        sys.executable,
+        "-m",
+        "warmup",
+        "kernels",
+        "--arch",
+        arch,
+        "--sm-count",
+        ",".join(map(str, counts)),
+        "--triton-cache",
+        cache_dir,
+        "--list",
+        listing,
+        "--jobs",
+        str(jobs),
+        "--engine-args",
+        json.dumps(vars(live.args)),
+    ]
+    here = os.path.dirname(
+        os.path.dirname(os.path.abspath(__file__))
+    )  # where `warmup` is imported from
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    env = dict(
+        os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=path
+    )  # its warnings reach this worker's log
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        preexec_fn=lambda: os.nice(10),
+    )
+    return proc, listing
