@@ -183,6 +183,36 @@ def compile_seconds(engine, schema: dict, runs: int) -> dict:
     return out
 
 
+def _without_length_bounds(schema):
+    if isinstance(schema, dict):
+        return {
+            k: _without_length_bounds(v)
+            for k, v in schema.items()
+            if k not in ("minLength", "maxLength")
+        }
+    if isinstance(schema, list):
+        return [_without_length_bounds(v) for v in schema]
+    return schema
+
+
+COMPILE_PROBES = {
+    "string": {"type": "string"},
+    "string, maxLength 40": {"type": "string", "maxLength": 40},
+    "string, maxLength 200": {"type": "string", "maxLength": 200},
+    "20-field schema without min/maxLength": _without_length_bounds(NESTED_20_FIELDS),
+}
+
+
+def compile_probes(engine) -> dict[str, float]:
+    """Milliseconds to compile single features: what a schema's compile time grows with."""
+    out = {}
+    for name, schema in COMPILE_PROBES.items():
+        t0 = time.perf_counter()
+        engine.compile(schema)
+        out[name] = (time.perf_counter() - t0) * 1e3
+    return out
+
+
 def step_costs(engine, compiled, streams: list[list[int]], rounds: int) -> dict:
     """Per decode step of a batch of len(streams) requests: fill every row's mask (one batched call
     when the batch is larger than one), then accept each row's next token. Steps run while every row
@@ -320,6 +350,7 @@ def run(args: argparse.Namespace) -> dict:
         entry["tokenizer_setup_s"] = time.perf_counter() - t0
         engine.mask_words = (vocab_size + 31) // 32
         entry["compile_20_fields_ms"] = compile_seconds(engine, NESTED_20_FIELDS, args.compile_runs)
+        entry["compile_probes_ms"] = compile_probes(engine)
         compiled = engine.compile(NESTED_20_FIELDS)
         entry["steps"] = {
             str(b): step_costs(engine, compiled, streams[:b], args.rounds) for b in args.batch
@@ -348,6 +379,7 @@ def table(result: dict) -> str:
             f"{e['compile_20_fields_ms']['total']['median']:.1f} ms "
             f"(compile {e['compile_20_fields_ms']['compile']['median']:.1f}, "
             f"first mask {e['compile_20_fields_ms']['first_mask']['median']:.1f})",
+            *(f"{ms:.1f} ms" for ms in e.get("compile_probes_ms", {}).values()),
             *(
                 f"{s['fill_us']['median']:.0f} us (p99 {s['fill_us']['p99']:.0f}; "
                 f"cold {s['fill_us_cold']['median']:.0f})"
@@ -363,6 +395,7 @@ def table(result: dict) -> str:
         "imports transformers",
         "tokenizer set-up",
         "20-field schema to first mask",
+        *(f"compile: {name}" for name in result["engines"][names[0]].get("compile_probes_ms", {})),
         *(f"mask fill per step, batch {b} (median)" for b in result["engines"][names[0]]["steps"]),
         "schema features enforced",
         "special tokens allowed in a string",

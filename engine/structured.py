@@ -274,7 +274,8 @@ class GrammarBackend:
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self._fill_threads = fill_threads
         self._pool = ThreadPoolExecutor(compile_threads, thread_name_prefix="grammar-compile")
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache
+        self._build_lock = threading.Lock()  # the tokenizer table and the fill executor, built once
         self._cache: OrderedDict[str, Future[CompiledGrammar]] = OrderedDict()
         self._cache_size = cache_size
         self._tokenizer: Any = None
@@ -300,7 +301,7 @@ class GrammarBackend:
         return (self.vocab_size + 31) // 32
 
     def _ll_tokenizer(self) -> Any:
-        with self._lock:
+        with self._build_lock:
             if self._tokenizer is None:
                 import llguidance
 
@@ -388,7 +389,7 @@ class GrammarBackend:
         return bool(pairs)
 
     def _fill_executor(self) -> Any:
-        with self._lock:
+        with self._build_lock:
             if self._executor is None:
                 import llguidance
 

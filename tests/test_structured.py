@@ -353,6 +353,7 @@ def test_json_whitespace_is_bounded_so_a_document_must_end(backend, tok):
     assert not accepts(custom, '{\n"a": 1}')
 
 
+@pytest.mark.slow
 def test_the_engines_sampler_under_a_mask_writes_schema_valid_json(smollm2_dir, vocab):
     """The hook the GPU benchmark uses (bench/grammar_gpu.py's MaskingSampler around the runner's
     sampler, with async scheduling): the real SmolLM2 model, sampling at temperature 1, ends every
