@@ -15,6 +15,8 @@ timed:
   engine_mode    ENGINE_MODE: a compiled engine's kernels and records when one matches, else jit
   import_engine  the engine's modules
   engine         its build (model, KV cache, tokenizer) while the last weights arrive
+  kernels        a first request's Triton kernels loaded (or compiled) before ready; the rest of
+                 the kernel set in the background (warmup.ready), shared once served (warmup.fleet)
 
 `before_boot` is the time from process start to the start of this sequence (interpreter, settings).
 Module-level imports are the stdlib and cache's stdlib-only start modules: importing this costs no
@@ -93,6 +95,8 @@ class EngineStart:
         self.model_dir: Path | None = None
         self.weight_stream: str | None = None  # "device_stream" or "prefetch", once started
         self.selection = None  # warmup.artifacts.Selection: jit or compiled, and why
+        self.kernels = None  # warmup.ready.KernelWarmup: what the ready-time warm-up loaded
+        self._s3 = None  # the S3 options of compiled engines (cache.resolver.make_s3_options)
         self.future: Future = Future()
         self._streaming = threading.Event()  # set once the weights move (or the start failed)
         self._thread: threading.Thread | None = None
@@ -188,6 +192,16 @@ class EngineStart:
 
         self.phases["import_engine"] = time.perf_counter() - t_import
         engine = self._timed("engine", AsyncLLM.from_engine_args, args)
+        # No compile on a user's request: a first request's kernels now, the rest in the background;
+        # a worker that had to compile shares its kernels with the next one once it has served.
+        from warmup.fleet import share_when_served
+        from warmup.ready import warm_kernels
+
+        self.kernels = self._timed("kernels", warm_kernels, engine, self.selection.mode)
+        share_when_served(engine, self.kernels, engine_mode=a.engine_mode, selection=self.selection,
+                          model_dir=str(self.model_dir), cache_dir=a.cache_dir,
+                          remote=a.resolve_options.get("remote"), s3_options=self._s3,
+                          push=a.resolve_options.get("push", True))
         self.phases["total"] = time.perf_counter() - t0
         start_pages.record_in_background(pages)
         phases = ", ".join(f"{k} {v:.2f}s" for k, v in self.phases.items() if k != "total")
@@ -202,6 +216,7 @@ class EngineStart:
         a = self.args
         s3 = make_s3_options(**{k: a.resolve_options[k] for k in _S3_KEYS
                                 if k in a.resolve_options})
+        self._s3 = s3
         args, self.selection = prepare(a.engine_mode, args, a.cache_dir,
                                        a.resolve_options.get("remote"), s3)
         log.info("engine mode: %s (%s)", self.selection.mode, self.selection.reason)

@@ -1,0 +1,228 @@
+"""What a JSON-schema grammar costs inside the engine's decode step on a GPU: the engine's decode at
+batch 1 and 64 with and without the mask, the bitmask's copy and application on the device, and the
+grammar engines' CPU comparison (bench/grammar_engines.py) on that machine's cores.
+
+Prepare here (the GPU machine has no network), then carry `.cache/grammar-bench`:
+
+    # the Llama-3 tokenizer (needs the llama-models wheel), and the wheels for the Python there
+    python -m bench.grammar_tokenizer .cache/grammar-bench/llama3-tokenizer.json
+    pip download --no-deps -d .cache/grammar-bench/wheels --python-version 3.12 \\
+        --only-binary=:all: llguidance xgrammar apache-tvm-ffi
+
+On the GPU machine, one command:
+
+    pip install --no-deps --no-index --find-links .cache/grammar-bench/wheels llguidance xgrammar \\
+        apache-tvm-ffi && python -m bench.grammar_gpu --out $OUT
+
+The engine is not wired to grammars yet: the mask goes in by wrapping the runner's sampler
+(MaskingSampler) the way the sampler will do it: after the decode graph has been launched, the host
+reads the previous step's tokens, advances each sequence's matcher, fills the batch's bitmask
+(overlapping the forward pass) and copies it to the device, where it masks the logits before
+sampling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from types import SimpleNamespace
+
+import torch
+
+from bench.grammar_schemas import NESTED_20_FIELDS
+from engine.structured import (
+    GrammarBackend,
+    StructuredOutputs,
+    allocate_bitmask,
+    apply_token_bitmask,
+)
+
+TOKENIZER = ".cache/grammar-bench/llama3-tokenizer.json"
+
+
+class MaskingSampler:
+    """The runner's sampler with a grammar on every row: rows are matched to sequences by their
+    prompt list (kept alive here, so its id is never reused); each sequence gets its own matcher."""
+
+    def __init__(
+        self, inner, backend: GrammarBackend, spec: StructuredOutputs, max_rows: int, device
+    ):
+        self.inner = inner
+        self.backend = backend
+        self.compiled = backend.compile(spec)
+        pinned = torch.device(device).type == "cuda"
+        self.host = allocate_bitmask(max_rows, backend.vocab_size, pin_memory=pinned)
+        self.on_device = torch.empty_like(self.host, device=device)
+        self.matchers: dict[int, tuple[object, object]] = {}
+        self.prev = None  # (DeviceSample, row keys) of the last step
+        self.host_seconds: list[float] = []
+        self.refused = 0
+
+    def sample(self, logits: torch.Tensor, rows: list):
+        t0 = time.perf_counter()
+        if self.prev is not None:
+            # Waits for the previous step's token copy; the stream has then also finished the last
+            # bitmask copy, so the pinned buffer may be written again.
+            done, keys = self.prev
+            for key, token in zip(keys, done.result().token_ids):
+                if not self.matchers[key][1].accept(token):
+                    self.refused += 1
+        keys = []
+        for row in rows:
+            key = id(row.prompt_token_ids)
+            if key not in self.matchers:
+                self.matchers[key] = (row.prompt_token_ids, self.compiled.matcher())
+            keys.append(key)
+        n = len(rows)
+        self.backend.fill_bitmask(self.host[:n], [self.matchers[k][1] for k in keys])
+        self.on_device[:n].copy_(self.host[:n], non_blocking=True)
+        self.host_seconds.append(time.perf_counter() - t0)
+        apply_token_bitmask(logits, self.on_device[:n])
+        out = self.inner.sample(logits, rows)
+        self.prev = (out, keys)
+        return out
+
+    def __call__(self, logits, rows):
+        return self.sample(logits, rows).result()
+
+
+def device_costs(vocab: int, batches: list[int], repeats: int = 200) -> dict:
+    """Median microseconds of the pinned bitmask's copy to the GPU plus apply_token_bitmask, and of
+    the apply alone, on float32 logits [batch, vocab] (the sampler's working dtype)."""
+    out = {}
+    for b in batches:
+        logits = torch.randn(b, vocab, device="cuda")
+        host = allocate_bitmask(b, vocab, pin_memory=True)
+        host.random_()
+        dev = torch.empty_like(host, device="cuda")
+        timings: dict[str, list[float]] = {"copy_and_apply_us": [], "apply_us": []}
+        for i in range(repeats + 10):
+            e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            e0.record()
+            dev.copy_(host, non_blocking=True)
+            e1.record()
+            apply_token_bitmask(logits, dev)
+            e2.record()
+            e2.synchronize()
+            if i >= 10:
+                timings["copy_and_apply_us"].append(e0.elapsed_time(e2) * 1e3)
+                timings["apply_us"].append(e1.elapsed_time(e2) * 1e3)
+        out[str(b)] = {k: statistics.median(v) for k, v in timings.items()}
+    return out
+
+
+def engine_decode(args, backend: GrammarBackend) -> dict:
+    """ms per decode step at each batch, alternating runs without and with the grammar mask."""
+    from bench.checkpoint import synthesize
+    from bench.reference_decode import decode_step_seconds
+    from engine import LLM
+
+    model_dir = synthesize(
+        args.config, os.path.join(args.model_dir, args.config.removesuffix(".json")), device="cuda"
+    )
+    llm = LLM(
+        model=model_dir,
+        dtype="bfloat16",
+        device="cuda",
+        max_model_len=4096,
+        cuda_graph_sizes=args.batch,
+    )
+    runner = llm.engine.runner
+    plain = runner.sampler
+    masking = MaskingSampler(
+        plain, backend, StructuredOutputs(json=NESTED_20_FIELDS), max(args.batch), "cuda"
+    )
+    out = {}
+    for b in args.batch:
+        runs: dict[str, list[float]] = {"plain_ms": [], "grammar_ms": []}
+        host: list[float] = []
+        for _ in range(args.repeats):
+            for name, sampler in (("plain_ms", plain), ("grammar_ms", masking)):
+                runner.sampler = sampler
+                masking.host_seconds.clear()
+                runs[name].append(
+                    1e3 * decode_step_seconds(llm, b, prompt_len=128, new_tokens=args.tokens)
+                )
+                if sampler is masking:
+                    host += masking.host_seconds
+        runner.sampler = plain
+        row = {k: statistics.median(v) for k, v in runs.items()}
+        row["grammar_over_plain"] = row["grammar_ms"] / row["plain_ms"]
+        row["host_mask_ms_per_step"] = 1e3 * statistics.median(host)
+        out[str(b)] = row
+        print(
+            f"decode b={b}: {row['plain_ms']:.2f} ms plain, {row['grammar_ms']:.2f} ms with the "
+            f"grammar ({row['grammar_over_plain'] - 1:+.1%}); host mask work "
+            f"{row['host_mask_ms_per_step']:.3f} "
+            "ms/step",
+            flush=True,
+        )
+    out["tokens_refused_by_a_matcher"] = masking.refused
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokenizer", default=TOKENIZER, help="the Llama-3 tokenizer.json")
+    ap.add_argument("--config", default="llama-3.1-8b.json")
+    ap.add_argument("--model-dir", default="/tmp/coldbrew-bench/model")
+    ap.add_argument("--batch", nargs="+", type=int, default=[1, 64])
+    ap.add_argument("--tokens", type=int, default=128, help="new tokens per decode run")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--parts", default="device,engine,engines", help="which parts to run")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    parts = set(args.parts.split(","))
+    with open(args.tokenizer) as f:
+        tokenizer_json = f.read()
+    vocab = json.loads(tokenizer_json)
+    vocab_size = len(vocab["model"]["vocab"]) + len(vocab["added_tokens"])
+    eot = next(t["id"] for t in vocab["added_tokens"] if t["content"] == "<|eot_id|>")
+    backend = GrammarBackend(tokenizer_json, vocab_size, [eot])
+    t0 = time.perf_counter()
+    backend.compile(StructuredOutputs(json=NESTED_20_FIELDS))
+    result: dict = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "vocab_size": vocab_size,
+        "compile_20_fields_with_tokenizer_s": time.perf_counter() - t0,
+    }
+    if "device" in parts:
+        result["device_us"] = device_costs(vocab_size, args.batch)
+        print("bitmask copy + apply:", json.dumps(result["device_us"]), flush=True)
+    if "engine" in parts:
+        result["engine"] = engine_decode(args, backend)
+    if "engines" in parts:
+        from bench.grammar_engines import ENGINES, run, table
+
+        engines = [e for e in ENGINES if _importable(e)]
+        ns = SimpleNamespace(
+            tokenizer=args.tokenizer,
+            engines=engines,
+            batch=args.batch,
+            threads=min(os.cpu_count() or 1, 16),
+            rounds=3,
+            compile_runs=5,
+            import_runs=5,
+            seed=0,
+        )
+        result["engines"] = run(ns)
+        print(table(result["engines"]))
+    with open(os.path.join(args.out, "grammar_gpu.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {os.path.join(args.out, 'grammar_gpu.json')}")
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,444 @@
+"""Structured outputs in the engine: a grammar as a sampling parameter, compiled off the step loop
+and cached per spec, a matcher per sequence that accepts its tokens and fills its row of a token
+bitmask, and the bitmask applied to the logits on their device. The grammar engine is llguidance
+(docs/structured-outputs.md).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+MAX_SPEC_CHARS = 1 << 20  # a schema, regex or grammar larger than 1 MiB of text is refused
+MAX_CHOICES = 1024
+# JSON's whitespace between two tokens: up to 32 blanks and line breaks, room for a pretty-printed
+# document's newline and indentation. Unbounded whitespace (JSON's own rule) lets a model write
+# blanks forever: the grammar would never force the document to end.
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,32}"
+DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (least recently used first out)
+
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}"[:200]
+
+
+@dataclass(frozen=True, eq=False)
+class StructuredOutputs:
+    """What a request's output must match; exactly one of json (a JSON schema, as a dict or its
+    text), regex, choice (the output is one of these strings), grammar (Lark, or llama.cpp's GBNF)
+    or json_object (any JSON object). Named like vLLM's StructuredOutputsParams. JSON may hold up to
+    32 whitespace characters between two tokens (JSON_WHITESPACE), or none with
+    disable_any_whitespace (`{"a":1}`), or what whitespace_pattern (a regex) allows. Invalid values
+    raise ValueError naming the field."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"structured_outputs: give exactly one of {', '.join(_KINDS)}; "
+                f"got {', '.join(given) if given else 'none'}"
+            )
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(
+                "structured_outputs.disable_any_whitespace: must be a bool, got "
+                + _describe(self.disable_any_whitespace)
+            )
+        if self.whitespace_pattern is not None:
+            if not isinstance(self.whitespace_pattern, str) or len(self.whitespace_pattern) > 1024:
+                raise ValueError(
+                    "structured_outputs.whitespace_pattern: must be a regex of at most 1024 "
+                    "characters, got " + _describe(self.whitespace_pattern)
+                )
+            if self.disable_any_whitespace:
+                raise ValueError(
+                    "structured_outputs.whitespace_pattern: give it or "
+                    "disable_any_whitespace, not both"
+                )
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    parsed = json.loads(value)
+                except ValueError as exc:
+                    raise ValueError(f"structured_outputs.json: not valid JSON: {exc}") from None
+            else:
+                parsed = value
+            if not isinstance(parsed, (dict, bool)):
+                raise ValueError(
+                    "structured_outputs.json: a JSON schema must be an object, got "
+                    + _describe(parsed)
+                )
+            text = json.dumps(parsed, ensure_ascii=False)  # key order kept: it orders the output
+        elif kind == "choice":
+            if not isinstance(value, (list, tuple)) or not value:
+                raise ValueError(
+                    "structured_outputs.choice: must be a non-empty list of strings, got "
+                    + _describe(value)
+                )
+            if len(value) > MAX_CHOICES:
+                raise ValueError(
+                    f"structured_outputs.choice: at most {MAX_CHOICES} strings, got {len(value)}"
+                )
+            bad = next((c for c in value if not isinstance(c, str) or not c), None)
+            if bad is not None:
+                raise ValueError(
+                    "structured_outputs.choice: each choice must be a non-empty string, "
+                    "got " + _describe(bad)
+                )
+            object.__setattr__(self, "choice", tuple(value))
+            text = json.dumps(list(value), ensure_ascii=False)
+        elif kind == "json_object":
+            if value is not True:
+                raise ValueError(
+                    "structured_outputs.json_object: must be true, got " + _describe(value)
+                )
+            text = ""
+        else:
+            if not isinstance(value, str) or not value:
+                raise ValueError(
+                    f"structured_outputs.{kind}: must be a non-empty string, got "
+                    + _describe(value)
+                )
+            text = value
+        if len(text) > MAX_SPEC_CHARS:
+            raise ValueError(
+                f"structured_outputs.{kind}: at most {MAX_SPEC_CHARS} characters, got {len(text)}"
+            )
+        object.__setattr__(self, "_kind", kind)
+        object.__setattr__(self, "_text", text)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StructuredOutputs) and other.key == self.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    @property
+    def kind(self) -> str:
+        """Which of json, regex, choice, grammar, json_object is set."""
+        return self._kind  # type: ignore[attr-defined]
+
+    @property
+    def key(self) -> str:
+        """The compile cache's key: equal for specs that compile to the same grammar."""
+        return json.dumps([self.kind, self._json_options(), self._text])  # type: ignore[attr-defined]
+
+    def _json_options(self) -> dict:
+        if self.disable_any_whitespace:
+            return {"whitespace_flexible": False}
+        return {"whitespace_pattern": self.whitespace_pattern or JSON_WHITESPACE}
+
+    def grammar_text(self) -> str:
+        """The llguidance grammar for this spec (raises ValueError for a spec it cannot express)."""
+        import llguidance
+
+        options = self._json_options()
+        kind, text = self.kind, self._text  # type: ignore[attr-defined]
+        if kind == "json":
+            return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=options)
+        if kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                '{"type": "object"}', defaults=options
+            )
+        if kind == "choice":
+            return llguidance.grammar_from("choice", text)
+        if kind == "regex":
+            return llguidance.grammar_from("regex", text)
+        return llguidance.grammar_from("grammar", text)  # Lark, or GBNF converted to Lark
+
+
+class CompiledGrammar:
+    """A spec compiled against the model's tokenizer; matcher(): one per sequence."""
+
+    def __init__(self, spec: StructuredOutputs, template: Any):
+        self.spec = spec
+        self._template = template  # an LLMatcher at the grammar's start, never advanced itself
+
+    def matcher(self, start_after_token: int | None = None) -> GrammarMatcher:
+        """A matcher at the grammar's start. start_after_token: the grammar applies only to the
+        tokens after this one (e.g. the end of a model's reasoning); until then the row is left
+        unconstrained."""
+        return GrammarMatcher(self._template.deep_copy(), start_after_token)
+
+
+class GrammarMatcher:
+    """One sequence's place in its grammar: accept() each sampled token, fill() its mask row before
+    sampling.
+
+    Once the grammar is complete the mask allows only the end-of-sequence tokens; a token the mask
+    would not have allowed puts the matcher in an error state (error names it) and accept() returns
+    False."""
+
+    def __init__(self, matcher: Any, start_after_token: int | None = None):
+        self._matcher = matcher
+        self._waiting_for = start_after_token
+
+    @property
+    def active(self) -> bool:
+        """Whether the grammar constrains the next token (not before start_after_token)."""
+        return self._waiting_for is None
+
+    def accept(self, token_id: int) -> bool:
+        if self._waiting_for is not None:
+            if token_id == self._waiting_for:
+                self._waiting_for = None
+            return True
+        if self._matcher.is_stopped():
+            # Past the grammar's end only end-of-sequence tokens were allowed; one arrives here when
+            # the engine samples on (ignore_eos) or reads a step late (async scheduling). Nothing
+            # more to match.
+            return True
+        return self._matcher.consume_token(token_id)
+
+    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        return all(self.accept(t) for t in token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        """The grammar matched completely and no text may follow (only end-of-sequence tokens)."""
+        return self.active and self._matcher.is_stopped()
+
+    @property
+    def can_end(self) -> bool:
+        """What was accepted so far is a complete match (an end-of-sequence token is allowed)."""
+        return self.active and self._matcher.is_accepting()
+
+    @property
+    def error(self) -> str | None:
+        return self._matcher.get_error() or None
+
+    def fill(self, bitmask_row: np.ndarray | torch.Tensor) -> None:
+        """Fill a contiguous int32 CPU row with the allowed next tokens (bit t%32 of word t//32)."""
+        row = _host_row(bitmask_row)
+        if not self.active:
+            row.fill(-1)
+            return
+        self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forget the last num_tokens accepted tokens (tokens matched by the grammar only)."""
+        if num_tokens and not self._matcher.rollback(num_tokens):
+            raise ValueError(f"cannot roll back {num_tokens} tokens: {self.error}")
+
+
+def _host_row(row: np.ndarray | torch.Tensor) -> np.ndarray:
+    array = row.numpy() if isinstance(row, torch.Tensor) else row
+    if array.dtype != np.int32 or array.ndim != 1 or not array.flags.c_contiguous:
+        raise ValueError(
+            f"bitmask row: expected a contiguous 1-D int32 CPU array, got {array.dtype} "
+            f"{array.shape}"
+        )
+    return array
+
+
+class GrammarBackend:
+    """The model's grammar engine: compiles specs on worker threads (never on the engine's step
+    loop), caches the compiled grammars per spec, and fills a batch's bitmask rows in parallel.
+
+    vocab_size is the width of the model's logits (the tokenizer may have fewer tokens: the rest are
+    never allowed). eos_token_ids: the tokens that end a sequence once its grammar is complete."""
+
+    def __init__(
+        self,
+        tokenizer_json: str,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        *,
+        compile_threads: int = 2,
+        fill_threads: int | None = None,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+    ):
+        if not eos_token_ids:
+            raise ValueError("eos_token_ids: a grammar needs at least one end-of-sequence token")
+        self._tokenizer_json = tokenizer_json
+        self.vocab_size = int(vocab_size)
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        self._fill_threads = fill_threads
+        self._pool = ThreadPoolExecutor(compile_threads, thread_name_prefix="grammar-compile")
+        self._lock = threading.Lock()  # the cache
+        self._build_lock = threading.Lock()  # the tokenizer table and the fill executor, built once
+        self._cache: OrderedDict[str, Future[CompiledGrammar]] = OrderedDict()
+        self._cache_size = cache_size
+        self._tokenizer: Any = None
+        self._executor: Any = None
+
+    @classmethod
+    def from_tokenizer(
+        cls, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], **kwargs: Any
+    ) -> GrammarBackend:
+        """From the engine's Tokenizer (engine/tokenizer.py): its tokenizers JSON, added tokens
+        included (without padding or truncation, which would change how the grammar engine
+        tokenizes)."""
+        from tokenizers import Tokenizer as RawTokenizer
+
+        raw = RawTokenizer.from_str(tokenizer.backend.to_str())
+        raw.no_padding()
+        raw.no_truncation()
+        return cls(raw.to_str(), vocab_size, eos_token_ids, **kwargs)
+
+    @property
+    def bitmask_words(self) -> int:
+        """int32 words per bitmask row: one bit per token of the logits."""
+        return (self.vocab_size + 31) // 32
+
+    def _ll_tokenizer(self) -> Any:
+        with self._build_lock:
+            if self._tokenizer is None:
+                import llguidance
+
+                # Built once, on first use (about a second for a 128k vocabulary): never on the
+                # start path.
+                self._tokenizer = llguidance.LLTokenizer(
+                    self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
+                )
+            return self._tokenizer
+
+    def _compile(self, spec: StructuredOutputs) -> CompiledGrammar:
+        import llguidance
+
+        def refuse(
+            message: str,
+        ) -> ValueError:  # one line: llguidance's messages draw carets on several
+            return ValueError(f"structured_outputs.{spec.kind}: {' '.join(message.split())}")
+
+        tokenizer = self._ll_tokenizer()
+        try:
+            grammar = spec.grammar_text()
+        except (ValueError, TypeError) as exc:
+            raise refuse(str(exc)) from None
+        error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+        if error:
+            raise refuse(error)
+        # Quiet and terse: a matcher's errors name the token, never dump the schema or parser state
+        # to logs.
+        limits = llguidance.LLParserLimits(verbose_errors=False)
+        template = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
+        if template.is_error():
+            raise refuse(template.get_error())
+        return CompiledGrammar(spec, template)
+
+    def submit(self, spec: StructuredOutputs) -> Future[CompiledGrammar]:
+        """The compiled grammar of spec, as a future: from the cache, or compiled on a worker
+        thread. A spec the engine cannot compile ends its future in ValueError naming
+        structured_outputs.<kind>."""
+        key = spec.key
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                return future
+            future = self._pool.submit(self._compile, spec)
+            self._cache[key] = future
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return future
+
+    def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
+        """submit(spec) and wait for it."""
+        return self.submit(spec).result()
+
+    def fill_bitmask(
+        self, bitmask: np.ndarray | torch.Tensor, matchers: Sequence[GrammarMatcher | None]
+    ) -> bool:
+        """Fill rows [0, len(matchers)) of a CPU int32 [rows, bitmask_words] bitmask: a row without
+        a matcher (or one not active yet) allows every token; the others are computed in parallel.
+        Returns whether any row constrains its token (when not, the logits need no masking)."""
+        array = bitmask.numpy() if isinstance(bitmask, torch.Tensor) else bitmask
+        if array.dtype != np.int32 or array.ndim != 2 or not array.flags.c_contiguous:
+            raise ValueError(
+                f"bitmask: expected a contiguous 2-D int32 CPU array, got {array.dtype} "
+                f"{array.shape}"
+            )
+        if array.shape[1] != self.bitmask_words or array.shape[0] < len(matchers):
+            raise ValueError(
+                f"bitmask: expected at least [{len(matchers)}, {self.bitmask_words}], "
+                f"got {list(array.shape)}"
+            )
+        pairs = []
+        for i, m in enumerate(matchers):
+            if m is None or not m.active:
+                array[i].fill(-1)
+            else:
+                pairs.append((m._matcher, i))
+        if len(pairs) == 1:
+            matcher, row = pairs[0]
+            matcher.unsafe_compute_mask_ptr(array[row].ctypes.data, array.shape[1] * 4)
+        elif pairs:
+            self._fill_executor().unsafe_compute_mask_ptr(
+                pairs, array.ctypes.data, array.shape[1] * 4, array.shape[0]
+            )
+        return bool(pairs)
+
+    def _fill_executor(self) -> Any:
+        with self._build_lock:
+            if self._executor is None:
+                import llguidance
+
+                self._executor = llguidance.LLExecutor(num_threads=self._fill_threads)
+            return self._executor
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def allocate_bitmask(rows: int, vocab_size: int, pin_memory: bool = False) -> torch.Tensor:
+    """A CPU int32 [rows, ceil(vocab_size / 32)] bitmask, every token allowed; pinned for a
+    non-blocking copy to the GPU."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32, pin_memory=pin_memory)
+
+
+_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits[i, t] = -inf wherever bit t of bitmask row i is 0, in place on the logits' device.
+
+    logits: float [N, V]; bitmask: int32 [N, W] on the same device (a row of all ones leaves its
+    logits as they are). Tokens past the bitmask's 32 * W are masked; bits past V are ignored.
+    Launches a few kernels and never reads the device, so it runs after the decode CUDA graph
+    without a sync."""
+    if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.shape[0] != logits.shape[0]:
+        raise ValueError(
+            f"apply_token_bitmask: logits {list(logits.shape)} and bitmask "
+            f"{list(bitmask.shape)} must be [N, V] and [N, W]"
+        )
+    if bitmask.dtype != torch.int32 or bitmask.device != logits.device:
+        raise ValueError(
+            f"apply_token_bitmask: bitmask must be int32 on {logits.device}, got "
+            f"{bitmask.dtype} on {bitmask.device}"
+        )
+    vocab = logits.shape[1]
+    covered = min(vocab, bitmask.shape[1] * 32)
+    if covered < vocab:
+        logits[:, covered:] = float("-inf")
+    shifts = _BIT_SHIFTS.get(logits.device)
+    if shifts is None:
+        shifts = _BIT_SHIFTS[logits.device] = torch.arange(
+            32, dtype=torch.int32, device=logits.device
+        )
+    words = (covered + 31) // 32
+    bits = (
+        bitmask[:, :words, None] >> shifts
+    ) & 1  # [N, words, 32]: bit j of word w is token 32w + j
+    blocked = bits.view(bitmask.shape[0], words * 32)[:, :covered] == 0
+    logits[:, :covered].masked_fill_(blocked, float("-inf"))
+    return logits

@@ -1,0 +1,389 @@
+"""engine/structured.py with the SmolLM2 demo's real tokenizer: specs, compile cache, matchers, the
+batch bitmask and its application to logits. Outputs of grammar-constrained random "models" are
+checked by references we did not write: jsonschema, re.fullmatch, json.loads.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from concurrent.futures import Future
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from engine.structured import (
+    GrammarBackend,
+    StructuredOutputs,
+    allocate_bitmask,
+    apply_token_bitmask,
+)
+from engine.tokenizer import Tokenizer
+
+ORDER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{3}$"},
+        "qty": {"type": "integer", "minimum": 1, "maximum": 50},
+        "color": {"enum": ["red", "green", "blue"]},
+        "gift": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+        "ship": {
+            "type": "object",
+            "properties": {
+                "zone": {"$ref": "#/$defs/zone"},
+                "floor": {"type": ["integer", "null"], "minimum": 0, "maximum": 9},
+            },
+            "required": ["zone", "floor"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["id", "qty", "color", "gift", "tags", "ship"],
+    "additionalProperties": False,
+    "$defs": {"zone": {"enum": ["eu", "us", "asia"]}},
+}
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_dir: str) -> Tokenizer:
+    return Tokenizer.from_dir(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def vocab(smollm2_dir: str) -> int:
+    with open(f"{smollm2_dir}/config.json") as f:
+        return json.load(f)["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def backend(tok: Tokenizer, vocab: int):
+    b = GrammarBackend.from_tokenizer(tok, vocab, [tok.eos_token_id])
+    yield b
+    b.close()
+
+
+def allowed_ids(row: torch.Tensor) -> set[int]:
+    """Token ids whose bit is set, read with numpy's own bit order (an independent unpacking)."""
+    bits = np.unpackbits(row.numpy().view(np.uint8), bitorder="little")
+    return set(np.flatnonzero(bits).tolist())
+
+
+def random_walk(
+    backend: GrammarBackend,
+    tok: Tokenizer,
+    spec: StructuredOutputs,
+    seed: int,
+    max_steps: int = 400,
+) -> tuple[str, list[int]]:
+    """A random-weight "model" under a grammar: random logits, the bitmask applied, argmax; until an
+    end-of-sequence token. Returns the text and the tokens."""
+    matcher = backend.compile(spec).matcher()
+    gen = torch.Generator().manual_seed(seed)
+    bitmask = allocate_bitmask(1, backend.vocab_size)
+    out: list[int] = []
+    for _ in range(max_steps):
+        backend.fill_bitmask(bitmask, [matcher])
+        logits = torch.randn(1, backend.vocab_size, generator=gen)
+        token = int(apply_token_bitmask(logits, bitmask).argmax())
+        assert matcher.accept(token), matcher.error
+        if token in backend.eos_token_ids:
+            return tok.decode(out), out
+        out.append(token)
+    raise AssertionError(f"no end of sequence in {max_steps} steps: {tok.decode(out)!r}")
+
+
+# ---- the spec ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({}, "give exactly one of json, regex, choice, grammar, json_object; got none"),
+        ({"json": {"type": "object"}, "regex": "a"}, "got json, regex"),
+        ({"json": "{not json"}, "structured_outputs.json: not valid JSON"),
+        ({"json": [1, 2]}, "structured_outputs.json: a JSON schema must be an object"),
+        ({"choice": []}, "structured_outputs.choice: must be a non-empty list"),
+        ({"choice": ["a", 3]}, "structured_outputs.choice: each choice must be a non-empty string"),
+        ({"regex": ""}, "structured_outputs.regex: must be a non-empty string"),
+        ({"json_object": "yes"}, "structured_outputs.json_object: must be true"),
+        (
+            {"grammar": 'start: "a"', "disable_any_whitespace": 1},
+            "structured_outputs.disable_any_whitespace: must be a bool",
+        ),
+        (
+            {"json_object": True, "whitespace_pattern": " *", "disable_any_whitespace": True},
+            "structured_outputs.whitespace_pattern: give it or disable_any_whitespace, not both",
+        ),
+    ],
+)
+def test_spec_refuses_bad_values_naming_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        StructuredOutputs(**kwargs)
+
+
+def test_spec_key_separates_what_compiles_differently():
+    a = StructuredOutputs(json={"type": "object"})
+    assert (
+        a.key == StructuredOutputs(json='{"type": "object"}').key
+    )  # dict or its text: one grammar
+    assert a.key != StructuredOutputs(json={"type": "object"}, disable_any_whitespace=True).key
+    assert a.key != StructuredOutputs(json={"type": "object"}, whitespace_pattern=" ?").key
+    assert a.key != StructuredOutputs(regex='{"type": "object"}').key
+    assert StructuredOutputs(choice=["a", "b"]).choice == ("a", "b")
+    assert len({a, StructuredOutputs(json='{"type": "object"}')}) == 1
+
+
+# ---- compiling -----------------------------------------------------------------------------------
+
+
+def test_compile_runs_on_a_worker_thread_and_is_cached(backend):
+    spec = StructuredOutputs(json=ORDER_SCHEMA)
+    future = backend.submit(spec)
+    assert isinstance(future, Future)
+    compiled = future.result(timeout=120)
+    assert backend.submit(StructuredOutputs(json=json.dumps(ORDER_SCHEMA))) is future
+    assert compiled.spec is spec
+
+    seen: list[str] = []
+    original = backend._compile
+
+    def spy(s):
+        seen.append(threading.current_thread().name)
+        return original(s)
+
+    backend._compile = spy
+    try:
+        backend.compile(StructuredOutputs(regex="[0-9]{1,4}"))
+    finally:
+        del backend._compile
+    assert len(seen) == 1 and seen[0].startswith("grammar-compile")
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (
+            StructuredOutputs(json={"type": "array", "uniqueItems": True}),
+            "structured_outputs.json: .*uniqueItems",
+        ),
+        (StructuredOutputs(json={"type": "strin"}), "structured_outputs.json: .*strin"),
+        (StructuredOutputs(regex="[a-"), "structured_outputs.regex: .*unclosed character class"),
+        (
+            StructuredOutputs(grammar="start: undefined_rule"),
+            "structured_outputs.grammar: .*undefined_rule",
+        ),
+    ],
+)
+def test_what_the_engine_cannot_enforce_is_refused_not_ignored(backend, spec, message):
+    with pytest.raises(ValueError, match=message):
+        backend.compile(spec)
+
+
+# ---- matching and masks
+# ---------------------------------------------------------------------------
+
+
+def test_a_valid_document_is_accepted_token_by_token_and_each_token_was_allowed(backend, tok):
+    text = json.dumps(
+        {
+            "id": "AB123",
+            "qty": 7,
+            "color": "green",
+            "gift": False,
+            "tags": ["x", "yz"],
+            "ship": {"zone": "asia", "floor": None},
+        }
+    )
+    ids = tok.encode(text, add_special_tokens=False)
+    matcher = backend.compile(StructuredOutputs(json=ORDER_SCHEMA)).matcher()
+    bitmask = allocate_bitmask(1, backend.vocab_size)
+    for t in ids:
+        assert not matcher.can_end
+        backend.fill_bitmask(bitmask, [matcher])
+        assert t in allowed_ids(bitmask[0])
+        assert matcher.accept(t), matcher.error
+    assert matcher.can_end and matcher.is_finished
+    backend.fill_bitmask(bitmask, [matcher])
+    assert allowed_ids(bitmask[0]) == {
+        tok.eos_token_id
+    }  # complete: only the end of sequence is left
+    assert matcher.accept(tok.eos_token_id) and matcher.error is None
+
+
+def test_a_token_outside_the_grammar_is_refused_with_an_error(backend, tok):
+    matcher = backend.compile(StructuredOutputs(json=ORDER_SCHEMA)).matcher()
+    assert matcher.accept_tokens(tok.encode('{"id": "AB123", "qty": ', add_special_tokens=False))
+    assert not matcher.accept(tok.encode("true", add_special_tokens=False)[0])
+    assert "true" in matcher.error
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_model_under_a_json_schema_always_yields_a_valid_document(backend, tok, seed):
+    spec = StructuredOutputs(json=ORDER_SCHEMA, disable_any_whitespace=seed % 2 == 0)
+    text, _ = random_walk(backend, tok, spec, seed)
+    jsonschema.validate(json.loads(text), ORDER_SCHEMA)
+    if spec.disable_any_whitespace:  # no whitespace outside the string literals
+        assert not re.search(r"\s", re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)), text
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_model_under_regex_choice_grammar_and_json_object(backend, tok, seed):
+    text, _ = random_walk(backend, tok, StructuredOutputs(regex=r"(yes|no)-[0-9]{2,4}"), seed)
+    assert re.fullmatch(r"(yes|no)-[0-9]{2,4}", text)
+    choices = ["Paris", "Tokyo", "New York", "São Paulo"]
+    text, _ = random_walk(backend, tok, StructuredOutputs(choice=choices), seed)
+    assert text in choices
+    lark = 'start: "(" num (op num)* ")"\nop: "+" | "-"\nnum: /[1-9]/'
+    text, _ = random_walk(backend, tok, StructuredOutputs(grammar=lark), seed)
+    assert re.fullmatch(r"\([1-9]([+-][1-9])*\)", text)
+    spec = StructuredOutputs(json_object=True, disable_any_whitespace=True)
+    matcher = backend.compile(spec).matcher()
+    assert (
+        matcher.accept_tokens(tok.encode('{"any": [1, {"thing": null}]}', add_special_tokens=False))
+        is False
+    )
+    matcher = backend.compile(spec).matcher()
+    assert matcher.accept_tokens(tok.encode('{"any":[1,{"thing":null}]}', add_special_tokens=False))
+    assert matcher.can_end
+
+
+def test_batch_fill_matches_one_row_at_a_time_and_leaves_free_rows_open(backend, tok):
+    compiled = backend.compile(StructuredOutputs(json=ORDER_SCHEMA))
+    prefixes = [
+        '{"id": "AB',
+        '{"id": "AB123", "qty": 4',
+        "",
+        '{"id": "ZZ999", "qty": 50, "color": "',
+    ]
+    matchers = []
+    for p in prefixes:
+        m = compiled.matcher()
+        assert m.accept_tokens(tok.encode(p, add_special_tokens=False))
+        matchers.append(m)
+    rows = [matchers[0], None, matchers[1], matchers[2], None, matchers[3]]
+    batch = allocate_bitmask(len(rows) + 2, backend.vocab_size)
+    batch[:] = 0
+    assert backend.fill_bitmask(batch, rows)
+    one = allocate_bitmask(1, backend.vocab_size)
+    for i, m in enumerate(rows):
+        if m is None:
+            assert (batch[i] == -1).all()
+        else:
+            m.fill(one[0])
+            assert torch.equal(batch[i], one[0])
+    assert (batch[len(rows) :] == 0).all()  # rows past the batch are left alone
+    assert not backend.fill_bitmask(batch, [None, None])  # nothing constrained: skip the masking
+
+
+def test_start_after_token_leaves_the_row_free_until_that_token(backend, tok):
+    end_think = tok.encode("</", add_special_tokens=False)[
+        0
+    ]  # any single token stands for </think>
+    matcher = backend.compile(StructuredOutputs(choice=["yes", "no"])).matcher(
+        start_after_token=end_think
+    )
+    bitmask = allocate_bitmask(1, backend.vocab_size)
+    assert not matcher.active
+    assert matcher.accept_tokens(tok.encode("free text, anything", add_special_tokens=False))
+    backend.fill_bitmask(bitmask, [matcher])
+    assert (bitmask == -1).all()
+    assert matcher.accept(end_think) and matcher.active
+    backend.fill_bitmask(bitmask, [matcher])
+    assert tok.encode("yes", add_special_tokens=False)[0] in allowed_ids(bitmask[0])
+    assert len(allowed_ids(bitmask[0])) < 10
+
+
+def test_logit_columns_past_the_tokenizer_are_never_allowed(tok, vocab):
+    padded = vocab + 64  # models often pad their embedding table past the tokenizer
+    backend = GrammarBackend.from_tokenizer(tok, padded, [tok.eos_token_id])
+    try:
+        matcher = backend.compile(StructuredOutputs(json_object=True)).matcher()
+        bitmask = allocate_bitmask(1, padded)
+        matcher.accept_tokens(tok.encode('{"a": "', add_special_tokens=False))
+        backend.fill_bitmask(bitmask, [matcher])
+        allowed = allowed_ids(bitmask[0])
+        assert allowed and max(allowed) < vocab
+    finally:
+        backend.close()
+
+
+# ---- applying the bitmask ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vocab, words", [(64, 2), (100, 4), (100, 3), (31, 1)])
+def test_apply_token_bitmask_matches_a_bit_by_bit_reference(vocab, words):
+    gen = torch.Generator().manual_seed(vocab * 10 + words)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, words), dtype=torch.int32, generator=gen)
+    bitmask[2] = -1  # a free row
+    logits = torch.randn(5, vocab, generator=gen)
+    expected = logits.clone()
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little").reshape(5, words * 32)
+    for i in range(5):
+        for t in range(vocab):
+            if t >= words * 32 or not bits[i, t]:
+                expected[i, t] = float("-inf")
+    out = apply_token_bitmask(logits, bitmask)
+    assert out is logits
+    assert torch.equal(logits, expected)
+    assert torch.equal(logits[2, : words * 32], expected[2, : words * 32])
+
+
+def test_apply_token_bitmask_refuses_mismatched_inputs():
+    with pytest.raises(ValueError, match="must be \\[N, V\\] and \\[N, W\\]"):
+        apply_token_bitmask(torch.zeros(2, 64), torch.zeros(3, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="bitmask must be int32"):
+        apply_token_bitmask(torch.zeros(2, 64), torch.zeros(2, 2, dtype=torch.int64))
+
+
+def test_json_whitespace_is_bounded_so_a_document_must_end(backend, tok):
+    def accepts(spec: StructuredOutputs, text: str) -> bool:
+        matcher = backend.compile(spec).matcher()
+        return matcher.accept_tokens(tok.encode(text, add_special_tokens=False)) and matcher.can_end
+
+    spec = StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    assert accepts(spec, '{"a":' + " " * 32 + "1}")
+    assert not accepts(spec, '{"a":' + " " * 33 + "1}")
+    assert accepts(spec, '{\n  "a": 1\n}')
+    custom = StructuredOutputs(json_object=True, whitespace_pattern=r"[ ]?")
+    assert accepts(custom, '{"a": 1, "b": 2}')
+    assert not accepts(custom, '{"a":  1}')
+    assert not accepts(custom, '{\n"a": 1}')
+
+
+@pytest.mark.slow
+def test_the_engines_sampler_under_a_mask_writes_schema_valid_json(smollm2_dir, vocab):
+    """The hook the GPU benchmark uses (bench/grammar_gpu.py's MaskingSampler around the runner's
+    sampler, with async scheduling): the real SmolLM2 model, sampling at temperature 1, ends every
+    reply with a document the schema accepts."""
+    from bench.grammar_gpu import MaskingSampler
+    from engine import LLM, SamplingParams
+
+    llm = LLM(
+        model=smollm2_dir,
+        dtype="float32",
+        device="cpu",
+        max_model_len=1024,
+        seed=0,
+        async_scheduling=True,
+    )
+    backend = GrammarBackend.from_tokenizer(
+        llm.engine.tokenizer, vocab, sorted(llm.engine.eos_token_ids)
+    )
+    runner = llm.engine.runner
+    spec = StructuredOutputs(json=ORDER_SCHEMA, disable_any_whitespace=True)
+    masking = MaskingSampler(runner.sampler, backend, spec, 8, "cpu")
+    runner.sampler = masking
+    try:
+        prompts = ["Write an order as JSON.", "Order:", "{"]
+        outs = llm.generate(
+            prompts, [SamplingParams(temperature=1.0, seed=i, max_tokens=200) for i in range(3)]
+        )
+    finally:
+        backend.close()
+    assert masking.refused == 0
+    for out in outs:
+        assert out.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.outputs[0].text), ORDER_SCHEMA)
