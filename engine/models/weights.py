@@ -59,7 +59,12 @@ def safetensors_files(model_dir: str) -> list[str]:
 def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, CPU tensor) for every tensor of the checkpoint, one at a time."""
     for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as f:
+        try:
+            f = safe_open(path, framework="pt", device="cpu")
+        except Exception as e:  # safetensors' errors name no file ("incomplete metadata, file not fully covered")
+            raise ValueError(f"weights: {path} ({os.path.getsize(path)} bytes) can't be read as safetensors ({e}): "
+                             "the file is truncated or corrupt; fetch it again") from e
+        with f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 
