@@ -1,6 +1,5 @@
 """Admission for the RunPod SDK: how many jobs to hold (free KV capacity, up to MAX_CONCURRENCY), and the exits:
-SIGTERM drains within a grace period (SHUTDOWN_GRACE_S) then exits 0; a fatal engine error fails the jobs in flight
-and exits 1.
+SIGTERM drains within a grace period then exits 0; a fatal engine error fails the jobs in flight and exits 1.
 """
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ from handler.metrics import SEED_REQUEST_TOKENS, next_typical_tokens, sustainabl
 
 log = logging.getLogger(__name__)
 
-DRAIN_GRACE_S = 30.0  # in-flight jobs get this long after SIGTERM before they are aborted (SHUTDOWN_GRACE_S)
+DRAIN_GRACE_S = 30.0  # in-flight jobs get this long after SIGTERM before they are aborted
 EXIT_WAIT_S = 10.0  # after a fatal error or the drain deadline: the longest wait for results to be posted
 
 
@@ -124,8 +123,9 @@ class Admission:
 
     # ---- shutdown ------------------------------------------------------------------------------------------------
     def drain_on_sigterm(self) -> None:
-        """From process start: a SIGTERM drains (no job is held before the SDK runs, so that exits 0 at once). The
-        SDK installs its own handler when its loop starts; the first concurrency_modifier call chains ours again."""
+        """From process start: a SIGTERM drains (no job is held before the SDK runs, so that
+        exits 0 at once). The SDK installs its own handler when its loop starts; the first
+        concurrency_modifier call chains ours in front of it again."""
         signal.signal(signal.SIGTERM, lambda signum, frame: self.begin_drain())
 
     def _install_signal_chain(self) -> None:

@@ -102,13 +102,14 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(16 << 20, ge=1024, le=1 << 30, description=(
         "Largest HTTP request body the OpenAI server accepts, in bytes (413 above)."))
     http_header_timeout_s: float = Field(10.0, gt=0, le=3600, description=(
-        "Seconds the OpenAI server waits for a request's line and headers, from its first byte or the connection's "
-        "start (408 and the connection closed after)."))
+        "Seconds the OpenAI server waits for a request's line and headers, from the "
+        "connection's start or the request's first byte (408 and closed after)."))
     http_body_timeout_s: float = Field(60.0, gt=0, le=3600, description=(
-        "Seconds the OpenAI server waits for a whole request body once the headers are in (408, closed after)."))
+        "Seconds the OpenAI server waits for a whole request body once the headers are in "
+        "(408 and closed after)."))
     shutdown_grace_s: float = Field(30.0, ge=0, le=3600, description=(
-        "After SIGTERM, seconds in-flight requests and jobs get to finish; then streams end with an error event "
-        "and jobs with an error, and the process exits 0."))
+        "After SIGTERM, seconds in-flight requests and jobs get to finish; then streams end "
+        "with an error event, jobs with an error, and the process exits 0."))
 
     # ---- the cache ---------------------------------------------------------------------------------------------
     base_path: str = Field("/runpod-volume", description=(

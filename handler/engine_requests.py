@@ -1,6 +1,7 @@
-"""One meaning for one input: every request of both faces (the HTTP routes, and RunPod jobs of every shape, which
-handler.jobs turns into OpenAI bodies) is parsed by the same schemas and normalised here once (nesting depth,
-messages, tools, sampling fields, the context limit) into the EngineRequest the engine runs.
+"""One meaning for one input: every request of both faces (the HTTP routes, and RunPod jobs of
+every shape, which handler.jobs turns into OpenAI bodies) is parsed by the same schemas and
+normalised here once (nesting depth, messages, tools, sampling fields, the context limit) into an
+EngineRequest.
 """
 from __future__ import annotations
 
@@ -11,25 +12,31 @@ from typing import Any
 from pydantic import ValidationError
 
 from handler.limits import MAX_CHOICES, MAX_JSON_DEPTH
-from handler.protocol import (UNSUPPORTED_EXTRAS, ApiError, ChatCompletionRequest, CompletionRequest,
-                              SamplingFields, describe_validation_error)
+from handler.protocol import (UNSUPPORTED_EXTRAS, ApiError, ChatCompletionRequest,
+                              CompletionRequest, SamplingFields, describe_validation_error)
 
-MODELS_ROUTE, CHAT_ROUTE, COMPLETIONS_ROUTE = "/v1/models", "/v1/chat/completions", "/v1/completions"
+MODELS_ROUTE = "/v1/models"
+CHAT_ROUTE = "/v1/chat/completions"
+COMPLETIONS_ROUTE = "/v1/completions"
 ROUTES = (MODELS_ROUTE, CHAT_ROUTE, COMPLETIONS_ROUTE)
 # The method each route answers (as the OpenAI API and vLLM do).
 ROUTE_METHODS = {MODELS_ROUTE: "GET", CHAT_ROUTE: "POST", COMPLETIONS_ROUTE: "POST"}
 _SCHEMAS = {CHAT_ROUTE: ChatCompletionRequest, COMPLETIONS_ROUTE: CompletionRequest}
-# The request fields that become the engine's SamplingParams (a RunPod job's sampling_params may set these).
-SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens",
-                   "skip_special_tokens", "include_stop_str_in_output")
-# Keys of chat_template_kwargs that would change more than template variables (e.g. load a template from a path).
-_RESERVED_TEMPLATE_KWARGS = {"messages", "chat_template", "tools", "documents", "add_generation_prompt"}
+# The request fields that become the engine's SamplingParams (a job's sampling_params may set them).
+SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                   "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
+                   "ignore_eos", "max_tokens", "min_tokens", "skip_special_tokens",
+                   "include_stop_str_in_output")
+# Keys of chat_template_kwargs that would change more than template variables (e.g. load a
+# template from a path).
+_RESERVED_TEMPLATE_KWARGS = {"messages", "chat_template", "tools", "documents",
+                             "add_generation_prompt"}
 _NO_TOOLS = "tool calls are not supported yet (the output is never parsed into tool_calls)"
 
 
 def canonical_route(route: Any, param: str = "route") -> str:
-    """'/openai/v1/chat/completions/', 'v1/models', 'chat/completions' -> '/v1/...' (unknown ones stay unknown)."""
+    """'/openai/v1/chat/completions/', 'v1/models', 'chat/completions' -> '/v1/...' (an unknown
+    route stays unknown)."""
     if not isinstance(route, str):
         raise ApiError(400, f"{param}: must be a string, got {type(route).__name__}", param)
     path = "/" + route.strip().strip("/")
@@ -41,25 +48,26 @@ def canonical_route(route: Any, param: str = "route") -> str:
 
 
 def check_depth(value: Any, where: str = "body", slack: int = 0) -> None:
-    """Refuse objects and lists nested deeper than MAX_JSON_DEPTH (+ slack), naming the top-level field that holds
-    them. An explicit stack, never recursion: this runs before anything that recurses (validation, templates, repr)
-    sees the value. `slack` lets a RunPod job's `input` (whose sampling_params or openai_input sit a level deeper than
-    in the OpenAI body they become) pass to parse_body, which checks that body exactly."""
+    """Refuse objects and lists nested deeper than MAX_JSON_DEPTH (+ slack), naming the top-level
+    field that holds them. An explicit stack, never recursion: this runs before anything that
+    recurses (validation, templates, repr) sees the value. `slack` lets a RunPod job's `input`
+    (whose sampling_params or openai_input sit a level deeper than in the OpenAI body they become)
+    through to parse_body, which checks that body exactly."""
     stack = [(value, 1, None)]
     while stack:
         node, depth, top = stack.pop()
         if depth > MAX_JSON_DEPTH + slack:
             param = top if isinstance(top, str) else where
-            raise ApiError(400, f"{param}: objects and lists nested deeper than the limit of {MAX_JSON_DEPTH} "
-                                "levels", param)
+            raise ApiError(400, f"{param}: objects and lists nested deeper than the limit of "
+                                f"{MAX_JSON_DEPTH} levels", param)
         for key, child in (node.items() if isinstance(node, dict) else enumerate(node)):
             if isinstance(child, (dict, list)):
                 stack.append((child, depth + 1, key if top is None else top))
 
 
 def parse_body(route: str, body: Any) -> ChatCompletionRequest | CompletionRequest:
-    """A chat or completions body -> its validated request, with every check that needs no model; ApiError(400)
-    naming the field otherwise."""
+    """A chat or completions body -> its validated request, with every check that needs no model;
+    ApiError(400) naming the field otherwise."""
     if not isinstance(body, dict):
         raise ApiError(400, f"body: must be a JSON object, got {type(body).__name__}", "body")
     check_depth(body)
@@ -78,7 +86,7 @@ def parse_body(route: str, body: Any) -> ChatCompletionRequest | CompletionReque
 
 @dataclass
 class EngineRequest:
-    """What the engine runs for one request: prompt token ids (one list per prompt) and SamplingParams."""
+    """What the engine runs for one request: prompt token ids (a list each) and SamplingParams."""
 
     route: str
     parsed: ChatCompletionRequest | CompletionRequest
@@ -93,21 +101,24 @@ def _refuse_unsupported(req: SamplingFields) -> None:
     _refuse_tool_fields({"tools": req.tools, "tool_choice": req.tool_choice})
     fmt = req.response_format
     if fmt is not None and fmt.type != "text":
-        raise ApiError(400, f"response_format: type {fmt.type!r} is not supported (this engine has no guided "
-                            "decoding); use {'type': 'text'}", "response_format")
+        raise ApiError(400, f"response_format: type {fmt.type!r} is not supported (this engine "
+                            "has no guided decoding); use {'type': 'text'}", "response_format")
     for name in UNSUPPORTED_EXTRAS:
         if getattr(req, name) is not None:
             raise ApiError(400, f"{name}: guided decoding is not supported by this engine", name)
     if req.use_beam_search:
-        raise ApiError(400, "use_beam_search: beam search is not supported by this engine", "use_beam_search")
+        raise ApiError(400, "use_beam_search: beam search is not supported by this engine",
+                       "use_beam_search")
     if req.logit_bias:
-        raise ApiError(400, "logit_bias: not supported by this engine; leave it empty", "logit_bias")
+        raise ApiError(400, "logit_bias: not supported by this engine; leave it empty",
+                       "logit_bias")
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options: only allowed when stream is true", "stream_options")
 
 
 def _refuse_tool_fields(fields: dict[str, Any]) -> None:
-    """Tools reach no parser yet: a request that offers tools (or the older functions) or forces one is refused."""
+    """Tools reach no parser yet: a request that offers tools (or the older functions) or forces
+    one is refused."""
     for name in ("tools", "functions"):
         if fields.get(name) not in (None, []):
             raise ApiError(400, f"{name}: {_NO_TOOLS}; send the request without {name}", name)
@@ -121,28 +132,31 @@ def _refuse_tools(req: ChatCompletionRequest) -> None:
     _refuse_tool_fields({"functions": req.functions, "function_call": req.function_call})
     for i, m in enumerate(req.messages):
         if m.role in ("tool", "function"):
-            raise ApiError(400, f"messages[{i}].role: {m.role!r} messages carry tool results, and {_NO_TOOLS}",
-                           f"messages[{i}].role")
+            raise ApiError(400, f"messages[{i}].role: {m.role!r} messages carry tool results, "
+                                f"and {_NO_TOOLS}", f"messages[{i}].role")
         extra = m.model_extra or {}
         for name in ("tool_calls", "function_call"):
             if extra.get(name) not in (None, []):
-                raise ApiError(400, f"messages[{i}].{name}: {_NO_TOOLS}; send the conversation without them",
-                               f"messages[{i}].{name}")
+                raise ApiError(400, f"messages[{i}].{name}: {_NO_TOOLS}; send the conversation "
+                                    "without them", f"messages[{i}].{name}")
 
 
 def _texts(message) -> list[str]:
     content = message.content
-    return [content] if isinstance(content, str) else [getattr(p, "text", "") for p in content or []]
+    if isinstance(content, str):
+        return [content]
+    return [getattr(p, "text", "") for p in content or []]
 
 
 def _check_chat(req: ChatCompletionRequest) -> None:
     _refuse_tools(req)
     if req.continue_final_message:
-        raise ApiError(400, "continue_final_message: not supported; end the conversation with a user turn",
-                       "continue_final_message")
+        raise ApiError(400, "continue_final_message: not supported; end the conversation with a "
+                            "user turn", "continue_final_message")
     reserved = sorted(_RESERVED_TEMPLATE_KWARGS & (req.chat_template_kwargs or {}).keys())
     if reserved:
-        raise ApiError(400, f"chat_template_kwargs: may not set {', '.join(reserved)}", "chat_template_kwargs")
+        raise ApiError(400, f"chat_template_kwargs: may not set {', '.join(reserved)}",
+                       "chat_template_kwargs")
     for i, m in enumerate(req.messages):
         for text in _texts(m):
             _check_unicode(text, f"messages[{i}].content")
@@ -152,11 +166,12 @@ def _check_completion(req: CompletionRequest) -> None:
     if req.suffix:
         raise ApiError(400, "suffix: not supported (no fill-in-the-middle)", "suffix")
     if req.best_of is not None and req.best_of != req.n:
-        raise ApiError(400, f"best_of: only best_of == n is supported (got best_of={req.best_of}, n={req.n})",
-                       "best_of")
+        raise ApiError(400, f"best_of: only best_of == n is supported (got best_of={req.best_of}, "
+                            f"n={req.n})", "best_of")
     if req.echo and req.logprobs is not None:
         raise ApiError(400, "echo: echo together with logprobs is not supported", "echo")
-    texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt if isinstance(req.prompt[0], str) else []
+    prompt = req.prompt
+    texts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt[0], str) else []
     for i, text in enumerate(texts):
         _check_unicode(text, "prompt" if len(texts) == 1 else f"prompt[{i}]")
     if any(not t for t in texts):
@@ -164,15 +179,16 @@ def _check_completion(req: CompletionRequest) -> None:
 
 
 def _check_unicode(text: str, param: str) -> None:
-    """JSON escapes can carry lone surrogates (\\ud800), which are no text and can't be tokenized."""
+    """JSON escapes can carry lone surrogates (\\ud800): no text, and they can't be tokenized."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ApiError(400, f"{param}: invalid unicode (a lone surrogate) at character {e.start}", param) from None
+        raise ApiError(400, f"{param}: invalid unicode (a lone surrogate) at character {e.start}",
+                       param) from None
 
 
 def engine_error(exc: ValueError, default_param: str) -> ApiError:
-    """An engine refusal as a 400: its ValueErrors start with the field name ('temperature: must be ...')."""
+    """An engine refusal as a 400: its ValueErrors start with the field ('temperature: ...')."""
     message = str(exc)
     head = message.split(":", 1)[0]
     param = head if head and head.replace("_", "").isalnum() and " " not in head else default_param
@@ -180,8 +196,8 @@ def engine_error(exc: ValueError, default_param: str) -> ApiError:
 
 
 class RequestBuilder:
-    """Parsed requests -> EngineRequests, with the checks that need the model: served names, the context limit,
-    the vocabulary, the chat template."""
+    """Parsed requests -> EngineRequests, with the checks that need the model: served names, the
+    context limit, the vocabulary, the chat template."""
 
     def __init__(self, tokenizer, context_limit: int, vocab_size: int, served_names: list[str],
                  default_max_tokens: int | None):
@@ -190,18 +206,21 @@ class RequestBuilder:
         self.vocab_size = vocab_size
         self.served_names = served_names
         self.default_max_tokens = default_max_tokens
-        # Each token spans at most this many characters, so a text of C characters has at least C / this tokens.
-        self.max_token_chars = max(1, max(map(len, tokenizer.backend.get_vocab(with_added_tokens=True))))
+        # Each token spans at most this many characters: a text of C characters has at least
+        # C / this tokens.
+        vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+        self.max_token_chars = max(1, max(map(len, vocab)))
 
     def model(self, requested: str | None) -> str:
         if requested is None:
             return self.served_names[0]
         if requested not in self.served_names:
             raise ApiError(404, f"model: {requested[:200]!r} does not exist; this worker serves "
-                                f"{', '.join(map(repr, self.served_names))}", "model", "not_found_error")
+                                f"{', '.join(map(repr, self.served_names))}", "model",
+                           "not_found_error")
         return requested
 
-    async def build(self, route: str, req: ChatCompletionRequest | CompletionRequest) -> EngineRequest:
+    async def build(self, route: str, req) -> EngineRequest:
         if route == CHAT_ROUTE:
             return await self._chat(req)
         return await self._completion(req)
@@ -209,27 +228,31 @@ class RequestBuilder:
     def _check_chars(self, chars: int, param: str) -> None:
         """Refuse a text that can't fit before spending time tokenizing it."""
         if chars > self.context_limit * self.max_token_chars:
-            raise ApiError(400, f"{param}: {chars} characters can't fit in the context limit of {self.context_limit} "
-                                f"tokens (a token here spans at most {self.max_token_chars} characters)", param)
+            raise ApiError(400, f"{param}: {chars} characters can't fit in the context limit of "
+                                f"{self.context_limit} tokens (a token here spans at most "
+                                f"{self.max_token_chars} characters)", param)
 
-    def _max_tokens(self, requested: int | None, param: str, prompt_lens: list[int], prompt_param: str) -> int | None:
-        longest = max(prompt_lens)
-        if longest + 1 > self.context_limit:
-            raise ApiError(400, f"{prompt_param}: {longest} tokens exceed the context limit of {self.context_limit} "
-                                f"tokens (the prompt may have at most {self.context_limit - 1} tokens)", prompt_param)
-        remaining = self.context_limit - longest
+    def _max_tokens(self, requested: int | None, param: str, prompt_lens: list[int],
+                    prompt_param: str) -> int | None:
+        longest, limit = max(prompt_lens), self.context_limit
+        if longest + 1 > limit:
+            raise ApiError(400, f"{prompt_param}: {longest} tokens exceed the context limit of "
+                                f"{limit} tokens (the prompt may have at most {limit - 1} tokens)",
+                           prompt_param)
+        remaining = limit - longest
         if requested is not None:
             if requested > remaining:
-                raise ApiError(400, f"{param}: {requested} plus the prompt's {longest} tokens exceeds the context "
-                                    f"limit of {self.context_limit} tokens (at most {remaining} for this prompt)",
-                               param)
+                raise ApiError(400, f"{param}: {requested} plus the prompt's {longest} tokens "
+                                    f"exceeds the context limit of {limit} tokens (at most "
+                                    f"{remaining} for this prompt)", param)
             return requested
         default = self.default_max_tokens
-        return min(default, remaining) if default is not None else None  # None: until EOS or the context limit
+        # None: until EOS or the context limit
+        return min(default, remaining) if default is not None else None
 
     @staticmethod
     def _sampling(req: SamplingFields, max_tokens: int | None, logprobs: int | None):
-        from engine import SamplingParams  # the engine (and torch) load only once a request needs them
+        from engine import SamplingParams  # the engine (and torch) load once a request needs them
 
         kwargs: dict[str, Any] = {name: getattr(req, name) for name in SAMPLING_FIELDS
                                   if getattr(req, name) is not None}
@@ -243,15 +266,19 @@ class RequestBuilder:
         model = self.model(req.model)
         self._check_chars(sum(len(t) for m in req.messages for t in _texts(m)), "messages")
         kwargs = dict(req.chat_template_kwargs or {})
-        # Content parts stay a list: the chat template joins text parts with "\n" (as vLLM) or loops over them.
+        # Content parts stay a list: the chat template joins text parts with "\n" (as vLLM) or
+        # loops over them.
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         try:
             prompt_ids = await asyncio.to_thread(
-                self.tokenizer.encode_chat, messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
+                self.tokenizer.encode_chat, messages,
+                add_generation_prompt=req.add_generation_prompt, **kwargs)
         except (ValueError, TypeError) as e:
             raise ApiError(400, f"messages: {e}", "messages") from None
-        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if req.max_completion_tokens is not None:
+            param, requested = "max_completion_tokens", req.max_completion_tokens
+        else:
+            param, requested = "max_tokens", req.max_tokens
         max_tokens = self._max_tokens(requested, param, [len(prompt_ids)], "messages")
         top_n = (req.top_logprobs or 0) if req.logprobs else 0
         params = self._sampling(req, max_tokens, top_n if req.logprobs else None)
@@ -276,10 +303,14 @@ class RequestBuilder:
             for ids in prompts:
                 bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
                 if bad is not None:
-                    raise ApiError(400, f"prompt: token ids must be in [0, {self.vocab_size}), got {bad}", "prompt")
-        if len(prompts) * req.n > MAX_CHOICES:
-            raise ApiError(400, f"n: {req.n} samples of {len(prompts)} prompts make {req.n * len(prompts)} choices; "
-                                f"at most {MAX_CHOICES} per request", "n")
-        max_tokens = self._max_tokens(req.max_tokens, "max_tokens", [len(p) for p in prompts], "prompt")
+                    raise ApiError(400, f"prompt: token ids must be in [0, {self.vocab_size}), got "
+                                        f"{bad}", "prompt")
+        choices = len(prompts) * req.n
+        if choices > MAX_CHOICES:
+            raise ApiError(400, f"n: {req.n} samples of {len(prompts)} prompts make {choices} "
+                                f"choices; at most {MAX_CHOICES} per request", "n")
+        lens = [len(p) for p in prompts]
+        max_tokens = self._max_tokens(req.max_tokens, "max_tokens", lens, "prompt")
         params = self._sampling(req, max_tokens, req.logprobs)
-        return EngineRequest(COMPLETIONS_ROUTE, req, model, prompts, params, req.logprobs or 0, texts)
+        return EngineRequest(COMPLETIONS_ROUTE, req, model, prompts, params, req.logprobs or 0,
+                             texts)

@@ -1,6 +1,7 @@
-"""RunPod job inputs as worker-vllm accepts them (prompt/messages, openai_route, and v2.24+'s route/body/method), each
-turned into the OpenAI request it means, so handler.engine_requests gives it the meaning the HTTP face gives the same
-body; and their outputs: worker-vllm-shaped chunks streamed in batches whose token count grows from min to max.
+"""RunPod job inputs as worker-vllm accepts them (prompt/messages, openai_route, and v2.24+'s
+route/body/method), each turned into the OpenAI request it stands for, so handler.engine_requests
+gives it the meaning the HTTP face gives that body; and their outputs: worker-vllm-shaped chunks
+streamed in batches whose token count grows from the min to the max.
 """
 from __future__ import annotations
 
@@ -10,24 +11,26 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
-from pydantic import model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import ValidationError, model_validator
 
-from handler.engine_requests import (CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE, ROUTE_METHODS, ROUTES,
+from handler.engine_requests import (CHAT_ROUTE, COMPLETIONS_ROUTE, ROUTE_METHODS, ROUTES,
                                      SAMPLING_FIELDS, canonical_route, check_depth, parse_body)
 from handler.protocol import ApiError, describe_validation_error
 from handler.routes import SSE_DONE, sse
 
-# What a prompt/messages job's sampling_params may hold: the sampling fields, and the tool fields (refused as on the
-# OpenAI face). logprobs are refused: worker-vllm's output format has no place for them.
+# What a prompt/messages job's sampling_params may hold: the sampling fields, and the tool fields
+# (refused as on the OpenAI face). logprobs are refused: worker-vllm's output has no place for them.
 _JOB_SAMPLING_KEYS = (*SAMPLING_FIELDS, "tools", "tool_choice")
 _NO_LOGPROBS = ("worker-vllm's job output has no place for logprobs; send the request as "
-                "{\"openai_route\": \"/v1/chat/completions\" or \"/v1/completions\", \"openai_input\": {...}}")
+                '{"openai_route": "/v1/chat/completions" or "/v1/completions", '
+                '"openai_input": {...}}')
 
 
 class JobInputError(ValueError):
-    """A job input the worker can't serve; the message names the field and what it accepts. `error` is what the
-    job answers: the message, or for the route/body/method form the OpenAI error object, as worker-vllm answers."""
+    """A job input the worker can't serve; the message names the field and what it accepts.
+    `error` is what the job answers: the message, or for the route/body/method form the OpenAI
+    error object, as worker-vllm answers with one."""
 
     def __init__(self, message: str, error: str | dict | None = None):
         super().__init__(message)
@@ -57,13 +60,14 @@ class EngineJob(_BatchOverrides):
     """`{"prompt": str | [ids] | "messages": [...], "sampling_params": {...}, "stream": bool}`."""
 
     prompt: StrictStr | Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)] | None = None
-    messages: Annotated[list[Any], Field(min_length=1)] | None = None  # validated as the chat route's messages
+    # validated as the chat route's messages
+    messages: Annotated[list[Any], Field(min_length=1)] | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     tools: Any = None  # refused, as on the OpenAI face, until tool calls are parsed
     tool_choice: Any = None
     stream: StrictBool = False
     apply_chat_template: StrictBool = False  # a string prompt becomes one user message
-    use_openai_format: StrictBool = False  # answer as the OpenAI route would (chat or completions objects)
+    use_openai_format: StrictBool = False  # answer as the OpenAI route does (its objects)
 
     @model_validator(mode="after")
     def _one_input(self) -> "EngineJob":
@@ -82,8 +86,8 @@ class OpenAIJob(_BatchOverrides):
 
 
 class RouteJob(_BatchOverrides):
-    """worker-vllm v2.24+: `{"route": "/v1/...", "body": {...}, "method": "POST"}`; without a method, a body POSTs
-    and no body GETs."""
+    """worker-vllm v2.24+: `{"route": "/v1/...", "body": {...}, "method": "POST"}`; without a
+    method, a body POSTs and no body GETs."""
 
     route: StrictStr
     body: dict[str, Any] | None = None
@@ -92,13 +96,15 @@ class RouteJob(_BatchOverrides):
 
 @dataclass
 class Job:
-    """A parsed job: the OpenAI route and body it means, how it answers, and how its errors name their field."""
+    """A parsed job: the OpenAI route and body it stands for, how it answers, and how its errors
+    name their field."""
 
     shape: EngineJob | OpenAIJob | RouteJob
     route: str
     body: dict = field(default_factory=dict)
     method: str | None = None
-    prompt_as_message: bool = False  # a string prompt with apply_chat_template: messages[0] is the prompt
+    # a string prompt with apply_chat_template: messages[0] is the prompt
+    prompt_as_message: bool = False
 
     @property
     def openai_output(self) -> bool:
@@ -107,14 +113,20 @@ class Job:
 
     @property
     def stream(self) -> bool:
-        return self.shape.stream if isinstance(self.shape, EngineJob) else self.body.get("stream") is True
+        if isinstance(self.shape, EngineJob):
+            return self.shape.stream
+        return self.body.get("stream") is True
 
     def answer(self, status: int, message: str) -> str | dict:
-        """A failure as this job answers it: the message, or the OpenAI error object for the route/body form."""
-        return ApiError(status, message).to_dict()["error"] if isinstance(self.shape, RouteJob) else message
+        """A failure as this job answers it: the message, or the OpenAI error object for the
+        route/body form."""
+        if isinstance(self.shape, RouteJob):
+            return ApiError(status, message).to_dict()["error"]
+        return message
 
     def error(self, e: ApiError) -> str | dict:
-        """What the job answers for an error of its OpenAI request: the message, its field named from `input`."""
+        """What the job answers for an error of its OpenAI request: the message, its field named
+        from `input`."""
         if isinstance(self.shape, RouteJob):
             return e.to_dict()["error"]
         if e.param is None:
@@ -144,7 +156,7 @@ def _shape_error(model: type[_Strict], errors: list[dict]) -> str:
     """pydantic's errors for the job's own fields -> one message naming `input.<field>`."""
     if any(e["type"] == "extra_forbidden" for e in errors):
         bad = next(e for e in errors if e["type"] == "extra_forbidden")["loc"][0]
-        allowed = ", ".join(f for f in model.model_fields if f != "use_openai_format")
+        allowed = ", ".join(model.model_fields)
         return f"input.{bad}: unknown field; accepted: {allowed}"
     if any(e["type"] == "value_error" and not e["loc"] for e in errors):
         msg = next(e for e in errors if e["type"] == "value_error" and not e["loc"])["msg"]
@@ -158,19 +170,22 @@ def parse_job(raw: Any) -> Job:
     if not isinstance(raw, dict):
         raise JobInputError(f"input: must be an object, got {type(raw).__name__}")
     model = OpenAIJob if "openai_route" in raw else RouteJob if "route" in raw else EngineJob
-    in_error_object = model is RouteJob
 
     def refuse(message: str, param: str | None) -> JobInputError:
-        return JobInputError(message, ApiError(400, message, param).to_dict()["error"] if in_error_object else None)
+        if model is not RouteJob:
+            return JobInputError(message)
+        return JobInputError(message, ApiError(400, message, param).to_dict()["error"])
 
     try:
-        check_depth(raw, "input", slack=2)  # a backstop: the OpenAI body it means is checked exactly by parse_body
+        # a backstop: the OpenAI body the job stands for is checked exactly by parse_body
+        check_depth(raw, "input", slack=2)
         shape = model.model_validate(raw)
     except ApiError as e:
         raise refuse(f"input.{e.message}", e.param) from None
     except ValidationError as exc:
         errors = exc.errors()
-        raise refuse(_shape_error(model, errors), str(errors[0]["loc"][0]) if errors[0]["loc"] else None) from None
+        loc = errors[0]["loc"]
+        raise refuse(_shape_error(model, errors), str(loc[0]) if loc else None) from None
     if isinstance(shape, EngineJob):
         job = _engine_job(shape)
     else:
@@ -187,41 +202,43 @@ def parse_job(raw: Any) -> Job:
 
 def _openai_job(shape: OpenAIJob | RouteJob) -> Job:
     if isinstance(shape, OpenAIJob):
-        param, route, body, method = "openai_route", shape.openai_route, shape.openai_input or {}, None
+        param, route, body, method = "openai_route", shape.openai_route, shape.openai_input, None
     else:
-        param, route, body = "route", shape.route, shape.body or {}
-        method = (shape.method or ("POST" if shape.body else "GET")).upper()
+        param, route, body = "route", shape.route, shape.body
+        method = (shape.method or ("POST" if body else "GET")).upper()
     path = canonical_route(route)
+    job = Job(shape, path, body or {}, method)
     if path not in ROUTES:
         message = f"input.{param}: unknown route {route[:100]!r}; accepted: {', '.join(ROUTES)}"
-        error = ApiError(404, message, param).to_dict()["error"] if isinstance(shape, RouteJob) else None
-        raise JobInputError(message, error)
-    if method is not None and method in ("GET", "POST") and method != ROUTE_METHODS[path]:
-        job = Job(shape, path, body, method)
+        raise JobInputError(message, job.error(ApiError(404, message, param)))
+    if method in ("GET", "POST") and method != ROUTE_METHODS[path]:
+        hint = "; send a body" if method == "GET" else ""
         raise job.refusal(ApiError(405, f"method: {method} is not allowed on {path} (it answers "
-                                        f"{ROUTE_METHODS[path]}{'; send a body' if method == 'GET' else ''})",
-                                   "method"))
-    return Job(shape, path, body, method)
+                                        f"{ROUTE_METHODS[path]}{hint})", "method"))
+    return job
 
 
 def _engine_job(shape: EngineJob) -> Job:
-    """A prompt/messages job -> the chat or completions body it means: its sampling_params are that body's fields."""
+    """A prompt/messages job -> the chat or completions body it stands for: its sampling_params
+    are that body's fields."""
     given = shape.sampling_params
     for key in given:
         if key in ("logprobs", "prompt_logprobs"):
             raise JobInputError(f"input.sampling_params.{key}: {_NO_LOGPROBS}")
         if key not in _JOB_SAMPLING_KEYS:
-            raise JobInputError(f"input.sampling_params.{key}: unknown field; accepted: {', '.join(SAMPLING_FIELDS)}")
+            raise JobInputError(f"input.sampling_params.{key}: unknown field; accepted: "
+                                f"{', '.join(SAMPLING_FIELDS)}")
     body = {k: v for k, v in given.items() if v is not None}
     for name in ("tools", "tool_choice"):
         if getattr(shape, name) is not None:
             body[name] = getattr(shape, name)
     if shape.use_openai_format:
         body["stream"] = shape.stream
-    as_message = shape.messages is None and shape.apply_chat_template
-    if shape.messages is not None or as_message:
-        body["messages"] = shape.messages if not as_message else [{"role": "user", "content": shape.prompt}]
-        return Job(shape, CHAT_ROUTE, body, prompt_as_message=as_message)
+    if shape.messages is not None:
+        return Job(shape, CHAT_ROUTE, {**body, "messages": shape.messages})
+    if shape.apply_chat_template:
+        messages = [{"role": "user", "content": shape.prompt}]
+        return Job(shape, CHAT_ROUTE, {**body, "messages": messages}, prompt_as_message=True)
     return Job(shape, COMPLETIONS_ROUTE, {**body, "prompt": shape.prompt})
 
 
@@ -254,9 +271,10 @@ async def run_engine_job(engine, routes, job: Job, settings, request_id: str,
                          on_finish=None) -> AsyncIterator[dict]:
     """Generate for a prompt/messages job; yield worker-vllm batches `{"choices": [{"tokens": [...]}], "usage": ...}`.
 
-    The engine request is the one the OpenAI route builds from the same body (routes.prepare). Streaming: each batch
-    holds the text pieces of about `size` new tokens (sizes grow per BatchSizes); not streaming: one batch with the
-    whole text per choice. The last batch carries each choice's finish_reason.
+    The engine request is the one the OpenAI route builds from the same body (routes.prepare).
+    Streaming: each batch holds the text pieces of about `size` new tokens (sizes grow per
+    BatchSizes); not streaming: one batch with the whole text per choice. The last batch carries
+    each choice's finish_reason.
     on_finish(prompt_tokens, output_tokens) is called once the request is done (admission learns request sizes)."""
     request = await routes.prepare(job.route, job.body)
     stream = engine.generate(request_id, request.prompts[0], request.params)
@@ -299,9 +317,10 @@ async def run_engine_job(engine, routes, job: Job, settings, request_id: str,
 
 
 async def run_openai_job(routes, job: Job, settings, on_finish=None) -> AsyncIterator[Any]:
-    """Dispatch a job answered in OpenAI's shapes. Not streaming: the response object. Streaming: batches of chunks,
-    their count growing per BatchSizes, as one string of SSE lines (RAW_OPENAI_OUTPUT, ending in `data: [DONE]`) or
-    as a list of chunk objects, as worker-vllm streams them."""
+    """Dispatch a job answered in OpenAI's shapes. Not streaming: the response object. Streaming:
+    batches of chunks, their count growing per BatchSizes, as one string of SSE lines
+    (RAW_OPENAI_OUTPUT, ending in `data: [DONE]`) or as a list of chunk objects, as worker-vllm
+    streams them."""
     result = await routes.dispatch(job.route, job.body, job.method)
     if isinstance(result, dict):
         usage = result.get("usage")
@@ -326,8 +345,8 @@ async def run_openai_job(routes, job: Job, settings, on_finish=None) -> AsyncIte
 
 
 def stream_error_batch(job: Job, error: ApiError, settings) -> str | list | None:
-    """The last batch of a streamed OpenAI-shaped job ended early: an error event (and `data: [DONE]`), as the HTTP
-    server ends such a stream; None for jobs answered otherwise."""
+    """The last batch of a streamed OpenAI-shaped job ended early: an error event and
+    `data: [DONE]`, as the HTTP server ends such a stream; None for jobs answered otherwise."""
     if not (job.openai_output and job.stream):
         return None
     return sse(error.to_dict()) + SSE_DONE if settings.raw_openai_output else [error.to_dict()]

@@ -8,9 +8,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
-from handler.limits import (MAX_BATCH_PROMPTS, MAX_MESSAGES, MAX_N, MAX_REPETITION_PENALTY, MAX_STOP_CHARS,
-                            MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKENS_LIMIT, MAX_TOP_LOGPROBS,
-                            MIN_REPETITION_PENALTY)
+from handler.limits import (MAX_BATCH_PROMPTS, MAX_MESSAGES, MAX_N, MAX_REPETITION_PENALTY,
+                            MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKENS_LIMIT,
+                            MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY)
 
 Number = StrictFloat | StrictInt
 RepetitionPenalty = Annotated[Number, Field(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)]
@@ -90,7 +90,7 @@ class SamplingFields(_Model):
     guided_grammar: Any = None
     structured_outputs: Any = None
     use_beam_search: StrictBool = False
-    # Tool calls are not parsed from the output yet: refused (by handler.engine_requests), never ignored.
+    # Tool calls are not parsed from the output yet: refused (handler.engine_requests), not ignored.
     tools: Any = None
     tool_choice: Any = None
 
@@ -120,25 +120,26 @@ class CompletionRequest(SamplingFields):
     best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None
 
 
-# ---- errors ----------------------------------------------------------------------------------------------------
+# ---- errors ---------------------------------------------------------------------------------
 
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-                408: "invalid_request_error", 413: "invalid_request_error", 414: "invalid_request_error",
-                503: "service_unavailable"}
+_ERROR_TYPES = {404: "not_found_error", 503: "service_unavailable"}
 
 
 class ApiError(Exception):
     """An error the caller caused (4xx) or one of ours (5xx), shaped like OpenAI's error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
-        self.type = type or _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        default = "invalid_request_error" if status < 500 else "server_error"
+        self.type = type or _ERROR_TYPES.get(status, default)
 
     def to_dict(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.status}}
 
 
 # ---- validation errors -> one message naming the field ---------------------------------------------------------

@@ -1,6 +1,6 @@
 """The engine side of one OpenAI request: its AsyncLLM streams (one per prompt) merged into one view of the newest
-outputs, and the chunk stream a streaming response hands out, which aborts the engine work when it is closed early
-and can be interrupted (the drain deadline) wherever it waits.
+outputs, and the chunk stream a streaming response hands out, which aborts the engine work when it is closed early.
+Both can be interrupted (the drain deadline) wherever they wait.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 
 class Interrupted(Exception):
-    """Raised where a request waits for the engine once it was interrupted (the server's drain deadline)."""
+    """Raised where a request waits for the engine once it was interrupted (the drain deadline)."""
 
     status = 503
 
@@ -71,7 +71,7 @@ class RequestStreams:
             yield self.latest
 
     def interrupt(self) -> None:
-        """Make the reader's wait for news raise Interrupted (it then closes the streams as on any error)."""
+        """The reader's wait for news raises Interrupted (it closes the streams as on any error)."""
         self.queue.put_nowait((0, Interrupted()))
 
     async def close(self) -> None:

@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from handler.config import Settings
-from handler.engine_requests import (CHAT_ROUTE, MODELS_ROUTE, ROUTE_METHODS, ROUTES, EngineRequest, RequestBuilder,
-                                     canonical_route, engine_error, parse_body)
+from handler.engine_requests import (CHAT_ROUTE, MODELS_ROUTE, ROUTE_METHODS, ROUTES, EngineRequest,
+                                     RequestBuilder, canonical_route, engine_error, parse_body)
 from handler.metrics import Metrics
 from handler.protocol import ApiError
 from handler.request_streams import ChunkStream, RequestStreams, drain
@@ -69,20 +69,23 @@ class OpenAIRoutes:
             raise ValueError("model: the OpenAI routes need a model with a tokenizer")
         core = engine.engine
         self.max_model_len: int = core.max_model_len
-        self.requests = RequestBuilder(self.tokenizer, core.context_limit, core.model_config.vocab_size,
-                                       self.served_names, settings.default_max_tokens)
+        self.requests = RequestBuilder(self.tokenizer, core.context_limit,
+                                       core.model_config.vocab_size, self.served_names,
+                                       settings.default_max_tokens)
         self.created = int(time.time())
 
     # ---- entry point -------------------------------------------------------------------------------------------
-    async def dispatch(self, route: str, body: Any, method: str | None = None) -> dict | AsyncIterator[dict]:
-        """Serve `body` on `route` ('/v1/...', also '/openai/v1/...'); `method`, when given, must be the route's."""
+    async def dispatch(self, route: str, body: Any,
+                       method: str | None = None) -> dict | AsyncIterator[dict]:
+        """Serve `body` on `route` ('/v1/...', also '/openai/v1/...'); `method`, when given, must
+        be the route's."""
         path = canonical_route(route, "openai_route")
         if path not in ROUTES:
-            raise ApiError(404, f"route {str(route)[:200]!r} does not exist; the routes are {', '.join(ROUTES)} "
-                                "(also under /openai/v1/...)", "route")
+            raise ApiError(404, f"route {str(route)[:200]!r} does not exist; the routes are "
+                                f"{', '.join(ROUTES)} (also under /openai/v1/...)", "route")
         if method is not None and method != ROUTE_METHODS[path]:
-            raise ApiError(405, f"method: {method[:20]} is not allowed on {path} (it answers {ROUTE_METHODS[path]})",
-                           "method")
+            raise ApiError(405, f"method: {method[:20]} is not allowed on {path} (it answers "
+                                f"{ROUTE_METHODS[path]})", "method")
         if path == MODELS_ROUTE:
             return self.models()
         return await self._counted(path, self._serve(path, body))
@@ -118,7 +121,8 @@ class OpenAIRoutes:
              "max_model_len": self.max_model_len} for name in self.served_names]}
 
     async def prepare(self, route: str, body: Any) -> EngineRequest:
-        """The engine request a chat or completions body means (RunPod prompt/messages jobs run it themselves)."""
+        """The engine request a chat or completions body stands for (prompt/messages jobs run it
+        themselves)."""
         return await self.requests.build(route, parse_body(route, body))
 
     async def _serve(self, route: str, body: Any) -> dict | AsyncIterator[dict]:
@@ -136,9 +140,11 @@ class OpenAIRoutes:
             return await self._chat_full(streams, head, req, lens, top_n, t0)
         echo = None
         if req.echo:
-            echo = request.texts or [self.tokenizer.decode(p, skip_special_tokens=False) for p in request.prompts]
+            echo = request.texts or [self.tokenizer.decode(p, skip_special_tokens=False)
+                                     for p in request.prompts]
         if req.stream:
-            return ChunkStream(self._completion_stream(streams, head, req, lens, top_n, echo, t0), streams)
+            chunks = self._completion_stream(streams, head, req, lens, top_n, echo, t0)
+            return ChunkStream(chunks, streams)
         return await self._completion_full(streams, head, req, lens, top_n, echo, t0)
 
     async def _start(self, request_id: str, prompts: list[list[int]], params) -> RequestStreams:

@@ -1,6 +1,7 @@
 """`python -m handler serve`: the OpenAI routes as a plain HTTP server (FastAPI + uvicorn), with SSE streaming,
-/health (503 until the engine is ready), /metrics (Prometheus text), hard limits on what a request may send and how
-slowly (handler.limits, handler.http_connection), and a drain on SIGTERM that ends what is left with an error.
+/health (503 until the engine is ready), /metrics (Prometheus text) and hard limits on what a request may send.
+How slowly it may send (handler.http_connection), and the drain on SIGTERM, which ends what is left
+with an error event, are set up here too.
 """
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ from handler.routes import ROUTES, SSE_DONE, ApiError, ChunkStream, OpenAIRoutes
 log = logging.getLogger(__name__)
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-# How often the server checks that the engine thread is still alive (a dead engine exits the process) and whether
-# uvicorn was told to shut down (SIGTERM, SIGINT).
+# How often the server checks that the engine thread is still alive (a dead engine exits the
+# process) and whether uvicorn was told to shut down (SIGTERM, SIGINT).
 WATCH_SECONDS = 0.2
 
 
@@ -46,8 +47,9 @@ def _reject_constant(name: str):
 
 
 async def read_json_body(request: Request, limit: int):
-    """The request body as JSON, refusing (413) a body over `limit` bytes before reading all of it and (400) one
-    nested deeper than MAX_JSON_DEPTH. Raises ClientLeft when the connection closes first."""
+    """The request body as JSON, refusing (413) a body over `limit` bytes before reading all of it
+    and (400) one nested deeper than MAX_JSON_DEPTH. Raises ClientLeft when the connection closes
+    first."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"body: {int(declared)} bytes exceeds the limit of {limit} bytes (MAX_REQUEST_BYTES)",
@@ -57,7 +59,8 @@ async def read_json_body(request: Request, limit: int):
         async for chunk in request.stream():
             buf += chunk
             if len(buf) > limit:
-                raise ApiError(413, f"body: more than the limit of {limit} bytes (MAX_REQUEST_BYTES)", "body")
+                raise ApiError(413, f"body: more than the limit of {limit} bytes "
+                                    "(MAX_REQUEST_BYTES)", "body")
     except ClientDisconnect:
         raise ClientLeft() from None
     if not buf:
@@ -73,8 +76,8 @@ async def read_json_body(request: Request, limit: int):
     except ValueError as e:
         raise ApiError(400, f"body: invalid JSON: {e}", "body") from None
     except RecursionError:  # deeper than the parser's own guard: far deeper than the limit
-        raise ApiError(400, f"body: objects and lists nested deeper than the limit of {MAX_JSON_DEPTH} levels",
-                       "body") from None
+        raise ApiError(400, "body: objects and lists nested deeper than the limit of "
+                            f"{MAX_JSON_DEPTH} levels", "body") from None
     check_depth(body)
     return body
 
@@ -84,13 +87,15 @@ def _error_response(error: ApiError) -> JSONResponse:
 
 
 def _shutdown_error(grace_s: float) -> ApiError:
-    return ApiError(503, f"the server is shutting down (SIGTERM) and the request did not finish within {grace_s:g} s "
-                         "(SHUTDOWN_GRACE_S); retry it", type="service_unavailable")
+    return ApiError(503, "the server is shutting down (SIGTERM) and the request did not finish "
+                         f"within {grace_s:g} s (SHUTDOWN_GRACE_S); retry it",
+                    type="service_unavailable")
 
 
 async def _sse_body(stream: ChunkStream, grace_s: float, on_end=None) -> AsyncIterator[str]:
-    """Chunks as server-sent events, then [DONE]. An error mid-stream, or the drain deadline (the stream is
-    interrupted), is sent as one `{"error": ...}` event before the [DONE]. on_end(stream) once it is closed."""
+    """Chunks as server-sent events, then [DONE]. An error mid-stream, or the drain deadline (the
+    stream is interrupted), is sent as one `{"error": ...}` event before the [DONE]. on_end(stream)
+    is called once it is closed."""
     try:
         async for chunk in stream:
             yield sse(chunk)
@@ -118,8 +123,9 @@ async def _until_disconnect(request: Request) -> None:
 
 
 class OpenAIServer:
-    """The app's state: the settings, the engine boot, the routes once the engine is ready, the metrics, and the
-    drain: after SIGTERM, requests in flight get SHUTDOWN_GRACE_S, then end with a 503 (streams: an error event)."""
+    """The app's state: the settings, the engine boot, the routes once the engine is ready, the
+    metrics, and the drain: after SIGTERM, requests in flight get SHUTDOWN_GRACE_S, then end with a
+    503 (a stream: with an error event)."""
 
     def __init__(self, settings: Settings, boot: EngineBoot, metrics: Metrics | None = None):
         self.settings = settings
@@ -142,13 +148,13 @@ class OpenAIServer:
         return self._routes
 
     def begin_drain(self) -> None:
-        """uvicorn stops accepting connections; what is in flight gets the grace period, then is ended."""
+        """uvicorn stops accepting connections; what is in flight gets the grace period."""
         if self.draining:
             return
         self.draining = True
         grace = self.settings.shutdown_grace_s
-        log.info("shutting down: %d stream(s) and the requests in flight get %gs to finish (SHUTDOWN_GRACE_S)",
-                 len(self.streams), grace)
+        log.info("shutting down: %d stream(s) and the requests in flight get %gs to finish "
+                 "(SHUTDOWN_GRACE_S)", len(self.streams), grace)
         asyncio.get_running_loop().call_later(grace, self._grace_over)
 
     def _grace_over(self) -> None:
@@ -167,8 +173,9 @@ class OpenAIServer:
         except ClientLeft:
             from handler.http_connection import READ_TIMEOUT_KEY
 
-            if not request.scope.get(READ_TIMEOUT_KEY):  # a read timeout was logged where it happened
-                log.info("%s %s: the client left before its request body was in", request.method, route)
+            if not request.scope.get(READ_TIMEOUT_KEY):  # a read timeout was logged already
+                log.info("%s %s: the client left before its request body was in", request.method,
+                         route)
             return Response(status_code=499)
         except ApiError as e:
             return _error_response(e)
@@ -187,8 +194,8 @@ class OpenAIServer:
         return JSONResponse(result)
 
     async def _answer(self, request: Request, dispatch):
-        """The dispatch's result, unless the client leaves (499) or the grace period ends (503) first: then the work
-        is cancelled, which aborts its engine request."""
+        """The dispatch's result, unless the client leaves (499) or the grace period ends (503)
+        first: then the work is cancelled, which aborts its engine request."""
         work = asyncio.ensure_future(dispatch)
         gone = asyncio.ensure_future(_until_disconnect(request))
         drained = asyncio.ensure_future(self.drained.wait())
@@ -203,7 +210,8 @@ class OpenAIServer:
         work.cancel()
         await asyncio.gather(work, return_exceptions=True)
         if left:
-            log.info("%s: the client left before the answer; its request was aborted", request.url.path[:200])
+            log.info("%s: the client left before the answer; its request was aborted",
+                     request.url.path[:200])
             return Response(status_code=499)
         raise _shutdown_error(self.settings.shutdown_grace_s)
 
@@ -239,9 +247,10 @@ def build_app(settings: Settings, boot: EngineBoot, metrics: Metrics | None = No
         if engine is not None:
             engine.shutdown()
 
-    # No trailing-slash redirects (Starlette builds them from the Host header): _RequestTarget answers the route.
-    app = FastAPI(title="coldbrew", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
-                  redirect_slashes=False)
+    # No trailing-slash redirects (Starlette builds them from the Host header): _RequestTarget
+    # answers the route.
+    app = FastAPI(title="coldbrew", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None, redirect_slashes=False)
     app.add_middleware(_RequestTarget)
     app.state.server = server
 
@@ -283,15 +292,17 @@ def build_app(settings: Settings, boot: EngineBoot, metrics: Metrics | None = No
 
 
 class _RequestTarget:
-    """ASGI middleware: a request target (path and query) over MAX_REQUEST_LINE_BYTES is a 414; one trailing slash
-    is dropped, so `/v1/completions/` answers as `/v1/completions` (never a redirect)."""
+    """ASGI middleware: a request target (path and query) over MAX_REQUEST_LINE_BYTES is a 414;
+    one trailing slash is dropped, so `/v1/completions/` answers as `/v1/completions` (never a
+    redirect)."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
-            target = len(scope.get("raw_path") or scope["path"].encode()) + len(scope.get("query_string", b""))
+            path_bytes = scope.get("raw_path") or scope["path"].encode()
+            target = len(path_bytes) + len(scope.get("query_string", b""))
             if target > MAX_REQUEST_LINE_BYTES:
                 error = ApiError(414, f"request target: {target} bytes exceeds the limit of "
                                       f"{MAX_REQUEST_LINE_BYTES} bytes")
@@ -314,8 +325,8 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 async def _watch(boot: EngineBoot, server, app_server: OpenAIServer) -> None:
-    """Start the drain once uvicorn is told to stop (SIGTERM, SIGINT); and since a dead engine (a fatal CUDA error,
-    say) can't serve again, stop the server then, so the process exits non-zero."""
+    """Start the drain once uvicorn is told to stop (SIGTERM, SIGINT); and since a dead engine (a
+    fatal CUDA error, say) can't serve again, stop the server then: the process exits non-zero."""
     while not server.should_exit:
         await asyncio.sleep(WATCH_SECONDS)
         engine = boot.engine_now()
@@ -328,9 +339,10 @@ async def _watch(boot: EngineBoot, server, app_server: OpenAIServer) -> None:
 
 
 def _stop_on_signals(server) -> None:
-    """uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, under the handlers it found: with these, the
-    re-raised signal only asks for the stop already done, so the process exits with serve()'s status (0 after a
-    clean drain) rather than by the signal (143). Before uvicorn runs, they stop it as soon as it starts."""
+    """uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, under the handlers it found:
+    with these, the re-raised signal only asks for the stop already done, so the process exits with
+    serve()'s status (0 after a clean drain) rather than by the signal (143). Before uvicorn runs,
+    they stop it as soon as it starts."""
     def stop(signum, frame) -> None:
         server.should_exit = True
 
@@ -339,8 +351,8 @@ def _stop_on_signals(server) -> None:
 
 
 def serve(settings: Settings, host: str, port: int) -> int:
-    """Run the server until SIGINT/SIGTERM (graceful: in-flight requests get SHUTDOWN_GRACE_S, then end with an
-    error; exit 0) or a dead engine (exit 1)."""
+    """Run the server until SIGINT/SIGTERM (graceful: in-flight requests get SHUTDOWN_GRACE_S,
+    then end with an error; exit 0) or a dead engine (exit 1)."""
     import uvicorn
 
     from handler.http_connection import uvicorn_config

@@ -78,7 +78,8 @@ class Worker:
     def __init__(self, settings: Settings, boot: EngineBoot, admission: Admission | None = None):
         self.settings = settings
         self.boot = boot
-        self.admission = admission or Admission(settings.max_concurrency, boot, grace_s=settings.shutdown_grace_s)
+        self.admission = admission or Admission(settings.max_concurrency, boot,
+                                                grace_s=settings.shutdown_grace_s)
         self._routes = None
 
     def routes(self, engine):
@@ -98,7 +99,8 @@ class Worker:
             yield {"error": exc.error}
             return
         if self.admission.fatal_error is not None:
-            yield {"error": parsed.answer(503, "the engine failed; this worker is restarting, retry the request")}
+            message = "the engine failed; this worker is restarting, retry the request"
+            yield {"error": parsed.answer(503, message)}
             return
         timing = JobTiming()
         if self.boot.is_ready:
@@ -109,7 +111,8 @@ class Worker:
                     item["metrics"] = job_metrics(timing, self.admission.capacity(), self.boot.phases)
                 yield item
 
-    async def _run(self, job_id: str, job: Job, ticket: Ticket, timing: JobTiming) -> AsyncIterator[Any]:
+    async def _run(self, job_id: str, job: Job, ticket: Ticket,
+                   timing: JobTiming) -> AsyncIterator[Any]:
         try:
             engine = await self._await_engine(ticket)
             if timing.engine_ready is None:
@@ -122,17 +125,17 @@ class Worker:
             yield {"error": job.answer(503, f"the model failed to load: {exc}")}
             return
         try:
-            routes = self.routes(engine)
+            routes, observe = self.routes(engine), self.admission.observe
             if job.openai_output:
-                stream = run_openai_job(routes, job, self.settings, on_finish=self.admission.observe)
+                stream = run_openai_job(routes, job, self.settings, on_finish=observe)
             else:
                 request_id = f"job-{job_id}-{uuid.uuid4().hex[:8]}"
-                stream = run_engine_job(TimedEngine(engine, timing), routes, job, self.settings, request_id,
-                                        on_finish=self.admission.observe)
+                stream = run_engine_job(TimedEngine(engine, timing), routes, job, self.settings,
+                                        request_id, on_finish=observe)
             with timing.current():  # the OpenAI routes' engine requests find their job through the running task
                 async for item in _abortable(stream, ticket):
                     yield item
-        except JobAborted as exc:  # a stream cut short ends as the HTTP server ends one: an error event, [DONE]
+        except JobAborted as exc:  # cut short: ended as on the HTTP face (error event, [DONE])
             last = stream_error_batch(job, ApiError(503, str(exc)), self.settings)
             if last is not None:
                 yield last
@@ -141,20 +144,22 @@ class Worker:
             yield {"error": self._job_error(job_id, job, engine, exc)}
 
     def _job_error(self, job_id: str, job: Job, engine, exc: Exception) -> str | dict:
-        """What a failed job answers; a dead engine also starts the fatal exit. Errors a request can cause are logged
-        in one line, errors of the machine with their traceback."""
+        """What a failed job answers; a dead engine also starts the fatal exit. Errors a request
+        can cause are logged in one line, errors of the machine with their traceback."""
         if engine.errored is not None:  # checked first: a dead engine fails every stream, whatever it raised
             self.admission.fatal(engine.errored)
-            return job.answer(500, f"the engine failed ({type(engine.errored).__name__}); the worker restarts")
+            name = type(engine.errored).__name__
+            return job.answer(500, f"the engine failed ({name}); the worker restarts")
         if isinstance(exc, ApiError):
             log.info("job %s refused: %s", job_id, exc.message)
             return job.error(exc)
-        if isinstance(exc, (JobInputError, ValueError)):  # ValueError: the engine refused the request
+        if isinstance(exc, (JobInputError, ValueError)):  # ValueError: the engine refused it
             log.info("job %s refused: %s", job_id, exc)
             return job.answer(400, str(exc))
         if _is_out_of_memory(exc):
             log.warning("job %s: out of memory: %s", job_id, exc)
-            return job.answer(500, "out of memory serving this request; try a shorter prompt or fewer tokens")
+            return job.answer(500, "out of memory serving this request; try a shorter prompt or "
+                                   "fewer tokens")
         log.exception("job %s failed", job_id)
         return job.answer(500, f"internal error: {type(exc).__name__}: {exc}")
 

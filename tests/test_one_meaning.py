@@ -1,7 +1,8 @@
-"""One input, one meaning: for a seeded, generated set of inputs (messages with text parts, tools, sampling fields,
-valid or not), the RunPod job faces (prompt/messages jobs, openai_route and v2.24's route/body jobs, through the
-worker's job handler) and the HTTP face (the server's app, through an HTTP client) ask the real engine for the same
-request (prompt token ids and SamplingParams), or refuse it with the same message naming the same field.
+"""One input, one meaning: for a seeded, generated set of inputs (messages with text parts, tools,
+sampling fields, valid or not), the RunPod job faces (prompt/messages jobs, openai_route and v2.24's
+route/body jobs, through the worker's job handler) and the HTTP face (the server's app, through an
+HTTP client) ask the real engine for the same request (prompt token ids and SamplingParams), or
+refuse it with the same message naming the same field.
 """
 from __future__ import annotations
 
@@ -20,11 +21,13 @@ from handler.worker import Worker
 
 CASES = 40
 SEED = 20261123
-TEXTS = ["Hello", "What is 2+2?", "", "line one\nline two", "Café, 中文, 🙂", "  spaced  ", "a\ud800b", "Name a color."]
+# The last two are drawn rarely: a lone surrogate (refused) and a plain question.
+TEXTS = ["Hello", "What is 2+2?", "", "line one\nline two", "Café, 中文, 🙂", "  spaced  ",
+         "a\ud800b", "Name a color."]
 
 
 class RecordingEngine:
-    """The real AsyncLLM; each request it is asked to run (prompt token ids, SamplingParams) is noted first."""
+    """The real AsyncLLM; each request it is asked to run (prompt ids, SamplingParams) is noted."""
 
     def __init__(self, engine):
         self._engine = engine
@@ -64,7 +67,8 @@ class RecordingBoot:
 
 @pytest.fixture(scope="module")
 def faces(smollm2_dir):
-    # DEFAULT_MAX_TOKENS keeps generation short when a case sets no max_tokens, and is applied the same on all faces.
+    # DEFAULT_MAX_TOKENS keeps generation short when a case sets no max_tokens (every face applies
+    # it the same way).
     settings = load_settings({"MODEL_NAME": smollm2_dir, "MAX_MODEL_LEN": "512", "DEVICE": "cpu",
                               "DEFAULT_MAX_TOKENS": "3"})
     boot = EngineBoot(settings)
@@ -123,7 +127,8 @@ VALUES = {
 
 
 def _sampling(rng: random.Random) -> dict:
-    return {name: rng.choice(VALUES[name]) for name in rng.sample(sorted(VALUES), rng.randint(0, 6))}
+    names = rng.sample(sorted(VALUES), rng.randint(0, 6))
+    return {name: rng.choice(VALUES[name]) for name in names}
 
 
 def _case(rng: random.Random) -> tuple[str, dict, dict]:
@@ -131,20 +136,24 @@ def _case(rng: random.Random) -> tuple[str, dict, dict]:
     sampling = _sampling(rng)
     if rng.random() < 0.65:
         messages = _messages(rng)
-        job, body = {"messages": messages, "sampling_params": sampling}, {"messages": messages, **sampling}
-        route = "/v1/chat/completions"
+        job = {"messages": messages, "sampling_params": sampling}
+        body, route = {"messages": messages, **sampling}, "/v1/chat/completions"
     elif rng.random() < 0.2:
         text = _text(rng)
         job = {"prompt": text, "apply_chat_template": True, "sampling_params": sampling}
         body = {"messages": [{"role": "user", "content": text}], **sampling}
         route = "/v1/chat/completions"
     else:
-        prompt = _text(rng) if rng.random() < 0.8 else [rng.randrange(1, 49152) for _ in range(rng.randint(1, 5))]
-        job, body, route = {"prompt": prompt, "sampling_params": sampling}, {"prompt": prompt, **sampling}, \
-            "/v1/completions"
+        if rng.random() < 0.8:
+            prompt = _text(rng)
+        else:
+            prompt = [rng.randrange(1, 49152) for _ in range(rng.randint(1, 5))]
+        job = {"prompt": prompt, "sampling_params": sampling}
+        body, route = {"prompt": prompt, **sampling}, "/v1/completions"
     roll = rng.random()
     if roll < 0.1:
-        tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+        function = {"name": "add", "parameters": {"type": "object"}}
+        tools = [{"type": "function", "function": function}]
         job["tools"] = body["tools"] = tools
     elif roll < 0.15:
         choice = rng.choice(["auto", "none", "required"])
@@ -157,11 +166,13 @@ def _after_field(message: str) -> str:
 
 
 def _job_field(job: dict, param: str) -> str:
-    """Where a prompt/messages job's error names the field the HTTP face names `param`: from the job's `input`."""
+    """Where a prompt/messages job's error names the field the HTTP face names `param`."""
     head = param.split(".")[0].split("[")[0]
     if head in job["sampling_params"]:
         return f"input.sampling_params.{param}"
-    return "input.prompt" if job.get("apply_chat_template") and head == "messages" else f"input.{param}"
+    if job.get("apply_chat_template") and head == "messages":
+        return "input.prompt"
+    return f"input.{param}"
 
 
 async def _job(worker: Worker, job_id: str, job_input: dict) -> tuple[list, str | dict | None]:
@@ -179,12 +190,14 @@ async def test_every_face_asks_the_engine_for_the_same_request(faces):
         where = f"case {i}: {job!r}"
         _, job_error = await _job(worker, f"job-{i}", job)
         from_job = engine.take()
-        _, openai_error = await _job(worker, f"oa-{i}", {"openai_route": route, "openai_input": body})
+        openai_job = {"openai_route": route, "openai_input": body}
+        _, openai_error = await _job(worker, f"oa-{i}", openai_job)
         from_openai_job = engine.take()
         _, route_error = await _job(worker, f"route-{i}", {"route": route, "body": body})
         from_route_job = engine.take()
-        # JSON with escapes (ensure_ascii): a lone surrogate travels as the client sent it, as \\ud800.
-        resp = http.post(route, content=json.dumps(body), headers={"Content-Type": "application/json"})
+        # JSON with escapes (ensure_ascii): a lone surrogate travels as clients send it, \\ud800.
+        resp = http.post(route, content=json.dumps(body),
+                         headers={"Content-Type": "application/json"})
         from_http = engine.take()
         if resp.status_code == 200:
             served += 1
@@ -196,9 +209,10 @@ async def test_every_face_asks_the_engine_for_the_same_request(faces):
             http_error = resp.json()["error"]
             assert resp.status_code == 400, (where, http_error)
             assert from_job == from_openai_job == from_route_job == from_http == [], where
-            assert route_error == http_error, where  # v2.24's form answers the HTTP face's error object
+            assert route_error == http_error, where  # v2.24's form answers the HTTP error object
             assert openai_error == f"input.openai_input.{http_error['message']}", where
-            assert job_error.startswith(_job_field(job, http_error["param"]) + ": "), (where, job_error)
+            field = _job_field(job, http_error["param"])
+            assert job_error.startswith(field + ": "), (where, job_error)
             assert _after_field(job_error) == _after_field(http_error["message"]), where
     # The generator reaches both outcomes often enough to mean something.
     assert served >= CASES // 5 and refused >= CASES // 5, (served, refused)

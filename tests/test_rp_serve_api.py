@@ -100,18 +100,22 @@ def test_runsync_serves_both_job_shapes_and_survives_bad_input(local_api, smollm
 
 @pytest.mark.slow
 def test_runsync_serves_the_v2_24_route_form(local_api, smollm2_dir):
-    """worker-vllm v2.24+'s `{"route", "body", "method"}` through the SDK's local API: the response object, the model
-    list for a body-less GET, and an OpenAI error object (in the output, as the local API keeps it) for tools."""
+    """worker-vllm v2.24+'s `{"route", "body", "method"}` through the SDK's local API: the response
+    object, the model list for a body-less GET, and an OpenAI error object (in the output, as the
+    local API keeps it) for tools."""
     base, _ = local_api
-    messages = [{"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}]}]
+    parts = [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}]
+    messages = [{"role": "user", "content": parts}]
     chat = _runsync(base, {"route": "/v1/chat/completions", "method": "POST",
                            "body": {"messages": messages, "max_tokens": 8, "temperature": 0}})
     ref = LLM(model=smollm2_dir, max_model_len=2048, device="cpu").chat(
         messages, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
     assert chat["status"] == "COMPLETED"
     assert chat["output"][0]["choices"][0]["message"]["content"] == ref
-    # The same conversation as a messages job means the same prompt: text parts joined as the template joins them.
-    as_job = _runsync(base, {"messages": messages, "sampling_params": {"max_tokens": 8, "temperature": 0}})
+    # The same conversation as a messages job means the same prompt: the text parts joined as the
+    # template joins them.
+    as_job = _runsync(base, {"messages": messages,
+                             "sampling_params": {"max_tokens": 8, "temperature": 0}})
     assert as_job["output"][0]["choices"][0]["tokens"] == [ref]
     models = _runsync(base, {"route": "/v1/models"})
     assert smollm2_dir in [m["id"] for m in models["output"][0]["data"]]
@@ -120,7 +124,8 @@ def test_runsync_serves_the_v2_24_route_form(local_api, smollm2_dir):
     error = tools["output"][0]["error"]
     assert (error["code"], error["param"], error["type"]) == (400, "tools", "invalid_request_error")
     assert "tool calls are not supported" in error["message"]
-    job_tools = _runsync(base, {"messages": messages, "tools": [{"type": "function", "function": {"name": "f"}}]})
+    tool = {"type": "function", "function": {"name": "f"}}
+    job_tools = _runsync(base, {"messages": messages, "tools": [tool]})
     assert job_tools["output"][0]["error"].startswith("input.tools: tool calls are not supported")
 
 

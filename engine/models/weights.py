@@ -61,8 +61,9 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     for path in safetensors_files(model_dir):
         try:
             f = safe_open(path, framework="pt", device="cpu")
-        except Exception as e:  # safetensors' errors name no file ("incomplete metadata, file not fully covered")
-            raise ValueError(f"weights: {path} ({os.path.getsize(path)} bytes) can't be read as safetensors ({e}): "
+        except Exception as e:  # safetensors' own errors name no file
+            size = os.path.getsize(path)
+            raise ValueError(f"weights: {path} ({size} bytes) can't be read as safetensors ({e}): "
                              "the file is truncated or corrupt; fetch it again") from e
         with f:
             for name in f.keys():
