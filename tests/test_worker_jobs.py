@@ -286,6 +286,19 @@ async def test_default_max_tokens_fills_in_within_the_context(boot, smollm2_dir)
     assert request.params.max_tokens == 2048 - len(request.prompts[0]) < 77
 
 
+async def test_use_openai_format_answers_as_the_openai_route(boot):
+    """worker-vllm's use_openai_format: the same job, answered with the chat route's objects."""
+    worker, _ = _worker(boot)
+    job = {"messages": [{"role": "user", "content": "Name a color."}],
+           "sampling_params": {"max_tokens": 6, "temperature": 0}}
+    (batch,) = [c async for c in worker.handle({"id": "plain", "input": job})]
+    as_openai = {**job, "use_openai_format": True}
+    (whole,) = [c async for c in worker.handle({"id": "oa", "input": as_openai})]
+    assert whole["object"] == "chat.completion"
+    assert whole["choices"][0]["message"]["content"] == batch["choices"][0]["tokens"][0]
+    assert whole["usage"]["completion_tokens"] == batch["usage"]["output"]
+
+
 async def test_openai_stream_as_chunk_objects_when_raw_output_is_off(boot, smollm2_dir):
     settings = load_settings({"MODEL_NAME": smollm2_dir, "MAX_MODEL_LEN": "2048", "DEVICE": "cpu",
                               "RAW_OPENAI_OUTPUT": "0"})
