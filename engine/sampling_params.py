@@ -16,6 +16,8 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+# vLLM asks only > 0; far below 1 a seen token's logit overflows (1e-300 gave only end-of-text).
+MIN_REPETITION_PENALTY = 0.01
 _U64 = 1 << 64
 
 
@@ -92,7 +94,8 @@ class SamplingParams:
         self.top_k = _integer("top_k", self.top_k, "-1 or >= 0 (0 and -1 disable it)", lambda v: v >= -1)
         self.min_p = _number("min_p", self.min_p, "in [0, 1]", lambda v: 0 <= v <= 1)
         self.repetition_penalty = _number(
-            "repetition_penalty", self.repetition_penalty, "> 0 and finite", lambda v: v > 0)
+            "repetition_penalty", self.repetition_penalty, f">= {MIN_REPETITION_PENALTY}",
+            lambda v: v >= MIN_REPETITION_PENALTY)
         self.presence_penalty = _number("presence_penalty", self.presence_penalty, "in [-2, 2]", lambda v: -2 <= v <= 2)
         self.frequency_penalty = _number(
             "frequency_penalty", self.frequency_penalty, "in [-2, 2]", lambda v: -2 <= v <= 2)

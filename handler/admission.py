@@ -122,6 +122,12 @@ class Admission:
         return current
 
     # ---- shutdown ------------------------------------------------------------------------------------------------
+    def drain_on_sigterm(self) -> None:
+        """From process start: a SIGTERM drains (no job is held before the SDK runs, so that
+        exits 0 at once). The SDK installs its own handler when its loop starts; the first
+        concurrency_modifier call chains ours in front of it again."""
+        signal.signal(signal.SIGTERM, lambda signum, frame: self.begin_drain())
+
     def _install_signal_chain(self) -> None:
         """Put our SIGTERM handler in front of the SDK's (which stops job-taking) once its loop runs."""
         if self._signals_installed or threading.current_thread() is not threading.main_thread():

@@ -142,6 +142,15 @@ class Settings(BaseSettings):
         "503 failed). Unset: /ping on PORT only."))
     health_check_path: Literal["/ping"] = Field("/ping", description=(
         "Path RunPod's load balancer polls for health; coldbrew answers it at /ping."))
+    http_header_timeout_s: float = Field(10.0, gt=0, le=3600, description=(
+        "Seconds the OpenAI server waits for a request's line and headers, from the "
+        "connection's start or the request's first byte (408 and closed after)."))
+    http_body_timeout_s: float = Field(60.0, gt=0, le=3600, description=(
+        "Seconds the OpenAI server waits for a whole request body once the headers are in "
+        "(408 and closed after)."))
+    shutdown_grace_s: float = Field(30.0, ge=0, le=3600, description=(
+        "After SIGTERM, seconds in-flight requests and jobs get to finish; then streams end "
+        "with an error event, jobs with an error, and the process exits 0."))
 
     # ---- the cache ---------------------------------------------------------------------------------------------
     base_path: str = Field("/runpod-volume", description=(

@@ -1,26 +1,40 @@
-"""RunPod job inputs as worker-vllm accepts them (prompt/messages or openai_route), validated, naming the bad field;
-and their outputs: worker-vllm-shaped chunks streamed in batches whose token count grows from the min to the max.
+"""RunPod job inputs as worker-vllm accepts them (prompt/messages, openai_route, and v2.24+'s
+route/body/method), each turned into the OpenAI request it stands for, so handler.engine_requests
+gives it the meaning the HTTP face gives that body; and their outputs: worker-vllm-shaped chunks
+streamed in batches whose token count grows from the min to the max.
 """
 from __future__ import annotations
 
-import json
+import re
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
-from pydantic import model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import ValidationError, model_validator
 
-from engine import SamplingParams
-from handler.protocol import ChatMessage, describe_validation_error
+from handler.engine_requests import (CHAT_ROUTE, COMPLETIONS_ROUTE, ROUTE_METHODS, ROUTES,
+                                     SAMPLING_FIELDS, canonical_route, check_depth, parse_body)
+from handler.protocol import ApiError, describe_validation_error
+from handler.routes import SSE_DONE, sse
 
-OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
-_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+# What a prompt/messages job's sampling_params may hold: the sampling fields, and the tool fields
+# (refused as on the OpenAI face). logprobs are refused: worker-vllm's output has no place for them.
+_JOB_SAMPLING_KEYS = (*SAMPLING_FIELDS, "tools", "tool_choice")
+_NO_LOGPROBS = ("worker-vllm's job output has no place for logprobs; send the request as "
+                '{"openai_route": "/v1/chat/completions" or "/v1/completions", '
+                '"openai_input": {...}}')
 
 
 class JobInputError(ValueError):
-    """A job input the worker can't serve; the message names the field and what it accepts."""
+    """A job input the worker can't serve; the message names the field and what it accepts.
+    `error` is what the job answers: the message, or for the route/body/method form the OpenAI
+    error object, as worker-vllm answers with one."""
+
+    def __init__(self, message: str, error: str | dict | None = None):
+        super().__init__(message)
+        self.error = message if error is None else error
 
 
 class JobAborted(RuntimeError):
@@ -46,11 +60,14 @@ class EngineJob(_BatchOverrides):
     """`{"prompt": str | [ids] | "messages": [...], "sampling_params": {...}, "stream": bool}`."""
 
     prompt: StrictStr | Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)] | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)] | None = None
+    # validated as the chat route's messages
+    messages: Annotated[list[Any], Field(min_length=1)] | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
+    tools: Any = None  # refused, as on the OpenAI face, until tool calls are parsed
+    tool_choice: Any = None
     stream: StrictBool = False
     apply_chat_template: StrictBool = False  # a string prompt becomes one user message
-    use_openai_format: StrictBool = False  # accepted for worker-vllm compatibility; openai_route is the way now
+    use_openai_format: StrictBool = False  # answer as the OpenAI route does (its objects)
 
     @model_validator(mode="after")
     def _one_input(self) -> "EngineJob":
@@ -65,70 +82,164 @@ class OpenAIJob(_BatchOverrides):
     """`{"openai_route": "/v1/chat/completions" | "/v1/completions" | "/v1/models", "openai_input": {...}}`."""
 
     openai_route: StrictStr
-    openai_input: dict[str, Any] = Field(default_factory=dict)
+    openai_input: dict[str, Any] | None = None
 
 
-def parse_job(raw: Any) -> EngineJob | OpenAIJob:
-    """A job's `input` -> the validated job. Raises JobInputError naming the field ("input.sampling_params" ...)."""
+class RouteJob(_BatchOverrides):
+    """worker-vllm v2.24+: `{"route": "/v1/...", "body": {...}, "method": "POST"}`; without a
+    method, a body POSTs and no body GETs."""
+
+    route: StrictStr
+    body: dict[str, Any] | None = None
+    method: StrictStr | None = None
+
+
+@dataclass
+class Job:
+    """A parsed job: the OpenAI route and body it stands for, how it answers, and how its errors
+    name their field."""
+
+    shape: EngineJob | OpenAIJob | RouteJob
+    route: str
+    body: dict = field(default_factory=dict)
+    method: str | None = None
+    # a string prompt with apply_chat_template: messages[0] is the prompt
+    prompt_as_message: bool = False
+
+    @property
+    def openai_output(self) -> bool:
+        """Answers with OpenAI objects and chunks (else worker-vllm's token batches)."""
+        return not isinstance(self.shape, EngineJob) or self.shape.use_openai_format
+
+    @property
+    def stream(self) -> bool:
+        if isinstance(self.shape, EngineJob):
+            return self.shape.stream
+        return self.body.get("stream") is True
+
+    def answer(self, status: int, message: str) -> str | dict:
+        """A failure as this job answers it: the message, or the OpenAI error object for the
+        route/body form."""
+        if isinstance(self.shape, RouteJob):
+            return ApiError(status, message).to_dict()["error"]
+        return message
+
+    def error(self, e: ApiError) -> str | dict:
+        """What the job answers for an error of its OpenAI request: the message, its field named
+        from `input`."""
+        if isinstance(self.shape, RouteJob):
+            return e.to_dict()["error"]
+        if e.param is None:
+            return e.message
+        param = e.param
+        rest = e.message[len(param):] if e.message.startswith(param) else f": {e.message}"
+        if isinstance(self.shape, OpenAIJob):
+            where = "input.openai_input" if param == "body" else f"input.openai_input.{param}"
+        else:
+            head = re.split(r"[.\[]", param, maxsplit=1)[0]
+            if param == "body":
+                where = "input"
+            elif head in self.shape.sampling_params:
+                where = f"input.sampling_params.{param}"
+            elif self.prompt_as_message and head == "messages":
+                where = "input.prompt"
+            else:
+                where = f"input.{param}"
+        return where + rest
+
+    def refusal(self, e: ApiError) -> JobInputError:
+        answer = self.error(e)
+        return JobInputError(answer if isinstance(answer, str) else e.message, answer)
+
+
+def _shape_error(model: type[_Strict], errors: list[dict]) -> str:
+    """pydantic's errors for the job's own fields -> one message naming `input.<field>`."""
+    if any(e["type"] == "extra_forbidden" for e in errors):
+        bad = next(e for e in errors if e["type"] == "extra_forbidden")["loc"][0]
+        allowed = ", ".join(model.model_fields)
+        return f"input.{bad}: unknown field; accepted: {allowed}"
+    if any(e["type"] == "value_error" and not e["loc"] for e in errors):
+        msg = next(e for e in errors if e["type"] == "value_error" and not e["loc"])["msg"]
+        return f"input: {msg.removeprefix('Value error, ')}"
+    return "input." + describe_validation_error(errors)[1]
+
+
+def parse_job(raw: Any) -> Job:
+    """A job's `input` -> the Job, its OpenAI body parsed. Raises JobInputError naming the field
+    ("input.sampling_params.top_p: ...")."""
     if not isinstance(raw, dict):
         raise JobInputError(f"input: must be an object, got {type(raw).__name__}")
-    model = OpenAIJob if "openai_route" in raw else EngineJob
+    model = OpenAIJob if "openai_route" in raw else RouteJob if "route" in raw else EngineJob
+
+    def refuse(message: str, param: str | None) -> JobInputError:
+        if model is not RouteJob:
+            return JobInputError(message)
+        return JobInputError(message, ApiError(400, message, param).to_dict()["error"])
+
     try:
-        job = model.model_validate(raw)
+        # a backstop: the OpenAI body the job stands for is checked exactly by parse_body
+        check_depth(raw, "input", slack=2)
+        shape = model.model_validate(raw)
+    except ApiError as e:
+        raise refuse(f"input.{e.message}", e.param) from None
     except ValidationError as exc:
         errors = exc.errors()
-        if any(e["type"] == "extra_forbidden" for e in errors):
-            bad = next(e for e in errors if e["type"] == "extra_forbidden")["loc"][0]
-            allowed = ", ".join(f for f in model.model_fields if f != "use_openai_format")
-            raise JobInputError(f"input.{bad}: unknown field; accepted: {allowed}") from None
-        if any(e["type"] == "value_error" and not e["loc"] for e in errors):
-            msg = next(e for e in errors if e["type"] == "value_error" and not e["loc"])["msg"]
-            raise JobInputError(f"input: {msg.removeprefix('Value error, ')}") from None
-        raise JobInputError("input." + describe_validation_error(errors)[1]) from None
-    if isinstance(job, OpenAIJob):
-        job.openai_route = normalise_route(job.openai_route)
+        loc = errors[0]["loc"]
+        raise refuse(_shape_error(model, errors), str(loc[0]) if loc else None) from None
+    if isinstance(shape, EngineJob):
+        job = _engine_job(shape)
+    else:
+        job = _openai_job(shape)
+        if job.method is not None and job.method not in ("GET", "POST"):
+            raise refuse(f"input.method: {job.method[:20]!r} is not one of GET, POST", "method")
+    if job.route in (CHAT_ROUTE, COMPLETIONS_ROUTE) and (job.method or "POST") == "POST":
+        try:
+            parse_body(job.route, job.body)
+        except ApiError as e:
+            raise job.refusal(e) from None
     return job
 
 
-def normalise_route(route: str) -> str:
-    """'/openai/v1/chat/completions', 'v1/chat/completions/' -> '/v1/chat/completions'; unknown routes refused."""
-    path = "/" + route.strip().strip("/")
-    if path.startswith("/openai/"):
-        path = path[len("/openai"):]
-    if not path.startswith("/v1/"):
-        path = "/v1" + path
-    if path not in OPENAI_ROUTES:
-        raise JobInputError(f"input.openai_route: unknown route {route[:100]!r}; accepted: {', '.join(OPENAI_ROUTES)}")
-    return path
+def _openai_job(shape: OpenAIJob | RouteJob) -> Job:
+    if isinstance(shape, OpenAIJob):
+        param, route, body, method = "openai_route", shape.openai_route, shape.openai_input, None
+    else:
+        param, route, body = "route", shape.route, shape.body
+        method = (shape.method or ("POST" if body else "GET")).upper()
+    path = canonical_route(route)
+    job = Job(shape, path, body or {}, method)
+    if path not in ROUTES:
+        message = f"input.{param}: unknown route {route[:100]!r}; accepted: {', '.join(ROUTES)}"
+        raise JobInputError(message, job.error(ApiError(404, message, param)))
+    if method in ("GET", "POST") and method != ROUTE_METHODS[path]:
+        hint = "; send a body" if method == "GET" else ""
+        raise job.refusal(ApiError(405, f"method: {method} is not allowed on {path} (it answers "
+                                        f"{ROUTE_METHODS[path]}{hint})", "method"))
+    return job
 
 
-def sampling_params(job: EngineJob, default_max_tokens: int | None) -> SamplingParams:
-    """The job's sampling_params as engine SamplingParams; max_tokens falls back to DEFAULT_MAX_TOKENS."""
-    given = dict(job.sampling_params)
-    unknown = [k for k in given if k not in _SAMPLING_FIELDS]
-    if unknown:
-        raise JobInputError(f"input.sampling_params.{unknown[0]}: unknown field; accepted: {', '.join(_SAMPLING_FIELDS)}")
-    if given.get("max_tokens") is None and default_max_tokens is not None:
-        given["max_tokens"] = default_max_tokens
-    try:
-        return SamplingParams(**given)
-    except ValueError as exc:  # the engine's message starts with the field name
-        raise JobInputError(f"input.sampling_params.{exc}") from None
-
-
-def chat_messages(job: EngineJob) -> list[dict] | None:
-    """The conversation to render with the chat template, or None for a raw prompt."""
-    if job.messages is not None:
-        out = []
-        for m in job.messages:
-            msg = m.model_dump(exclude_none=True)
-            if isinstance(m.content, list):  # text parts -> one string, as the templates expect
-                msg["content"] = "".join(part.text for part in m.content)
-            out.append(msg)
-        return out
-    if job.apply_chat_template:
-        return [{"role": "user", "content": job.prompt}]
-    return None
+def _engine_job(shape: EngineJob) -> Job:
+    """A prompt/messages job -> the chat or completions body it stands for: its sampling_params
+    are that body's fields."""
+    given = shape.sampling_params
+    for key in given:
+        if key in ("logprobs", "prompt_logprobs"):
+            raise JobInputError(f"input.sampling_params.{key}: {_NO_LOGPROBS}")
+        if key not in _JOB_SAMPLING_KEYS:
+            raise JobInputError(f"input.sampling_params.{key}: unknown field; accepted: "
+                                f"{', '.join(SAMPLING_FIELDS)}")
+    body = {k: v for k, v in given.items() if v is not None}
+    for name in ("tools", "tool_choice"):
+        if getattr(shape, name) is not None:
+            body[name] = getattr(shape, name)
+    if shape.use_openai_format:
+        body["stream"] = shape.stream
+    if shape.messages is not None:
+        return Job(shape, CHAT_ROUTE, {**body, "messages": shape.messages})
+    if shape.apply_chat_template:
+        messages = [{"role": "user", "content": shape.prompt}]
+        return Job(shape, CHAT_ROUTE, {**body, "messages": messages}, prompt_as_message=True)
+    return Job(shape, COMPLETIONS_ROUTE, {**body, "prompt": shape.prompt})
 
 
 @dataclass
@@ -156,21 +267,20 @@ def _empty_batch(n: int) -> dict:
     return {"choices": [{"tokens": []} for _ in range(n)]}
 
 
-async def run_engine_job(engine, job: EngineJob, settings, request_id: str,
+async def run_engine_job(engine, routes, job: Job, settings, request_id: str,
                          on_finish=None) -> AsyncIterator[dict]:
     """Generate for a prompt/messages job; yield worker-vllm batches `{"choices": [{"tokens": [...]}], "usage": ...}`.
 
-    Streaming: each batch holds the text pieces of about `size` new tokens (sizes grow per BatchSizes); not streaming:
-    one batch with the whole text per choice. The last batch carries each choice's finish_reason.
+    The engine request is the one the OpenAI route builds from the same body (routes.prepare).
+    Streaming: each batch holds the text pieces of about `size` new tokens (sizes grow per
+    BatchSizes); not streaming: one batch with the whole text per choice. The last batch carries
+    each choice's finish_reason.
     on_finish(prompt_tokens, output_tokens) is called once the request is done (admission learns request sizes)."""
-    params = sampling_params(job, settings.default_max_tokens)
-    messages = chat_messages(job)
-    if messages is not None:
-        stream = engine.chat(request_id, messages, params)
-    else:
-        stream = engine.generate(request_id, job.prompt, params)
-    n = params.n
-    sizes = BatchSizes.for_job(job, settings).sizes()
+    request = await routes.prepare(job.route, job.body)
+    stream = engine.generate(request_id, request.prompts[0], request.params)
+    n = request.params.n
+    streaming = job.stream
+    sizes = BatchSizes.for_job(job.shape, settings).sizes()
     size = next(sizes)
     texts = [""] * n
     counts = [0] * n
@@ -180,7 +290,7 @@ async def run_engine_job(engine, job: EngineJob, settings, request_id: str,
             last = out
             if any(c.finish_reason == "abort" for c in out.outputs):
                 raise JobAborted("request aborted")
-            if not job.stream:
+            if not streaming:
                 continue
             for c in out.outputs:
                 new_tokens = len(c.token_ids) - counts[c.index]
@@ -195,7 +305,7 @@ async def run_engine_job(engine, job: EngineJob, settings, request_id: str,
     if last is None:
         raise JobAborted("request ended without output")
     total = sum(len(c.token_ids) for c in last.outputs)
-    if not job.stream:
+    if not streaming:
         for c in last.outputs:
             batch["choices"][c.index]["tokens"] = [c.text]
     for c in last.outputs:
@@ -206,16 +316,12 @@ async def run_engine_job(engine, job: EngineJob, settings, request_id: str,
     yield batch
 
 
-def sse(chunk: Any) -> str:
-    """One server-sent event line as the OpenAI API streams it."""
-    return f"data: {chunk if isinstance(chunk, str) else json.dumps(chunk, ensure_ascii=False)}\n\n"
-
-
-async def run_openai_job(routes, job: OpenAIJob, settings, on_finish=None) -> AsyncIterator[Any]:
-    """Dispatch an openai_route job. Not streaming: the response object. Streaming: batches of chunks, their count
-    growing per BatchSizes, as one string of SSE lines (RAW_OPENAI_OUTPUT, ending in `data: [DONE]`) or as a list
-    of chunk objects, as worker-vllm streams them."""
-    result = await routes.dispatch(job.openai_route, job.openai_input)
+async def run_openai_job(routes, job: Job, settings, on_finish=None) -> AsyncIterator[Any]:
+    """Dispatch a job answered in OpenAI's shapes. Not streaming: the response object. Streaming:
+    batches of chunks, their count growing per BatchSizes, as one string of SSE lines
+    (RAW_OPENAI_OUTPUT, ending in `data: [DONE]`) or as a list of chunk objects, as worker-vllm
+    streams them."""
+    result = await routes.dispatch(job.route, job.body, job.method)
     if isinstance(result, dict):
         usage = result.get("usage")
         if on_finish is not None and isinstance(usage, dict):
@@ -223,18 +329,24 @@ async def run_openai_job(routes, job: OpenAIJob, settings, on_finish=None) -> As
         yield result
         return
     raw = settings.raw_openai_output
-    sizes = BatchSizes.for_job(job, settings).sizes()
+    sizes = BatchSizes.for_job(job.shape, settings).sizes()
     size = next(sizes)
     batch: list = []
     async with aclosing(result) as chunks:
         async for chunk in chunks:
-            if isinstance(chunk, str) and chunk.strip() in ("[DONE]", "data: [DONE]"):
-                continue  # the end marker is ours to add, once
             batch.append(sse(chunk) if raw else chunk)
             if len(batch) >= size:
                 yield "".join(batch) if raw else batch
                 batch, size = [], next(sizes)
     if raw:
-        batch.append(sse("[DONE]"))
+        batch.append(SSE_DONE)
     if batch:
         yield "".join(batch) if raw else batch
+
+
+def stream_error_batch(job: Job, error: ApiError, settings) -> str | list | None:
+    """The last batch of a streamed OpenAI-shaped job ended early: an error event and
+    `data: [DONE]`, as the HTTP server ends such a stream; None for jobs answered otherwise."""
+    if not (job.openai_output and job.stream):
+        return None
+    return sse(error.to_dict()) + SSE_DONE if settings.raw_openai_output else [error.to_dict()]

@@ -8,16 +8,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
-# Limits on what one request may carry (the engine checks its own again).
-MAX_N = 128
-MAX_TOP_LOGPROBS = 20
-MAX_STOP_STRINGS = 64
-MAX_STOP_CHARS = 1024
-MAX_MESSAGES = 4096
-MAX_BATCH_PROMPTS = 256
-MAX_TOKENS_LIMIT = 1 << 24
+from handler.limits import (MAX_BATCH_PROMPTS, MAX_MESSAGES, MAX_N, MAX_REPETITION_PENALTY,
+                            MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKENS_LIMIT,
+                            MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY)
 
 Number = StrictFloat | StrictInt
+RepetitionPenalty = Annotated[Number, Field(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)]
+TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)]
 
 
 class _Model(BaseModel):
@@ -68,7 +65,7 @@ class SamplingFields(_Model):
     stop: Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_CHARS)] | Annotated[
         list[Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
         Field(max_length=MAX_STOP_STRINGS)] | None = None
-    stop_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(max_length=1024)] | None = None
+    stop_token_ids: TokenIds | None = None
     seed: StrictInt | None = None
     temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
     top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
@@ -76,7 +73,7 @@ class SamplingFields(_Model):
     min_p: Annotated[Number, Field(ge=0, le=1)] | None = None
     presence_penalty: Annotated[Number, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[Number, Field(ge=-2, le=2)] | None = None
-    repetition_penalty: Annotated[Number, Field(gt=0, le=10)] | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     min_tokens: Annotated[StrictInt, Field(ge=0, le=MAX_TOKENS_LIMIT)] = 0
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
@@ -93,6 +90,9 @@ class SamplingFields(_Model):
     guided_grammar: Any = None
     structured_outputs: Any = None
     use_beam_search: StrictBool = False
+    # Tool calls are not parsed from the output yet: refused (handler.engine_requests), not ignored.
+    tools: Any = None
+    tool_choice: Any = None
 
 
 UNSUPPORTED_EXTRAS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
@@ -106,8 +106,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    functions: Any = None  # the deprecated form of tools, refused as they are
+    function_call: Any = None
 
 
 class CompletionRequest(SamplingFields):
@@ -118,6 +118,28 @@ class CompletionRequest(SamplingFields):
     echo: StrictBool = False
     suffix: StrictStr | None = None
     best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+_ERROR_TYPES = {404: "not_found_error", 503: "service_unavailable"}
+
+
+class ApiError(Exception):
+    """An error the caller caused (4xx) or one of ours (5xx), shaped like OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        default = "invalid_request_error" if status < 500 else "server_error"
+        self.type = type or _ERROR_TYPES.get(status, default)
+
+    def to_dict(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.status}}
 
 
 # ---- validation errors -> one message naming the field ---------------------------------------------------------

@@ -1,5 +1,6 @@
 """The engine side of one OpenAI request: its AsyncLLM streams (one per prompt) merged into one view of the newest
 outputs, and the chunk stream a streaming response hands out, which aborts the engine work when it is closed early.
+Both can be interrupted (the drain deadline) wherever they wait.
 """
 from __future__ import annotations
 
@@ -7,6 +8,12 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
+
+
+class Interrupted(Exception):
+    """Raised where a request waits for the engine once it was interrupted (the drain deadline)."""
+
+    status = 503
 
 
 class RequestStreams:
@@ -63,6 +70,10 @@ class RequestStreams:
             await self._next()
             yield self.latest
 
+    def interrupt(self) -> None:
+        """The reader's wait for news raises Interrupted (it closes the streams as on any error)."""
+        self.queue.put_nowait((0, Interrupted()))
+
     async def close(self) -> None:
         for task in self.tasks:
             task.cancel()
@@ -109,6 +120,10 @@ class ChunkStream:
     async def aclose(self) -> None:
         await self._end(499)
 
+    def interrupt(self) -> None:
+        """The next (or pending) chunk raises Interrupted instead of waiting for the engine."""
+        self._streams.interrupt()
+
 
 async def drain(streams: RequestStreams) -> float | None:
     """Run a non-streaming request to its end (closing its streams whatever happens); when its first token came."""
@@ -120,3 +135,4 @@ async def drain(streams: RequestStreams) -> float | None:
     finally:
         await streams.close()
     return first_token
+

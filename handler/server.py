@@ -1,5 +1,7 @@
 """`python -m handler serve`: the OpenAI routes as a plain HTTP server (FastAPI + uvicorn), with SSE streaming,
 /health (503 until the engine is ready), /metrics (Prometheus text) and hard limits on what a request may send.
+How slowly it may send (handler.http_connection), and the drain on SIGTERM, which ends what is left
+with an error event, are set up here too.
 """
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 import socket
 import sys
 from collections.abc import AsyncIterator
@@ -16,18 +19,27 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from handler.config import Settings, SettingsError, load_settings
 from handler.engine_boot import EngineBoot, begin
+from handler.engine_requests import check_depth
 from handler.job_timing import TimedEngine
+from handler.limits import MAX_JSON_DEPTH, MAX_REQUEST_LINE_BYTES
 from handler.metrics import Metrics
+from handler.request_streams import Interrupted
 from handler.routes import ROUTES, SSE_DONE, ApiError, ChunkStream, OpenAIRoutes, sse
 
 log = logging.getLogger(__name__)
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-# How often the server checks that the engine thread is still alive (a dead engine exits the process).
-ENGINE_WATCH_SECONDS = 1.0
+# How often the server checks that the engine thread is still alive (a dead engine exits the
+# process) and whether uvicorn was told to shut down (SIGTERM, SIGINT).
+WATCH_SECONDS = 0.2
+
+
+class ClientLeft(Exception):
+    """The client closed its connection before its request body was in."""
 
 
 def _reject_constant(name: str):
@@ -35,16 +47,22 @@ def _reject_constant(name: str):
 
 
 async def read_json_body(request: Request, limit: int):
-    """The request body as JSON, refusing (413) a body over `limit` bytes before reading all of it."""
+    """The request body as JSON, refusing (413) a body over `limit` bytes before reading all of it
+    and (400) one nested deeper than MAX_JSON_DEPTH. Raises ClientLeft when the connection closes
+    first."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"body: {int(declared)} bytes exceeds the limit of {limit} bytes (MAX_REQUEST_BYTES)",
                        "body")
     buf = bytearray()
-    async for chunk in request.stream():
-        buf += chunk
-        if len(buf) > limit:
-            raise ApiError(413, f"body: more than the limit of {limit} bytes (MAX_REQUEST_BYTES)", "body")
+    try:
+        async for chunk in request.stream():
+            buf += chunk
+            if len(buf) > limit:
+                raise ApiError(413, f"body: more than the limit of {limit} bytes "
+                                    "(MAX_REQUEST_BYTES)", "body")
+    except ClientDisconnect:
+        raise ClientLeft() from None
     if not buf:
         raise ApiError(400, "body: empty; send a JSON object", "body")
     try:
@@ -52,24 +70,38 @@ async def read_json_body(request: Request, limit: int):
     except UnicodeDecodeError as e:
         raise ApiError(400, f"body: invalid UTF-8 at byte {e.start}", "body") from None
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        body = json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as e:
         raise ApiError(400, f"body: invalid JSON: {e.msg} at line {e.lineno} column {e.colno}", "body") from None
     except ValueError as e:
         raise ApiError(400, f"body: invalid JSON: {e}", "body") from None
-    except RecursionError:
-        raise ApiError(400, "body: JSON nested too deeply", "body") from None
+    except RecursionError:  # deeper than the parser's own guard: far deeper than the limit
+        raise ApiError(400, "body: objects and lists nested deeper than the limit of "
+                            f"{MAX_JSON_DEPTH} levels", "body") from None
+    check_depth(body)
+    return body
 
 
 def _error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.to_dict(), status_code=error.status)
 
 
-async def _sse_body(stream: ChunkStream) -> AsyncIterator[str]:
-    """Chunks as server-sent events, then [DONE]. An error mid-stream is sent as one `{"error": ...}` event."""
+def _shutdown_error(grace_s: float) -> ApiError:
+    return ApiError(503, "the server is shutting down (SIGTERM) and the request did not finish "
+                         f"within {grace_s:g} s (SHUTDOWN_GRACE_S); retry it",
+                    type="service_unavailable")
+
+
+async def _sse_body(stream: ChunkStream, grace_s: float, on_end=None) -> AsyncIterator[str]:
+    """Chunks as server-sent events, then [DONE]. An error mid-stream, or the drain deadline (the
+    stream is interrupted), is sent as one `{"error": ...}` event before the [DONE]. on_end(stream)
+    is called once it is closed."""
     try:
         async for chunk in stream:
             yield sse(chunk)
+    except Interrupted:
+        log.info("a stream was ended at the shutdown deadline")
+        yield sse(_shutdown_error(grace_s).to_dict())
     except ApiError as e:
         yield sse(e.to_dict())
     except Exception as e:  # an engine failure: this request fails, the server goes on
@@ -78,6 +110,8 @@ async def _sse_body(stream: ChunkStream) -> AsyncIterator[str]:
     finally:
         with anyio.CancelScope(shield=True):  # a closed connection still aborts the engine request
             await stream.aclose()
+        if on_end is not None:
+            on_end(stream)
     yield SSE_DONE
 
 
@@ -89,13 +123,18 @@ async def _until_disconnect(request: Request) -> None:
 
 
 class OpenAIServer:
-    """The app's state: the settings, the engine boot, the routes once the engine is ready, the metrics."""
+    """The app's state: the settings, the engine boot, the routes once the engine is ready, the
+    metrics, and the drain: after SIGTERM, requests in flight get SHUTDOWN_GRACE_S, then end with a
+    503 (a stream: with an error event)."""
 
     def __init__(self, settings: Settings, boot: EngineBoot, metrics: Metrics | None = None):
         self.settings = settings
         self.boot = boot
         self.metrics = metrics or Metrics()
         self._routes: OpenAIRoutes | None = None
+        self.draining = False
+        self.drained = asyncio.Event()  # set when the grace period is over
+        self.streams: set[ChunkStream] = set()  # the streaming responses being sent
 
     async def routes(self) -> OpenAIRoutes:
         if self._routes is None:
@@ -108,31 +147,73 @@ class OpenAIServer:
                                             self.settings, self.boot.served_names, self.metrics)
         return self._routes
 
+    def begin_drain(self) -> None:
+        """uvicorn stops accepting connections; what is in flight gets the grace period."""
+        if self.draining:
+            return
+        self.draining = True
+        grace = self.settings.shutdown_grace_s
+        log.info("shutting down: %d stream(s) and the requests in flight get %gs to finish "
+                 "(SHUTDOWN_GRACE_S)", len(self.streams), grace)
+        asyncio.get_running_loop().call_later(grace, self._grace_over)
+
+    def _grace_over(self) -> None:
+        self.drained.set()
+        for stream in list(self.streams):
+            stream.interrupt()
+
     async def handle(self, request: Request, route: str) -> Response:
         """One OpenAI request: parse, dispatch, answer JSON or SSE; a client that leaves aborts the work."""
         try:
             body = await read_json_body(request, self.settings.max_request_bytes) if request.method == "POST" else {}
+            if self.drained.is_set():
+                raise _shutdown_error(self.settings.shutdown_grace_s)
             routes = await self.routes()
-            work = asyncio.ensure_future(routes.dispatch(route, body))
-            gone = asyncio.ensure_future(_until_disconnect(request))
-            try:
-                await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                gone.cancel()
-            if not work.done():  # the client left before the answer: cancelling aborts the engine request
-                work.cancel()
-                await asyncio.gather(work, return_exceptions=True)
-                return Response(status_code=499)
-            result = work.result()
+            result = await self._answer(request, routes.dispatch(route, body))
+        except ClientLeft:
+            from handler.http_connection import READ_TIMEOUT_KEY
+
+            if not request.scope.get(READ_TIMEOUT_KEY):  # a read timeout was logged already
+                log.info("%s %s: the client left before its request body was in", request.method,
+                         route)
+            return Response(status_code=499)
         except ApiError as e:
             return _error_response(e)
         except Exception as e:  # a bug or an engine failure: this request fails, the server goes on
             log.exception("request failed")
             return _error_response(ApiError(500, f"internal error: {type(e).__name__}"))
+        if isinstance(result, Response):
+            return result
         if isinstance(result, ChunkStream):
-            return StreamingResponse(_sse_body(result), media_type="text/event-stream",
+            self.streams.add(result)
+            if self.drained.is_set():
+                result.interrupt()
+            body = _sse_body(result, self.settings.shutdown_grace_s, on_end=self.streams.discard)
+            return StreamingResponse(body, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return JSONResponse(result)
+
+    async def _answer(self, request: Request, dispatch):
+        """The dispatch's result, unless the client leaves (499) or the grace period ends (503)
+        first: then the work is cancelled, which aborts its engine request."""
+        work = asyncio.ensure_future(dispatch)
+        gone = asyncio.ensure_future(_until_disconnect(request))
+        drained = asyncio.ensure_future(self.drained.wait())
+        try:
+            await asyncio.wait({work, gone, drained}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            left = gone.done()
+            gone.cancel()
+            drained.cancel()
+        if work.done():
+            return work.result()
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        if left:
+            log.info("%s: the client left before the answer; its request was aborted",
+                     request.url.path[:200])
+            return Response(status_code=499)
+        raise _shutdown_error(self.settings.shutdown_grace_s)
 
     def health(self) -> Response:
         failed = self.boot.failed
@@ -166,7 +247,11 @@ def build_app(settings: Settings, boot: EngineBoot, metrics: Metrics | None = No
         if engine is not None:
             engine.shutdown()
 
-    app = FastAPI(title="coldbrew", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # No trailing-slash redirects (Starlette builds them from the Host header): _RequestTarget
+    # answers the route.
+    app = FastAPI(title="coldbrew", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None, redirect_slashes=False)
+    app.add_middleware(_RequestTarget)
     app.state.server = server
 
     for prefix in ("", "/openai"):
@@ -206,6 +291,29 @@ def build_app(settings: Settings, boot: EngineBoot, metrics: Metrics | None = No
     return app
 
 
+class _RequestTarget:
+    """ASGI middleware: a request target (path and query) over MAX_REQUEST_LINE_BYTES is a 414;
+    one trailing slash is dropped, so `/v1/completions/` answers as `/v1/completions` (never a
+    redirect)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            path_bytes = scope.get("raw_path") or scope["path"].encode()
+            target = len(path_bytes) + len(scope.get("query_string", b""))
+            if target > MAX_REQUEST_LINE_BYTES:
+                error = ApiError(414, f"request target: {target} bytes exceeds the limit of "
+                                      f"{MAX_REQUEST_LINE_BYTES} bytes")
+                await _error_response(error)(scope, receive, send)
+                return
+            path = scope["path"]
+            if len(path) > 1 and path.endswith("/"):
+                scope = {**scope, "path": path[:-1]}
+        await self.app(scope, receive, send)
+
+
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -216,34 +324,50 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _watch_engine(boot: EngineBoot, server) -> None:
-    """A dead engine (a fatal CUDA error, say) can't serve again: stop the server so the process exits non-zero."""
+async def _watch(boot: EngineBoot, server, app_server: OpenAIServer) -> None:
+    """Start the drain once uvicorn is told to stop (SIGTERM, SIGINT); and since a dead engine (a
+    fatal CUDA error, say) can't serve again, stop the server then: the process exits non-zero."""
     while not server.should_exit:
-        await asyncio.sleep(ENGINE_WATCH_SECONDS)
+        await asyncio.sleep(WATCH_SECONDS)
         engine = boot.engine_now()
         if boot.failed is not None or (engine is not None and engine.errored is not None):
             log.error("the engine is dead (%s): stopping the server",
                       type(boot.failed or engine.errored).__name__)
             server.engine_dead = True
             server.should_exit = True
+    app_server.begin_drain()
+
+
+def _stop_on_signals(server) -> None:
+    """uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, under the handlers it found:
+    with these, the re-raised signal only asks for the stop already done, so the process exits with
+    serve()'s status (0 after a clean drain) rather than by the signal (143). Before uvicorn runs,
+    they stop it as soon as it starts."""
+    def stop(signum, frame) -> None:
+        server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
 
 
 def serve(settings: Settings, host: str, port: int, boot: EngineBoot | None = None) -> int:
-    """Run the server until SIGINT/SIGTERM (graceful: in-flight requests finish) or a dead engine
-    (exit 1). boot: the engine's start if already begun (handler.__main__.begin); None: begin it."""
+    """Run the server until SIGINT/SIGTERM (graceful: in-flight requests get SHUTDOWN_GRACE_S,
+    then end with an error; exit 0) or a dead engine (exit 1). boot: the engine's start if already
+    begun (handler.__main__); None: begin it here."""
     import uvicorn
+
+    from handler.http_connection import uvicorn_config
 
     boot = boot or EngineBoot(settings).start()  # load while uvicorn starts
     app = build_app(settings, boot)
     sock = _bind(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
-    config = uvicorn.Config(app, log_level=settings.log_level.lower(), timeout_graceful_shutdown=30,
-                            access_log=settings.log_level == "DEBUG", lifespan="on")
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app, settings))
     server.engine_dead = False
+    _stop_on_signals(server)
 
     async def run() -> None:
-        watcher = asyncio.ensure_future(_watch_engine(boot, server))
+        watcher = asyncio.ensure_future(_watch(boot, server, app.state.server))
         try:
             await server.serve(sockets=[sock])
         finally:

@@ -23,7 +23,9 @@ from handler.admission import Admission, Ticket
 from handler.config import Settings, SettingsError, load_settings
 from handler.engine_boot import EngineBoot, begin
 from handler.job_timing import JobTiming, TimedEngine, job_metrics
-from handler.jobs import EngineJob, JobAborted, JobInputError, parse_job, run_engine_job, run_openai_job
+from handler.jobs import (Job, JobAborted, JobInputError, parse_job, run_engine_job, run_openai_job,
+                          stream_error_batch)
+from handler.protocol import ApiError
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +78,8 @@ class Worker:
     def __init__(self, settings: Settings, boot: EngineBoot, admission: Admission | None = None):
         self.settings = settings
         self.boot = boot
-        self.admission = admission or Admission(settings.max_concurrency, boot)
+        self.admission = admission or Admission(settings.max_concurrency, boot,
+                                                grace_s=settings.shutdown_grace_s)
         self._routes = None
 
     def routes(self, engine):
@@ -92,10 +95,12 @@ class Worker:
         try:
             parsed = parse_job(job.get("input"))
         except JobInputError as exc:
-            yield {"error": str(exc)}
+            log.info("job %s refused: %s", job_id, exc)
+            yield {"error": exc.error}
             return
         if self.admission.fatal_error is not None:
-            yield {"error": "the engine failed; this worker is restarting, retry the request"}
+            message = "the engine failed; this worker is restarting, retry the request"
+            yield {"error": parsed.answer(503, message)}
             return
         timing = JobTiming()
         if self.boot.is_ready:
@@ -106,45 +111,57 @@ class Worker:
                     item["metrics"] = job_metrics(timing, self.admission.capacity(), self.boot.phases)
                 yield item
 
-    async def _run(self, job_id: str, parsed, ticket: Ticket, timing: JobTiming) -> AsyncIterator[Any]:
+    async def _run(self, job_id: str, job: Job, ticket: Ticket,
+                   timing: JobTiming) -> AsyncIterator[Any]:
         try:
             engine = await self._await_engine(ticket)
             if timing.engine_ready is None:
                 timing.engine_ready = time.time()
         except JobAborted as exc:
-            yield {"error": str(exc)}
+            yield {"error": job.answer(503, str(exc))}
             return
         except Exception as exc:  # the model could not be loaded: nothing this worker can serve
             self.admission.fatal(exc)
-            yield {"error": f"the model failed to load: {exc}"}
+            yield {"error": job.answer(503, f"the model failed to load: {exc}")}
             return
         try:
-            if isinstance(parsed, EngineJob):
-                request_id = f"job-{job_id}-{uuid.uuid4().hex[:8]}"
-                stream = run_engine_job(TimedEngine(engine, timing), parsed, self.settings, request_id,
-                                        on_finish=self.admission.observe)
+            routes, observe = self.routes(engine), self.admission.observe
+            if job.openai_output:
+                stream = run_openai_job(routes, job, self.settings, on_finish=observe)
             else:
-                stream = run_openai_job(self.routes(engine), parsed, self.settings, on_finish=self.admission.observe)
+                request_id = f"job-{job_id}-{uuid.uuid4().hex[:8]}"
+                stream = run_engine_job(TimedEngine(engine, timing), routes, job, self.settings,
+                                        request_id, on_finish=observe)
             with timing.current():  # the OpenAI routes' engine requests find their job through the running task
                 async for item in _abortable(stream, ticket):
                     yield item
+        except JobAborted as exc:  # cut short: ended as on the HTTP face (error event, [DONE])
+            last = stream_error_batch(job, ApiError(503, str(exc)), self.settings)
+            if last is not None:
+                yield last
+            yield {"error": job.answer(503, str(exc))}
         except Exception as exc:
-            yield {"error": self._job_error(job_id, engine, exc)}
+            yield {"error": self._job_error(job_id, job, engine, exc)}
 
-    def _job_error(self, job_id: str, engine, exc: Exception) -> str:
-        """The message a failed job ends with; a dead engine also starts the fatal exit."""
+    def _job_error(self, job_id: str, job: Job, engine, exc: Exception) -> str | dict:
+        """What a failed job answers; a dead engine also starts the fatal exit. Errors a request
+        can cause are logged in one line, errors of the machine with their traceback."""
         if engine.errored is not None:  # checked first: a dead engine fails every stream, whatever it raised
             self.admission.fatal(engine.errored)
-            return f"the engine failed ({type(engine.errored).__name__}); the worker restarts"
-        if isinstance(exc, (JobInputError, JobAborted, ValueError)):  # ValueError: the engine refused the request
-            return str(exc)
-        if getattr(exc, "status", None) is not None and hasattr(exc, "message"):  # an OpenAI route's ApiError
-            return exc.message
+            name = type(engine.errored).__name__
+            return job.answer(500, f"the engine failed ({name}); the worker restarts")
+        if isinstance(exc, ApiError):
+            log.info("job %s refused: %s", job_id, exc.message)
+            return job.error(exc)
+        if isinstance(exc, (JobInputError, ValueError)):  # ValueError: the engine refused it
+            log.info("job %s refused: %s", job_id, exc)
+            return job.answer(400, str(exc))
         if _is_out_of_memory(exc):
             log.warning("job %s: out of memory: %s", job_id, exc)
-            return "out of memory serving this request; try a shorter prompt or fewer tokens"
+            return job.answer(500, "out of memory serving this request; try a shorter prompt or "
+                                   "fewer tokens")
         log.exception("job %s failed", job_id)
-        return f"internal error: {type(exc).__name__}: {exc}"
+        return job.answer(500, f"internal error: {type(exc).__name__}: {exc}")
 
     async def _await_engine(self, ticket: Ticket):
         """The engine once loaded; a job aborted (drain) while waiting gives up."""
@@ -217,6 +234,7 @@ def main(argv: list[str] | None = None, boot: EngineBoot | None = None) -> None:
     settings = boot.settings
     _log_ready_line(boot, argv)
     worker = Worker(settings, boot)
+    worker.admission.drain_on_sigterm()
 
     # The SDK's import waits on a subprocess (py-cpuinfo's CPU probe, run at import by
     # runpod.serverless.utils.rp_debugger); the wait releases this interpreter's lock, so the

@@ -93,6 +93,37 @@ def test_runsync_serves_both_job_shapes_and_survives_bad_input(local_api, smollm
 
 
 @pytest.mark.slow
+def test_runsync_serves_the_v2_24_route_form(local_api, smollm2_dir):
+    """worker-vllm v2.24+'s `{"route", "body", "method"}` through the SDK's local API: the response
+    object, the model list for a body-less GET, and an OpenAI error object (in the output, as the
+    local API keeps it) for tools."""
+    base, _ = local_api
+    parts = [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}]
+    messages = [{"role": "user", "content": parts}]
+    chat = _runsync(base, {"route": "/v1/chat/completions", "method": "POST",
+                           "body": {"messages": messages, "max_tokens": 8, "temperature": 0}})
+    ref = LLM(model=smollm2_dir, max_model_len=2048, device="cpu").chat(
+        messages, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    assert chat["status"] == "COMPLETED"
+    assert chat["output"][0]["choices"][0]["message"]["content"] == ref
+    # The same conversation as a messages job means the same prompt: the text parts joined as the
+    # template joins them.
+    as_job = _runsync(base, {"messages": messages,
+                             "sampling_params": {"max_tokens": 8, "temperature": 0}})
+    assert as_job["output"][0]["choices"][0]["tokens"] == [ref]
+    models = _runsync(base, {"route": "/v1/models"})
+    assert smollm2_dir in [m["id"] for m in models["output"][0]["data"]]
+    tools = _runsync(base, {"route": "/v1/chat/completions", "body": {
+        "messages": messages, "tools": [{"type": "function", "function": {"name": "f"}}]}})
+    error = tools["output"][0]["error"]
+    assert (error["code"], error["param"], error["type"]) == (400, "tools", "invalid_request_error")
+    assert "tool calls are not supported" in error["message"]
+    tool = {"type": "function", "function": {"name": "f"}}
+    job_tools = _runsync(base, {"messages": messages, "tools": [tool]})
+    assert job_tools["output"][0]["error"].startswith("input.tools: tool calls are not supported")
+
+
+@pytest.mark.slow
 def test_test_input_runs_one_job_and_exits(smollm2_dir):
     """Off RunPod, `--test_input JSON` (the SDK's flag) runs that one job and prints its result."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_")}

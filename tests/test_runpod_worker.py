@@ -1,5 +1,7 @@
 """The real runpod SDK worker loop (`python -m handler` in a subprocess) taking jobs from a local queue on loopback:
 both input shapes, streamed or not, concurrent, cancelled, malformed, SIGTERM; outputs equal engine.LLM's greedy ones.
+Also worker-vllm v2.24+'s route/body/method jobs, tools refused, and streams ended with an error
+past the grace period (exit 0).
 """
 from __future__ import annotations
 
@@ -42,9 +44,9 @@ def worker(smollm2_dir, tmp_path_factory):
         try:
             yield server.queue
         finally:
-            stop(proc)
-            if proc.returncode not in (0, -signal.SIGTERM):
-                print(log_path.read_text(errors="replace")[-5000:])
+            code = stop(proc)
+    # SIGTERM on the idle worker: a clean drain, exit 0 (not the signal's 143).
+    assert code == 0, log_path.read_text(errors="replace")[-5000:]
 
 
 def _wait_done(queue, *job_ids, timeout=WAIT_S):
@@ -159,6 +161,39 @@ def test_cancelled_job_stops_and_the_worker_goes_on(worker, reference):
     assert last < 1500
 
 
+@pytest.mark.slow
+def test_v2_24_route_jobs_answer_as_worker_vllm(worker, reference, smollm2_dir):
+    """worker-vllm v2.24+'s `{"route", "body", "method"}`: a body POSTs, no body GETs; not
+    streamed, the response object; streamed, SSE text; an error, the OpenAI error object (the SDK
+    posts it as the job's error text)."""
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    ref_chat = reference.chat(MESSAGES, greedy)[0].outputs[0].text
+    ref = reference.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    chat = {"model": smollm2_dir, "messages": MESSAGES, "max_tokens": 8, "temperature": 0}
+    worker.put("rt-chat", {"route": "/v1/chat/completions", "body": chat})
+    worker.put("rt-stream", {"route": "/v1/chat/completions", "method": "POST",
+                             "body": {**chat, "stream": True}})
+    worker.put("rt-completion", {"route": "/openai/v1/completions",
+                                 "body": {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}})
+    worker.put("rt-models", {"route": "/v1/models"})
+    worker.put("rt-get-chat", {"route": "/v1/chat/completions"})
+    worker.put("rt-tools", {"route": "/v1/chat/completions",
+                            "body": {**chat, "tools": [{"type": "function"}]}})
+    res_chat, res_stream, res_completion, res_models, res_get, res_tools = _wait_done(
+        worker, "rt-chat", "rt-stream", "rt-completion", "rt-models", "rt-get-chat", "rt-tools")
+    assert res_chat["output"][0]["choices"][0]["message"]["content"] == ref_chat
+    assert res_completion["output"][0]["choices"][0]["text"] == ref
+    assert smollm2_dir in [m["id"] for m in res_models["output"][0]["data"]]
+    events = [e[len("data: "):] for e in "".join(res_stream["output"]).split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    deltas = [json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1]]
+    assert "".join(deltas) == ref_chat
+    for result, param, words in ((res_get, "method", "GET"),
+                                 (res_tools, "tools", "tool calls are not supported")):
+        assert "output" not in result or not result["output"]
+        assert f"'param': '{param}'" in result["error"] and words in result["error"], result
+
+
 MALFORMED = {
     "bad-not-object": ("just a string", "input: must be an object"),
     "bad-prompt-type": ({"prompt": 5}, "input.prompt"),
@@ -170,6 +205,19 @@ MALFORMED = {
     "bad-route": ({"openai_route": "/v1/embeddings", "openai_input": {}}, "input.openai_route"),
     "bad-openai-input": ({"openai_route": "/v1/chat/completions", "openai_input": {"messages": "hi"}}, "messages"),
     "bad-too-long": ({"prompt": "hello " * 3000, "sampling_params": _greedy(8)}, str(MAX_MODEL_LEN)),
+    "bad-max-tokens": ({"prompt": "x", "sampling_params": {"max_tokens": 10 ** 9}},
+                       "input.sampling_params.max_tokens: "),
+    "bad-surrogate": ({"messages": [{"role": "user", "content": "a\ud800"}]},
+                      "input.messages[0].content: invalid"),
+    "bad-tools": ({"messages": MESSAGES, "tools": [{"type": "function"}]},
+                  "input.tools: tool calls are not"),
+    "bad-tool-turn": ({"messages": [*MESSAGES, {"role": "tool", "content": "4"}]},
+                      "input.messages[1].role: 'tool'"),
+    "bad-oa-tool-choice": ({"openai_route": "/v1/chat/completions",
+                            "openai_input": {"messages": MESSAGES, "tool_choice": "required"}},
+                           "input.openai_input.tool_choice: tool calls are not"),
+    "bad-oa-missing": ({"openai_route": "/v1/chat/completions", "openai_input": {"max_tokens": 2}},
+                       "input.openai_input.messages: field required"),
 }
 
 
@@ -195,6 +243,40 @@ def test_every_job_got_exactly_one_result(worker):
     assert worker.done, "no job ran"
     assert {job_id: len(posts) for job_id, posts in worker.done.items() if len(posts) != 1} == {}
     assert worker.worker_ids == {"pod-main"}
+
+
+@pytest.mark.slow
+def test_sigterm_past_the_grace_period_ends_streams_with_an_error_then_exits_0(smollm2_dir,
+                                                                              tmp_path):
+    """Past SHUTDOWN_GRACE_S the jobs in flight end: a worker-vllm batch stream with the job's
+    error, an OpenAI SSE stream with an error event and [DONE] as its last batch (then the error);
+    then the process exits 0."""
+    count = "Count from one to a thousand:"
+    with RunPodJobServer() as server:
+        queue = server.queue
+        proc = _start_worker(server, smollm2_dir, tmp_path / "worker.log", "pod-grace",
+                             SHUTDOWN_GRACE_S="1")
+        try:
+            queue.put("batches", {"prompt": count, "stream": True,
+                                  "sampling_params": _greedy(1500, ignore_eos=True)})
+            queue.put("sse", {"openai_route": "/v1/completions", "openai_input": {
+                "prompt": count, "stream": True, "max_tokens": 1500, "ignore_eos": True}})
+            both = lambda: queue.streams["batches"] and queue.streams["sse"]  # noqa: E731
+            started = queue.wait_for(both, WAIT_S)
+            assert started, (tmp_path / "worker.log").read_text()
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(WAIT_S)
+        finally:
+            stop(proc)
+    log = (tmp_path / "worker.log").read_text()
+    assert code == 0, log[-3000:]
+    for job_id in ("batches", "sse"):
+        (result,) = queue.done[job_id]
+        assert "did not finish within 1s" in result["error"], result
+    last = queue.streams["sse"][-1]["output"]
+    assert last.endswith("data: [DONE]\n\n") and '"code": 503' in last
+    assert "did not finish within 1s" in last
+    assert queue.streams["batches"][-1]["output"]["usage"]["output"] < 1500
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ aborts what is left, a dead engine fails the jobs in flight and exits 1, and adm
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -175,6 +176,18 @@ def test_batch_sizes_grow_to_the_cap():
     assert [next(sizes) for _ in range(5)] == [4, 8, 16, 20, 20]
 
 
+def _nested(depth: int) -> list:
+    """A list nested `depth` levels deep."""
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+HI = [{"role": "user", "content": "x"}]
+TOOL = {"type": "function"}
+
+
 @pytest.mark.parametrize("raw, field", [
     ({"prompt": "x", "max_batch_size": 0}, "input.max_batch_size"),
     ({"prompt": "x", "stream": "yes"}, "input.stream"),
@@ -182,24 +195,108 @@ def test_batch_sizes_grow_to_the_cap():
     ({"messages": []}, "input.messages"),
     ({"prompt": [1, -2]}, "input.prompt"),
     ({"prompt": "x", "sampling_params": {"n": 0}}, "input.sampling_params.n"),
+    ({"prompt": "x", "sampling_params": {"max_tokens": 10 ** 9}},
+     "input.sampling_params.max_tokens"),
+    ({"prompt": "x", "sampling_params": {"repetition_penalty": 1e-300}},
+     "input.sampling_params.repetition_penalty"),
+    ({"prompt": "x", "sampling_params": {"logprobs": 2}},
+     "input.sampling_params.logprobs: worker-vllm's"),
+    ({"prompt": "x", "sampling_params": {"best_of": 2}},
+     "input.sampling_params.best_of: unknown field"),
+    ({"messages": HI, "tools": [TOOL]}, "input.tools: tool calls"),
+    ({"messages": HI, "sampling_params": {"tool_choice": "auto"}},
+     "input.sampling_params.tool_choice: tool calls"),
+    ({"messages": [{"role": "tool", "content": "42", "tool_call_id": "a"}]},
+     "input.messages[0].role"),
+    ({"prompt": "x", "tools": [TOOL]}, "input.tools: tool calls"),
+    ({"prompt": "x", "apply_chat_template": True, "sampling_params": {"stop": 5}},
+     "input.sampling_params.stop"),
+    ({"prompt": "a\ud800", "apply_chat_template": True}, "input.prompt: invalid unicode"),
     ({"openai_route": 7}, "input.openai_route"),
     ({"openai_route": "/v1/models", "openai_input": []}, "input.openai_input"),
+    ({"openai_route": "/v1/chat/completions", "openai_input": {}},
+     "input.openai_input.messages: field required"),
+    ({"openai_route": "/v1/embeddings"}, "input.openai_route: unknown route"),
+    ({"prompt": "x", "sampling_params": {"stop": [["a"]]}}, "input.sampling_params.stop"),
+    ({"messages": [{"role": "user", "content": "x", "meta": _nested(100)}]},
+     "input.messages: objects and lists nested deeper than the limit of 64"),
+    ({"prompt": "x", "sampling_params": {"stop": _nested(64)}},
+     "input.sampling_params.stop: objects and lists"),
+    ({"prompt": "x", "min_batch_size": _nested(10_000)}, "input.min_batch_size: objects and lists"),
     (None, "input: must be an object"),
 ])
 def test_bad_job_inputs_name_the_field(raw, field):
-    with pytest.raises(JobInputError, match="^" + field.replace("[", r"\[").replace("]", r"\]")):
-        job = parse_job(raw)
-        from handler.jobs import sampling_params
-        sampling_params(job, None)
+    with pytest.raises(JobInputError, match="^" + re.escape(field)):
+        parse_job(raw)
 
 
-def test_sampling_params_default_max_tokens():
-    from handler.jobs import sampling_params
+@pytest.mark.parametrize("raw, status, param, words", [
+    ({"route": "/v1/chat/completions"}, 405, "method", ["GET", "POST", "send a body"]),
+    ({"route": "/v1/models", "method": "post"}, 405, "method", ["POST", "GET"]),
+    ({"route": "/v1/embeddings", "body": {"input": "x"}}, 404, "route",
+     ["/v1/embeddings", "/v1/completions"]),
+    ({"route": "/v1/completions", "body": {"prompt": "x"}, "method": "PUT"}, 400, "method",
+     ["PUT"]),
+    ({"route": "/v1/chat/completions", "body": {"messages": "hi"}}, 400, "messages",
+     ["messages", "list"]),
+    ({"route": "/v1/chat/completions", "body": {"messages": HI, "tools": [{}]}}, 400, "tools",
+     ["tool calls"]),
+    ({"route": "/v1/completions", "body": {"prompt": "x"}, "stream": True}, 400, "stream",
+     ["unknown field"]),
+])
+def test_route_form_errors_are_openai_error_objects(raw, status, param, words):
+    """worker-vllm v2.24+ answers `{"error": {"message", "type", "code"}}` for this form; here the
+    OpenAI error object the HTTP face sends (the same keys, with the field at fault as `param`)."""
+    with pytest.raises(JobInputError) as err:
+        parse_job(raw)
+    error = err.value.error
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["code"], error["param"]) == (status, param), error
+    for word in words:
+        assert word in error["message"], error
 
-    assert sampling_params(parse_job({"prompt": "x"}), 77).max_tokens == 77
-    assert sampling_params(parse_job({"prompt": "x"}), None).max_tokens is None  # never a silent 16
-    assert sampling_params(parse_job({"prompt": "x", "sampling_params": {"max_tokens": 5}}), 77) == SamplingParams(
-        max_tokens=5)
+
+def test_route_form_method_follows_worker_vllm():
+    """No method: a body POSTs, no body GETs (worker-vllm's _normalize_job_input); the method is
+    case-insensitive; routes are taken as RunPod's /openai/v1 paths give them."""
+    body = {"prompt": "x"}
+    assert parse_job({"route": "/v1/models"}).method == "GET"
+    assert parse_job({"route": "/openai/v1/completions/", "body": body}).route == "/v1/completions"
+    assert parse_job({"route": "/v1/completions", "body": body}).method == "POST"
+    assert parse_job({"route": "v1/models", "method": "get"}).method == "GET"
+
+
+async def test_default_max_tokens_fills_in_within_the_context(boot, smollm2_dir):
+    from handler.routes import OpenAIRoutes
+
+    settings = load_settings({"MODEL_NAME": smollm2_dir, "MAX_MODEL_LEN": "2048", "DEVICE": "cpu",
+                              "DEFAULT_MAX_TOKENS": "77"})
+    engine = boot.engine_now()
+    routes = OpenAIRoutes(engine, settings, boot.served_names)
+    job = parse_job({"prompt": "x"})
+    assert (await routes.prepare(job.route, job.body)).params.max_tokens == 77
+    job = parse_job({"prompt": "x", "sampling_params": {"max_tokens": 5}})
+    assert (await routes.prepare(job.route, job.body)).params == SamplingParams(max_tokens=5)
+    unset = OpenAIRoutes(engine, boot.settings, boot.served_names)
+    never_16 = await unset.prepare(job.route, {"prompt": "x"})
+    assert never_16.params.max_tokens is None
+    # DEFAULT_MAX_TOKENS never goes past the context limit
+    long = parse_job({"prompt": "hello " * 1980})
+    request = await routes.prepare(long.route, long.body)
+    assert request.params.max_tokens == 2048 - len(request.prompts[0]) < 77
+
+
+async def test_use_openai_format_answers_as_the_openai_route(boot):
+    """worker-vllm's use_openai_format: the same job, answered with the chat route's objects."""
+    worker, _ = _worker(boot)
+    job = {"messages": [{"role": "user", "content": "Name a color."}],
+           "sampling_params": {"max_tokens": 6, "temperature": 0}}
+    (batch,) = [c async for c in worker.handle({"id": "plain", "input": job})]
+    as_openai = {**job, "use_openai_format": True}
+    (whole,) = [c async for c in worker.handle({"id": "oa", "input": as_openai})]
+    assert whole["object"] == "chat.completion"
+    assert whole["choices"][0]["message"]["content"] == batch["choices"][0]["tokens"][0]
+    assert whole["usage"]["completion_tokens"] == batch["usage"]["output"]
 
 
 async def test_openai_stream_as_chunk_objects_when_raw_output_is_off(boot, smollm2_dir):

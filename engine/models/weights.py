@@ -67,7 +67,13 @@ def iter_safetensors(model_dir: str, slots: dict[str, "WeightSlot"] | None = Non
     """(name, CPU tensor) for every tensor of the checkpoint, one at a time. With `slots` (a model's
     hf_weight_map), a tensor it names is read as its slot's slice only (then presliced=True)."""
     for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as f:
+        try:
+            f = safe_open(path, framework="pt", device="cpu")
+        except Exception as e:  # safetensors' own errors name no file
+            size = os.path.getsize(path)
+            raise ValueError(f"weights: {path} ({size} bytes) can't be read as safetensors ({e}): "
+                             "the file is truncated or corrupt; fetch it again") from e
+        with f:
             for name in f.keys():
                 slot = slots.get(name) if slots is not None else None
                 part = f.get_slice(name) if slot is not None else None

@@ -1,0 +1,316 @@
+"""One meaning for one input: every request of both faces (the HTTP routes, and RunPod jobs of
+every shape, which handler.jobs turns into OpenAI bodies) is parsed by the same schemas and
+normalised here once (nesting depth, messages, tools, sampling fields, the context limit) into an
+EngineRequest.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from handler.limits import MAX_CHOICES, MAX_JSON_DEPTH
+from handler.protocol import (UNSUPPORTED_EXTRAS, ApiError, ChatCompletionRequest,
+                              CompletionRequest, SamplingFields, describe_validation_error)
+
+MODELS_ROUTE = "/v1/models"
+CHAT_ROUTE = "/v1/chat/completions"
+COMPLETIONS_ROUTE = "/v1/completions"
+ROUTES = (MODELS_ROUTE, CHAT_ROUTE, COMPLETIONS_ROUTE)
+# The method each route answers (as the OpenAI API and vLLM do).
+ROUTE_METHODS = {MODELS_ROUTE: "GET", CHAT_ROUTE: "POST", COMPLETIONS_ROUTE: "POST"}
+_SCHEMAS = {CHAT_ROUTE: ChatCompletionRequest, COMPLETIONS_ROUTE: CompletionRequest}
+# The request fields that become the engine's SamplingParams (a job's sampling_params may set them).
+SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                   "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
+                   "ignore_eos", "max_tokens", "min_tokens", "skip_special_tokens",
+                   "include_stop_str_in_output")
+# Keys of chat_template_kwargs that would change more than template variables (e.g. load a
+# template from a path).
+_RESERVED_TEMPLATE_KWARGS = {"messages", "chat_template", "tools", "documents",
+                             "add_generation_prompt"}
+_NO_TOOLS = "tool calls are not supported yet (the output is never parsed into tool_calls)"
+
+
+def canonical_route(route: Any, param: str = "route") -> str:
+    """'/openai/v1/chat/completions/', 'v1/models', 'chat/completions' -> '/v1/...' (an unknown
+    route stays unknown)."""
+    if not isinstance(route, str):
+        raise ApiError(400, f"{param}: must be a string, got {type(route).__name__}", param)
+    path = "/" + route.strip().strip("/")
+    if path.startswith("/openai/"):
+        path = path[len("/openai"):]
+    if not path.startswith("/v1/") and "/v1" + path in ROUTES:
+        path = "/v1" + path
+    return path
+
+
+def check_depth(value: Any, where: str = "body", slack: int = 0) -> None:
+    """Refuse objects and lists nested deeper than MAX_JSON_DEPTH (+ slack), naming the top-level
+    field that holds them. An explicit stack, never recursion: this runs before anything that
+    recurses (validation, templates, repr) sees the value. `slack` lets a RunPod job's `input`
+    (whose sampling_params or openai_input sit a level deeper than in the OpenAI body they become)
+    through to parse_body, which checks that body exactly."""
+    stack = [(value, 1, None)]
+    while stack:
+        node, depth, top = stack.pop()
+        if depth > MAX_JSON_DEPTH + slack:
+            param = top if isinstance(top, str) else where
+            raise ApiError(400, f"{param}: objects and lists nested deeper than the limit of "
+                                f"{MAX_JSON_DEPTH} levels", param)
+        for key, child in (node.items() if isinstance(node, dict) else enumerate(node)):
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1, key if top is None else top))
+
+
+def parse_body(route: str, body: Any) -> ChatCompletionRequest | CompletionRequest:
+    """A chat or completions body -> its validated request, with every check that needs no model;
+    ApiError(400) naming the field otherwise."""
+    if not isinstance(body, dict):
+        raise ApiError(400, f"body: must be a JSON object, got {type(body).__name__}", "body")
+    check_depth(body)
+    try:
+        req = _SCHEMAS[route].model_validate(body)
+    except ValidationError as e:
+        param, message = describe_validation_error(e.errors())
+        raise ApiError(400, message, param) from None
+    _refuse_unsupported(req)
+    if route == CHAT_ROUTE:
+        _check_chat(req)
+    else:
+        _check_completion(req)
+    return req
+
+
+@dataclass
+class EngineRequest:
+    """What the engine runs for one request: prompt token ids (a list each) and SamplingParams."""
+
+    route: str
+    parsed: ChatCompletionRequest | CompletionRequest
+    model: str
+    prompts: list[list[int]]
+    params: Any  # engine.SamplingParams
+    top_n: int = 0  # logprobs shown per token
+    texts: list[str] | None = None  # the prompts as given, when text (echo)
+
+
+def _refuse_unsupported(req: SamplingFields) -> None:
+    _refuse_tool_fields({"tools": req.tools, "tool_choice": req.tool_choice})
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        raise ApiError(400, f"response_format: type {fmt.type!r} is not supported (this engine "
+                            "has no guided decoding); use {'type': 'text'}", "response_format")
+    for name in UNSUPPORTED_EXTRAS:
+        if getattr(req, name) is not None:
+            raise ApiError(400, f"{name}: guided decoding is not supported by this engine", name)
+    if req.use_beam_search:
+        raise ApiError(400, "use_beam_search: beam search is not supported by this engine",
+                       "use_beam_search")
+    if req.logit_bias:
+        raise ApiError(400, "logit_bias: not supported by this engine; leave it empty",
+                       "logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(400, "stream_options: only allowed when stream is true", "stream_options")
+
+
+def _refuse_tool_fields(fields: dict[str, Any]) -> None:
+    """Tools reach no parser yet: a request that offers tools (or the older functions) or forces
+    one is refused."""
+    for name in ("tools", "functions"):
+        if fields.get(name) not in (None, []):
+            raise ApiError(400, f"{name}: {_NO_TOOLS}; send the request without {name}", name)
+    for name in ("tool_choice", "function_call"):
+        if fields.get(name) not in (None, "none"):
+            raise ApiError(400, f"{name}: {_NO_TOOLS}; leave it out or send 'none'", name)
+
+
+def _refuse_tools(req: ChatCompletionRequest) -> None:
+    """The older function fields, and a conversation that replays tool calls or their results."""
+    _refuse_tool_fields({"functions": req.functions, "function_call": req.function_call})
+    for i, m in enumerate(req.messages):
+        if m.role in ("tool", "function"):
+            raise ApiError(400, f"messages[{i}].role: {m.role!r} messages carry tool results, "
+                                f"and {_NO_TOOLS}", f"messages[{i}].role")
+        extra = m.model_extra or {}
+        for name in ("tool_calls", "function_call"):
+            if extra.get(name) not in (None, []):
+                raise ApiError(400, f"messages[{i}].{name}: {_NO_TOOLS}; send the conversation "
+                                    "without them", f"messages[{i}].{name}")
+
+
+def _texts(message) -> list[str]:
+    content = message.content
+    if isinstance(content, str):
+        return [content]
+    return [getattr(p, "text", "") for p in content or []]
+
+
+def _check_chat(req: ChatCompletionRequest) -> None:
+    _refuse_tools(req)
+    if req.continue_final_message:
+        raise ApiError(400, "continue_final_message: not supported; end the conversation with a "
+                            "user turn", "continue_final_message")
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & (req.chat_template_kwargs or {}).keys())
+    if reserved:
+        raise ApiError(400, f"chat_template_kwargs: may not set {', '.join(reserved)}",
+                       "chat_template_kwargs")
+    for i, m in enumerate(req.messages):
+        for text in _texts(m):
+            _check_unicode(text, f"messages[{i}].content")
+
+
+def _check_completion(req: CompletionRequest) -> None:
+    if req.suffix:
+        raise ApiError(400, "suffix: not supported (no fill-in-the-middle)", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise ApiError(400, f"best_of: only best_of == n is supported (got best_of={req.best_of}, "
+                            f"n={req.n})", "best_of")
+    if req.echo and req.logprobs is not None:
+        raise ApiError(400, "echo: echo together with logprobs is not supported", "echo")
+    prompt = req.prompt
+    texts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt[0], str) else []
+    for i, text in enumerate(texts):
+        _check_unicode(text, "prompt" if len(texts) == 1 else f"prompt[{i}]")
+    if any(not t for t in texts):
+        raise ApiError(400, "prompt: must not be empty", "prompt")
+
+
+def _check_unicode(text: str, param: str) -> None:
+    """JSON escapes can carry lone surrogates (\\ud800): no text, and they can't be tokenized."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"{param}: invalid unicode (a lone surrogate) at character {e.start}",
+                       param) from None
+
+
+def engine_error(exc: ValueError, default_param: str) -> ApiError:
+    """An engine refusal as a 400: its ValueErrors start with the field ('temperature: ...')."""
+    message = str(exc)
+    head = message.split(":", 1)[0]
+    param = head if head and head.replace("_", "").isalnum() and " " not in head else default_param
+    return ApiError(400, message, param)
+
+
+class RequestBuilder:
+    """Parsed requests -> EngineRequests, with the checks that need the model: served names, the
+    context limit, the vocabulary, the chat template."""
+
+    def __init__(self, tokenizer, context_limit: int, vocab_size: int, served_names: list[str],
+                 default_max_tokens: int | None):
+        self.tokenizer = tokenizer
+        self.context_limit = context_limit
+        self.vocab_size = vocab_size
+        self.served_names = served_names
+        self.default_max_tokens = default_max_tokens
+        # Each token spans at most this many characters: a text of C characters has at least
+        # C / this tokens.
+        vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+        self.max_token_chars = max(1, max(map(len, vocab)))
+
+    def model(self, requested: str | None) -> str:
+        if requested is None:
+            return self.served_names[0]
+        if requested not in self.served_names:
+            raise ApiError(404, f"model: {requested[:200]!r} does not exist; this worker serves "
+                                f"{', '.join(map(repr, self.served_names))}", "model",
+                           "not_found_error")
+        return requested
+
+    async def build(self, route: str, req) -> EngineRequest:
+        if route == CHAT_ROUTE:
+            return await self._chat(req)
+        return await self._completion(req)
+
+    def _check_chars(self, chars: int, param: str) -> None:
+        """Refuse a text that can't fit before spending time tokenizing it."""
+        if chars > self.context_limit * self.max_token_chars:
+            raise ApiError(400, f"{param}: {chars} characters can't fit in the context limit of "
+                                f"{self.context_limit} tokens (a token here spans at most "
+                                f"{self.max_token_chars} characters)", param)
+
+    def _max_tokens(self, requested: int | None, param: str, prompt_lens: list[int],
+                    prompt_param: str) -> int | None:
+        longest, limit = max(prompt_lens), self.context_limit
+        if longest + 1 > limit:
+            raise ApiError(400, f"{prompt_param}: {longest} tokens exceed the context limit of "
+                                f"{limit} tokens (the prompt may have at most {limit - 1} tokens)",
+                           prompt_param)
+        remaining = limit - longest
+        if requested is not None:
+            if requested > remaining:
+                raise ApiError(400, f"{param}: {requested} plus the prompt's {longest} tokens "
+                                    f"exceeds the context limit of {limit} tokens (at most "
+                                    f"{remaining} for this prompt)", param)
+            return requested
+        default = self.default_max_tokens
+        # None: until EOS or the context limit
+        return min(default, remaining) if default is not None else None
+
+    @staticmethod
+    def _sampling(req: SamplingFields, max_tokens: int | None, logprobs: int | None):
+        from engine import SamplingParams  # the engine (and torch) load once a request needs them
+
+        kwargs: dict[str, Any] = {name: getattr(req, name) for name in SAMPLING_FIELDS
+                                  if getattr(req, name) is not None}
+        kwargs.update(max_tokens=max_tokens, logprobs=logprobs)
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as e:
+            raise engine_error(e, "body") from None
+
+    async def _chat(self, req: ChatCompletionRequest) -> EngineRequest:
+        model = self.model(req.model)
+        self._check_chars(sum(len(t) for m in req.messages for t in _texts(m)), "messages")
+        kwargs = dict(req.chat_template_kwargs or {})
+        # Content parts stay a list: the chat template joins text parts with "\n" (as vLLM) or
+        # loops over them.
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        try:
+            prompt_ids = await asyncio.to_thread(
+                self.tokenizer.encode_chat, messages,
+                add_generation_prompt=req.add_generation_prompt, **kwargs)
+        except (ValueError, TypeError) as e:
+            raise ApiError(400, f"messages: {e}", "messages") from None
+        if req.max_completion_tokens is not None:
+            param, requested = "max_completion_tokens", req.max_completion_tokens
+        else:
+            param, requested = "max_tokens", req.max_tokens
+        max_tokens = self._max_tokens(requested, param, [len(prompt_ids)], "messages")
+        top_n = (req.top_logprobs or 0) if req.logprobs else 0
+        params = self._sampling(req, max_tokens, top_n if req.logprobs else None)
+        return EngineRequest(CHAT_ROUTE, req, model, [prompt_ids], params, top_n)
+
+    async def _completion(self, req: CompletionRequest) -> EngineRequest:
+        model = self.model(req.model)
+        raw = req.prompt
+        if isinstance(raw, str):
+            texts, prompts = [raw], None
+        elif isinstance(raw[0], str):
+            texts, prompts = list(raw), None
+        elif isinstance(raw[0], int):
+            texts, prompts = None, [list(raw)]
+        else:
+            texts, prompts = None, [list(p) for p in raw]
+        if texts is not None:
+            for i, text in enumerate(texts):
+                self._check_chars(len(text), "prompt" if len(texts) == 1 else f"prompt[{i}]")
+            prompts = await asyncio.to_thread(lambda: [self.tokenizer.encode(t) for t in texts])
+        else:
+            for ids in prompts:
+                bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+                if bad is not None:
+                    raise ApiError(400, f"prompt: token ids must be in [0, {self.vocab_size}), got "
+                                        f"{bad}", "prompt")
+        choices = len(prompts) * req.n
+        if choices > MAX_CHOICES:
+            raise ApiError(400, f"n: {req.n} samples of {len(prompts)} prompts make {choices} "
+                                f"choices; at most {MAX_CHOICES} per request", "n")
+        lens = [len(p) for p in prompts]
+        max_tokens = self._max_tokens(req.max_tokens, "max_tokens", lens, "prompt")
+        params = self._sampling(req, max_tokens, req.logprobs)
+        return EngineRequest(COMPLETIONS_ROUTE, req, model, prompts, params, req.logprobs or 0,
+                             texts)
