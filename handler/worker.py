@@ -244,7 +244,14 @@ def main(argv: list[str] | None = None, boot: EngineBoot | None = None) -> None:
     from runpod.serverless.modules.worker_state import IS_LOCAL_TEST
 
     if IS_LOCAL_TEST and "--rp_serve_api" not in argv:
-        sys.exit(_run_local_job(worker, argv))
+        code = _run_local_job(worker, argv)
+        # The engine's start may still run on its thread (a job refused before it was needed): end
+        # the process without finalising the interpreter under it (torch aborts when its native
+        # threads meet interpreter teardown mid-import).
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
     # The SDK logs every job's output at DEBUG, its default; it follows LOG_LEVEL unless --rp_log_level is given.
     RunPodLogger().set_level({"WARNING": "WARN", "CRITICAL": "ERROR"}.get(settings.log_level, settings.log_level))

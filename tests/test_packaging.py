@@ -90,7 +90,9 @@ def test_make_installs_from_the_lock_and_run_leaves_the_test_extra_out():
         line for line in plan.splitlines() if " pip install " in line and "TORCH" not in line
     ]
     assert installs and all(
-        "-c constraints.txt" in line for line in installs if "torch==" not in line
+        "-c constraints.txt" in line
+        for line in installs
+        if "torch==" not in line and "--target" not in line  # the oldest-hub check's own dir
     ), installs
     run_plan = subprocess.run(
         ["make", "-n", "-B", "run"], cwd=REPO, capture_output=True, text=True, check=True
