@@ -16,7 +16,7 @@ from tests.tiny_models import make_tiny_model
 from warmup.start import EngineStart, ResolveError, StartArgs, start_engine
 
 ORDER = ["before_boot", "resolve", "stream_start", "import_torch", "preload_start", "engine_mode",
-         "import_engine", "engine", "kernels", "total"]
+         "import_engine", "engine", "total"]
 GREEDY = dict(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 

@@ -15,8 +15,9 @@ timed:
   engine_mode    ENGINE_MODE: a compiled engine's kernels and records when one matches, else jit
   import_engine  the engine's modules
   engine         its build (model, KV cache, tokenizer) while the last weights arrive
-  kernels        a first request's Triton kernels loaded (or compiled) before ready; the rest of
-                 the kernel set in the background (warmup.ready), shared once served (warmup.fleet)
+
+After ready, once the first request is served, the rest of the kernel set is loaded (or compiled out
+of process) in the background (warmup.ready) and shared with the next worker (warmup.fleet).
 
 `before_boot` is the time from process start to the start of this sequence (interpreter, settings).
 Module-level imports are the stdlib and cache's stdlib-only start modules: importing this costs no
@@ -192,22 +193,33 @@ class EngineStart:
 
         self.phases["import_engine"] = time.perf_counter() - t_import
         engine = self._timed("engine", AsyncLLM.from_engine_args, args)
-        # No compile on a user's request: a first request's kernels now, the rest in the background;
-        # a worker that had to compile shares its kernels with the next one once it has served.
-        from warmup.fleet import share_when_served
-        from warmup.ready import warm_kernels
-
-        self.kernels = self._timed("kernels", warm_kernels, engine, self.selection.mode)
-        share_when_served(engine, self.kernels, engine_mode=a.engine_mode, selection=self.selection,
-                          model_dir=str(self.model_dir), cache_dir=a.cache_dir,
-                          remote=a.resolve_options.get("remote"), s3_options=self._s3,
-                          push=a.resolve_options.get("push", True))
         self.phases["total"] = time.perf_counter() - t0
+        threading.Thread(target=self._warm_kernels, args=(engine,), name="coldbrew-kernels",
+                         daemon=True).start()
         start_pages.record_in_background(pages)
         phases = ", ".join(f"{k} {v:.2f}s" for k, v in self.phases.items() if k != "total")
         log.info("ready: model %s from %s in %.2fs (%s)", a.model, self.model_dir,
                  self.phases["total"], phases)
         return engine
+
+    def _warm_kernels(self, engine) -> None:
+        """Once the first request is served and the engine idle: the rest of the kernel set loaded
+        (or compiled out of process) and decode graphs captured in the background (warmup.ready);
+        a worker that had to compile then shares its kernels with the next one (warmup.fleet). Off
+        the start path: its tracing holds this interpreter's lock for seconds."""
+        from warmup.fleet import share_when_served, wait_served
+        from warmup.ready import warm_kernels
+
+        a = self.args
+        try:
+            wait_served(engine)
+            self.kernels = warm_kernels(engine, self.selection.mode)
+            share_when_served(engine, self.kernels, engine_mode=a.engine_mode,
+                              selection=self.selection, model_dir=str(self.model_dir),
+                              cache_dir=a.cache_dir, remote=a.resolve_options.get("remote"),
+                              s3_options=self._s3, push=a.resolve_options.get("push", True))
+        except Exception as exc:  # the worker serves on, compiling lazily as it would without
+            log.warning("kernels: background warm-up stopped: %s: %s", type(exc).__name__, exc)
 
     def _engine_mode(self, args):
         from cache.resolver import make_s3_options
