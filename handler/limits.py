@@ -21,19 +21,22 @@ KEEP_ALIVE_S = 5
 MAX_JSON_DEPTH = 64
 
 # ---- the fields -----------------------------------------------------------------------------
-MAX_N = 128  # samples per prompt
+# The engine's own limits on sampling fields (engine.sampling_params, torch-free), taken as they are
+# so the two can never disagree.
+from engine.sampling_params import (  # noqa: E402
+    MAX_LOGPROBS as MAX_TOP_LOGPROBS,  # chat top_logprobs, completions logprobs
+    MAX_N,  # samples per prompt
+    MAX_STOP_STRING_CHARS as MAX_STOP_CHARS,  # characters of one stop string
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MIN_REPETITION_PENALTY,  # vLLM asks only > 0; far below 1 the output degenerates
+)
+
 MAX_CHOICES = 1024  # prompts x n in one completions request
-MAX_TOP_LOGPROBS = 20  # chat top_logprobs, completions logprobs
-MAX_STOP_STRINGS = 64
-MAX_STOP_CHARS = 1024  # characters of one stop string
-MAX_STOP_TOKEN_IDS = 1024
 MAX_MESSAGES = 4096
 MAX_BATCH_PROMPTS = 256  # prompts in one completions request
 # max_tokens, max_completion_tokens, min_tokens (the context limit applies as well)
 MAX_TOKENS_LIMIT = 1 << 24
-# repetition_penalty divides a seen token's positive logit (multiplies a negative one). vLLM asks
-# only > 0; far below 1 the output degenerates (1e-300 overflowed the logits and gave nothing but
-# end-of-text), while 0.01 already multiplies a seen token's logit by 100. Above 10 a seen token is
-# all but banned already.
-MIN_REPETITION_PENALTY = 0.01
+# repetition_penalty divides a seen token's positive logit (multiplies a negative one): 0.01
+# already multiplies a seen token's logit by 100, and above 10 a seen token is all but banned.
 MAX_REPETITION_PENALTY = 10.0

@@ -219,7 +219,7 @@ async def test_every_face_asks_the_engine_for_the_same_request(faces):
 
 
 def test_the_handler_limits_agree_with_the_engine():
-    from engine import sampling
+    from engine import sampling_params as sampling
 
     assert limits.MAX_N == sampling.MAX_N
     assert limits.MAX_TOP_LOGPROBS == sampling.MAX_LOGPROBS
