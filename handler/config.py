@@ -211,7 +211,8 @@ class Settings(BaseSettings):
 
     @classmethod
     def env_table(cls) -> list[tuple[str, str, str]]:
-        """(NAME, default as text, description) for each variable: the README table and hub.json are built from it."""
+        """(NAME, default as text, description) for each variable: docs/configuration.md's table and
+        hub.json are built from it."""
         rows = []
         for name, field in cls.model_fields.items():
             default = field.default
@@ -318,7 +319,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
 
 
 def markdown_table() -> str:
-    """The README's Configuration table, generated from the fields (`python -m handler.config --markdown`)."""
+    """The settings table of docs/configuration.md, generated from the fields (`python -m
+    handler.config --markdown`)."""
     lines = ["| Variable | Default | Meaning |", "| --- | --- | --- |"]
     for name, default, description in Settings.env_table():
         shown = f"`{default}`" if default else ""
@@ -330,5 +332,5 @@ if __name__ == "__main__":
     import sys
 
     if sys.argv[1:] != ["--markdown"]:
-        sys.exit("usage: python -m handler.config --markdown   (prints the README's Configuration table)")
+        sys.exit("usage: python -m handler.config --markdown   (prints the settings table)")
     print(markdown_table(), end="")

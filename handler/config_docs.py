@@ -1,9 +1,11 @@
-"""The configuration tables of README.md and docs/configuration.md, generated from
-handler.config.Settings and handler/worker_vllm_env.json. `python -m handler.config_docs`
-rewrites them in place; a test keeps them equal.
+"""The generated tables of docs/configuration.md (the settings and the worker-vllm migration
+table), from handler.config.Settings and handler/worker_vllm_env.json. `python -m
+handler.config_docs` rewrites them in place; a test keeps them equal. The README lists only the
+most used variables and links there.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -11,9 +13,7 @@ from handler.config import markdown_table
 from handler.worker_vllm_env import migration_table
 
 REPO = Path(__file__).resolve().parent.parent
-README = REPO / "README.md"
 DOCS = REPO / "docs" / "configuration.md"
-TABLE_HEADER = "| Variable | Default | Meaning |"
 
 
 def block_markers(name: str) -> tuple[str, str]:
@@ -36,31 +36,22 @@ def block(text: str, name: str) -> str:
     return text.split(start, 1)[1].split(end, 1)[0].removeprefix("\n")
 
 
-def readme_with_table(text: str) -> str:
-    """README.md with its Configuration section's table regenerated (all this writes there)."""
-    head, section = text.split("## Configuration", 1)
-    lines = section.split("\n")
-    first = lines.index(TABLE_HEADER)
-    last = first
-    while last + 1 < len(lines) and lines[last + 1].startswith("|"):
-        last += 1
-    lines[first:last + 1] = markdown_table().rstrip("\n").split("\n")
-    return head + "## Configuration" + "\n".join(lines)
-
-
 def docs_text(text: str) -> str:
     text = replace_block(text, "settings table", markdown_table())
     return replace_block(text, "worker-vllm table", migration_table())
 
 
-def main() -> None:
-    for path, rewrite in ((README, readme_with_table), (DOCS, docs_text)):
-        old = path.read_text(encoding="utf-8")
-        new = rewrite(old)
-        if new != old:
-            path.write_text(new, encoding="utf-8")
-        state = "rewritten" if new != old else "up to date"
-        print(f"{path.relative_to(REPO)}: {state}", file=sys.stderr)
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(
+        prog="python -m handler.config_docs",
+        description="Rewrite the generated tables of docs/configuration.md from the code.",
+    ).parse_args(argv)
+    old = DOCS.read_text(encoding="utf-8")
+    new = docs_text(old)
+    if new != old:
+        DOCS.write_text(new, encoding="utf-8")
+    state = "rewritten" if new != old else "up to date"
+    print(f"{DOCS.relative_to(REPO)}: {state}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The worker's settings: env parsing as worker-vllm users write it (auto and 0 as unset, 32k),
-one error line naming each bad variable and what it allows, secrets never shown, the README's
-Configuration table equal to the Settings fields (both directions).
+one error line naming each bad variable and what it allows, secrets never shown, the settings
+table of docs/configuration.md equal to the Settings fields (both directions).
 """
 from __future__ import annotations
 
@@ -172,9 +172,9 @@ def test_every_field_is_documented():
         assert name == name.upper() and len(description) > 15, name
 
 
-def _readme_table() -> dict[str, tuple[str, str]]:
-    text = (REPO / "README.md").read_text()
-    section = text.split("## Configuration", 1)[1].split("\n## ", 1)[0]
+def _docs_table() -> dict[str, tuple[str, str]]:
+    text = (REPO / "docs" / "configuration.md").read_text()
+    section = text.split("## Settings", 1)[1].split("\n## ", 1)[0]
     rows = {}
     for line in section.splitlines():
         m = re.match(r"\|\s*`([A-Z0-9_]+)`\s*\|\s*(.*?)\s*\|\s*(.*?)\s*\|\s*$", line)
@@ -183,12 +183,12 @@ def _readme_table() -> dict[str, tuple[str, str]]:
     return rows
 
 
-def test_readme_configuration_table_matches_the_settings_both_ways():
-    rows = _readme_table()
+def test_docs_settings_table_matches_the_settings_both_ways():
+    rows = _docs_table()
     table = {name: (default, description) for name, default, description in Settings.env_table()}
     assert set(rows) == set(table), (
-        f"README lacks {sorted(set(table) - set(rows))}, README has extra {sorted(set(rows) - set(table))}; "
-        "regenerate with: python -m handler.config --markdown")
+        f"docs/configuration.md lacks {sorted(set(table) - set(rows))}, has extra "
+        f"{sorted(set(rows) - set(table))}; regenerate with: python -m handler.config_docs")
     for name, (default, description) in table.items():
         assert rows[name] == (default, description.replace("|", "\\|")), name
 

@@ -1,7 +1,7 @@
-"""Packaging stays true to the code: every Settings variable is in the README table (and nothing
-else), the lock file pins every dependency pyproject names at a version inside its range, and the
-Makefile installs from it. (The Hub listing: tests/test_hub_listing.py; the Dockerfile:
-tests/test_dockerfile.py.)
+"""Packaging stays true to the code: the lock file pins every dependency pyproject names at a
+version inside its range, and the Makefile installs from it. (The Hub listing:
+tests/test_hub_listing.py; the Dockerfile: tests/test_dockerfile.py; the settings table:
+tests/test_handler_config.py; the README: tests/test_readme.py.)
 """
 
 from __future__ import annotations
@@ -15,23 +15,9 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from handler.config import Settings
-
 REPO = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 LOCK = REPO / "constraints.txt"
-
-
-def _readme_table_names() -> list[str]:
-    text = (REPO / "README.md").read_text()
-    section = text.split("## Configuration", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"^\| `([A-Z0-9_]+)` \|", section, flags=re.M)
-
-
-def test_readme_table_is_exactly_the_settings():
-    names = _readme_table_names()
-    assert len(names) == len(set(names))
-    assert set(names) == set(Settings.env_names())
 
 
 def _lock() -> dict[str, str]:

@@ -1,6 +1,6 @@
 """Every worker-vllm variable in handler/worker_vllm_env.json is honoured (a setting, or read as
 one) or refused at start in one line naming it; the values it accepts change nothing;
-docs/configuration.md and the README's table are the generated ones.
+docs/configuration.md holds the generated tables.
 """
 from __future__ import annotations
 
@@ -126,6 +126,4 @@ def test_docs_hold_the_generated_tables():
     hint = "regenerate with: python -m handler.config_docs"
     assert config_docs.block(docs, "settings table") == markdown_table(), hint
     assert config_docs.block(docs, "worker-vllm table") == migration_table(), hint
-    readme = config_docs.README.read_text()
-    assert config_docs.readme_with_table(readme) == readme, hint
     assert all(f"| `{name}` |" in docs for name in VARS)
