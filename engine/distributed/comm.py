@@ -9,6 +9,7 @@ ones. Every call is legal inside a CUDA graph capture, so the decode graphs hold
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -167,7 +168,34 @@ def join(rank: int, size: int, store, device: torch.device, all_reduce: str,
     return TensorParallel(Shard(rank, size), comm, PlanChannel(cpu_group))
 
 
+LEAVE_TIMEOUT_S = 10.0
+
+
 def leave() -> None:
-    """Destroy this process's process groups (a later engine in the same process forms new ones)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Close this process's process groups (a later engine in the same process forms new ones).
+
+    NCCL's are aborted, not destroyed: a destroy waits on communicators that decode graphs captured,
+    and on peers that may have exited already (on 2x H200 the destroy never returned after graphs
+    had been captured). Either runs on a thread bounded by LEAVE_TIMEOUT_S, so a shutdown never
+    hangs here."""
+    if not dist.is_initialized():
+        return
+    nccl = dist.get_backend() == "nccl"
+
+    def close() -> None:
+        try:
+            if nccl:
+                from torch.distributed.distributed_c10d import _abort_process_group
+
+                _abort_process_group()
+            else:
+                dist.destroy_process_group()
+        except Exception as e:  # noqa: BLE001 - the engine is going away either way
+            log.warning("tensor parallel: closing the process groups failed: %s", e)
+
+    thread = threading.Thread(target=close, name="tp-leave", daemon=True)
+    thread.start()
+    thread.join(LEAVE_TIMEOUT_S)
+    if thread.is_alive():
+        log.warning("tensor parallel: the process groups did not close within %.0f s; the process's "
+                    "exit ends them", LEAVE_TIMEOUT_S)
