@@ -261,7 +261,9 @@ def parity(opts) -> None:
                     "synthesize_s": time.perf_counter() - t0, "cases": {}}
     cases = [("bfloat16 graphs", "bfloat16", eager, "nccl"),
              ("float32 eager", "float32", True, "nccl"),
-             ("bfloat16 graphs symm_mem", "bfloat16", eager, "symm_mem")]
+             ("bfloat16 graphs symm_mem", "bfloat16", eager, "symm_mem"),
+             ("float32 graphs", "float32", eager, "nccl")]
+    cases = [c for c in cases if c[0] in opts.cases.split(",")]
     reference: dict = {}  # dtype -> TP=1 outputs and decode ms
     for label, dtype, enforce_eager, all_reduce in cases:
         case: dict = {"enforce_eager": enforce_eager, "all_reduce_backend": all_reduce}
@@ -455,6 +457,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--online-warmup", type=float, default=10.0)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: a smoke run of the code paths")
+    ap.add_argument("--cases", default="bfloat16 graphs,float32 eager,bfloat16 graphs symm_mem",
+                    help="parity: the cases to run, comma-separated (also: float32 graphs)")
     ap.add_argument("--parity-config", default="llama-3.2-1b.json",
                     help="a bench/configs name or a path")
     ap.add_argument("--serve-config", default="llama-3.1-70b.json",
