@@ -247,10 +247,11 @@ def run_entry(
     prompt: str,
     env_extra: dict,
     keep_until: str | None = None,
+    log_path: str | None = None,
 ) -> dict:
     """One fresh `python -m handler serve` (entry "serve") or `python -m handler --rp_serve_api`
     ("worker"). keep_until: a file the process writes after its answer (the start-page record):
-    stopped once it exists."""
+    stopped once it exists. log_path: where to keep the process's output."""
     port = _free_port()
     argv = (
         ["serve", "--host", "127.0.0.1", "--port", str(port)]
@@ -267,8 +268,8 @@ def run_entry(
         LOG_LEVEL="INFO",
         HF_HUB_OFFLINE="1",
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
-        **env_extra,
     )
+    env.update(env_extra)  # --env overrides the defaults above
     out: dict = {"entry": entry}
     with tempfile.TemporaryFile("w+") as log:
         t0 = time.monotonic()
@@ -298,6 +299,8 @@ def run_entry(
         _stop(proc)
         log.seek(0)
         text = log.read()
+    if log_path:
+        Path(log_path).write_text(text)
     out["phases"] = ready_phases(text)
     if "first_token_s" not in out or out.get("status") != 200:
         out.setdefault("error", f"status {out.get('status')}, exit code {exited}")
@@ -385,6 +388,7 @@ def main() -> None:
     ap.add_argument(
         "--hf-runs", type=int, default=1, help="HF transformers baselines, page cache warm"
     )
+    ap.add_argument("--logs", action="store_true", help="keep each run's output in OUT/logs/")
     ap.add_argument("--entries", default="serve,worker", help="comma list of: serve, worker")
     ap.add_argument(
         "--import-repeats",
@@ -402,6 +406,15 @@ def main() -> None:
     args = ap.parse_args()
     entries = [e for e in args.entries.split(",") if e]
     env_extra = dict(kv.split("=", 1) for kv in args.env)
+    logs = iter(range(1, 1000))
+
+    def log_path(entry: str, cache: str) -> str | None:
+        """OUT/logs/N-entry-cache.log with --logs, else None."""
+        if not args.logs:
+            return None
+        os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
+        return os.path.join(args.out, "logs", f"{next(logs):02d}-{entry}-{cache}.log")
+
     os.makedirs(args.out, exist_ok=True)
     import torch
 
@@ -447,10 +460,15 @@ def main() -> None:
             f"first start ({entry}; writes what later starts reuse)",
             "first",
             run_entry(
-                entry, model_dir, cache_dir, prompt, env_extra, keep_until=default_path(cache_dir)
+                entry,
+                model_dir,
+                cache_dir,
+                prompt,
+                env_extra,
+                keep_until=default_path(cache_dir, entry),
             ),
         )
-    report["start_pages_recorded"] = os.path.exists(default_path(cache_dir))
+    report["start_pages_recorded"] = all(os.path.exists(default_path(cache_dir, e)) for e in entries)
     packs = [p for p in weight_files(model_dir) if p.endswith(".cbpack")]
     if not packs:
         raise SystemExit("no pack was written: see the first start's log above")
@@ -470,7 +488,8 @@ def main() -> None:
             record(
                 ENTRY_LABELS[entry],
                 "warm",
-                run_entry(entry, model_dir, cache_dir, prompt, env_extra),
+                run_entry(entry, model_dir, cache_dir, prompt, env_extra,
+                          log_path=log_path(entry, "warm")),
             )
     warm_cache([p for p in weight_files(model_dir) if p.endswith(".safetensors")])
     for _ in range(args.hf_runs):
@@ -488,7 +507,8 @@ def main() -> None:
             record(
                 ENTRY_LABELS[entry],
                 "dropped",
-                run_entry(entry, model_dir, cache_dir, prompt, env_extra),
+                run_entry(entry, model_dir, cache_dir, prompt, env_extra,
+                          log_path=log_path(entry, "dropped")),
             )
 
     report["targets"] = targets(report)
@@ -540,6 +560,7 @@ COLUMNS = [
     ("before", lambda p: p.get("before_boot")),
     ("resolve+stream", lambda p: _sum(p, "resolve", "resolve_tokenizer", "stream_start")),
     ("torch", lambda p: p.get("import_torch")),
+    ("entry_imp", lambda p: p.get("entry_imports")),
     ("cuda+claim", lambda p: p.get("preload_start", p.get("cuda_init"))),
     (
         "engine_imp",

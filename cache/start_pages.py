@@ -2,8 +2,9 @@
 cold start reads them in a few large reads before the weights instead of `import torch` faulting them in one small
 read at a time behind the weight stream (on the H100's disk a cold import beside the stream took 13.9 s, alone 4.5).
 
-record(path): the files this process maps (/proc/self/maps: torch's and CUDA's shared libraries) and imported
-(sys.modules), each with its pages now in the page cache (mincore), merged into ranges. read(path): those ranges
+record(path): the files this process maps (/proc/self/maps: torch's and CUDA's shared libraries), imported
+(sys.modules) and opened for reading since watch_opens() (package metadata, version and data files), each with its
+pages now in the page cache (mincore), merged into ranges. read(path): those ranges
 into the page cache, in order. Stdlib only.
 """
 from __future__ import annotations
@@ -24,16 +25,54 @@ log = logging.getLogger(__name__)
 GAP_BYTES = 1 << 20  # resident runs closer than this are read as one range (a read is cheaper than a seek)
 READ_BYTES = 8 << 20
 FORMAT = 1
+WEIGHT_SUFFIXES = (".safetensors", ".cbpack", ".gguf", ".bin", ".pt", ".pth")  # never start pages
+
+_opened: dict[str, None] = {}  # files opened for reading while watching, in order
+_watching = False
+_hooked = False
 
 
-def default_path(cache_dir: str) -> str:
-    """One record per interpreter and environment (a different venv maps different files)."""
-    key = hashlib.sha256(f"{sys.executable}\0{sys.version}\0{sys.prefix}".encode()).hexdigest()[:16]
+def watch_opens() -> None:
+    """From now until the start is recorded: note each file this process opens for reading (Python's
+    `open` audit event, PEP 578: builtins.open, io.open and os.open), beside the modules it imports.
+    Once per process; the hook does nothing once the watch ends (audit hooks stay for good)."""
+    global _watching, _hooked
+    _watching = True
+    if _hooked:
+        return
+    _hooked = True
+
+    def hook(event: str, args: tuple) -> None:
+        if not _watching or event != "open" or not isinstance(args[0], str):
+            return
+        path, mode, flags = args
+        reading = (
+            flags is not None and flags & os.O_ACCMODE == os.O_RDONLY
+            if mode is None
+            else not set(str(mode)) & set("wax+")
+        )
+        if reading and not path.endswith(WEIGHT_SUFFIXES):
+            _opened.setdefault(os.path.abspath(path), None)
+
+    sys.addaudithook(hook)
+
+
+def stop_watching() -> None:
+    global _watching
+    _watching = False
+
+
+def default_path(cache_dir: str, entry: str = "") -> str:
+    """One record per interpreter, environment (a different venv maps different files) and entry
+    point (the RunPod worker imports the SDK, the server FastAPI)."""
+    key = f"{sys.executable}\0{sys.version}\0{sys.prefix}" + (f"\0{entry}" if entry else "")
+    key = hashlib.sha256(key.encode()).hexdigest()[:16]
     return os.path.join(cache_dir, "start-pages", f"{key}.json")
 
 
 def start_files() -> list[str]:
-    """Mapped regular files first (in load order), then imported modules' files and their bytecode."""
+    """Mapped regular files first (in load order), then imported modules' files and their bytecode,
+    then the files opened for reading while watch_opens() watched."""
     out: dict[str, None] = {}
     try:
         with open("/proc/self/maps") as f:
@@ -53,6 +92,8 @@ def start_files() -> list[str]:
                 out.setdefault(importlib.util.cache_from_source(path), None)
             except (NotImplementedError, ValueError):
                 pass
+    for path in list(_opened):
+        out.setdefault(path, None)
     return [p for p in out if os.path.isfile(p)]
 
 
@@ -99,7 +140,9 @@ def record(path: str) -> int:
 
 
 def record_in_background(path: str) -> None:
-    """record(path) on a daemon thread, once: a worker calls it when its engine is ready."""
+    """record(path) on a daemon thread, once: a worker calls it when its engine is ready (which ends
+    the watch of watch_opens)."""
+    stop_watching()
     if os.path.exists(path):
         return
 

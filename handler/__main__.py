@@ -2,17 +2,19 @@
 
 Worker flags are the runpod SDK's own (--rp_serve_api --rp_api_host H --rp_api_port N, --test_input JSON, ...).
 The worker and the server begin the same way: settings, then the engine's start (the weights
-moving), and only then their own imports (the SDK; FastAPI and uvicorn), which run beside
-`import torch` on the start's thread.
+moving), and only then their own imports (the SDK; FastAPI and uvicorn), made once `import torch`
+is done while the start waits for them.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
 import sys
 
 
-def begin():
+def begin(entry: str):
     """The settings from the environment, logging, and the engine's start (warmup.start's sequence,
     through EngineBoot): returns the started EngineBoot once the weights are moving, or None when
     the settings are invalid (the entry point then reports them in its own words)."""
@@ -23,7 +25,26 @@ def begin():
         settings = load_settings()
     except SettingsError:
         return None
-    return begin_boot(settings)
+    return begin_boot(settings, entry)
+
+
+def import_entry(entry: str, boot, argv: list[str]) -> None:
+    """The entry point's own heavy imports (its module, and what that module imports late), in the
+    start's turn when a start is running: after `import torch`, before the engine's build
+    (EngineBoot.entry_imports)."""
+    with boot.entry_imports() if boot is not None else contextlib.nullcontext():
+        if entry == "serve":
+            import uvicorn  # noqa: F401
+
+            import handler.server  # noqa: F401
+        else:
+            import runpod  # noqa: F401
+
+            import handler.worker  # noqa: F401
+
+            if "--rp_serve_api" in argv or os.environ.get("RUNPOD_REALTIME_PORT"):
+                # the SDK's HTTP server, which runpod.serverless.start imports when it serves one
+                import runpod.serverless.modules.rp_fastapi  # noqa: F401
 
 
 def chat(argv: list[str]) -> None:
@@ -68,7 +89,8 @@ def chat(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:
-        boot = None if {"-h", "--help"} & set(argv) else begin()
+        boot = None if {"-h", "--help"} & set(argv) else begin("serve")
+        import_entry("serve", boot, argv)
         from handler.server import main as serve
 
         serve(argv[1:], boot=boot)
@@ -77,7 +99,11 @@ def main(argv: list[str] | None = None) -> None:
     elif argv[:1] in (["-h"], ["--help"]):
         print(__doc__)
     else:
-        boot = begin()
+        from handler import cpu_probe
+
+        cpu_probe.begin()  # the SDK's import asks for it; its subprocess runs beside the start
+        boot = begin("worker")
+        import_entry("worker", boot, argv)
         from handler.worker import main as worker
 
         worker(argv, boot=boot)

@@ -57,9 +57,9 @@ def embedded_model_dir(cache_dir: str | os.PathLike, baked_dir: str | os.PathLik
         ) from exc
 
 
-def start_args(settings: Settings) -> StartArgs:
+def start_args(settings: Settings, entry: str = "") -> StartArgs:
     """The settings as the start sequence's plain arguments (secrets stay wrapped; cache unwraps
-    them)."""
+    them); entry: the entry point starting, if any."""
     s = settings
     cache_dir = str(s.resolved_cache_dir())
     resolve_options = {
@@ -85,6 +85,7 @@ def start_args(settings: Settings) -> StartArgs:
         engine_options=s.engine_options(),
         engine_mode=s.engine_mode,
         locate=None if s.model_name else lambda: embedded_model_dir(cache_dir, s.baked_model_dir),
+        entry=entry,
     )
 
 
@@ -101,22 +102,27 @@ def _load_error(exc: BaseException) -> BaseException:
     return error
 
 
-def begin(settings: Settings) -> "EngineBoot":
+def begin(settings: Settings, entry: str = "") -> "EngineBoot":
     """What an entry point does once it has its settings, before its own imports: logging, then the
-    engine's start, returning once the weights move (up to STREAM_HEAD_START_S)."""
+    engine's start, returning once the weights move (up to STREAM_HEAD_START_S). With an entry
+    ("serve", "worker"), the start reads that entry's start pages and, after torch's import, waits
+    for the caller's entry_imports() block."""
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return EngineBoot(settings).start(head_start_s=STREAM_HEAD_START_S)
+    boot = EngineBoot(settings, entry)
+    if entry:
+        boot.engine_start.hold_for_entry_imports()
+    return boot.start(head_start_s=STREAM_HEAD_START_S)
 
 
 class EngineBoot:
     """The engine loading from process start (warmup.start's sequence); every caller awaits the same
     readiness."""
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, entry: str = ""):
         self.settings = settings
-        self.engine_start = EngineStart(start_args(settings))
+        self.engine_start = EngineStart(start_args(settings, entry))
         # the start's outcome, with a resolve failure in the settings' words
         self._future: Future = Future()
         self._lock = threading.Lock()
@@ -167,6 +173,11 @@ class EngineBoot:
         if head_start_s > 0:
             self.engine_start.wait_streaming(head_start_s)
         return self
+
+    def entry_imports(self):
+        """A block for the entry point's own heavy imports, made after torch's while the start
+        waits (warmup.start.EngineStart.entry_imports)."""
+        return self.engine_start.entry_imports()
 
     def _settle(self, done: Future) -> None:
         exc = done.exception()

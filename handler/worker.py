@@ -236,9 +236,8 @@ def main(argv: list[str] | None = None, boot: EngineBoot | None = None) -> None:
     worker = Worker(settings, boot)
     worker.admission.drain_on_sigterm()
 
-    # The SDK's import waits on a subprocess (py-cpuinfo's CPU probe, run at import by
-    # runpod.serverless.utils.rp_debugger); the wait releases this interpreter's lock, so the
-    # engine's start, begun above, goes on meanwhile.
+    # Under `python -m handler` the SDK is already imported, in the start's turn, and its CPU probe
+    # ran beside the start (handler.__main__, handler.cpu_probe).
     import runpod
     from runpod.serverless.modules.rp_logger import RunPodLogger
     from runpod.serverless.modules.worker_state import IS_LOCAL_TEST

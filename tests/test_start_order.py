@@ -1,7 +1,7 @@
 """The start order users get: the entry modules import no torch, and in a real `python -m handler`
 and `python -m handler serve` process the weights start moving (the stream process, or the
 page-cache prefetch where there is no GPU) before `torch` is imported and before the entry's own
-server imports (the SDK, FastAPI).
+server imports (the SDK, FastAPI), which wait until torch's import has ended.
 
 Observed from outside the code under test: a sitecustomize on PYTHONPATH installs a CPython audit
 hook (PEP 578) that logs the interpreter's own `import` events (raised when a module is first
@@ -30,7 +30,7 @@ import os, sys, threading, time
 
 _fd = os.open(os.environ["START_ORDER_LOG"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 _seen = set()
-_WATCHED = {"torch", "fastapi", "uvicorn", "runpod", "pydantic_settings"}
+_WATCHED = {"torch", "engine.config", "fastapi", "uvicorn", "runpod", "pydantic_settings"}
 
 
 def _note(event, detail):
@@ -157,7 +157,9 @@ def test_the_weights_move_before_torch_and_the_entrys_own_imports(entry, smollm2
     own_at = _first(events, "import", own)
     settings_at = _first(events, "import", "pydantic_settings")
     assert settings_at is not None and settings_at < stream_at < torch_at, events
-    assert stream_at < own_at, events  # the entry's own heavy imports come after (beside torch's)
+    assert stream_at < own_at, events  # the entry's own heavy imports come after,
+    # and after torch's import has ended (the start imports engine.config right after torch)
+    assert torch_at < _first(events, "import", "engine.config") < own_at, events
 
 
 @pytest.mark.gpu

@@ -41,6 +41,28 @@ def test_a_record_holds_the_mapped_libraries_and_imported_modules_with_their_pag
     assert data["bytes"] == sum(n for r in files.values() for _, n in r)
 
 
+def test_the_files_opened_for_reading_while_watched_join_the_record(tmp_path):
+    names = {n: tmp_path / n for n in ("METADATA", "written.txt", "model.safetensors", "later.txt")}
+    for p in names.values():
+        p.write_bytes(b"x" * 5000)
+    code = (
+        "import os\n"
+        "from cache import start_pages\n"
+        "start_pages.watch_opens()\n"
+        f"open({str(names['METADATA'])!r}).read()\n"  # what importlib.metadata does
+        f"open({str(names['written.txt'])!r}, 'a').write('y')\n"
+        f"os.close(os.open({str(names['model.safetensors'])!r}, os.O_RDONLY))\n"
+        "start_pages.stop_watching()\n"
+        f"open({str(names['later.txt'])!r}).read()\n"
+        f"start_pages.record({str(tmp_path / 'pages.json')!r})\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120,
+                   env=dict(os.environ, PYTHONPATH=str(REPO)))
+    recorded = {name for name, _ in json.load(open(tmp_path / "pages.json"))["files"]}
+    assert str(names["METADATA"]) in recorded
+    assert not {str(names[n]) for n in ("written.txt", "model.safetensors", "later.txt")} & recorded
+
+
 def test_reading_a_record_fills_the_page_cache_and_skips_what_is_gone(tmp_path):
     blob = tmp_path / "lib.bin"
     blob.write_bytes(os.urandom(3 << 20))
@@ -67,3 +89,5 @@ def test_the_default_path_is_per_environment_under_the_cache_dir(tmp_path):
     p = start_pages.default_path(str(tmp_path))
     assert p.startswith(str(tmp_path / "start-pages")) and p.endswith(".json")
     assert start_pages.default_path(str(tmp_path)) == p
+    serve, worker = (start_pages.default_path(str(tmp_path), e) for e in ("serve", "worker"))
+    assert len({p, serve, worker}) == 3 and os.path.dirname(serve) == os.path.dirname(p)

@@ -8,6 +8,8 @@ tokens.
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 
@@ -15,8 +17,8 @@ from engine import LLM, SamplingParams
 from tests.tiny_models import make_tiny_model
 from warmup.start import EngineStart, ResolveError, StartArgs, start_engine
 
-ORDER = ["before_boot", "resolve", "stream_start", "import_torch", "preload_start", "engine_mode",
-         "import_engine", "engine", "total"]
+ORDER = ["before_boot", "resolve", "stream_start", "import_torch", "entry_imports", "preload_start",
+         "engine_mode", "import_engine", "engine", "total"]
 GREEDY = dict(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
@@ -44,6 +46,47 @@ def test_a_local_model_starts_through_every_phase_in_order(tmp_path):
         assert asyncio.run(_greedy(engine, [3, 5, 7, 9])) == expected.token_ids
     finally:
         engine.shutdown()
+
+
+def test_the_entry_points_imports_come_between_torch_and_the_build(tmp_path):
+    model_dir = str(tmp_path / "model")
+    make_tiny_model("llama", model_dir)
+    options = {"dtype": "float32", "num_kv_blocks": 32, "block_size": 4, "max_model_len": 64}
+    args = StartArgs(model=model_dir, cache_dir=str(tmp_path / "cache"), device="cpu",
+                     engine_options=options)
+    start = EngineStart(args).hold_for_entry_imports().begin()
+    assert start.wait_streaming(60)
+    with start.entry_imports():
+        seen = list(start.phases)  # torch is imported; the start waits for this block
+        time.sleep(0.3)
+        still = list(start.phases)
+    engine = start.future.result(timeout=300)
+    try:
+        assert seen[-1] == "import_torch" and still == seen
+        assert start.phases["entry_imports"] >= 0.3
+    finally:
+        engine.shutdown()
+
+
+def test_a_download_does_not_hold_the_entry_points_imports(tmp_path):
+    gate = threading.Event()
+
+    def locate() -> str:  # a download that has not finished
+        gate.wait(60)
+        raise FileNotFoundError("not there")
+
+    start = EngineStart(
+        StartArgs(model="slow", cache_dir=str(tmp_path), device="cpu", locate=locate)
+    ).hold_for_entry_imports().begin()
+    assert not start.wait_streaming(0.2)
+    t0 = time.perf_counter()
+    with start.entry_imports():
+        pass
+    assert time.perf_counter() - t0 < 1.0
+    gate.set()
+    with pytest.raises(ResolveError):
+        start.future.result(timeout=60)
+    assert "entry_imports" not in start.phases
 
 
 def test_a_reference_that_does_not_resolve_fails_naming_it(tmp_path):

@@ -9,6 +9,8 @@ timed:
                  page-cache prefetch (cache.device_stream.start_weights); Triton's compiler key
                  begins in a second interpreter
   import_torch   `import torch` (the floor of any Python engine), the engine's config and weights
+  entry_imports  the entry point's own imports (the SDK; FastAPI and uvicorn), which it makes now,
+                 while the start waits (EngineStart.entry_imports)
   preload_start  the engine's load of the pack begins and takes over what is already moving (the
                  one hand-off of the weights; with a pack, CUDA is initialised here)
   triton_key     Triton's compiler key, computed meanwhile, handed to Triton
@@ -25,11 +27,12 @@ torch.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +46,9 @@ log = logging.getLogger(__name__)
 
 # cache.resolve's keywords that also reach the S3 store of compiled engines
 _S3_KEYS = ("s3_endpoint_url", "aws_access_key_id", "aws_secret_access_key", "aws_region")
+# The longest an entry point waits for torch's import before making its own, and the longest the
+# start waits for them in turn (neither normally comes near it).
+ENTRY_IMPORTS_WAIT_S = 60.0
 
 
 class ResolveError(RuntimeError):
@@ -71,6 +77,7 @@ class StartArgs:
     engine_options: dict[str, Any] = field(default_factory=dict)
     engine_mode: str = "auto"  # jit | compiled | auto
     locate: Callable[[], str] | None = None  # finds the model's directory instead of cache.resolve
+    entry: str = ""  # the entry point starting ("serve", "worker"): its start pages are its own
 
 
 def process_age_s() -> float | None:
@@ -100,12 +107,16 @@ class EngineStart:
         self._s3 = None  # the S3 options of compiled engines (cache.resolver.make_s3_options)
         self.future: Future = Future()
         self._streaming = threading.Event()  # set once the weights move (or the start failed)
+        self._torch_imported = threading.Event()  # set once torch is imported (or the start failed)
+        self._entry_imported = threading.Event()  # clear while an entry point makes its imports
+        self._entry_imported.set()
         self._thread: threading.Thread | None = None
 
     def begin(self) -> EngineStart:
         """Run the sequence on a daemon thread (once; later calls do nothing)."""
         if self._thread is None:
             self.future.set_running_or_notify_cancel()
+            start_pages.watch_opens()  # the start's own data files join its start pages
             age = process_age_s()
             if age is not None:
                 self.phases["before_boot"] = age
@@ -121,6 +132,29 @@ class EngineStart:
         with them. A download does not hold the caller past `timeout`."""
         return self._streaming.wait(timeout)
 
+    def hold_for_entry_imports(self) -> EngineStart:
+        """Before begin(): the start waits after `import torch` until an entry_imports() block
+        ends (at most ENTRY_IMPORTS_WAIT_S)."""
+        self._entry_imported.clear()
+        return self
+
+    @contextlib.contextmanager
+    def entry_imports(self, wait_s: float = ENTRY_IMPORTS_WAIT_S) -> Iterator[None]:
+        """The block where an entry point makes its own heavy imports, in turn with the start's:
+        after `import torch`, while the start waits (hold_for_entry_imports), then the engine's
+        build.
+
+        Two imports in one interpreter take longer side by side than one after the other: each
+        gives up the interpreter's lock on every file it reads and then waits out the other's
+        switch interval to get it back. While the weights are not moving yet (a download), the
+        block runs at once and the start does not wait for it."""
+        if self._streaming.is_set() and not self.future.done():
+            self._torch_imported.wait(wait_s)
+        try:
+            yield
+        finally:
+            self._entry_imported.set()
+
     def _run(self) -> None:
         try:
             self.future.set_result(self.run())
@@ -129,6 +163,7 @@ class EngineStart:
             self.future.set_exception(exc)
         finally:
             self._streaming.set()
+            self._torch_imported.set()
 
     def _timed(self, phase: str, fn, *args):
         t0 = time.perf_counter()
@@ -163,7 +198,7 @@ class EngineStart:
         if a.tokenizer:
             tokenizer_dir = self._timed("resolve_tokenizer", self._resolve, "tokenizer",
                                         a.tokenizer, a.tokenizer_revision)
-        pages = start_pages.default_path(a.cache_dir)
+        pages = start_pages.default_path(a.cache_dir, a.entry)
         # Tensor parallelism: ranks 1..N-1 start now and stream their own shards; this is rank 0.
         tp_size = a.engine_options.get("tensor_parallel_size", 1)
         launch_ranks(str(self.model_dir), tp_size, a.device)
@@ -181,6 +216,8 @@ class EngineStart:
         from engine.models.weights import preload_weights  # torch and the config, no model code
 
         self.phases["import_torch"] = time.perf_counter() - t_import
+        self._torch_imported.set()
+        self._timed("entry_imports", self._entry_imported.wait, ENTRY_IMPORTS_WAIT_S)
         tokenizer = str(tokenizer_dir) if tokenizer_dir else None
         args = EngineArgs(model=str(self.model_dir), tokenizer=tokenizer, device=a.device,
                           **a.engine_options)
