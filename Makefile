@@ -47,7 +47,9 @@ run: $(VENV)/.run-installed ## the RunPod worker's local API on RUN_HOST:RUN_POR
 serve: $(VENV)/.run-installed ## the OpenAI-compatible HTTP server on RUN_HOST:RUN_PORT
 	$(PY) -m handler serve --host $(RUN_HOST) --port $(RUN_PORT)
 
-test: $(VENV)/.test-installed ## the CPU test suite (pytest), then the hub tests on the oldest hub client
+test: $(VENV)/.test-installed ## ruff check and format check, the CPU test suite, the hub tests on the oldest hub client
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q
 	$(MAKE) test-hub-oldest
 

@@ -2,6 +2,7 @@
 
 Speed does not depend on weight values, and the GPU machine has no network: benchmarks build their models here.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,9 @@ def hf_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return {name: slot.full for name, slot in model.hf_weight_map().items()}
 
 
-def synthesize(config_name: str, out_dir: str, shard_bytes: int = 5 << 30, device: str = "cpu", seed: int = 0) -> str:
+def synthesize(
+    config_name: str, out_dir: str, shard_bytes: int = 5 << 30, device: str = "cpu", seed: int = 0
+) -> str:
     """Write `configs/<config_name>` with N(0, 0.02) bf16 weights (norms = 1) to out_dir; reuse a complete one."""
     out = Path(out_dir)
     if (out / "model.safetensors.index.json").exists():
@@ -58,7 +61,10 @@ def synthesize(config_name: str, out_dir: str, shard_bytes: int = 5 << 30, devic
     if shard:
         flush()
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    index = {"metadata": {"total_size": sum(2 * _numel(s) for s in shapes.values())}, "weight_map": weight_map}
+    index = {
+        "metadata": {"total_size": sum(2 * _numel(s) for s in shapes.values())},
+        "weight_map": weight_map,
+    }
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index))
     os.replace(tmp, out)
     return str(out)

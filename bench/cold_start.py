@@ -557,10 +557,14 @@ def _sum(phases: dict, *names: str) -> float | None:
 
 def print_table(report: dict) -> None:
     r = report
-    print(f"\n{r['device']}, torch {r['torch']}, Python {r['python']}, {r['config']} bf16 "
-          f"({r['pack_bytes'] / 1e9:.2f} GB pack), prompt {r['prompt_len']} tokens, {r['date']}")
-    print("seconds from process start; phases from the entry's ready line (bare and HF: from the "
-          "child's stamps)")
+    print(
+        f"\n{r['device']}, torch {r['torch']}, Python {r['python']}, {r['config']} bf16 "
+        f"({r['pack_bytes'] / 1e9:.2f} GB pack), prompt {r['prompt_len']} tokens, {r['date']}"
+    )
+    print(
+        "seconds from process start; phases from the entry's ready line (bare and HF: from the "
+        "child's stamps)"
+    )
     head = " ".join(f"{c:>14}" for c, _ in COLUMNS)
     print(f"{'run':<34} {'cache':<7} {head} {'port open':>10} {'1st token':>10}")
     for r in report["runs"]:

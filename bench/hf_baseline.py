@@ -1,6 +1,7 @@
 """The HF transformers baseline on the same requests: `generate` in static padded batches, and its continuous
 batching manager (what `generate_batch` runs) with per-request output lengths; token timestamps for both.
 """
+
 from __future__ import annotations
 
 import gc
@@ -13,7 +14,9 @@ from bench.trace import BenchRequest
 
 
 def load_hf_model(model_dir: str, dtype: torch.dtype, device: str):
-    from transformers import AutoModelForCausalLM  # 15 s to import on the GPU machine: only the hf part pays it
+    from transformers import (
+        AutoModelForCausalLM,  # 15 s to import on the GPU machine: only the hf part pays it
+    )
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map=device)
     model.eval()
@@ -54,12 +57,17 @@ def _generate_padded(model, batch: list[BenchRequest], device: str, timer=None) 
     ids = torch.zeros((len(batch), width), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, r in enumerate(batch):
-        ids[row, width - r.prompt_len:] = torch.tensor(r.prompt_token_ids)
-        mask[row, width - r.prompt_len:] = 1
+        ids[row, width - r.prompt_len :] = torch.tensor(r.prompt_token_ids)
+        mask[row, width - r.prompt_len :] = 1
     new = max(r.output_len for r in batch)
     return model.generate(
-        input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new, min_new_tokens=new,
-        do_sample=False, pad_token_id=0, streamer=timer,
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        pad_token_id=0,
+        streamer=timer,
     )
 
 
@@ -70,7 +78,7 @@ def run_generate(model, requests: list[BenchRequest], batch_size: int, device: s
     start = time.perf_counter()
     records = []
     for i in range(0, len(requests), batch_size):
-        batch = requests[i:i + batch_size]
+        batch = requests[i : i + batch_size]
         timer = _step_timer()
         _generate_padded(model, batch, device, timer)
         for r in batch:
@@ -105,13 +113,26 @@ def run_continuous_batching(model, requests: list[BenchRequest], device: str):
         torch.cuda.empty_cache()
     # On a GPU HF sizes its paged cache from free memory; on CPU that would zero gigabytes, so give it what it needs.
     longest = max(r.prompt_len + r.output_len for r in requests)
-    cb_config = None if on_gpu else ContinuousBatchingConfig(num_blocks=len(requests) * (longest // 16 + 1) + 8)
+    cb_config = (
+        None
+        if on_gpu
+        else ContinuousBatchingConfig(num_blocks=len(requests) * (longest // 16 + 1) + 8)
+    )
     with model.continuous_batching_context_manager(
-        generation_config=config, continuous_batching_config=cb_config, block=True, timeout=60, warmup=on_gpu
+        generation_config=config,
+        continuous_batching_config=cb_config,
+        block=True,
+        timeout=60,
+        warmup=on_gpu,
     ) as manager:
         start = time.perf_counter()
         ids = [
-            manager.add_request(r.prompt_token_ids, max_new_tokens=r.output_len, record_timestamps=True, eos_token_id=-1)
+            manager.add_request(
+                r.prompt_token_ids,
+                max_new_tokens=r.output_len,
+                record_timestamps=True,
+                eos_token_id=-1,
+            )
             for r in requests
         ]
         results = {}
@@ -120,7 +141,9 @@ def run_continuous_batching(model, requests: list[BenchRequest], device: str):
             if out is not None and out.is_finished():
                 results[out.request_id] = out
             elif out is None and not manager.is_running():
-                raise RuntimeError(f"HF continuous batching stopped with {len(ids) - len(results)} requests left")
+                raise RuntimeError(
+                    f"HF continuous batching stopped with {len(ids) - len(results)} requests left"
+                )
         end = time.perf_counter()
     records = []
     for rid, r in zip(ids, requests):

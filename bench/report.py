@@ -1,6 +1,7 @@
 """The serving benchmark's results file: merge the parts of a split run, derive ratios, print the summary table and
 draw the concurrency plot (output tok/s and TTFT p99 vs concurrency).
 """
+
 from __future__ import annotations
 
 import json
@@ -14,10 +15,14 @@ def merge(base: dict, new: dict) -> dict:
     out = {k: v for k, v in base.items()}
     for key in SECTIONS:
         if key in new:
-            out[key] = new[key] if key != "offline" else {**base.get("offline", {}), **new["offline"]}
+            out[key] = (
+                new[key] if key != "offline" else {**base.get("offline", {}), **new["offline"]}
+            )
     out["kv"] = {**base.get("kv", {}), **new.get("kv", {})}
     meta = dict(new.get("meta") or base.get("meta") or {})
-    meta["calls"] = list((base.get("meta") or {}).get("calls", [])) + list((new.get("meta") or {}).get("calls", []))
+    meta["calls"] = list((base.get("meta") or {}).get("calls", [])) + list(
+        (new.get("meta") or {}).get("calls", [])
+    )
     out["meta"] = meta
     out["ratios"] = ratios(out)
     return out
@@ -27,7 +32,11 @@ def ratios(res: dict) -> dict:
     """Ours / HF's best mode on matching workloads (the same conv-trace subset; batch-1 decode)."""
     out: dict = {}
     hf = res.get("hf") or {}
-    modes = {k: hf[k]["output_tok_s"] for k in ("generate", "generate_batch") if isinstance(hf.get(k), dict)}
+    modes = {
+        k: hf[k]["output_tok_s"]
+        for k in ("generate", "generate_batch")
+        if isinstance(hf.get(k), dict)
+    }
     if modes and isinstance(hf.get("ours"), dict):
         best = max(modes, key=modes.get)
         out["hf_best_mode"] = best
@@ -80,11 +89,18 @@ def table(res: dict) -> str:
     for key, label in (("conv", "offline conv"), ("fixed", "offline fixed")):
         if key in off:
             d = off[key]
-            row(f"{label} x{d['num_requests']} ({d['prompt_tokens'] // max(d['num_requests'], 1)} in avg)", d)
+            row(
+                f"{label} x{d['num_requests']} ({d['prompt_tokens'] // max(d['num_requests'], 1)} in avg)",
+                d,
+            )
     for lvl in (res.get("online") or {}).get("levels", []):
         row(f"online c={lvl['concurrency']} ({lvl['requests_finished']} done)", lvl, total=False)
     hf = res.get("hf") or {}
-    for key, label in (("ours", "ours, HF subset"), ("generate", "HF generate"), ("generate_batch", "HF generate_batch")):
+    for key, label in (
+        ("ours", "ours, HF subset"),
+        ("generate", "HF generate"),
+        ("generate_batch", "HF generate_batch"),
+    ):
         if isinstance(hf.get(key), dict):
             row(f"{label} x{hf[key]['num_requests']}", hf[key])
         elif isinstance(hf.get(key), str):
@@ -131,7 +147,9 @@ def plot(res: dict, path: str) -> bool:
     conc = [lvl["concurrency"] for lvl in levels]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     ax1.plot(conc, [lvl["output_tok_s"] for lvl in levels], "o-")
-    ax1.set(xscale="log", xlabel="concurrent clients", ylabel="output tokens / s", title="throughput")
+    ax1.set(
+        xscale="log", xlabel="concurrent clients", ylabel="output tokens / s", title="throughput"
+    )
     ax2.plot(conc, [lvl["ttft_ms"]["p99"] or float("nan") for lvl in levels], "o-", color="tab:red")
     ax2.set(xscale="log", xlabel="concurrent clients", ylabel="ms", title="TTFT p99")
     for ax in (ax1, ax2):

@@ -3,6 +3,7 @@
 Programs sharing a weight tile run side by side, split-K partials add atomically in fp32. On the H100 cuBLAS won at
 M=256 for every Llama-3.1-8B projection (bench/results/2026-11-22-h100-gemm-micro.json), so the engine does not use it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -13,15 +14,28 @@ try:  # a CPU-only install may have no triton; the torch layers never need it
 except ImportError:  # pragma: no cover - exercised only on installs without triton
     triton = None
 
-TiledConfig = tuple[int, int, int, int, int, int]  # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
+TiledConfig = tuple[
+    int, int, int, int, int, int
+]  # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
 
 
 if triton is not None:
 
     @triton.jit
     def _tiled_gemm_kernel(
-        x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        x_ptr,
+        w_ptr,
+        y_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_ym,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr,
     ):
         """Program p: split p % SPLIT_K, row tile (p // SPLIT_K) % num_m, column tile the rest (row tiles and splits
         of one weight tile run side by side, so the weight comes from HBM once). SPLIT_K > 1 adds into fp32 y."""
@@ -66,8 +80,20 @@ def tiled_gemm(x: torch.Tensor, weight: torch.Tensor, config: TiledConfig) -> to
         y = torch.zeros((m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n) * split_k,)
     _tiled_gemm_kernel[grid](
-        x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-        num_warps=num_warps, num_stages=num_stages,
+        x,
+        weight,
+        y,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        SPLIT_K=split_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return y if split_k == 1 else y.to(x.dtype)

@@ -3,6 +3,7 @@
 A stream may deliver several tokens in one chunk (a slow reader skips to the newest cumulative output): a chunk of
 k new tokens arriving dt after the previous one counts as k inter-token gaps of dt / k.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,7 +16,9 @@ class RequestRecord:
     prompt_len: int
     requested_output: int
     submit_time: float
-    chunks: list[tuple[float, int]] = field(default_factory=list)  # (arrival time, cumulative output tokens)
+    chunks: list[tuple[float, int]] = field(
+        default_factory=list
+    )  # (arrival time, cumulative output tokens)
     finish_reason: str | None = None
 
     def add(self, t: float, num_tokens: int) -> None:
@@ -70,7 +73,9 @@ def summarize(records: list[RequestRecord], wall_start: float, wall_end: float) 
     ttft = [r.first_token_time - r.submit_time for r in records if r.first_token_time is not None]
     itl = [g for r in records for g in r.itl_gaps()]
     tpot = [
-        (r.last_token_time - r.first_token_time) / (r.num_output - 1) for r in records if r.num_output > 1
+        (r.last_token_time - r.first_token_time) / (r.num_output - 1)
+        for r in records
+        if r.num_output > 1
     ]
     chunks = sum(len(r.chunks) for r in records)
     return {
@@ -98,7 +103,9 @@ def summarize_window(records: list[RequestRecord], start: float, end: float) -> 
     submitted = [r for r in records if start <= r.submit_time <= end]
     ttft = [r.first_token_time - r.submit_time for r in submitted if r.first_token_time is not None]
     itl = [g for r in records for g in r.itl_gaps(start, end)]
-    finished = [r for r in records if r.finish_reason in ("length", "stop") and r.last_token_time <= end]
+    finished = [
+        r for r in records if r.finish_reason in ("length", "stop") and r.last_token_time <= end
+    ]
     return {
         "window_s": span,
         "requests_submitted": len(submitted),

@@ -2,6 +2,7 @@
 
 Everything is seeded, so the same arguments give the same requests on every machine and in every part of a run.
 """
+
 from __future__ import annotations
 
 import csv
@@ -17,7 +18,9 @@ CONV_TRACE = Path(__file__).resolve().parent / "data" / "AzureLLMInferenceTrace_
 @dataclass(frozen=True)
 class BenchRequest:
     prompt_token_ids: list[int]
-    output_len: int  # forced: the request runs with max_tokens = min_tokens = output_len and ignore_eos
+    output_len: (
+        int  # forced: the request runs with max_tokens = min_tokens = output_len and ignore_eos
+    )
 
     @property
     def prompt_len(self) -> int:
@@ -27,7 +30,9 @@ class BenchRequest:
 def load_trace(path: str | Path = CONV_TRACE) -> list[tuple[int, int]]:
     """(ContextTokens, GeneratedTokens) of every row of an Azure LLM inference trace CSV, in file order."""
     with open(path, newline="") as f:
-        return [(int(row["ContextTokens"]), int(row["GeneratedTokens"])) for row in csv.DictReader(f)]
+        return [
+            (int(row["ContextTokens"]), int(row["GeneratedTokens"])) for row in csv.DictReader(f)
+        ]
 
 
 def sample_lengths(
@@ -52,13 +57,18 @@ def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
 def make_requests(lengths: list[tuple[int, int]], vocab_size: int, seed: int) -> list[BenchRequest]:
     """One request per (prompt_len, output_len), prompt i seeded by (seed, i)."""
     return [
-        BenchRequest(random_prompt(p, vocab_size, seed * 1_000_003 + i), o) for i, (p, o) in enumerate(lengths)
+        BenchRequest(random_prompt(p, vocab_size, seed * 1_000_003 + i), o)
+        for i, (p, o) in enumerate(lengths)
     ]
 
 
-def conv_requests(n: int, vocab_size: int, seed: int, max_prompt: int, max_output: int) -> list[BenchRequest]:
+def conv_requests(
+    n: int, vocab_size: int, seed: int, max_prompt: int, max_output: int
+) -> list[BenchRequest]:
     return make_requests(sample_lengths(n, seed, max_prompt, max_output), vocab_size, seed)
 
 
-def fixed_requests(n: int, prompt_len: int, output_len: int, vocab_size: int, seed: int) -> list[BenchRequest]:
+def fixed_requests(
+    n: int, prompt_len: int, output_len: int, vocab_size: int, seed: int
+) -> list[BenchRequest]:
     return make_requests([(prompt_len, output_len)] * n, vocab_size, seed)

@@ -2,6 +2,7 @@
 
 `resolve(ref)` turns a model reference into a local snapshot directory. Imports nothing of ours.
 """
+
 from __future__ import annotations
 
 from cache.resolver import resolve

@@ -3,6 +3,7 @@
 Contexts, pinned host memory, async host-to-device copies, events, and virtual-memory allocations that another
 process can map (exported as a POSIX file descriptor). Every failing call raises CudaError naming the call.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -28,13 +29,22 @@ class _Location(ctypes.Structure):
 
 
 class _AllocFlags(ctypes.Structure):
-    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
-                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+    _fields_ = [
+        ("compressionType", ctypes.c_ubyte),
+        ("gpuDirectRDMACapable", ctypes.c_ubyte),
+        ("usage", ctypes.c_ushort),
+        ("reserved", ctypes.c_ubyte * 4),
+    ]
 
 
 class _AllocationProp(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", _Location),
-                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", _AllocFlags)]
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("requestedHandleTypes", ctypes.c_int),
+        ("location", _Location),
+        ("win32HandleMetaData", ctypes.c_void_p),
+        ("allocFlags", _AllocFlags),
+    ]
 
 
 class _AccessDesc(ctypes.Structure):
@@ -88,8 +98,10 @@ def check_shared_compute_mode(ordinal: int) -> None:
     mode = ctypes.c_int()
     _call("cuDeviceGetAttribute", ctypes.byref(mode), _ATTRIBUTE_COMPUTE_MODE, dev)
     if mode.value != _COMPUTE_MODE_DEFAULT:
-        raise CudaError(f"GPU {ordinal} is in compute mode {mode.value}, not the default shared mode: a second "
-                        f"process may not hold a context beside the worker")
+        raise CudaError(
+            f"GPU {ordinal} is in compute mode {mode.value}, not the default shared mode: a second "
+            f"process may not hold a context beside the worker"
+        )
 
 
 def primary_context(ordinal: int) -> ctypes.c_void_p:
@@ -163,7 +175,12 @@ def _prop(ordinal: int) -> _AllocationProp:
 def granularity(ordinal: int) -> int:
     g = ctypes.c_size_t()
     prop = _prop(ordinal)
-    _call("cuMemGetAllocationGranularity", ctypes.byref(g), ctypes.byref(prop), _GRANULARITY_RECOMMENDED)
+    _call(
+        "cuMemGetAllocationGranularity",
+        ctypes.byref(g),
+        ctypes.byref(prop),
+        _GRANULARITY_RECOMMENDED,
+    )
     return g.value
 
 
@@ -174,7 +191,9 @@ def create_shareable(ordinal: int, size: int) -> tuple[int, int]:
     _call("cuMemCreate", ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(prop), _u64(0))
     fd = ctypes.c_int(-1)
     try:
-        _call("cuMemExportToShareableHandle", ctypes.byref(fd), handle, _HANDLE_TYPE_POSIX_FD, _u64(0))
+        _call(
+            "cuMemExportToShareableHandle", ctypes.byref(fd), handle, _HANDLE_TYPE_POSIX_FD, _u64(0)
+        )
     except CudaError:
         release(handle.value)
         raise
@@ -184,14 +203,26 @@ def create_shareable(ordinal: int, size: int) -> tuple[int, int]:
 def import_shareable(fd: int) -> int:
     """The allocation another process exported as `fd` -> a handle of this process (the fd may be closed after)."""
     handle = ctypes.c_uint64()
-    _call("cuMemImportFromShareableHandle", ctypes.byref(handle), ctypes.c_void_p(fd), _HANDLE_TYPE_POSIX_FD)
+    _call(
+        "cuMemImportFromShareableHandle",
+        ctypes.byref(handle),
+        ctypes.c_void_p(fd),
+        _HANDLE_TYPE_POSIX_FD,
+    )
     return handle.value
 
 
 def map_handle(handle: int, size: int, ordinal: int) -> int:
     """Reserve addresses, map the allocation there and give `ordinal` read/write access; returns the address."""
     ptr = ctypes.c_uint64()
-    _call("cuMemAddressReserve", ctypes.byref(ptr), ctypes.c_size_t(size), ctypes.c_size_t(0), _u64(0), _u64(0))
+    _call(
+        "cuMemAddressReserve",
+        ctypes.byref(ptr),
+        ctypes.c_size_t(size),
+        ctypes.c_size_t(0),
+        _u64(0),
+        _u64(0),
+    )
     try:
         _call("cuMemMap", ptr, ctypes.c_size_t(size), ctypes.c_size_t(0), _u64(handle), _u64(0))
     except CudaError:

@@ -2,6 +2,7 @@
 
 Model-agnostic (names, dtypes, shapes, bytes); written atomically, validated on read (a torn or truncated pack is a PackError).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -23,10 +24,21 @@ _HEADER_CRC = struct.Struct("<I")
 
 # dtype name (as torch spells it) -> bytes per element
 DTYPE_SIZES = {
-    "bool": 1, "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
-    "int32": 4, "uint32": 4, "float32": 4,
-    "int64": 8, "uint64": 8, "float64": 8,
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int16": 2,
+    "uint16": 2,
+    "float16": 2,
+    "bfloat16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "float32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float64": 8,
 }
 
 
@@ -78,12 +90,16 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _check_entry(name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> None:
     if dtype not in DTYPE_SIZES:
-        raise ValueError(f"dtype: {dtype!r} of tensor {name!r} is not one of {', '.join(DTYPE_SIZES)}")
+        raise ValueError(
+            f"dtype: {dtype!r} of tensor {name!r} is not one of {', '.join(DTYPE_SIZES)}"
+        )
     if any(not isinstance(d, int) or d < 0 for d in shape):
         raise ValueError(f"shape: {shape!r} of tensor {name!r} must be non-negative integers")
     expected = _numel(shape) * DTYPE_SIZES[dtype]
     if nbytes != expected:
-        raise ValueError(f"nbytes: tensor {name!r} has {nbytes} bytes but {dtype}{list(shape)} needs {expected}")
+        raise ValueError(
+            f"nbytes: tensor {name!r} has {nbytes} bytes but {dtype}{list(shape)} needs {expected}"
+        )
 
 
 class PackWriter:
@@ -98,14 +114,18 @@ class PackWriter:
         directory, base = os.path.split(self.path)
         os.makedirs(directory, exist_ok=True)
         _remove_stale_temps(directory, base)
-        self.tmp_path = os.path.join(directory, f".{base}.tmp-{_host()}-{os.getpid()}-{secrets.token_hex(4)}")
+        self.tmp_path = os.path.join(
+            directory, f".{base}.tmp-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+        )
         self._file = open(self.tmp_path, "wb")
         self._file.write(b"\0" * ALIGNMENT)  # the header, written last
         self._pos = ALIGNMENT
         self._entries: list[dict[str, Any]] = []
         self._names: set[str] = set()
 
-    def add(self, name: str, dtype: str, shape: tuple[int, ...] | list[int], data, group: int = 0) -> None:
+    def add(
+        self, name: str, dtype: str, shape: tuple[int, ...] | list[int], data, group: int = 0
+    ) -> None:
         """Append one tensor: `data` is any buffer (bytes, memoryview, numpy array) of its raw bytes."""
         shape = tuple(int(d) for d in shape)
         view = memoryview(data).cast("B")
@@ -113,8 +133,16 @@ class PackWriter:
             raise ValueError(f"name: tensor {name!r} was already added to the pack")
         _check_entry(name, dtype, shape, view.nbytes)
         self._file.write(view)
-        self._entries.append({"name": name, "dtype": dtype, "shape": list(shape), "offset": self._pos,
-                              "nbytes": view.nbytes, "group": int(group)})
+        self._entries.append(
+            {
+                "name": name,
+                "dtype": dtype,
+                "shape": list(shape),
+                "offset": self._pos,
+                "nbytes": view.nbytes,
+                "group": int(group),
+            }
+        )
         self._names.add(name)
         self._pos += view.nbytes
         self._pad()
@@ -127,15 +155,29 @@ class PackWriter:
 
     def commit(self) -> str:
         """Write the index and the header, fsync, rename into place, fsync the directory. Returns the path."""
-        index = json.dumps({
-            "format_version": FORMAT_VERSION, "alignment": ALIGNMENT, "data_offset": ALIGNMENT,
-            "data_end": self._pos, "metadata": self.metadata, "tensors": self._entries,
-        }, separators=(",", ":")).encode()
+        index = json.dumps(
+            {
+                "format_version": FORMAT_VERSION,
+                "alignment": ALIGNMENT,
+                "data_offset": ALIGNMENT,
+                "data_end": self._pos,
+                "metadata": self.metadata,
+                "tensors": self._entries,
+            },
+            separators=(",", ":"),
+        ).encode()
         index_offset = self._pos
         self._file.write(index)
         file_size = index_offset + len(index)
-        header = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, index_offset, len(index), file_size,
-                              hashlib.sha256(index).digest())
+        header = _HEADER.pack(
+            MAGIC,
+            FORMAT_VERSION,
+            0,
+            index_offset,
+            len(index),
+            file_size,
+            hashlib.sha256(index).digest(),
+        )
         self._file.seek(0)
         self._file.write(header + _HEADER_CRC.pack(zlib.crc32(header)))
         self._file.flush()
@@ -176,7 +218,7 @@ def _remove_stale_temps(directory: str, base: str) -> None:
         if not name.startswith(prefix):
             continue
         try:
-            os.kill(int(name[len(prefix):].split("-")[0]), 0)  # raises if no such process
+            os.kill(int(name[len(prefix) :].split("-")[0]), 0)  # raises if no such process
         except ProcessLookupError:
             try:
                 os.unlink(os.path.join(directory, name))
@@ -198,18 +240,26 @@ def read_pack(path: str) -> Pack:
         head = f.read(_HEADER.size + _HEADER_CRC.size)
         if len(head) < _HEADER.size + _HEADER_CRC.size:
             raise PackError(f"pack {path}: truncated ({size} bytes, shorter than its header)")
-        header, (crc,) = head[: _HEADER.size], _HEADER_CRC.unpack(head[_HEADER.size:])
+        header, (crc,) = head[: _HEADER.size], _HEADER_CRC.unpack(head[_HEADER.size :])
         magic, version, _, index_offset, index_nbytes, file_size, index_sha = _HEADER.unpack(header)
         if magic != MAGIC:
-            raise PackError(f"pack {path}: not a coldbrew pack (bad magic; an unfinished write leaves zeros)")
+            raise PackError(
+                f"pack {path}: not a coldbrew pack (bad magic; an unfinished write leaves zeros)"
+            )
         if zlib.crc32(header) != crc:
             raise PackError(f"pack {path}: header checksum mismatch")
         if version != FORMAT_VERSION:
-            raise PackError(f"pack {path}: format version {version}, this reader knows {FORMAT_VERSION}")
+            raise PackError(
+                f"pack {path}: format version {version}, this reader knows {FORMAT_VERSION}"
+            )
         if size != file_size:
-            raise PackError(f"pack {path}: truncated or extended: {size} bytes on disk, the header says {file_size}")
+            raise PackError(
+                f"pack {path}: truncated or extended: {size} bytes on disk, the header says {file_size}"
+            )
         if index_offset + index_nbytes != file_size or index_offset % ALIGNMENT:
-            raise PackError(f"pack {path}: index span {index_offset}+{index_nbytes} does not end the file")
+            raise PackError(
+                f"pack {path}: index span {index_offset}+{index_nbytes} does not end the file"
+            )
         f.seek(index_offset)
         raw = f.read(index_nbytes)
     if hashlib.sha256(raw).digest() != index_sha:
@@ -217,14 +267,23 @@ def read_pack(path: str) -> Pack:
     try:
         index = json.loads(raw)
         entries = [
-            PackEntry(t["name"], t["dtype"], tuple(t["shape"]), int(t["offset"]), int(t["nbytes"]), int(t["group"]))
+            PackEntry(
+                t["name"],
+                t["dtype"],
+                tuple(t["shape"]),
+                int(t["offset"]),
+                int(t["nbytes"]),
+                int(t["group"]),
+            )
             for t in index["tensors"]
         ]
         data_offset, data_end = int(index["data_offset"]), int(index["data_end"])
     except (ValueError, KeyError, TypeError) as e:
         raise PackError(f"pack {path}: malformed index ({e})") from None
     if data_end != index_offset or data_offset % ALIGNMENT or data_offset < _HEADER.size:
-        raise PackError(f"pack {path}: data span {data_offset}..{data_end} disagrees with the header")
+        raise PackError(
+            f"pack {path}: data span {data_offset}..{data_end} disagrees with the header"
+        )
     by_name: dict[str, PackEntry] = {}
     end = data_offset
     for e in entries:
@@ -232,11 +291,20 @@ def read_pack(path: str) -> Pack:
             _check_entry(e.name, e.dtype, e.shape, e.nbytes)
         except ValueError as err:
             raise PackError(f"pack {path}: {err}") from None
-        if e.offset % ALIGNMENT or e.offset < end or e.offset + e.nbytes > data_end or e.name in by_name:
-            raise PackError(f"pack {path}: tensor {e.name!r} at {e.offset}+{e.nbytes} overlaps or leaves the data")
+        if (
+            e.offset % ALIGNMENT
+            or e.offset < end
+            or e.offset + e.nbytes > data_end
+            or e.name in by_name
+        ):
+            raise PackError(
+                f"pack {path}: tensor {e.name!r} at {e.offset}+{e.nbytes} overlaps or leaves the data"
+            )
         end = e.offset + e.nbytes
         by_name[e.name] = e
-    return Pack(path, entries, dict(index.get("metadata") or {}), data_offset, data_end, file_size, by_name)
+    return Pack(
+        path, entries, dict(index.get("metadata") or {}), data_offset, data_end, file_size, by_name
+    )
 
 
 def shard_name(name: str, rank: int, size: int) -> str:
@@ -263,6 +331,9 @@ def find_packs(directory: str, rank: int = 0, size: int = 1) -> list[str]:
     with size > 1 shard `rank` of `size` of split ones."""
     if not os.path.isdir(directory):
         return []
-    paths = [os.path.join(directory, n) for n in os.listdir(directory)
-             if n.endswith(SUFFIX) and not n.startswith(".") and _shard_of(n) == (rank, size)]
+    paths = [
+        os.path.join(directory, n)
+        for n in os.listdir(directory)
+        if n.endswith(SUFFIX) and not n.startswith(".") and _shard_of(n) == (rank, size)
+    ]
     return sorted(paths, key=lambda p: os.stat(p).st_mtime_ns, reverse=True)

@@ -2,14 +2,24 @@
 
 `hide_secrets(...)` registers values (tokens, keys); any record whose text holds one is rewritten with it masked.
 """
+
 from __future__ import annotations
 
 import logging
 from typing import Any
 
 # Loggers whose records may carry request headers or URLs (botocore logs signed headers at DEBUG).
-_WATCHED_PREFIXES = ("cache", "botocore", "boto3", "s3transfer", "urllib3", "huggingface_hub", "httpx", "httpcore",
-                     "filelock")
+_WATCHED_PREFIXES = (
+    "cache",
+    "botocore",
+    "boto3",
+    "s3transfer",
+    "urllib3",
+    "huggingface_hub",
+    "httpx",
+    "httpcore",
+    "filelock",
+)
 _MASK = "***"
 
 
@@ -66,7 +76,9 @@ def hide_secrets(*values: Any) -> None:
             _REDACTOR.secrets.add(text)
     if not _REDACTOR.secrets:
         return
-    names = [n for n in list(logging.root.manager.loggerDict) if n.split(".")[0] in _WATCHED_PREFIXES]
+    names = [
+        n for n in list(logging.root.manager.loggerDict) if n.split(".")[0] in _WATCHED_PREFIXES
+    ]
     for name in names + list(_WATCHED_PREFIXES):
         logger = logging.getLogger(name)
         if _REDACTOR not in logger.filters:

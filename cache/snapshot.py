@@ -2,6 +2,7 @@
 
 A cache root holds `snapshots/<key>/<revision>/`; builds happen in `.staging/` under a cross-process lock.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -36,7 +37,11 @@ def coldbrew_version() -> str:
         return version("coldbrew")
     except PackageNotFoundError:
         pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
-        found = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(), re.M) if pyproject.exists() else None
+        found = (
+            re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(), re.M)
+            if pyproject.exists()
+            else None
+        )
         return found.group(1) if found else "unknown"
 
 
@@ -71,6 +76,7 @@ def list_files(root: Path) -> list[str]:
 
 def hash_files(root: Path, names: list[str], workers: int = 8) -> dict[str, dict]:
     """{name: {"size", "sha256"}} of files under root, hashed on several threads (hashlib releases the GIL)."""
+
     def one(name: str) -> tuple[str, dict]:
         return name, hash_file(root / name)
 
@@ -78,8 +84,16 @@ def hash_files(root: Path, names: list[str], workers: int = 8) -> dict[str, dict
         return dict(pool.map(one, names))
 
 
-def build_manifest(root: Path, *, source: str, kind: str, key: str, revision: str,
-                   requested_revision: str | None = None, files: dict[str, dict] | None = None) -> dict:
+def build_manifest(
+    root: Path,
+    *,
+    source: str,
+    kind: str,
+    key: str,
+    revision: str,
+    requested_revision: str | None = None,
+    files: dict[str, dict] | None = None,
+) -> dict:
     """The manifest of the directory root as it is now (every file's size and sha256)."""
     return {
         "format": MANIFEST_FORMAT,
@@ -107,8 +121,13 @@ def read_manifest(root: Path) -> dict:
     if not isinstance(files, dict) or not files or data.get("format") != MANIFEST_FORMAT:
         raise ValueError(f"malformed {MANIFEST}")
     for name, entry in files.items():
-        if (not isinstance(entry, dict) or not isinstance(entry.get("size"), int)
-                or not isinstance(entry.get("sha256"), str) or ".." in Path(name).parts or name.startswith("/")):
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("size"), int)
+            or not isinstance(entry.get("sha256"), str)
+            or ".." in Path(name).parts
+            or name.startswith("/")
+        ):
             raise ValueError(f"malformed {MANIFEST} entry {name!r}")
     return data
 
@@ -219,8 +238,15 @@ class SnapshotStore:
         log.warning("snapshot %s is corrupt (%s): moved to %s; rebuilding it", path, reason, dest)
         return dest
 
-    def publish(self, key: str, revision: str, build: Callable[[Path], dict], *, verify: str = "size",
-                resume: bool = False) -> Path:
+    def publish(
+        self,
+        key: str,
+        revision: str,
+        build: Callable[[Path], dict],
+        *,
+        verify: str = "size",
+        resume: bool = False,
+    ) -> Path:
         """The intact snapshot of (key, revision), building it with `build(staging_dir) -> manifest` when needed.
 
         Only one process builds at a time (a file lock); the others wait and then find it published. The build
@@ -241,8 +267,15 @@ class SnapshotStore:
         finally:
             lock.release()
 
-    def _build_locked(self, key: str, revision: str, final: Path, build: Callable[[Path], dict], verify: str,
-                      resume: bool) -> Path:
+    def _build_locked(
+        self,
+        key: str,
+        revision: str,
+        final: Path,
+        build: Callable[[Path], dict],
+        verify: str,
+        resume: bool,
+    ) -> Path:
         reason = check_snapshot(final, verify)
         if reason is None:
             return final
@@ -258,8 +291,12 @@ class SnapshotStore:
         final.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging, final)
         _fsync_dir(final.parent)
-        log.info("published snapshot %s (%d files, %.1f MB)", final, len(manifest["files"]),
-                 sum(f["size"] for f in manifest["files"].values()) / 1e6)
+        log.info(
+            "published snapshot %s (%d files, %.1f MB)",
+            final,
+            len(manifest["files"]),
+            sum(f["size"] for f in manifest["files"].values()) / 1e6,
+        )
         return final
 
     def entries(self) -> list[tuple[Path, dict | None]]:

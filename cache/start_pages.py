@@ -6,6 +6,7 @@ record(path): the files this process maps (/proc/self/maps: torch's and CUDA's s
 (sys.modules), each with its pages now in the page cache (mincore), merged into ranges. read(path): those ranges
 into the page cache, in order. Stdlib only.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -21,7 +22,9 @@ from cache.prefetch import page_residency
 
 log = logging.getLogger(__name__)
 
-GAP_BYTES = 1 << 20  # resident runs closer than this are read as one range (a read is cheaper than a seek)
+GAP_BYTES = (
+    1 << 20
+)  # resident runs closer than this are read as one range (a read is cheaper than a seek)
 READ_BYTES = 8 << 20
 FORMAT = 1
 
@@ -124,7 +127,9 @@ def load(path: str) -> list[tuple[str, int, int]]:
     out = []
     for name, ranges in data.get("files", []):
         for off, n in ranges:
-            out += [(name, o, min(READ_BYTES, off + n - o)) for o in range(off, off + n, READ_BYTES)]
+            out += [
+                (name, o, min(READ_BYTES, off + n - o)) for o in range(off, off + n, READ_BYTES)
+            ]
     return out
 
 

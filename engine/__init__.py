@@ -2,6 +2,7 @@
 
 Knows nothing about RunPod, environment variables or S3. Public API: LLM, AsyncLLM, EngineArgs, SamplingParams.
 """
+
 from __future__ import annotations
 
 import importlib

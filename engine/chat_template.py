@@ -2,6 +2,7 @@
 
 Byte-identical to transformers' apply_chat_template(tokenize=False) without importing it (15 s on the GPU machine).
 """
+
 from __future__ import annotations
 
 import json
@@ -21,16 +22,22 @@ from jinja2.utils import Namespace
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
-
 def _raise_exception(message: str) -> None:
     """Templates call raise_exception('...') to reject a conversation they cannot format."""
     raise ValueError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     """json.dumps as HF chat templates expect it: no HTML escaping (unlike jinja's own tojson), non-ASCII kept."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -39,7 +46,9 @@ def _strftime_now(fmt: str) -> str:
 
 def _check_namespace_name(name: Any) -> None:
     if isinstance(name, str) and name.startswith("_"):
-        raise jinja2.exceptions.SecurityError(f"chat templates may not set underscore attributes: {name!r}")
+        raise jinja2.exceptions.SecurityError(
+            f"chat templates may not set underscore attributes: {name!r}"
+        )
 
 
 class _GuardedNamespace(Namespace):
@@ -65,7 +74,9 @@ def _plain_dict(*args: Any, **kwargs: Any) -> dict:
 @lru_cache(maxsize=1)
 def _environment() -> ImmutableSandboxedEnvironment:
     # Same settings as transformers: HF templates are written against trim_blocks/lstrip_blocks and loop controls.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -110,7 +121,9 @@ def _template_iterates_content(source: str) -> bool:
         it = loop.iter
         while isinstance(it, jinja2.nodes.Filter) and it.node is not None:
             it = it.node
-        if _is_content_access(it) or (isinstance(it, jinja2.nodes.Name) and it.name in content_vars):
+        if _is_content_access(it) or (
+            isinstance(it, jinja2.nodes.Name) and it.name in content_vars
+        ):
             return True
     return False
 
@@ -140,9 +153,15 @@ def _plain(value: Any) -> Any:
 def _text_of_parts(parts: list, index: int) -> str:
     texts = []
     for part in parts:
-        if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        if (
+            not isinstance(part, Mapping)
+            or part.get("type") != "text"
+            or not isinstance(part.get("text"), str)
+        ):
             kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-            raise ValueError(f"messages[{index}]: only text content parts are supported, got {kind!r}")
+            raise ValueError(
+                f"messages[{index}]: only text content parts are supported, got {kind!r}"
+            )
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -183,21 +202,37 @@ def _prepare_messages(messages: Any, content_as_parts: bool) -> list[dict]:
 # Loading
 # --------------------------------------------------------------------------------------------------------------------
 
-def render_chat(source: str, messages: list[dict], *, add_generation_prompt: bool, tools: list[dict] | None,
-                documents: list[dict] | None, variables: dict[str, Any]) -> str:
+
+def render_chat(
+    source: str,
+    messages: list[dict],
+    *,
+    add_generation_prompt: bool,
+    tools: list[dict] | None,
+    documents: list[dict] | None,
+    variables: dict[str, Any],
+) -> str:
     """Render one conversation with template `source`; variables hold the special tokens and template kwargs.
 
     Template errors, raise_exception(...) included, raise ValueError."""
     template = _compile(source)
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, Mapping) for t in tools)):
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(t, Mapping) for t in tools)
+    ):
         raise ValueError("tools must be a list of JSON-schema dicts")
-    if documents is not None and not (isinstance(documents, list)
-                                      and all(isinstance(d, Mapping) for d in documents)):
+    if documents is not None and not (
+        isinstance(documents, list) and all(isinstance(d, Mapping) for d in documents)
+    ):
         raise ValueError("documents must be a list of dicts (e.g. with 'title' and 'text')")
     chat = _prepare_messages(messages, _template_iterates_content(source))
     try:
-        return template.render(messages=chat, tools=_plain(tools), documents=_plain(documents),
-                               add_generation_prompt=add_generation_prompt, **_plain(variables))
+        return template.render(
+            messages=chat,
+            tools=_plain(tools),
+            documents=_plain(documents),
+            add_generation_prompt=add_generation_prompt,
+            **_plain(variables),
+        )
     except ValueError:
         raise
     except (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError) as e:
@@ -217,7 +252,11 @@ def _templates_from_value(value: Any) -> dict[str, str]:
     if isinstance(value, str):
         return {"default": value}
     if isinstance(value, list):
-        return {t["name"]: t["template"] for t in value if isinstance(t, Mapping) and "name" in t and "template" in t}
+        return {
+            t["name"]: t["template"]
+            for t in value
+            if isinstance(t, Mapping) and "name" in t and "template" in t
+        }
     if isinstance(value, Mapping):
         return {str(k): v for k, v in value.items() if isinstance(v, str)}
     return {}
@@ -245,7 +284,9 @@ def load_templates(path: str, config: dict) -> dict[str, str]:
     templates = _templates_from_value(config.get("chat_template"))
     if templates:
         return templates
-    return _templates_from_value(read_json(os.path.join(path, "chat_template.json")).get("chat_template"))
+    return _templates_from_value(
+        read_json(os.path.join(path, "chat_template.json")).get("chat_template")
+    )
 
 
 def template_from_argument(value: str) -> str:

@@ -3,6 +3,7 @@
 ModelConfig reads both spellings transformers has used for rope settings; engine.model_support
 refuses what the engine cannot run.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,7 @@ from typing import Any
 
 import torch
 
-from engine.model_support import (SUPPORTED_ARCHITECTURES,  # noqa: F401 (decoder.py reads it here)
-                                  check_model_config, rope_settings)
+from engine.model_support import SUPPORTED_ARCHITECTURES, check_model_config, rope_settings  # noqa: F401 (decoder.py reads it here)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -115,7 +115,9 @@ def _read_rope(cfg: dict[str, Any]) -> RopeConfig:
     )
 
 
-def resolve_dtype(dtype: str | torch.dtype, model: ModelConfig, device: torch.device) -> torch.dtype:
+def resolve_dtype(
+    dtype: str | torch.dtype, model: ModelConfig, device: torch.device
+) -> torch.dtype:
     """'auto' takes the checkpoint's dtype on a GPU and float32 on CPU."""
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -206,32 +208,48 @@ class EngineArgs:
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager: must be a bool, got {self.enforce_eager!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
-            raise ValueError(f"async_scheduling: must be a bool or None, got {self.async_scheduling!r}")
+            raise ValueError(
+                f"async_scheduling: must be a bool or None, got {self.async_scheduling!r}"
+            )
         if self.cuda_graph_sizes is not None:
             if not isinstance(self.cuda_graph_sizes, (list, tuple)) or not self.cuda_graph_sizes:
-                raise ValueError(f"cuda_graph_sizes: must be a non-empty list of ints, got {self.cuda_graph_sizes!r}")
+                raise ValueError(
+                    f"cuda_graph_sizes: must be a non-empty list of ints, got {self.cuda_graph_sizes!r}"
+                )
             for size in self.cuda_graph_sizes:
                 _check_int("cuda_graph_sizes", size, 1, MAX_CUDA_GRAPH_SIZE)
         if self.cuda_graph_capture not in CUDA_GRAPH_CAPTURE_MODES:
-            raise ValueError(f"cuda_graph_capture: must be one of {', '.join(CUDA_GRAPH_CAPTURE_MODES)}, "
-                             f"got {self.cuda_graph_capture!r}")
+            raise ValueError(
+                f"cuda_graph_capture: must be one of {', '.join(CUDA_GRAPH_CAPTURE_MODES)}, "
+                f"got {self.cuda_graph_capture!r}"
+            )
         if self.kv_step_bytes is not None:
             _check_int("kv_step_bytes", self.kv_step_bytes, 0, 1 << 50)
         if self.kv_sizing not in KV_SIZING_MODES:
-            raise ValueError(f"kv_sizing: must be one of {', '.join(KV_SIZING_MODES)}, got {self.kv_sizing!r}")
+            raise ValueError(
+                f"kv_sizing: must be one of {', '.join(KV_SIZING_MODES)}, got {self.kv_sizing!r}"
+            )
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, MAX_TENSOR_PARALLEL_SIZE)
         if self.all_reduce_backend not in ALL_REDUCE_BACKENDS:
             choices = ", ".join(ALL_REDUCE_BACKENDS)
-            raise ValueError(f"all_reduce_backend: must be one of {choices}, "
-                             f"got {self.all_reduce_backend!r}")
+            raise ValueError(
+                f"all_reduce_backend: must be one of {choices}, got {self.all_reduce_backend!r}"
+            )
         if self.tensor_parallel_size > 1 and ":" in self.device:
-            raise ValueError(f"device: {self.device!r} names one GPU, but tensor_parallel_size "
-                             f"{self.tensor_parallel_size} runs rank i on cuda:i; use cuda or auto")
+            raise ValueError(
+                f"device: {self.device!r} names one GPU, but tensor_parallel_size "
+                f"{self.tensor_parallel_size} runs rank i on cuda:i; use cuda or auto"
+            )
 
     def graph_sizes(self) -> list[int]:
         """The decode batch sizes to capture, ascending, none above max_num_seqs."""
-        sizes = self.cuda_graph_sizes if self.cuda_graph_sizes is not None else DEFAULT_CUDA_GRAPH_SIZES
-        return sorted({s for s in sizes if s <= self.max_num_seqs} or {min(self.max_num_seqs, MAX_CUDA_GRAPH_SIZE)})
+        sizes = (
+            self.cuda_graph_sizes if self.cuda_graph_sizes is not None else DEFAULT_CUDA_GRAPH_SIZES
+        )
+        return sorted(
+            {s for s in sizes if s <= self.max_num_seqs}
+            or {min(self.max_num_seqs, MAX_CUDA_GRAPH_SIZE)}
+        )
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

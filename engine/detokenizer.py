@@ -1,6 +1,7 @@
 """Streaming text out of generated token ids: an incremental detokenizer that cuts the text at stop strings and
 never shows part of a stop string or of a character split across byte tokens.
 """
+
 from __future__ import annotations
 
 from engine.tokenizer import Tokenizer
@@ -27,17 +28,27 @@ class IncrementalDetokenizer:
     whole run of bytes into U+FFFDs when any of it is invalid.)
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None,
-                 include_stop_str_in_output: bool = False, min_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        skip_special_tokens: bool = True,
+        stop: list[str] | None = None,
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
+    ) -> None:
         self._tokenizer = tokenizer
-        self.min_tokens = min_tokens  # stop strings count only once this many tokens are out (as vLLM does)
+        self.min_tokens = (
+            min_tokens  # stop strings count only once this many tokens are out (as vLLM does)
+        )
         self._raw = tokenizer.backend
         self.skip_special_tokens = skip_special_tokens
         self._dropped_ids = tokenizer._skipped_ids if skip_special_tokens else frozenset()
         self.stop: list[str] = [s for s in (stop or []) if s]
         self.include_stop_str_in_output = include_stop_str_in_output
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
-        self._ids: list[int] = []  # the ids that decode to text (special tokens removed when skipping)
+        self._ids: list[
+            int
+        ] = []  # the ids that decode to text (special tokens removed when skipping)
         self._prefix = 0  # the decode window starts here: the ids of the last emitted chunk
         self._read = 0  # ids before this are in the text
         self._prefix_len = 0  # len(decode(ids[prefix:read]))
@@ -64,15 +75,20 @@ class IncrementalDetokenizer:
         if token_id in self._dropped_ids:
             return
         self._ids.append(token_id)
-        window = self._raw.decode(self._ids[self._prefix:], skip_special_tokens=self.skip_special_tokens)
+        window = self._raw.decode(
+            self._ids[self._prefix :], skip_special_tokens=self.skip_special_tokens
+        )
         waiting = len(window) <= self._prefix_len or window.endswith(_REPLACEMENT_CHAR)
         if waiting and len(self._ids) - self._read < _MAX_HELD_TOKENS:
             return  # nothing new, or a character still waits for its remaining bytes
-        new_text = window[self._prefix_len:]
+        new_text = window[self._prefix_len :]
         # The next window starts at the chunk just emitted; its standalone text length is what to skip next time.
         self._prefix, self._read = self._read, len(self._ids)
-        self._prefix_len = len(self._raw.decode(self._ids[self._prefix:self._read],
-                                                skip_special_tokens=self.skip_special_tokens))
+        self._prefix_len = len(
+            self._raw.decode(
+                self._ids[self._prefix : self._read], skip_special_tokens=self.skip_special_tokens
+            )
+        )
         self._append(new_text)
 
     def _append(self, new_text: str) -> None:
@@ -96,17 +112,21 @@ class IncrementalDetokenizer:
                 best = (i + len(s), i, s)
         if best is not None:
             _, i, s = best
-            self._text = self._text[: i + len(s)] if self.include_stop_str_in_output else self._text[:i]
+            self._text = (
+                self._text[: i + len(s)] if self.include_stop_str_in_output else self._text[:i]
+            )
             self.stop_reason = s
 
     def _flush(self) -> None:
         """At the end, emit the held tail too, even an incomplete character (as U+FFFD, like a full decode)."""
         if self.done:
             return
-        window = self._raw.decode(self._ids[self._prefix:], skip_special_tokens=self.skip_special_tokens)
+        window = self._raw.decode(
+            self._ids[self._prefix :], skip_special_tokens=self.skip_special_tokens
+        )
         self._read = len(self._ids)
         if len(window) > self._prefix_len:
-            self._append(window[self._prefix_len:])
+            self._append(window[self._prefix_len :])
         self._finished = True
 
     def output_text(self, finished: bool) -> str:

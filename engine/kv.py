@@ -4,6 +4,7 @@ Full blocks are published under a chained hash of their tokens (each hash covers
 the block's own tokens and its parent hash, so a hash collision can never serve wrong K/V. Freed blocks stay
 cached until evicted, least recently used first.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -94,23 +95,31 @@ class KVCacheManager:
                 break
             block = self.blocks[block_id]
             parent = seq.block_hashes[i - 1] if i else None
-            if block.parent_hash != parent or block.tokens != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
+            if block.parent_hash != parent or block.tokens != tuple(
+                seq.token_ids[i * bs : (i + 1) * bs]
+            ):
                 break  # a hash collision: treat as a miss
             hits.append(block_id)
         self.queried_tokens += seq.num_tokens
         return hits
 
     # ---- allocation ----------------------------------------------------------------------------------------
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+    def can_allocate(
+        self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()
+    ) -> bool:
         computed = seq.num_computed_tokens + len(cached_blocks) * self.block_size
-        need = self.blocks_for(computed + num_new_tokens) - len(seq.block_table) - len(cached_blocks)
+        need = (
+            self.blocks_for(computed + num_new_tokens) - len(seq.block_table) - len(cached_blocks)
+        )
         # Cached hits that sit in the free queue are taken out of it, so they are not free for new blocks.
         reserved = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
         return need <= self.num_free_blocks - reserved
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Give seq the blocks for num_new_tokens more tokens (after adopting cached_blocks). False if it can't."""
-        if not cached_blocks and (seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size):
+        if not cached_blocks and (
+            seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size
+        ):
             return True  # its blocks already hold them (most decode steps)
         if not self.can_allocate(seq, num_new_tokens, cached_blocks):
             return False

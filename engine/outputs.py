@@ -2,6 +2,7 @@
 
 RequestOutput is cumulative: each streamed update carries the whole text and token ids generated so far.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -4,6 +4,7 @@ Penalties, temperature, top-k/top-p/min-p and the random draw all run on the log
 vectorised over rows; a step reads back one tensor (token ids with any requested logprobs). The
 parameters themselves (torch-free) are in engine.sampling_params.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -27,9 +28,13 @@ class SamplingRow:
 
     params: SamplingParams
     generator: torch.Generator | None  # when set, this row's random draw uses only it
-    prompt_token_ids: list[int]  # or an int64 numpy array, which skips a per-step conversion of a long prompt
+    prompt_token_ids: list[
+        int
+    ]  # or an int64 numpy array, which skips a per-step conversion of a long prompt
     output_token_ids: list[int]
-    banned_token_ids: list[int] = field(default_factory=list)  # masked to -inf this step (e.g. EOS under min_tokens)
+    banned_token_ids: list[int] = field(
+        default_factory=list
+    )  # masked to -inf this step (e.g. EOS under min_tokens)
 
 
 @dataclass
@@ -44,7 +49,10 @@ class SamplerOutput:
 # sequences so deciding which rows need work never reads the device.
 # ---------------------------------------------------------------------------------------------------------------
 
-def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+
+def apply_banned_tokens(
+    logits: torch.Tensor, banned_token_ids: Sequence[Sequence[int]]
+) -> torch.Tensor:
     """Set logits[i, t] = -inf for every t in banned_token_ids[i] (ids outside the vocabulary are ignored)."""
     vocab = logits.shape[-1]
     rows: list[int] = []
@@ -60,7 +68,9 @@ def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: Sequence[Sequenc
     return logits
 
 
-def _token_counts(seqs: Sequence[Sequence[Sequence[int]]], vocab: int, device: torch.device) -> torch.Tensor:
+def _token_counts(
+    seqs: Sequence[Sequence[Sequence[int]]], vocab: int, device: torch.device
+) -> torch.Tensor:
     """[len(seqs), vocab] float32 counts of the token ids in each row's lists (ids >= vocab are dropped)."""
     counts = torch.zeros(len(seqs), vocab + 1, dtype=torch.float32, device=device)
     # numpy builds the flat id array several times faster than torch.tensor(list) does; an int64 array passed in
@@ -71,10 +81,14 @@ def _token_counts(seqs: Sequence[Sequence[Sequence[int]]], vocab: int, device: t
     if total:
         flat = torch.from_numpy(np.concatenate(parts)).to(device, non_blocking=True)
         row = torch.repeat_interleave(
-            torch.arange(len(seqs), device=device), torch.tensor(lengths).to(device, non_blocking=True),
-            output_size=total)
+            torch.arange(len(seqs), device=device),
+            torch.tensor(lengths).to(device, non_blocking=True),
+            output_size=total,
+        )
         flat_index = row * (vocab + 1) + flat.clamp(max=vocab)
-        counts.view(-1).scatter_add_(0, flat_index, torch.ones(total, dtype=torch.float32, device=device))
+        counts.view(-1).scatter_add_(
+            0, flat_index, torch.ones(total, dtype=torch.float32, device=device)
+        )
     return counts[:, :vocab]
 
 
@@ -92,19 +106,34 @@ def apply_penalties(
 
     rep_rows = [i for i, p in enumerate(repetition_penalty) if p != 1.0]
     if rep_rows:
-        seen = _token_counts([(prompt_token_ids[i], output_token_ids[i]) for i in rep_rows], vocab, device) > 0
+        seen = (
+            _token_counts(
+                [(prompt_token_ids[i], output_token_ids[i]) for i in rep_rows], vocab, device
+            )
+            > 0
+        )
         index = torch.tensor(rep_rows).to(device, non_blocking=True)
-        penalty = torch.tensor([repetition_penalty[i] for i in rep_rows]).to(device, non_blocking=True)[:, None]
+        penalty = torch.tensor([repetition_penalty[i] for i in rep_rows]).to(
+            device, non_blocking=True
+        )[:, None]
         sub = logits[index]
         penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
         logits[index] = torch.where(seen, penalised, sub)
 
-    pf_rows = [i for i in range(len(presence_penalty)) if presence_penalty[i] != 0 or frequency_penalty[i] != 0]
+    pf_rows = [
+        i
+        for i in range(len(presence_penalty))
+        if presence_penalty[i] != 0 or frequency_penalty[i] != 0
+    ]
     if pf_rows:
         counts = _token_counts([(output_token_ids[i],) for i in pf_rows], vocab, device)
         index = torch.tensor(pf_rows).to(device, non_blocking=True)
-        pres = torch.tensor([presence_penalty[i] for i in pf_rows]).to(device, non_blocking=True)[:, None]
-        freq = torch.tensor([frequency_penalty[i] for i in pf_rows]).to(device, non_blocking=True)[:, None]
+        pres = torch.tensor([presence_penalty[i] for i in pf_rows]).to(device, non_blocking=True)[
+            :, None
+        ]
+        freq = torch.tensor([frequency_penalty[i] for i in pf_rows]).to(device, non_blocking=True)[
+            :, None
+        ]
         logits[index] -= freq * counts + pres * (counts > 0).float()
     return logits
 
@@ -136,7 +165,9 @@ def apply_top_k_top_p_min_p(
         enabled = [0 < k < vocab for k in top_k]
         kmax = max(k for k, on in zip(top_k, enabled) if on)
         top_vals = logits.topk(kmax, dim=-1).values
-        index = torch.tensor([k - 1 if on else 0 for k, on in zip(top_k, enabled)]).to(device, non_blocking=True)
+        index = torch.tensor([k - 1 if on else 0 for k, on in zip(top_k, enabled)]).to(
+            device, non_blocking=True
+        )
         kth = top_vals.gather(1, index[:, None])
         on = torch.tensor(enabled).to(device, non_blocking=True)[:, None]
         logits.masked_fill_((logits < kth) & on, float("-inf"))
@@ -144,12 +175,16 @@ def apply_top_k_top_p_min_p(
         # Ascending order: the tail mass below a token is then summed smallest-first, the accurate way round.
         sorted_logits, order = logits.sort(dim=-1)
         if use_k:
-            index = torch.tensor([vocab - k if 0 < k < vocab else 0 for k in top_k]).to(device, non_blocking=True)
+            index = torch.tensor([vocab - k if 0 < k < vocab else 0 for k in top_k]).to(
+                device, non_blocking=True
+            )
             kth = sorted_logits.gather(1, index[:, None])
             sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
         if use_p:
             # A token goes when it and every less likely token together hold at most 1 - top_p of the mass.
-            tail_limit = torch.tensor([1.0 - p for p in top_p], dtype=torch.float32).to(device, non_blocking=True)
+            tail_limit = torch.tensor([1.0 - p for p in top_p], dtype=torch.float32).to(
+                device, non_blocking=True
+            )
             tail_mass = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
             drop = (tail_mass <= tail_limit[:, None]) & (tail_limit[:, None] > 0)
             drop[:, -1] = False  # the most likely token always stays
@@ -163,7 +198,9 @@ def apply_top_k_top_p_min_p(
     return logits
 
 
-def random_sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+def random_sample(
+    probs: torch.Tensor, generators: Sequence[torch.Generator | None]
+) -> torch.Tensor:
     """argmax(probs / q) with q ~ Exponential(1): a draw from each row's distribution.
 
     A row with a generator draws its q from that generator alone, so its token never depends on the other rows;
@@ -179,7 +216,9 @@ def random_sample(probs: torch.Tensor, generators: Sequence[torch.Generator | No
                 q[i].exponential_(generator=g)
         if default_rows:
             index = torch.tensor(default_rows).to(probs.device, non_blocking=True)
-            q[index] = torch.empty(len(default_rows), probs.shape[-1], device=probs.device).exponential_()
+            q[index] = torch.empty(
+                len(default_rows), probs.shape[-1], device=probs.device
+            ).exponential_()
     # q == 0 would turn a masked token's 0 / 0 into NaN, which argmax would pick.
     q.clamp_min_(torch.finfo(q.dtype).tiny)
     return probs.div_(q).argmax(dim=-1)
@@ -189,7 +228,10 @@ def random_sample(probs: torch.Tensor, generators: Sequence[torch.Generator | No
 # Logprobs
 # ---------------------------------------------------------------------------------------------------------------
 
-def _logprob_tensors(logprobs: torch.Tensor, token_ids: torch.Tensor, kmax: int) -> list[torch.Tensor]:
+
+def _logprob_tensors(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, kmax: int
+) -> list[torch.Tensor]:
     """On the device: the chosen tokens' logprobs [n] and ranks [n] (1 + #strictly greater), and the top-kmax ids,
     logprobs and ranks [n, kmax]; nothing is read back here."""
     chosen = logprobs.gather(1, token_ids[:, None])
@@ -232,23 +274,29 @@ def _logprob_entries(host: list[np.ndarray], ks: Sequence[int]) -> list[Position
     return out
 
 
-def prompt_logprobs(logits: torch.Tensor, next_token_ids: list[int], k: int) -> list[PositionLogprobs]:
+def prompt_logprobs(
+    logits: torch.Tensor, next_token_ids: list[int], k: int
+) -> list[PositionLogprobs]:
     """For prompt positions: logits [T, V] predict next_token_ids[t]; each entry has that token's logprob and rank
     plus the top-k tokens of the position."""
     if logits.shape[0] != len(next_token_ids):
         raise ValueError(
-            f"next_token_ids: expected {logits.shape[0]} ids (one per logits row), got {len(next_token_ids)}")
+            f"next_token_ids: expected {logits.shape[0]} ids (one per logits row), got {len(next_token_ids)}"
+        )
     if logits.shape[0] == 0:
         return []
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     ids = torch.tensor(next_token_ids, dtype=torch.long).to(logits.device, non_blocking=True)
     kmax = min(k, logprobs.shape[-1])
-    return _logprob_entries(_read_back(_logprob_tensors(logprobs, ids, kmax)), [kmax] * len(next_token_ids))
+    return _logprob_entries(
+        _read_back(_logprob_tensors(logprobs, ids, kmax)), [kmax] * len(next_token_ids)
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The sampler
 # ---------------------------------------------------------------------------------------------------------------
+
 
 class DeviceSample:
     """One step's sampled token ids, with any requested logprobs, still on the device.
@@ -257,8 +305,16 @@ class DeviceSample:
     waits for that copy alone (not for later work on the stream) and builds the SamplerOutput.
     """
 
-    def __init__(self, token_ids: torch.Tensor, lp_tensors: list[torch.Tensor], lp_rows: list[int], ks: list[int]):
-        self.token_ids = token_ids  # [N] int64 on the logits' device: the next step's inputs can read them there
+    def __init__(
+        self,
+        token_ids: torch.Tensor,
+        lp_tensors: list[torch.Tensor],
+        lp_rows: list[int],
+        ks: list[int],
+    ):
+        self.token_ids = (
+            token_ids  # [N] int64 on the logits' device: the next step's inputs can read them there
+        )
         self._tensors = [token_ids, *lp_tensors]
         self._lp_rows = lp_rows
         self._ks = ks
@@ -270,7 +326,11 @@ class DeviceSample:
         if not tensors[0].is_cuda or self._host is not None:
             return self
         # One transfer: ids alone as int64, or everything as float64 (exact for ids, ranks and float32 logprobs).
-        flat = tensors[0] if len(tensors) == 1 else torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+        flat = (
+            tensors[0]
+            if len(tensors) == 1
+            else torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+        )
         self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
         self._host.copy_(flat, non_blocking=True)
         self._copied = torch.cuda.Event()
@@ -315,7 +375,9 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSample:
         """Sample on the logits' device; nothing is read back (DeviceSample.result() does that)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
-            raise ValueError(f"logits: expected shape [{len(rows)}, vocab], got {list(logits.shape)}")
+            raise ValueError(
+                f"logits: expected shape [{len(rows)}, vocab], got {list(logits.shape)}"
+            )
         if not rows:
             return DeviceSample(torch.zeros(0, dtype=torch.int64, device=logits.device), [], [], [])
         params = [r.params for r in rows]
@@ -323,7 +385,12 @@ class Sampler:
         edits = False
         for r in rows:
             p = r.params
-            if r.banned_token_ids or p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0:
+            if (
+                r.banned_token_ids
+                or p.repetition_penalty != 1.0
+                or p.presence_penalty != 0
+                or p.frequency_penalty != 0
+            ):
                 edits = True
                 break
         work = raw.clone() if edits else raw  # raw may be the caller's tensor: edit only a copy
@@ -342,14 +409,18 @@ class Sampler:
         everyone = len(sampled_rows) == len(rows)
         token_ids = None if everyone else work.argmax(dim=-1)
         if sampled_rows:
-            index = None if everyone else torch.tensor(sampled_rows).to(work.device, non_blocking=True)
+            index = (
+                None if everyone else torch.tensor(sampled_rows).to(work.device, non_blocking=True)
+            )
             if index is not None:
                 sub = work[index]
             else:
                 sub = work if edits else raw.clone()
             sp = [params[i] for i in sampled_rows]
             apply_temperature(sub, [p.temperature for p in sp])
-            apply_top_k_top_p_min_p(sub, [p.top_k for p in sp], [p.top_p for p in sp], [p.min_p for p in sp])
+            apply_top_k_top_p_min_p(
+                sub, [p.top_k for p in sp], [p.top_p for p in sp], [p.min_p for p in sp]
+            )
             sampled = self._draw(sub, [rows[i].generator for i in sampled_rows])
             if index is None:
                 token_ids = sampled
@@ -369,8 +440,16 @@ class Sampler:
     def _draw(logits: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
         """One token per row of processed logits. On CUDA: one Triton kernel keyed per row by its generator (or the
         device's default generator), no sync; elsewhere the exponential race of random_sample."""
-        if fused_kernels_available(logits) and all(g is None or g.device.type == "cuda" for g in generators):
-            default = torch.cuda.default_generators[logits.device.index or 0] if None in generators else None
+        if fused_kernels_available(logits) and all(
+            g is None or g.device.type == "cuda" for g in generators
+        ):
+            default = (
+                torch.cuda.default_generators[logits.device.index or 0]
+                if None in generators
+                else None
+            )
             keys = [draw_key(default if g is None else g) for g in generators]
-            return race_sample(logits, torch.tensor(keys, dtype=torch.int64).to(logits.device, non_blocking=True))
+            return race_sample(
+                logits, torch.tensor(keys, dtype=torch.int64).to(logits.device, non_blocking=True)
+            )
         return random_sample(logits.softmax(dim=-1), generators)

@@ -2,6 +2,7 @@
 
 A Request holds n Sequences (one per sample); each Sequence is scheduled, preempted and finished on its own.
 """
+
 from __future__ import annotations
 
 import enum
@@ -39,7 +40,9 @@ class Sequence:
     # step is scheduled as if they were known, but they are not in token_ids yet.
     num_pending: int = 0
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full blocks of token_ids
+    block_hashes: list[bytes] = field(
+        default_factory=list
+    )  # chained hashes of the full blocks of token_ids
     num_hashed_blocks: int = 0  # how many of block_table are published in the prefix cache
     parent: "Sequence | None" = None  # sample 0, whose prompt blocks the other samples share
     logprobs: list[PositionLogprobs] | None = None
@@ -64,7 +67,7 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         """The generated tokens known on the host (a new list)."""
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -77,7 +80,9 @@ class Sequence:
         finishes with "length", so there is nothing more to schedule for it."""
         n = len(self.token_ids) + self.num_pending
         max_tokens = self.request.params.max_tokens
-        return n >= self.max_total_tokens or (max_tokens is not None and n - self.num_prompt_tokens >= max_tokens)
+        return n >= self.max_total_tokens or (
+            max_tokens is not None and n - self.num_prompt_tokens >= max_tokens
+        )
 
     @property
     def is_finished(self) -> bool:
@@ -107,7 +112,9 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     # Filled for positions 1..len(prompt)-1 as the prompt is computed; position 0 has none.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
-    num_cached_tokens: int = 0  # prompt tokens found in the KV cache at first admission (prefix cache, or sample 0)
+    num_cached_tokens: int = (
+        0  # prompt tokens found in the KV cache at first admission (prefix cache, or sample 0)
+    )
 
     @property
     def finished(self) -> bool:

@@ -1,6 +1,7 @@
 """Text in and out of the engine: encode/decode with `tokenizers` directly (never transformers, too slow to import)
 and the model's special tokens; chat prompts are rendered by engine/chat_template.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,7 +14,15 @@ from tokenizers import Tokenizer as _RawTokenizer
 from engine.chat_template import load_templates, read_json, render_chat, template_from_argument
 
 # The named special tokens transformers passes to every chat template (its SPECIAL_TOKENS_ATTRIBUTES).
-NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+NAMED_SPECIAL_TOKENS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 def _token_content(value: Any) -> str | None:
@@ -33,14 +42,21 @@ class Tokenizer:
     clean_up_tokenization_spaces (transformers itself skips it for BPE models, i.e. every model this engine runs).
     """
 
-    def __init__(self, raw: _RawTokenizer, special_tokens: dict[str, str] | None = None,
-                 chat_templates: dict[str, str] | None = None, extra_special_tokens: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        raw: _RawTokenizer,
+        special_tokens: dict[str, str] | None = None,
+        chat_templates: dict[str, str] | None = None,
+        extra_special_tokens: Iterable[str] = (),
+    ) -> None:
         self._raw = raw
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
         self._templates: dict[str, str] = dict(chat_templates or {})
         self._ensure_special(list(self.special_tokens.values()) + list(extra_special_tokens))
         # The ids decode(skip_special_tokens=True) drops: the added tokens flagged special.
-        self._skipped_ids = frozenset(i for i, t in raw.get_added_tokens_decoder().items() if t.special)
+        self._skipped_ids = frozenset(
+            i for i, t in raw.get_added_tokens_decoder().items() if t.special
+        )
         named_ids = {self._raw.token_to_id(t) for t in self.special_tokens.values()}
         self._all_special_ids = frozenset(self._skipped_ids | (named_ids - {None}))
         self._token_text: dict[int, str] = {}
@@ -53,10 +69,14 @@ class Tokenizer:
         """
         tokenizer_file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tokenizer_file):
-            raise FileNotFoundError(f"no tokenizer.json in {path} (only fast tokenizers are supported)")
+            raise FileNotFoundError(
+                f"no tokenizer.json in {path} (only fast tokenizers are supported)"
+            )
         raw = _RawTokenizer.from_file(tokenizer_file)
         config = read_json(os.path.join(path, "tokenizer_config.json"))
-        legacy_map = read_json(os.path.join(path, "special_tokens_map.json"))  # older repos keep them here only
+        legacy_map = read_json(
+            os.path.join(path, "special_tokens_map.json")
+        )  # older repos keep them here only
 
         special: dict[str, str] = {}
         for name in NAMED_SPECIAL_TOKENS:
@@ -65,14 +85,24 @@ class Tokenizer:
                 content = _token_content(legacy_map.get(name))
             if content is not None:
                 special[name] = content
-        if "pad_token" not in special and isinstance(raw.padding, dict) and raw.padding.get("pad_token"):
+        if (
+            "pad_token" not in special
+            and isinstance(raw.padding, dict)
+            and raw.padding.get("pad_token")
+        ):
             special["pad_token"] = raw.padding["pad_token"]
 
         extra: list[str] = []
         for key in ("extra_special_tokens", "additional_special_tokens"):
             for source in (config, legacy_map):
                 value = source.get(key)
-                values = value.values() if isinstance(value, Mapping) else value if isinstance(value, list) else ()
+                values = (
+                    value.values()
+                    if isinstance(value, Mapping)
+                    else value
+                    if isinstance(value, list)
+                    else ()
+                )
                 extra += [c for c in map(_token_content, values) if c is not None]
 
         templates = load_templates(path, config)
@@ -86,9 +116,13 @@ class Tokenizer:
         Tokens tokenizer.json already lists as special are left untouched (with their lstrip/rstrip flags).
         """
         added = {t.content: t for t in self._raw.get_added_tokens_decoder().values()}
-        missing = [c for c in dict.fromkeys(contents) if c and not (c in added and added[c].special)]
+        missing = [
+            c for c in dict.fromkeys(contents) if c and not (c in added and added[c].special)
+        ]
         if missing:
-            self._raw.add_special_tokens([AddedToken(c, special=True, normalized=False) for c in missing])
+            self._raw.add_special_tokens(
+                [AddedToken(c, special=True, normalized=False) for c in missing]
+            )
 
     # ---- vocabulary -------------------------------------------------------------------------------------------------
 
@@ -166,23 +200,35 @@ class Tokenizer:
         """The default chat template source, or None."""
         return self._templates.get("default") if "default" in self._templates else None
 
-    def get_chat_template(self, chat_template: str | None = None, tools: list[dict] | None = None) -> str:
+    def get_chat_template(
+        self, chat_template: str | None = None, tools: list[dict] | None = None
+    ) -> str:
         """The template to render: `chat_template` (a template or the name of one of the model's), else the model's
         "tool_use" template when tools are given and it has one, else its "default" template."""
         if chat_template is not None:
             return self._templates.get(chat_template) or template_from_argument(chat_template)
         if not self._templates:
-            raise ValueError("model has no chat template; pass chat_template=... (a jinja template or a .jinja file)")
+            raise ValueError(
+                "model has no chat template; pass chat_template=... (a jinja template or a .jinja file)"
+            )
         if tools is not None and "tool_use" in self._templates:
             return self._templates["tool_use"]
         if "default" in self._templates:
             return self._templates["default"]
-        raise ValueError(f"model has several chat templates and none is named 'default': {sorted(self._templates)}; "
-                         "pass chat_template=<name>")
+        raise ValueError(
+            f"model has several chat templates and none is named 'default': {sorted(self._templates)}; "
+            "pass chat_template=<name>"
+        )
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, documents: list[dict] | None = None,
-                            chat_template: str | None = None, **template_kwargs: Any) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
+        chat_template: str | None = None,
+        **template_kwargs: Any,
+    ) -> str:
         """Render a conversation to the prompt string, byte-identical to transformers'
         apply_chat_template(messages, tokenize=False, ...) for the same inputs.
 
@@ -193,17 +239,35 @@ class Tokenizer:
         must be JSON-schema dicts (not Python functions), and text content parts are joined for string templates.
         """
         source = self.get_chat_template(chat_template, tools)
-        return render_chat(source, messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                           documents=documents, variables={**self.special_tokens, **template_kwargs})
+        return render_chat(
+            source,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            documents=documents,
+            variables={**self.special_tokens, **template_kwargs},
+        )
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
-                    documents: list[dict] | None = None, chat_template: str | None = None,
-                    **template_kwargs: Any) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
+        chat_template: str | None = None,
+        **template_kwargs: Any,
+    ) -> list[int]:
         """Prompt token ids of a conversation: apply_chat_template, then encode(add_special_tokens=False).
 
         Special tokens are not added again because the template already writes them (BOS included); the result
         equals transformers' apply_chat_template(..., tokenize=True)["input_ids"].
         """
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                        documents=documents, chat_template=chat_template, **template_kwargs)
+        text = self.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            documents=documents,
+            chat_template=chat_template,
+            **template_kwargs,
+        )
         return self.encode(text, add_special_tokens=False)

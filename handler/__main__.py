@@ -5,6 +5,7 @@ The worker and the server begin the same way: settings, then the engine's start 
 moving), and only then their own imports (the SDK; FastAPI and uvicorn), which run beside
 `import torch` on the start's thread.
 """
+
 from __future__ import annotations
 
 import argparse

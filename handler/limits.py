@@ -2,6 +2,7 @@
 lists them). Both faces (the HTTP server and RunPod jobs) enforce the same values; the engine checks
 its own again.
 """
+
 from __future__ import annotations
 
 # ---- the HTTP connection (python -m handler serve) ------------------------------------------
@@ -25,11 +26,15 @@ MAX_JSON_DEPTH = 64
 # so the two can never disagree.
 from engine.sampling_params import (  # noqa: E402
     MAX_LOGPROBS as MAX_TOP_LOGPROBS,  # chat top_logprobs, completions logprobs
+)
+from engine.sampling_params import (
     MAX_N,  # samples per prompt
-    MAX_STOP_STRING_CHARS as MAX_STOP_CHARS,  # characters of one stop string
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     MIN_REPETITION_PENALTY,  # vLLM asks only > 0; far below 1 the output degenerates
+)
+from engine.sampling_params import (
+    MAX_STOP_STRING_CHARS as MAX_STOP_CHARS,  # characters of one stop string
 )
 
 MAX_CHOICES = 1024  # prompts x n in one completions request

@@ -2,6 +2,7 @@
 outputs, and the chunk stream a streaming response hands out, which aborts the engine work when it is closed early.
 Both can be interrupted (the drain deadline) wherever they wait.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,7 +25,9 @@ class RequestStreams:
 
     def __init__(self, engine, request_id: str, prompts: list[list[int]], params):
         self.engine = engine
-        self.ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
+        self.ids = [
+            request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))
+        ]
         self.prompts = prompts
         self.params = params
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -88,7 +91,9 @@ class ChunkStream:
         self._chunks = chunks
         self._streams = streams
         self._ended = False
-        self.on_end = None  # called once with the HTTP-like status: 200 done, 4xx/5xx failed, 499 left early
+        self.on_end = (
+            None  # called once with the HTTP-like status: 200 done, 4xx/5xx failed, 499 left early
+        )
 
     def __aiter__(self) -> "ChunkStream":
         return self
@@ -99,10 +104,15 @@ class ChunkStream:
         except StopAsyncIteration:
             await self._end(200)
             raise
-        except (asyncio.CancelledError, GeneratorExit):  # the consumer left (a closed connection, a cancelled job)
+        except (
+            asyncio.CancelledError,
+            GeneratorExit,
+        ):  # the consumer left (a closed connection, a cancelled job)
             await self._end(499)
             raise
-        except BaseException as e:  # an ApiError carries its HTTP status; anything else is a server error
+        except (
+            BaseException
+        ) as e:  # an ApiError carries its HTTP status; anything else is a server error
             await self._end(getattr(e, "status", 500))
             raise
 
@@ -135,4 +145,3 @@ async def drain(streams: RequestStreams) -> float | None:
     finally:
         await streams.close()
     return first_token
-

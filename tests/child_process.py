@@ -1,6 +1,7 @@
 """Test helper: end child processes the way the fault and shutdown tests need (a signal, a bounded wait, a kill),
 and run a child script until it announces that it is midway, then SIGKILL it there.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,7 +33,9 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30.
 
 def kill_when_midway(child_script: str, marker: str = "midway") -> None:
     """Run `python -c child_script` from the repo root; once it prints `marker`, SIGKILL it (no clean-up runs)."""
-    proc = subprocess.Popen([sys.executable, "-c", child_script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child_script], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout.readline().strip() == marker
         proc.send_signal(signal.SIGKILL)

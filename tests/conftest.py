@@ -2,6 +2,7 @@
 
 The conversion (cache.gguf, through the gguf package) is cached under .cache/ so later runs skip it.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -27,7 +28,9 @@ def _gguf_dir() -> str:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    return convert_gguf(os.path.join(_gguf_dir(), SMOLLM2_GGUF), str(CACHE_DIR / "smollm2-135m-instruct"))
+    return convert_gguf(
+        os.path.join(_gguf_dir(), SMOLLM2_GGUF), str(CACHE_DIR / "smollm2-135m-instruct")
+    )
 
 
 def free_gpu_memory() -> None:

@@ -2,6 +2,7 @@
 
 Tests enqueue jobs, ask for a job to be stopped, and read back what the real runpod SDK worker posted for each job.
 """
+
 from __future__ import annotations
 
 import json
@@ -112,7 +113,9 @@ def _handler(queue: JobQueue):
 
         def do_POST(self):
             url = urlsplit(self.path)
-            parts = url.path.strip("/").split("/")  # v2/<endpoint>/job-done|job-stream/<worker id>/<job id>
+            parts = url.path.strip("/").split(
+                "/"
+            )  # v2/<endpoint>/job-done|job-stream/<worker id>/<job id>
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             if len(parts) == 5 and parts[2] in ("job-done", "job-stream"):
                 queue.record("stream" if parts[2] == "job-stream" else "done", parts[4], body)
@@ -125,7 +128,9 @@ def _handler(queue: JobQueue):
 class _QuietServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def handle_error(self, request, client_address):  # the worker dropping a kept-alive connection is normal
+    def handle_error(
+        self, request, client_address
+    ):  # the worker dropping a kept-alive connection is normal
         pass
 
 

@@ -2,6 +2,7 @@
 
 Random ragged batches: decodes, full prefills and chunks after a cached prefix; several head dims, GQA, block sizes.
 """
+
 from __future__ import annotations
 
 import math
@@ -10,14 +11,18 @@ import pytest
 import torch
 
 from engine.attention import kv_cache_shape
-from tiny_models import host_metadata
 from engine.attention.torch_ref import TorchAttentionBackend
+from tiny_models import host_metadata
 
 FP32_BOUND = 1e-5  # max abs difference allowed in float32
 
 
 def naive_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int | None = None
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q [Q, H, D] are the last Q positions of a context keys/values [S, Hkv, D]; dense math in float32."""
     num_q, num_heads, _ = q.shape
@@ -57,7 +62,9 @@ def run_case(
     for n in blocks_per_seq:
         tables.append(perm[at : at + n])
         at += n
-    cache = torch.zeros(kv_cache_shape(1, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype)[0]
+    cache = torch.zeros(
+        kv_cache_shape(1, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype
+    )[0]
 
     def slot(i: int, p: int) -> int:
         return tables[i][p // block_size] * block_size + p % block_size
@@ -81,7 +88,12 @@ def run_case(
     meta = host_metadata(slots, starts, seq_lens, tables, block_size, device)
     cache = cache.to(device)
     out = TorchAttentionBackend().forward(
-        torch.cat(qs).to(device), torch.cat(ks).to(device), torch.cat(vs).to(device), cache, meta, scale,
+        torch.cat(qs).to(device),
+        torch.cat(ks).to(device),
+        torch.cat(vs).to(device),
+        cache,
+        meta,
+        scale,
         sliding_window=window,
     )
     assert out.shape == (sum(query_lens), num_heads, head_dim) and out.dtype == dtype
@@ -102,7 +114,9 @@ QUERY_LENS = [1, 23, 11, 1, 1]
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_matches_naive_float32(head_dim: int, group: int, block_size: int) -> None:
-    out, ref = run_case(SEQ_LENS, QUERY_LENS, 2, group, head_dim, block_size, seed=head_dim + group + block_size)
+    out, ref = run_case(
+        SEQ_LENS, QUERY_LENS, 2, group, head_dim, block_size, seed=head_dim + group + block_size
+    )
     assert (out - ref).abs().max().item() < FP32_BOUND
 
 

@@ -19,8 +19,8 @@ from handler.config import Settings, load_settings
 from handler.engine_boot import EMBEDDED_DIR_NAME
 from handler.hub_listing import HUB_DIR, IMAGE_ENV, LISTING_FILES, env_entries, write_listing
 from handler.jobs import parse_job
-from local_api import local_api, runsync
 from hub_schema import CUDA_VERSIONS, HUB_SCHEMA, TESTS_SCHEMA, gpu_id_errors
+from local_api import local_api, runsync
 
 REPO = Path(__file__).resolve().parent.parent
 HUB = json.loads((REPO / "hub.json").read_text())

@@ -1,4 +1,5 @@
 """Unit tests of the scheduler's policy: token budget, chunked prefill, FCFS, preemption (no model)."""
+
 from __future__ import annotations
 
 from engine.kv import KVCacheManager

@@ -22,11 +22,13 @@ from warmup.artifacts import (
     ARTIFACT_FILE,
     ENGINES_DIR,
     TRITON_DIR,
+    any_memory,
     artifact_key,
     artifact_roots,
-    any_memory,
+    install,
+    key_id,
+    select,
 )
-from warmup.artifacts import install, key_id, select
 
 REPO = Path(__file__).resolve().parent.parent
 LIMITS = {

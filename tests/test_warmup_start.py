@@ -15,8 +15,17 @@ from engine import LLM, SamplingParams
 from tests.tiny_models import make_tiny_model
 from warmup.start import EngineStart, ResolveError, StartArgs, start_engine
 
-ORDER = ["before_boot", "resolve", "stream_start", "import_torch", "preload_start", "engine_mode",
-         "import_engine", "engine", "total"]
+ORDER = [
+    "before_boot",
+    "resolve",
+    "stream_start",
+    "import_torch",
+    "preload_start",
+    "engine_mode",
+    "import_engine",
+    "engine",
+    "total",
+]
 GREEDY = dict(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
@@ -31,8 +40,15 @@ def test_a_local_model_starts_through_every_phase_in_order(tmp_path):
     model_dir = str(tmp_path / "model")
     make_tiny_model("llama", model_dir)
     options = {"dtype": "float32", "num_kv_blocks": 32, "block_size": 4, "max_model_len": 64}
-    start = start_engine(StartArgs(model=model_dir, cache_dir=str(tmp_path / "cache"), device="cpu",
-                                   engine_options=options, engine_mode="auto"))
+    start = start_engine(
+        StartArgs(
+            model=model_dir,
+            cache_dir=str(tmp_path / "cache"),
+            device="cpu",
+            engine_options=options,
+            engine_mode="auto",
+        )
+    )
     assert start.wait_streaming(60)
     engine = start.future.result(timeout=300)
     try:

@@ -2,6 +2,7 @@
 
 The HF models come from transformers (a test-only dependency) and are saved with save_pretrained, as a hub repo is.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,7 +28,10 @@ _COMMON = dict(
     tie_word_embeddings=False,
 )
 FAMILIES: dict[str, tuple[str, dict]] = {
-    "llama": ("LlamaForCausalLM", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "llama": (
+        "LlamaForCausalLM",
+        dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    ),
     "llama3-rope": (
         "LlamaForCausalLM",
         dict(
@@ -49,17 +53,28 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     ),
     "llama-tied": (
         "LlamaForCausalLM",
-        dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 100000.0}),
+        dict(
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        ),
     ),
     # MQA (1 kv head) and a sliding window shorter than the test sequences.
     "mistral": (
         "MistralForCausalLM",
-        dict(num_key_value_heads=1, sliding_window=8, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+        dict(
+            num_key_value_heads=1,
+            sliding_window=8,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        ),
     ),
     # MHA with q/k/v biases.
     "qwen2": (
         "Qwen2ForCausalLM",
-        dict(num_hidden_layers=3, num_key_value_heads=4, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        ),
     ),
     # Explicit head_dim (32) different from hidden / heads (16), per-head q/k norm.
     "qwen3": (
@@ -68,7 +83,11 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     ),
     "qwen3-tied": (
         "Qwen3ForCausalLM",
-        dict(head_dim=32, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+        dict(
+            head_dim=32,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        ),
     ),
 }
 
@@ -211,13 +230,19 @@ def make_step(
         query_start.append(query_start[-1] + n)
         seq_lens.append(start + n)
         seq.num_cached = start + n
-    meta = host_metadata(slots, query_start, seq_lens, [s.block_table for s in seqs], block_size, device)
+    meta = host_metadata(
+        slots, query_start, seq_lens, [s.block_table for s in seqs], block_size, device
+    )
     as_long = dict(dtype=torch.int64, device=device)
     return torch.tensor(ids, **as_long), torch.tensor(positions, **as_long), meta
 
 
 def host_metadata(
-    slots: list[int], query_start: list[int], seq_lens: list[int], tables: list[list[int]], block_size: int,
+    slots: list[int],
+    query_start: list[int],
+    seq_lens: list[int],
+    tables: list[list[int]],
+    block_size: int,
     device: str | torch.device = "cpu",
 ) -> AttentionMetadata:
     """AttentionMetadata from host lists: block tables padded with block 0 to the widest (at least one column)."""
@@ -226,7 +251,9 @@ def host_metadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+        block_tables=torch.tensor(
+            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
+        ),
         max_query_len=max(b - a for a, b in zip(query_start, query_start[1:])),
         max_seq_len=max(seq_lens),
         query_start_loc_cpu=query_start,

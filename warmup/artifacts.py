@@ -5,6 +5,7 @@ KV-sizing record, the CUDA-graph batch sizes, the build's smoke tokens and time)
 the engine compiled for this model, GPU and software stack while it was built. select() picks one for ENGINE_MODE;
 install() puts its kernels where Triton looks and returns the engine arguments its record implies.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,8 +23,21 @@ TRITON_DIR = "triton-cache"
 ENGINES_DIR = "engines"
 ENGINE_MODES = ("auto", "jit", "compiled")
 # The key's fields, in the order a mismatch names them: what was built for must be what runs.
-KEY_FIELDS = ("format", "model_digest", "gpu_arch", "gpu_memory_gib", "torch", "triton", "cuda", "dtype",
-              "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "gpu_memory_utilization")
+KEY_FIELDS = (
+    "format",
+    "model_digest",
+    "gpu_arch",
+    "gpu_memory_gib",
+    "torch",
+    "triton",
+    "cuda",
+    "dtype",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "block_size",
+    "gpu_memory_utilization",
+)
 # An artifact with no measured KV-sizing record (built without a GPU, or published by a worker that
 # sized its
 # cache analytically) holds kernels only, which depend on neither field: its key says "any" in both.
@@ -59,10 +73,14 @@ def _limits(args, device) -> dict:
     from engine.models.weights import resolve_dtype
 
     cfg = ModelConfig.from_dir(args.model)
-    return {"dtype": str(resolve_dtype(args.dtype, cfg, device)).removeprefix("torch."),
-            "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
-            "max_num_batched_tokens": args.max_num_batched_tokens, "block_size": args.block_size,
-            "gpu_memory_utilization": args.gpu_memory_utilization}
+    return {
+        "dtype": str(resolve_dtype(args.dtype, cfg, device)).removeprefix("torch."),
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "block_size": args.block_size,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+    }
 
 
 def _software() -> dict:
@@ -85,12 +103,20 @@ def current_key(args) -> dict:
 
     device = args.torch_device()
     if device.type != "cuda":
-        raise ArtifactError(f"compiled engines are for CUDA devices; this engine runs on {device.type}")
+        raise ArtifactError(
+            f"compiled engines are for CUDA devices; this engine runs on {device.type}"
+        )
     index = device.index if device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
-    return artifact_key(model_digest(args.model), _limits(args, device),
-                        {"gpu_arch": f"sm_{props.major}{props.minor}",
-                         "gpu_memory_gib": round(props.total_memory / (1 << 30))}, _software())
+    return artifact_key(
+        model_digest(args.model),
+        _limits(args, device),
+        {
+            "gpu_arch": f"sm_{props.major}{props.minor}",
+            "gpu_memory_gib": round(props.total_memory / (1 << 30)),
+        },
+        _software(),
+    )
 
 
 def gpuless_key(args, arch: str) -> dict:
@@ -102,8 +128,12 @@ def gpuless_key(args, arch: str) -> dict:
 
     from engine.models.weights import model_digest
 
-    key = artifact_key(model_digest(args.model), _limits(args, torch.device("cuda")),
-                       {"gpu_arch": arch, "gpu_memory_gib": None}, _software())
+    key = artifact_key(
+        model_digest(args.model),
+        _limits(args, torch.device("cuda")),
+        {"gpu_arch": arch, "gpu_memory_gib": None},
+        _software(),
+    )
     return any_memory(key)
 
 
@@ -115,9 +145,12 @@ def any_memory(key: dict) -> dict:
 
 def mismatches(built: dict, wanted: dict) -> list[str]:
     """'field (built for X, this worker Y)' for each key field that differs, in KEY_FIELDS order."""
-    return [f"{f} (built for {built.get(f)!r}, this worker {wanted.get(f)!r})"
-            for f in KEY_FIELDS if built.get(f) != wanted.get(f)
-            and not (f in WILDCARD_FIELDS and built.get(f) == ANY_MEMORY)]
+    return [
+        f"{f} (built for {built.get(f)!r}, this worker {wanted.get(f)!r})"
+        for f in KEY_FIELDS
+        if built.get(f) != wanted.get(f)
+        and not (f in WILDCARD_FIELDS and built.get(f) == ANY_MEMORY)
+    ]
 
 
 # ---- finding and choosing ------------------------------------------------------------------------------------
@@ -216,8 +249,10 @@ def _copy_if_missing(src: str, dst: str) -> str:
     with open(src) as f:
         group = json.load(f)
     here = os.path.dirname(dst)
-    group["child_paths"] = {name: os.path.join(here, os.path.basename(path))
-                            for name, path in group.get("child_paths", {}).items()}
+    group["child_paths"] = {
+        name: os.path.join(here, os.path.basename(path))
+        for name, path in group.get("child_paths", {}).items()
+    }
     tmp = f"{dst}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(group, f)
@@ -260,7 +295,9 @@ def _pull_one(name: str, remote: str, cache_dir: str, opts) -> str | None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def prepare(mode: str, args, cache_dir: str | None = None, remote: str | None = None, s3_options=None):
+def prepare(
+    mode: str, args, cache_dir: str | None = None, remote: str | None = None, s3_options=None
+):
     """ENGINE_MODE applied to EngineArgs `args` (call once torch is up): -> (the args to build the engine with,
     the Selection). compiled installs the artifact's kernels and takes its KV-sizing record and graph sizes.
     remote (s3://...): with no matching artifact on disk, one pushed there for this key is pulled first."""
@@ -272,11 +309,15 @@ def prepare(mode: str, args, cache_dir: str | None = None, remote: str | None = 
     device = args.torch_device().type
     if device != "cuda":
         if mode == "compiled":
-            raise ArtifactError(f"ENGINE_MODE=compiled: compiled engines are for CUDA devices; this engine runs on "
-                                f"{device}")
+            raise ArtifactError(
+                f"ENGINE_MODE=compiled: compiled engines are for CUDA devices; this engine runs on "
+                f"{device}"
+            )
         return args, Selection("jit", None, f"ENGINE_MODE=auto: jit, the engine runs on {device}")
     key, roots = current_key(args), artifact_roots(args.model, cache_dir)
-    if remote and cache_dir and select("auto", roots, key).mode == "jit":  # none on disk: the fleet may have one
+    if (
+        remote and cache_dir and select("auto", roots, key).mode == "jit"
+    ):  # none on disk: the fleet may have one
         from cache.remote import RemoteError
 
         try:

@@ -7,6 +7,7 @@ this process could compute it too, but loading Triton there holds this interpret
 function's, run in the same environment a moment earlier; install() hands it to Triton. The start
 sequence (warmup.start) begins it before `import torch`. Imports no torch.
 """
+
 from __future__ import annotations
 
 import functools
@@ -22,8 +23,12 @@ _KEY_CODE = "from triton.runtime.cache import triton_key; print(triton_key())"
 
 class TritonKey:
     def __init__(self) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-c", _KEY_CODE], stdout=subprocess.PIPE,
-                                      stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _KEY_CODE],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+        )
 
     def install(self, timeout: float = 30.0) -> bool:
         """Give Triton the key computed meanwhile (waits for it if need be); False if there is none to give."""
@@ -41,7 +46,9 @@ class TritonKey:
         except ImportError:
             return False
         original = getattr(triton_cache, "triton_key", None)
-        if original is None or not hasattr(original, "cache_info"):  # another Triton: leave it alone
+        if original is None or not hasattr(
+            original, "cache_info"
+        ):  # another Triton: leave it alone
             return False
         if original.cache_info().currsize:  # already computed in this process
             return True

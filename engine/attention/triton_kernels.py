@@ -3,6 +3,7 @@
 The attention kernel packs a kv head's whole query-head group into the rows of each tile, so a K/V tile is read
 once for all of them; decode runs it split along the context (flash-decoding), prefill one program per query tile.
 """
+
 from __future__ import annotations
 
 import triton
@@ -11,9 +12,19 @@ import triton.language as tl
 
 @triton.jit
 def write_kv_kernel(
-    k_ptr, v_ptr, cache_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_kv,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kv,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """One program per new token: copy its K and V rows [Hkv, D] to its flat slot; a negative slot is padding."""
     t = tl.program_id(0)
@@ -32,10 +43,29 @@ def write_kv_kernel(
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q, start, end, table_row, k_base, v_base, q_pos, d, d_mask, scale_log2, window,
-    stride_cb, stride_cs,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    q,
+    start,
+    end,
+    table_row,
+    k_base,
+    v_base,
+    q_pos,
+    d,
+    d_mask,
+    scale_log2,
+    window,
+    stride_cb,
+    stride_cs,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """Fold keys [start, start + BLOCK_N) (those < end) into the running softmax (log2 domain, fp32).
 
@@ -50,7 +80,11 @@ def _attend_tile(
         page = tl.load(table_row + n // PAGE).to(tl.int64)
         kv_mask = d_mask[None, :] if HEAD_DIM != BLOCK_D else None
     offs = page * stride_cb + (n % PAGE) * stride_cs
-    key = tl.load(k_base + offs[:, None] + d[None, :], mask=kv_mask, other=0.0 if kv_mask is not None else None)
+    key = tl.load(
+        k_base + offs[:, None] + d[None, :],
+        mask=kv_mask,
+        other=0.0 if kv_mask is not None else None,
+    )
     if IEEE:
         s = tl.dot(q, tl.trans(key), input_precision="ieee")
     else:
@@ -65,7 +99,11 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s * scale_log2 - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    value = tl.load(v_base + offs[:, None] + d[None, :], mask=kv_mask, other=0.0 if kv_mask is not None else None)
+    value = tl.load(
+        v_base + offs[:, None] + d[None, :],
+        mask=kv_mask,
+        other=0.0 if kv_mask is not None else None,
+    )
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(value.dtype), value, input_precision="ieee")
     else:
@@ -75,13 +113,38 @@ def _attend_tile(
 
 @triton.jit
 def paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr,
-    qsl_ptr, seq_lens_ptr, block_tables_ptr,
-    scale_log2, window,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cs, stride_ch,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    arrivals_ptr,
+    qsl_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    scale_log2,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    IEEE: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     """Program (sequence b, kv head x split, query tile): rows are (query token, head of the group) pairs.
@@ -95,7 +158,9 @@ def paged_attention_kernel(
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // NUM_SPLITS
     split = tl.program_id(1) % NUM_SPLITS
-    q0 = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_Q  # the longest (last) query tiles start first
+    q0 = (
+        tl.num_programs(2) - 1 - tl.program_id(2)
+    ) * BLOCK_Q  # the longest (last) query tiles start first
     q_start = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q_start
     if q0 >= q_len:
@@ -111,7 +176,9 @@ def paged_attention_kernel(
         full = lo  # every tile is masked under a window
     else:
         full = (ctx_start + q0 + 1) // BLOCK_N * BLOCK_N
-    num_active = 1  # splits that hold keys (at least one, so a row with no context still writes its zeros)
+    num_active = (
+        1  # splits that hold keys (at least one, so a row with no context still writes its zeros)
+    )
     if NUM_SPLITS > 1:
         tiles = tl.cdiv(hi - lo, BLOCK_N)
         per_split_tiles = tl.cdiv(tiles, NUM_SPLITS)
@@ -133,7 +200,11 @@ def paged_attention_kernel(
     io_mask = row_valid[:, None] & d_mask[None, :]
     k_base = k_cache_ptr + kv_head * stride_ch
     v_base = v_cache_ptr + kv_head * stride_ch
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=io_mask, other=0.0)
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=io_mask,
+        other=0.0,
+    )
     q = q.to(k_cache_ptr.dtype.element_ty)
     table_row = block_tables_ptr + b.to(tl.int64) * stride_bt
 
@@ -142,13 +213,55 @@ def paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start in range(lo, tl.minimum(full, hi), BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, start, hi, table_row, k_base, v_base, q_pos, d, d_mask, scale_log2, window,
-            stride_cb, stride_cs, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, False, USE_WINDOW, IEEE,
+            acc,
+            m_i,
+            l_i,
+            q,
+            start,
+            hi,
+            table_row,
+            k_base,
+            v_base,
+            q_pos,
+            d,
+            d_mask,
+            scale_log2,
+            window,
+            stride_cb,
+            stride_cs,
+            PAGE,
+            BLOCK_N,
+            HEAD_DIM,
+            BLOCK_D,
+            False,
+            USE_WINDOW,
+            IEEE,
         )
     for start in range(tl.maximum(full, lo), hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, start, hi, table_row, k_base, v_base, q_pos, d, d_mask, scale_log2, window,
-            stride_cb, stride_cs, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, True, USE_WINDOW, IEEE,
+            acc,
+            m_i,
+            l_i,
+            q,
+            start,
+            hi,
+            table_row,
+            k_base,
+            v_base,
+            q_pos,
+            d,
+            d_mask,
+            scale_log2,
+            window,
+            stride_cb,
+            stride_cs,
+            PAGE,
+            BLOCK_N,
+            HEAD_DIM,
+            BLOCK_D,
+            True,
+            USE_WINDOW,
+            IEEE,
         )
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -159,21 +272,52 @@ def paged_attention_kernel(
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
         first = (token * NUM_HEADS + head) * NUM_SPLITS  # this row's split 0
-        tl.store(part_out_ptr + (first + split)[:, None] * BLOCK_D + d[None, :], out, mask=row_valid[:, None])
+        tl.store(
+            part_out_ptr + (first + split)[:, None] * BLOCK_D + d[None, :],
+            out,
+            mask=row_valid[:, None],
+        )
         tl.store(part_lse_ptr + first + split, m_i + tl.log2(l_i), mask=row_valid)
         if FUSED_MERGE:
             # acq_rel: this split's partials are visible before its arrival counts; the last one sees them all
             arrival = arrivals_ptr + b * (tl.num_programs(1) // NUM_SPLITS) + kv_head
             if tl.atomic_add(arrival, 1, sem="acq_rel") == num_active - 1:
-                _merge_group(out_ptr, part_out_ptr, part_lse_ptr, (q_start + q0).to(tl.int64), kv_head, num_active,
-                             stride_ot, stride_oh, NUM_HEADS, GROUP, HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S)
+                _merge_group(
+                    out_ptr,
+                    part_out_ptr,
+                    part_lse_ptr,
+                    (q_start + q0).to(tl.int64),
+                    kv_head,
+                    num_active,
+                    stride_ot,
+                    stride_oh,
+                    NUM_HEADS,
+                    GROUP,
+                    HEAD_DIM,
+                    BLOCK_D,
+                    NUM_SPLITS,
+                    BLOCK_S,
+                )
                 tl.atomic_xchg(arrival, 0)  # ready for the next launch (or CUDA-graph replay)
 
 
 @triton.jit
-def _merge_group(out_ptr, part_out_ptr, part_lse_ptr, token, kv_head, num_active, stride_ot, stride_oh,
-                 NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+def _merge_group(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    token,
+    kv_head,
+    num_active,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     """For each head of the group: out = sum_s exp2(lse_s - max) * partial_s / sum_s exp2(lse_s - max) over the
     active splits (heads unrolled, so all their loads are in flight together)."""
     s = tl.arange(0, BLOCK_S)
@@ -182,22 +326,38 @@ def _merge_group(out_ptr, part_out_ptr, part_lse_ptr, token, kv_head, num_active
     for g in tl.static_range(GROUP):
         head = kv_head * GROUP + g
         first = (token * NUM_HEADS + head) * NUM_SPLITS
-        lse = tl.load(part_lse_ptr + first + s, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-        partial = tl.load(part_out_ptr + (first + s)[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0,
-                          cache_modifier=".cg")
+        lse = tl.load(
+            part_lse_ptr + first + s, mask=s_ok, other=float("-inf"), cache_modifier=".cg"
+        )
+        partial = tl.load(
+            part_out_ptr + (first + s)[:, None] * BLOCK_D + d[None, :],
+            mask=s_ok[:, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
         top = tl.max(lse, 0)
         weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
         total = tl.sum(weight, 0)
         out = tl.sum(partial * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-        tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
-                 mask=d < HEAD_DIM)
+        tl.store(
+            out_ptr + token * stride_ot + head * stride_oh + d,
+            out.to(out_ptr.dtype.element_ty),
+            mask=d < HEAD_DIM,
+        )
 
 
 @triton.jit
 def merge_splits_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     """One program per (token, head): weight each split's output by exp2(its lse - max); no context gives zeros."""
     t = tl.program_id(0).to(tl.int64)
@@ -209,7 +369,15 @@ def merge_splits_kernel(
     top = tl.max(lse, 0)
     top = tl.where(top == float("-inf"), 0.0, top)
     weight = tl.exp2(lse - top)
-    partial = tl.load(part_out_ptr + part[:, None] * BLOCK_D + d[None, :], mask=(s < NUM_SPLITS)[:, None], other=0.0)
+    partial = tl.load(
+        part_out_ptr + part[:, None] * BLOCK_D + d[None, :],
+        mask=(s < NUM_SPLITS)[:, None],
+        other=0.0,
+    )
     total = tl.sum(weight, 0)
     out = tl.sum(partial * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(
+        out_ptr + t * stride_ot + h * stride_oh + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )

@@ -3,6 +3,7 @@
 The fused tensor holds the gate in its first half and the up projection in its second half (last dim); on CUDA one
 Triton kernel computes it.
 """
+
 from __future__ import annotations
 
 import torch

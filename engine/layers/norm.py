@@ -2,6 +2,7 @@
 
 Optionally adds a residual first (one fused Triton kernel on CUDA); also Qwen3's per-head q/k norms (last dim).
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,7 +21,9 @@ class RMSNorm(nn.Module):
     ) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(dim, dtype=dtype, device=device), requires_grad=False
+        )
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

@@ -2,6 +2,7 @@
 
 Each row's noise depends only on its own 64-bit key, so a seeded request draws the same tokens whatever the batch.
 """
+
 from __future__ import annotations
 
 import torch
@@ -44,9 +45,13 @@ if triton is not None:
         for start in range(0, vocab, BLOCK):
             cols = start + lanes
             mask = cols < vocab
-            logit = tl.load(logits_ptr + row * stride_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            logit = tl.load(
+                logits_ptr + row * stride_row + cols, mask=mask, other=float("-inf")
+            ).to(tl.float32)
             u = tl.rand(key, cols)
-            u = tl.minimum(tl.maximum(u, 1.0e-30), 0.99999994)  # keep log(-log(u)) finite at both ends
+            u = tl.minimum(
+                tl.maximum(u, 1.0e-30), 0.99999994
+            )  # keep log(-log(u)) finite at both ends
             score = logit - tl.log(-tl.log(u))  # Gumbel-max: a draw from softmax(logit)
             better = score > best
             best = tl.where(better, score, best)

@@ -3,6 +3,7 @@
 cuBLAS picks split-K kernels plus a reduce launch for these shapes; this kernel tiles N finely instead, and writes
 the lm_head's fp32 logits in the same pass (tiles per shape from bench/gemm_micro.py on an H100).
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,9 +22,22 @@ if triton is not None:
 
     @triton.jit
     def _skinny_gemm_kernel(
-        x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-        HAS_BIAS: tl.constexpr, ROUND: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        y_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_ym,
+        HAS_BIAS: tl.constexpr,
+        ROUND: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr,
     ):
         """Program n: output columns [n * BLOCK_N, +BLOCK_N) of every row; the loop walks K once.
 
@@ -34,7 +48,9 @@ if triton is not None:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         rows_ok = rm < M
-        rn_safe = tl.where(rn < N, rn, 0).to(tl.int64)  # out-of-range columns re-read row 0 (stores are masked)
+        rn_safe = tl.where(rn < N, rn, 0).to(
+            tl.int64
+        )  # out-of-range columns re-read row 0 (stores are masked)
         w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
         x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -61,7 +77,12 @@ if triton is not None:
 
 def skinny_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when the skinny kernel serves x @ weight^T: CUDA, bf16/fp16, at most MAX_ROWS rows, weight rows dense."""
-    if triton is None or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+    if (
+        triton is None
+        or not x.is_cuda
+        or x.dtype not in (torch.bfloat16, torch.float16)
+        or weight.dtype != x.dtype
+    ):
         return False
     if x.shape[-1] != weight.shape[1] or weight.stride(1) != 1 or x.numel() == 0:
         return False
@@ -100,10 +121,24 @@ def skinny_gemm(
     block_n, block_k, num_warps, num_stages = config or default_config(n, k)
     block_k = min(block_k, triton.next_power_of_2(k))
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
-        x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, ROUND=y.dtype != x.dtype,
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        num_warps=num_warps, num_stages=num_stages,
+        x2,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        m,
+        n,
+        k,
+        x2.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        HAS_BIAS=bias is not None,
+        ROUND=y.dtype != x.dtype,
+        BLOCK_M=max(16, triton.next_power_of_2(m)),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if out is not None:
         return out

@@ -3,6 +3,7 @@
 build_model allocates an empty model; load_model builds it and fills it (names resolve on first use, so the
 weights' preload does not import the model code, and triton with it).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -20,7 +21,12 @@ __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:
     from engine.models.decoder import DecoderModel, build_model
-    from engine.models.weights import iter_safetensors, load_model, preload_weights, safetensors_files
+    from engine.models.weights import (
+        iter_safetensors,
+        load_model,
+        preload_weights,
+        safetensors_files,
+    )
 
 
 def __getattr__(name: str):

@@ -5,6 +5,7 @@ Under tensor parallelism each rank loads and packs only its own slice (one pack 
 cache.pack.shard_name), so each GPU streams its own bytes at start. load_format "dummy" fills random
 weights on the device (benchmarks).
 """
+
 # The model code (and triton with it) is imported inside the functions that build a model, so preload_weights can
 # start the stream right after `import torch`, before the rest of the engine imports.
 from __future__ import annotations
@@ -21,8 +22,16 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from cache.loader import (LoadStats, PackError, PackWriter, discard_preloads, load_pack, preload,
-                          read_pack, shard_name)
+from cache.loader import (
+    LoadStats,
+    PackError,
+    PackWriter,
+    discard_preloads,
+    load_pack,
+    preload,
+    read_pack,
+    shard_name,
+)
 from engine.config import EngineArgs, ModelConfig, resolve_dtype
 from engine.distributed.sharding import SINGLE, Shard
 
@@ -51,19 +60,28 @@ def safetensors_files(model_dir: str) -> list[str]:
         files = [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
         absent = [os.path.basename(p) for p in files if not os.path.isfile(p)]
         if absent:
-            raise ValueError(f"weights: shards named by {INDEX_FILE} are missing in {model_dir!r}: {absent}")
+            raise ValueError(
+                f"weights: shards named by {INDEX_FILE} are missing in {model_dir!r}: {absent}"
+            )
         return files
     single = os.path.join(model_dir, SINGLE_FILE)
     if os.path.isfile(single):
         return [single]
-    found = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors")) if os.path.isdir(model_dir) else []
+    found = (
+        sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
+        if os.path.isdir(model_dir)
+        else []
+    )
     if not found:
-        raise ValueError(f"weights: no safetensors checkpoint in {model_dir!r} (only safetensors are loaded)")
+        raise ValueError(
+            f"weights: no safetensors checkpoint in {model_dir!r} (only safetensors are loaded)"
+        )
     return [os.path.join(model_dir, n) for n in found]
 
 
-def iter_safetensors(model_dir: str, slots: dict[str, "WeightSlot"] | None = None
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(
+    model_dir: str, slots: dict[str, "WeightSlot"] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, CPU tensor) for every tensor of the checkpoint, one at a time. With `slots` (a model's
     hf_weight_map), a tensor it names is read as its slot's slice only (then presliced=True)."""
     for path in safetensors_files(model_dir):
@@ -71,16 +89,19 @@ def iter_safetensors(model_dir: str, slots: dict[str, "WeightSlot"] | None = Non
             f = safe_open(path, framework="pt", device="cpu")
         except Exception as e:  # safetensors' own errors name no file
             size = os.path.getsize(path)
-            raise ValueError(f"weights: {path} ({size} bytes) can't be read as safetensors ({e}): "
-                             "the file is truncated or corrupt; fetch it again") from e
+            raise ValueError(
+                f"weights: {path} ({size} bytes) can't be read as safetensors ({e}): "
+                "the file is truncated or corrupt; fetch it again"
+            ) from e
         with f:
             for name in f.keys():
                 slot = slots.get(name) if slots is not None else None
                 part = f.get_slice(name) if slot is not None else None
                 if part is not None and tuple(part.get_shape()) != slot.full:
                     shape = tuple(part.get_shape())
-                    raise ValueError(f"weights: {name} has shape {shape} but the model expects "
-                                     f"{slot.full}")
+                    raise ValueError(
+                        f"weights: {name} has shape {shape} but the model expects {slot.full}"
+                    )
                 if part is None or slot.count == slot.full[slot.dim]:  # not the model's, or whole
                     yield name, f.get_tensor(name)
                     continue
@@ -108,15 +129,20 @@ def model_digest(model_dir: str) -> str:
 def pack_key(model_dir: str, dtype: torch.dtype, shard: Shard = SINGLE) -> dict:
     """What a pack must match to be used: the checkpoint's bytes, the final dtype, the engine's
     layout and, for a tensor-parallel rank, which slice it holds."""
-    key = {"format": "coldbrew-weights", "model_digest": model_digest(model_dir),
-           "dtype": _dtype_name(dtype), "layout_version": PACK_LAYOUT_VERSION}
+    key = {
+        "format": "coldbrew-weights",
+        "model_digest": model_digest(model_dir),
+        "dtype": _dtype_name(dtype),
+        "layout_version": PACK_LAYOUT_VERSION,
+    }
     if shard.size > 1:
         key["shard"] = [shard.rank, shard.size]
     return key
 
 
-def pack_path(model_dir: str, dtype: torch.dtype, pack_dir: str | None = None,
-              shard: Shard = SINGLE) -> str:
+def pack_path(
+    model_dir: str, dtype: torch.dtype, pack_dir: str | None = None, shard: Shard = SINGLE
+) -> str:
     """<pack_dir or model_dir/packs>/<digest[:16]>-<dtype>-v<layout>.cbpack (a rank's:
     cache.pack.shard_name)"""
     key = pack_key(model_dir, dtype)
@@ -200,8 +226,9 @@ def load_model(
     key = pack_key(model_dir, dtype, shard)
     discard_preloads(keep=path)  # a preload of another file would hold device memory for nothing
     try:
-        return load_model_from_pack(path, key, model_config, dtype, device, attn_backend,
-                                    shard=shard, comm=comm)
+        return load_model_from_pack(
+            path, key, model_config, dtype, device, attn_backend, shard=shard, comm=comm
+        )
     except (FileNotFoundError, NotADirectoryError):
         discard_preloads()
     except (PackError, OSError) as e:
@@ -217,14 +244,25 @@ def load_model(
     except Exception as e:  # best effort: the model is loaded; the next start just can't use a pack
         if load_format == "pack":
             raise
-        log.warning("weights: could not write the pack %s (%s: %s); later starts load safetensors", path,
-                    type(e).__name__, e)
+        log.warning(
+            "weights: could not write the pack %s (%s: %s); later starts load safetensors",
+            path,
+            type(e).__name__,
+            e,
+        )
     return model
 
 
 def load_model_from_pack(
-    path: str, key: dict | None, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
-    attn_backend=None, overlap: bool | None = None, shard: Shard = SINGLE, comm=None,
+    path: str,
+    key: dict | None,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    attn_backend=None,
+    overlap: bool | None = None,
+    shard: Shard = SINGLE,
+    comm=None,
     **loader_options,
 ) -> "DecoderModel":
     """The model with every parameter a view into one device buffer streamed from the pack at `path`.
@@ -238,8 +276,9 @@ def load_model_from_pack(
     pack = read_pack(path)
     if key is not None and any(pack.metadata.get(k) != v for k, v in key.items()):
         raise PackError(f"pack {path}: built for {pack.metadata}, not for {key}")
-    model = build_model(model_config, dtype, device, attn_backend, param_device="meta", shard=shard,
-                        comm=comm)
+    model = build_model(
+        model_config, dtype, device, attn_backend, param_device="meta", shard=shard, comm=comm
+    )
     params = dict(model.named_parameters())
     want = {n: (_dtype_name(p.dtype), tuple(p.shape)) for n, p in params.items()}
     have = {e.name: (e.dtype, e.shape) for e in pack.entries}
@@ -252,15 +291,34 @@ def load_model_from_pack(
         for leaf, p in list(module._parameters.items()):
             if p is not None:
                 module._parameters[leaf] = nn.Parameter(views[id(p)], requires_grad=False)
-    model.load_stats = {"source": "pack", "path": path, "nbytes": pack.data_nbytes, "streaming": True}
+    model.load_stats = {
+        "source": "pack",
+        "path": path,
+        "nbytes": pack.data_nbytes,
+        "streaming": True,
+    }
 
     def finished(stats: LoadStats) -> None:
-        model.load_stats = {"source": "pack", "path": path, "nbytes": stats.nbytes, "seconds": stats.seconds,
-                            "gbps": stats.gbps, "alloc_seconds": stats.alloc_seconds,
-                            "pin_seconds": stats.pin_seconds, "mode": stats.mode,
-                            "threads": stats.threads, "chunk_bytes": stats.chunk_bytes}
-        log.info("weights: pack %s, %.2f GB in %.2f s (%.1f GB/s, %s reads)", path, stats.nbytes / 1e9,
-                 stats.seconds, stats.gbps, stats.mode)
+        model.load_stats = {
+            "source": "pack",
+            "path": path,
+            "nbytes": stats.nbytes,
+            "seconds": stats.seconds,
+            "gbps": stats.gbps,
+            "alloc_seconds": stats.alloc_seconds,
+            "pin_seconds": stats.pin_seconds,
+            "mode": stats.mode,
+            "threads": stats.threads,
+            "chunk_bytes": stats.chunk_bytes,
+        }
+        log.info(
+            "weights: pack %s, %.2f GB in %.2f s (%.1f GB/s, %s reads)",
+            path,
+            stats.nbytes / 1e9,
+            stats.seconds,
+            stats.gbps,
+            stats.mode,
+        )
 
     if overlap is None:
         overlap = device.type == "cuda"
@@ -292,8 +350,11 @@ def _wait_hooks(model: "DecoderModel", load, finished):
             if state["finished"]:
                 return
             if load.cuda and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("weights: still streaming while a CUDA graph captures; call model.wait_weights()")
+                raise RuntimeError(
+                    "weights: still streaming while a CUDA graph captures; call model.wait_weights()"
+                )
             load.wait_group(group)
+
         return hook
 
     groups = set(load.pack.groups)
@@ -323,6 +384,11 @@ def write_model_pack(model: nn.Module, path: str, key: dict) -> str:
     with PackWriter(path, metadata=key) as writer:
         for name, p in model.named_parameters():
             host = p.detach().contiguous().cpu().reshape(-1)
-            writer.add(name, _dtype_name(p.dtype), tuple(p.shape), host.view(torch.uint8).numpy(),
-                       group=_group_of(name, num_layers))
+            writer.add(
+                name,
+                _dtype_name(p.dtype),
+                tuple(p.shape),
+                host.view(torch.uint8).numpy(),
+                group=_group_of(name, num_layers),
+            )
     return path
