@@ -1,8 +1,10 @@
-"""Microbenchmark of the Triton paged attention backend on one GPU, Llama-3.1-8B-shaped (32 q / 8 kv heads, D 128).
+"""Microbenchmark of the Triton paged attention backend on one GPU, Llama-3.1-8B-shaped (32 q / 8 kv
+heads, D 128).
 
-`python -m bench.attention_micro --out DIR`: decode KV bytes read per step / time against the measured copy bandwidth,
-prefill TFLOP/s against torch SDPA on the same (dense) shapes, GPU time inside CUDA graphs (eager decode too, which
-adds the host's launch cost), split merge inside the kernel vs a second launch; prints a table, writes JSON.
+`python -m bench.attention_micro --out DIR`: decode KV bytes read per step / time against the
+measured copy bandwidth, prefill TFLOP/s against torch SDPA on the same (dense) shapes, GPU time
+inside CUDA graphs (eager decode too, which adds the host's launch cost), split merge inside the
+kernel vs a second launch; prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ def make_step(
     block_size: int,
     dtype: torch.dtype,
 ):
-    """Random q/k/v, a one-layer cache and metadata: `batch` sequences of `context` tokens, the last query_len new."""
+    """Random q/k/v, a one-layer cache and metadata: `batch` sequences of `context` tokens, the last
+    query_len new."""
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
     cache = torch.randn(
@@ -61,7 +64,8 @@ def make_step(
 def time_call(
     fn, graph: bool, calls: int = 20, repeats: int = 7, capture_error_mode: str = "global"
 ) -> float:
-    """Median seconds per call: `calls` back-to-back calls, captured in one CUDA graph when `graph`."""
+    """Median seconds per call: `calls` back-to-back calls, captured in one CUDA graph when
+    `graph`."""
     fn()
     torch.cuda.synchronize()
     if graph:
@@ -150,7 +154,8 @@ def prefill_rows(args, dtype: torch.dtype) -> list[dict]:
         tuple(map(int, c.split(":"))) for c in args.prefill_sweep.split(",") if c
     ]
     group = args.heads // args.kv_heads
-    # (sequences, context, new tokens): a fresh prompt, a batch of short prompts, a chunk after a cached prefix
+    # (sequences, context, new tokens): a fresh prompt, a batch of short prompts, a chunk after a
+    # cached prefix
     for batch, context, new in (
         (1, args.prefill, args.prefill),
         (8, 512, 512),
@@ -170,7 +175,8 @@ def prefill_rows(args, dtype: torch.dtype) -> list[dict]:
             results[f"tiles={tiles}"] = time_call(
                 lambda: backend.forward(q, k, v, cache, meta, scale), graph=True, calls=5
             )
-        # Baseline: torch SDPA (flash) on dense, contiguous [batch, heads, S, D] tensors, K/V repeated for GQA.
+        # Baseline: torch SDPA (flash) on dense, contiguous [batch, heads, S, D] tensors, K/V
+        # repeated for GQA.
         qd = q.view(batch, new, args.heads, args.head_dim).transpose(1, 2)
         kd = torch.randn(batch, args.heads, context, args.head_dim, dtype=dtype, device="cuda")
         vd = torch.randn_like(kd)
@@ -212,7 +218,8 @@ def prefill_rows(args, dtype: torch.dtype) -> list[dict]:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    """Two panels: decode KV read rate as a share of the copy bandwidth; prefill TFLOP/s beside SDPA."""
+    """Two panels: decode KV read rate as a share of the copy bandwidth; prefill TFLOP/s beside
+    SDPA."""
     import matplotlib
 
     matplotlib.use("Agg")

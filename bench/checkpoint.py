@@ -1,6 +1,8 @@
-"""Synthesize a random-weight HF-format checkpoint (config.json + sharded safetensors) of a real architecture.
+"""Synthesize a random-weight HF-format checkpoint (config.json + sharded safetensors) of a real
+architecture.
 
-Speed does not depend on weight values, and the GPU machine has no network: benchmarks build their models here.
+Speed does not depend on weight values, and the GPU machine has no network: benchmarks build their
+models here.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ CONFIGS = Path(__file__).resolve().parent / "configs"
 
 
 def hf_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor name of the architecture with its shape, read off the engine's own weight map."""
+    """Every HF tensor name of the architecture with its shape, read off the engine's own weight
+    map."""
     model = build_model(ModelConfig.from_dict(config), torch.bfloat16, "meta")
     return {name: slot.full for name, slot in model.hf_weight_map().items()}
 
@@ -28,7 +31,8 @@ def hf_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
 def synthesize(
     config_name: str, out_dir: str, shard_bytes: int = 5 << 30, device: str = "cpu", seed: int = 0
 ) -> str:
-    """Write `configs/<config_name>` with N(0, 0.02) bf16 weights (norms = 1) to out_dir; reuse a complete one."""
+    """Write `configs/<config_name>` with N(0, 0.02) bf16 weights (norms = 1) to out_dir; reuse a
+    complete one."""
     out = Path(out_dir)
     if (out / "model.safetensors.index.json").exists():
         return str(out)

@@ -1,7 +1,9 @@
-"""Per-kernel GPU time of the engine's captured decode step at a few batch sizes and context lengths (one GPU).
+"""Per-kernel GPU time of the engine's captured decode step at a few batch sizes and context lengths
+(one GPU).
 
-`python -m bench.decode_profile --out DIR`: synthesizes the checkpoint, builds the engine, then captures decode graphs
-with the fused decode kernels on and off and replays them over synthetic contexts; prints a table, writes JSON.
+`python -m bench.decode_profile --out DIR`: synthesizes the checkpoint, builds the engine, then
+captures decode graphs with the fused decode kernels on and off and replays them over synthetic
+contexts; prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ SKINNY_ROWS = skinny.MAX_ROWS
 
 
 def set_fused(runner, on: bool) -> None:
-    """The decode fast path's kernels on (skinny GEMMs, merge inside attention, RoPE writing the cache) or off."""
+    """The decode fast path's kernels on (skinny GEMMs, merge inside attention, RoPE writing the
+    cache) or off."""
     skinny.MAX_ROWS = SKINNY_ROWS if on else 0
     backend = runner.model.layers[0].self_attn.backend
     backend.fused_merge = on
@@ -34,8 +37,8 @@ def set_fused(runner, on: bool) -> None:
 
 @torch.inference_mode()
 def stage(graphs: DecodeGraphs, batch: int, context: int, num_blocks: int, block_size: int) -> int:
-    """Stage `batch` sequences whose new token sits at position context - 1 (distinct blocks, wrapping around the
-    cache when it is too small); returns the captured size that serves them."""
+    """Stage `batch` sequences whose new token sits at position context - 1 (distinct blocks,
+    wrapping around the cache when it is too small); returns the captured size that serves them."""
     per_seq = -(-context // block_size)
     tables = [[(i * per_seq + j) % num_blocks for j in range(per_seq)] for i in range(batch)]
     positions = [context - 1] * batch

@@ -1,5 +1,6 @@
-"""Drive the engine's AsyncLLM as clients do: all requests at once (offline), N looping clients (online), one
-request alone (decode), while a poller samples the engine's stats; every streamed output is timestamped on arrival.
+"""Drive the engine's AsyncLLM as clients do: all requests at once (offline), N looping clients
+(online), one request alone (decode), while a poller samples the engine's stats; every streamed
+output is timestamped on arrival.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ async def stream_request(
     rec: RequestRecord,
     stop_at: float | None = None,
 ) -> RequestRecord:
-    """Stream one request into rec. Past stop_at (if given) it is aborted as soon as it has its first token."""
+    """Stream one request into rec. Past stop_at (if given) it is aborted as soon as it has its
+    first token."""
     async with aclosing(
         engine.generate(request_id, req.prompt_token_ids, forced_params(req.output_len))
     ) as stream:
@@ -76,7 +78,8 @@ class StatsPoller:
         )
 
     def first_preemption_time(self) -> float | None:
-        """The last sample time before the engine's preemption count first rose (None: no preemption)."""
+        """The last sample time before the engine's preemption count first rose (None: no
+        preemption)."""
         base = self.samples[0][1]["num_preemptions"]
         for (t_prev, _), (_, s) in zip(self.samples, self.samples[1:]):
             if s["num_preemptions"] > base:
@@ -134,10 +137,11 @@ async def run_online(
     tag: str,
     counter: Iterator[int],
 ):
-    """`concurrency` clients, each sending its next request when the last one ends, for warmup_s + duration_s.
-    Request k is make_request(k) for k from counter (share one across levels, so no prompt repeats and hits the
-    prefix cache). Requests still open at the end are aborted once they have their first token (so no TTFT is cut
-    off). Returns (records, window start, window end, poller): the window excludes the warm-up."""
+    """`concurrency` clients, each sending its next request when the last one ends, for warmup_s +
+    duration_s. Request k is make_request(k) for k from counter (share one across levels, so no
+    prompt repeats and hits the prefix cache). Requests still open at the end are aborted once they
+    have their first token (so no TTFT is cut off). Returns (records, window start, window end,
+    poller): the window excludes the warm-up."""
     records: list[RequestRecord] = []
     async with StatsPoller(engine) as poller:
         start = time.perf_counter()
@@ -159,7 +163,8 @@ async def run_online(
 async def decode_step_times(
     engine: AsyncLLM, prompt_len: int, new_tokens: int, vocab: int, repeats: int, seed: int
 ):
-    """Seconds per decode step of one request alone, from the engine's own first-token and finish times."""
+    """Seconds per decode step of one request alone, from the engine's own first-token and finish
+    times."""
     times = []
     for i in range(repeats):
         req = BenchRequest(random_prompt(prompt_len, vocab, seed + i), new_tokens)

@@ -1,7 +1,9 @@
-"""Microbenchmark of the decoder's projections on one GPU (Llama-3.1-8B shapes, bf16): cuBLAS vs the skinny GEMM.
+"""Microbenchmark of the decoder's projections on one GPU (Llama-3.1-8B shapes, bf16): cuBLAS vs the
+skinny GEMM.
 
-`python -m bench.gemm_micro --out DIR`: GPU time inside CUDA graphs per (shape, rows), weights rotated past the L2, as
-weight bytes per second over the measured copy bandwidth and TFLOP/s; a sweep of the skinny tiles; writes JSON.
+`python -m bench.gemm_micro --out DIR`: GPU time inside CUDA graphs per (shape, rows), weights
+rotated past the L2, as weight bytes per second over the measured copy bandwidth and TFLOP/s; a
+sweep of the skinny tiles; writes JSON.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ def candidates(n: int, k: int) -> list[tuple[int, int, int, int]]:
 
 
 class Rotating:
-    """Copies of one weight, more bytes than L2 holds, handed out in turn: each call reads its weight from HBM, as
-    every layer of a model does (one weight called back to back would be served from the 50 MB L2)."""
+    """Copies of one weight, more bytes than L2 holds, handed out in turn: each call reads its
+    weight from HBM, as every layer of a model does (one weight called back to back would be served
+    from the 50 MB L2)."""
 
     def __init__(self, n: int, k: int, min_bytes: int = 256 << 20) -> None:
         copies = max(2, -(-min_bytes // (n * k * 2)))

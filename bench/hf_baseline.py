@@ -1,5 +1,6 @@
-"""The HF transformers baseline on the same requests: `generate` in static padded batches, and its continuous
-batching manager (what `generate_batch` runs) with per-request output lengths; token timestamps for both.
+"""The HF transformers baseline on the same requests: `generate` in static padded batches, and its
+continuous batching manager (what `generate_batch` runs) with per-request output lengths; token
+timestamps for both.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def free_hf_model(model) -> None:
 
 
 def _step_timer():
-    """A generate() streamer that timestamps each decoding step (the first put is the prompt itself)."""
+    """A generate() streamer that timestamps each decoding step (the first put is the prompt
+    itself)."""
     from transformers.generation.streamers import BaseStreamer
 
     class StepTimer(BaseStreamer):
@@ -52,7 +54,8 @@ def _step_timer():
 
 @torch.inference_mode()
 def _generate_padded(model, batch: list[BenchRequest], device: str, timer=None) -> torch.Tensor:
-    """One static batch: prompts left-padded to the longest, every row run to the batch's longest output."""
+    """One static batch: prompts left-padded to the longest, every row run to the batch's longest
+    output."""
     width = max(r.prompt_len for r in batch)
     ids = torch.zeros((len(batch), width), dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -72,7 +75,8 @@ def _generate_padded(model, batch: list[BenchRequest], device: str, timer=None) 
 
 
 def run_generate(model, requests: list[BenchRequest], batch_size: int, device: str):
-    """Static batches in trace order; a request's token j is the batch's step j. Returns (records, start, end)."""
+    """Static batches in trace order; a request's token j is the batch's step j. Returns (records,
+    start, end)."""
     _generate_padded(model, [BenchRequest(requests[0].prompt_token_ids[:16], 4)], device)  # warm-up
     _sync(device)
     start = time.perf_counter()
@@ -100,9 +104,9 @@ def decode_step_time(model, req: BenchRequest, device: str) -> float:
 
 
 def run_continuous_batching(model, requests: list[BenchRequest], device: str):
-    """All requests into HF's continuous batching manager at once, each with its own max_new_tokens and EOS off.
-    The manager's set-up (cache allocation, CUDA-graph warm-up) is left out of the timing.
-    Returns (records, start, end)."""
+    """All requests into HF's continuous batching manager at once, each with its own max_new_tokens
+    and EOS off. The manager's set-up (cache allocation, CUDA-graph warm-up) is left out of the
+    timing. Returns (records, start, end)."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -111,7 +115,8 @@ def run_continuous_batching(model, requests: list[BenchRequest], device: str):
     gc.collect()  # what generate left cached goes back, so the manager sizes its cache from all free memory
     if on_gpu:
         torch.cuda.empty_cache()
-    # On a GPU HF sizes its paged cache from free memory; on CPU that would zero gigabytes, so give it what it needs.
+    # On a GPU HF sizes its paged cache from free memory; on CPU that would zero gigabytes, so give
+    # it what it needs.
     longest = max(r.prompt_len + r.output_len for r in requests)
     cb_config = (
         None

@@ -1,8 +1,10 @@
-"""Decode speed of the engine on a GPU: the fast path (Triton attention, fused layers, CUDA graphs) or, with
---enforce-eager, eager PyTorch, with async and sync scheduling; --profile adds a torch.profiler table of batch-1 decode.
+"""Decode speed of the engine on a GPU: the fast path (Triton attention, fused layers, CUDA graphs)
+or, with --enforce-eager, eager PyTorch, with async and sync scheduling; --profile adds a
+torch.profiler table of batch-1 decode.
 
-`python -m bench.reference_decode --config llama-3.1-8b.json --out DIR`: synthesizes the checkpoint, measures the
-device-to-device bandwidth, then time per decode step at a few batch sizes; prints a table, writes DIR/*.json.
+`python -m bench.reference_decode --config llama-3.1-8b.json --out DIR`: synthesizes the checkpoint,
+measures the device-to-device bandwidth, then time per decode step at a few batch sizes; prints a
+table, writes DIR/*.json.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from engine import LLM, SamplingParams
 
 
 def decode_step_seconds(llm: LLM, batch: int, prompt_len: int, new_tokens: int) -> float:
-    """Median-free estimate: (last token time - first token time) / (new_tokens - 1), all sequences in lockstep."""
+    """Median-free estimate: (last token time - first token time) / (new_tokens - 1), all sequences
+    in lockstep."""
     prompts = [[(1000 + 7 * i + j) % 30000 for j in range(prompt_len)] for i in range(batch)]
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    # Warm-up at the same batch: captures its CUDA graphs (lazily captured otherwise, inside the timed window).
+    # Warm-up at the same batch: captures its CUDA graphs (lazily captured otherwise, inside the
+    # timed window).
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     torch.cuda.synchronize()
     outs = llm.generate(prompts, params)
@@ -33,7 +37,8 @@ def decode_step_seconds(llm: LLM, batch: int, prompt_len: int, new_tokens: int) 
 
 
 def graph_replay_seconds(llm: LLM, batch: int, repeats: int = 50) -> float | None:
-    """GPU time of one captured decode step (model + logits, no host work), by CUDA events; None without graphs."""
+    """GPU time of one captured decode step (model + logits, no host work), by CUDA events; None
+    without graphs."""
     graphs = llm.engine.runner.graphs
     size = graphs.padded_size(batch) if graphs is not None else None
     if size is None:
@@ -51,7 +56,8 @@ def graph_replay_seconds(llm: LLM, batch: int, repeats: int = 50) -> float | Non
 
 
 def profile_decode(llm: LLM, out_dir: str) -> str:
-    """torch.profiler over a few batch-1 decode steps: the kernels by total CUDA time, written to profile.txt."""
+    """torch.profiler over a few batch-1 decode steps: the kernels by total CUDA time, written to
+    profile.txt."""
     from torch.profiler import ProfilerActivity, profile
 
     prompt = [[(1000 + j) % 30000 for j in range(128)]]

@@ -1,5 +1,5 @@
-"""The serving benchmark's results file: merge the parts of a split run, derive ratios, print the summary table and
-draw the concurrency plot (output tok/s and TTFT p99 vs concurrency).
+"""The serving benchmark's results file: merge the parts of a split run, derive ratios, print the
+summary table and draw the concurrency plot (output tok/s and TTFT p99 vs concurrency).
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ SECTIONS = ("decode", "offline", "online", "hf")
 
 
 def merge(base: dict, new: dict) -> dict:
-    """new's sections replace base's; the meta of every call is kept; KV figures are kept per part."""
+    """new's sections replace base's; the meta of every call is kept; KV figures are kept per
+    part."""
     out = {k: v for k, v in base.items()}
     for key in SECTIONS:
         if key in new:

@@ -1,5 +1,5 @@
-"""Memory-bandwidth rooflines: the copy bandwidth measured in the run, bytes a decode step must read, and the
-steady decode window of a batch reconstructed from client-side token timestamps.
+"""Memory-bandwidth rooflines: the copy bandwidth measured in the run, bytes a decode step must
+read, and the steady decode window of a batch reconstructed from client-side token timestamps.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ EMBEDDING = "model.embed_tokens.weight"
 
 
 def copy_bandwidth(device: str, nbytes: int, repeats: int = 10) -> float:
-    """Bytes read + written per second by a device-to-device copy (the ceiling weights stream from memory at)."""
+    """Bytes read + written per second by a device-to-device copy (the ceiling weights stream from
+    memory at)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -79,14 +80,15 @@ def decode_window(
     bandwidth: float,
     min_steps: int = 4,
 ) -> dict:
-    """Mean decode step time of the window where every request has its first token and none has finished
-    (cut at end_limit, e.g. the first preemption), against the floor of weights + KV read per step.
+    """Mean decode step time of the window where every request has its first token and none has
+    finished (cut at end_limit, e.g. the first preemption), against the floor of weights + KV read
+    per step.
 
     Derivation: a request running through the window emits one token per step, so the window holds
-    steps = max over requests of its tokens in the window; step time = window / steps. A token at output index j
-    of a request with prompt length P was produced by a step that read P + j tokens of its KV, so the KV tokens
-    read per step = sum of (P + j) over the window's tokens / steps, and the floor = (decode weights + that x KV
-    bytes per token) / copy bandwidth."""
+    steps = max over requests of its tokens in the window; step time = window / steps. A token at
+    output index j of a request with prompt length P was produced by a step that read P + j tokens
+    of its KV, so the KV tokens read per step = sum of (P + j) over the window's tokens / steps, and
+    the floor = (decode weights + that x KV bytes per token) / copy bandwidth."""
     done = [r for r in records if r.chunks]
     if not done:
         return {"valid": False, "reason": "no tokens"}

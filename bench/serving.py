@@ -1,9 +1,11 @@
-"""The serving benchmark (`make bench`, `python -m bench.serving`): decode at batch 1, offline and online serving
-through AsyncLLM, and HF transformers side by side, on a random-weight checkpoint synthesized from an HF config.
+"""The serving benchmark (`make bench`, `python -m bench.serving`): decode at batch 1, offline and
+online serving through AsyncLLM, and HF transformers side by side, on a random-weight checkpoint
+synthesized from an HF config.
 
-Parts (`--parts decode,offline,online,hf`) can run in separate calls with the same `--out`: each call merges its
-sections into OUT/serving.json, then the table is printed and OUT/serving.png redrawn. `--merge A.json B.json`
-combines results written elsewhere. Sizes scale with `--scale` for smoke runs.
+Parts (`--parts decode,offline,online,hf`) can run in separate calls with the same `--out`: each
+call merges its sections into OUT/serving.json, then the table is printed and OUT/serving.png
+redrawn. `--merge A.json B.json` combines results written elsewhere. Sizes scale with `--scale` for
+smoke runs.
 """
 
 from __future__ import annotations
@@ -152,7 +154,8 @@ def load_config(name: str) -> dict:
 
 
 class Bench:
-    """One call: the checkpoint, the byte counts and bandwidth, one engine shared by the parts that need it."""
+    """One call: the checkpoint, the byte counts and bandwidth, one engine shared by the parts that
+    need it."""
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
@@ -173,7 +176,7 @@ class Bench:
         self.engine_init_s: float | None = None
         self.results: dict = {"kv": {}}
 
-    # ---- the engine ------------------------------------------------------------------------------------------
+    # ---- the engine ------------------------------------------------------------------------------
     def max_model_len(self) -> int:
         a = self.args
         need = max(
@@ -215,8 +218,8 @@ class Bench:
         return self.engine
 
     async def warm_up(self) -> None:
-        """Mixed prompt lengths and outputs of 1..64 tokens, so kernels compile and the decode batch passes through
-        many sizes before anything is timed."""
+        """Mixed prompt lengths and outputs of 1..64 tokens, so kernels compile and the decode batch
+        passes through many sizes before anything is timed."""
         a = self.args
         n = scaled(a.warmup_requests, a.scale)
         top = min(512, a.max_prompt)
@@ -225,11 +228,12 @@ class Bench:
         await run_offline(
             self.engine, make_requests(lengths, self.mc.vocab_size, SEEDS["warmup"]), "warmup"
         )
-        # Decode graphs are captured lazily: take the sizes the warm-up did not reach now, not inside a timed part.
+        # Decode graphs are captured lazily: take the sizes the warm-up did not reach now, not
+        # inside a timed part.
         self.graph_capture_s = await self.engine.capture_cuda_graphs()
         self.warmup_s = time.perf_counter() - t0
 
-    # ---- parts -----------------------------------------------------------------------------------------------
+    # ---- parts -----------------------------------------------------------------------------------
     async def decode(self) -> None:
         a = self.args
         engine = await self.start_engine()
@@ -276,7 +280,8 @@ class Bench:
         log.info("offline conv: %.0f output tok/s", self.results["offline"]["conv"]["output_tok_s"])
 
     async def fixed(self) -> None:
-        """Offline (b): fixed lengths, all requests at once, with the steady decode window against its roofline."""
+        """Offline (b): fixed lengths, all requests at once, with the steady decode window against
+        its roofline."""
         a = self.args
         reqs = fixed_requests(
             scaled(a.fixed_requests, a.scale),
@@ -328,7 +333,8 @@ class Bench:
         }
 
     async def hf(self) -> None:
-        """HF first (its model and ours do not share the GPU), then our engine on the very same requests."""
+        """HF first (its model and ours do not share the GPU), then our engine on the very same
+        requests."""
         from bench import hf_baseline
 
         a = self.args

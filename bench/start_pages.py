@@ -1,8 +1,10 @@
-"""What the start path reads from disk: drop the page cache, run one command, then count the resident pages of
-every file under the Python roots it imports from (torch, the nvidia wheels, triton, the stdlib, ...).
+"""What the start path reads from disk: drop the page cache, run one command, then count the
+resident pages of every file under the Python roots it imports from (torch, the nvidia wheels,
+triton, the stdlib, ...).
 
-`python -m bench.start_pages [--json OUT] -- python -c "import torch; ..."`: prints the command's wall time and the
-bytes per file (largest first). Needs permission to write /proc/sys/vm/drop_caches (the GPU machine has it).
+`python -m bench.start_pages [--json OUT] -- python -c "import torch; ..."`: prints the command's
+wall time and the bytes per file (largest first). Needs permission to write /proc/sys/vm/drop_caches
+(the GPU machine has it).
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
-"""A candidate measured against cuBLAS by bench.gemm_micro: a tiled Triton GEMM for M ~ 64-256, optionally split-K.
+"""A candidate measured against cuBLAS by bench.gemm_micro: a tiled Triton GEMM for M ~ 64-256,
+optionally split-K.
 
-Programs sharing a weight tile run side by side, split-K partials add atomically in fp32. On the H100 cuBLAS won at
-M=256 for every Llama-3.1-8B projection (bench/results/2026-11-22-h100-gemm-micro.json), so the engine does not use it.
+Programs sharing a weight tile run side by side, split-K partials add atomically in fp32. On the
+H100 cuBLAS won at M=256 for every Llama-3.1-8B projection
+(bench/results/2026-11-22-h100-gemm-micro.json), so the engine does not use it.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr,
     ):
-        """Program p: split p % SPLIT_K, row tile (p // SPLIT_K) % num_m, column tile the rest (row tiles and splits
-        of one weight tile run side by side, so the weight comes from HBM once). SPLIT_K > 1 adds into fp32 y."""
+        """Program p: split p % SPLIT_K, row tile (p // SPLIT_K) % num_m, column tile the rest (row
+        tiles and splits of one weight tile run side by side, so the weight comes from HBM once).
+        SPLIT_K > 1 adds into fp32 y."""
         pid = tl.program_id(0)
         num_m = tl.cdiv(M, BLOCK_M)
         split = pid % SPLIT_K
@@ -70,7 +73,8 @@ if triton is not None:
 
 
 def tiled_gemm(x: torch.Tensor, weight: torch.Tensor, config: TiledConfig) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype (through an fp32 buffer when the config splits K)."""
+    """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype (through an fp32 buffer when the config
+    splits K)."""
     block_m, block_n, block_k, split_k, num_warps, num_stages = config
     m, k = x.shape
     n = weight.shape[0]

@@ -1,6 +1,8 @@
-"""Benchmark workloads: prompt/output lengths drawn from the Azure conversation trace, and random-token prompts.
+"""Benchmark workloads: prompt/output lengths drawn from the Azure conversation trace, and
+random-token prompts.
 
-Everything is seeded, so the same arguments give the same requests on every machine and in every part of a run.
+Everything is seeded, so the same arguments give the same requests on every machine and in every
+part of a run.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ class BenchRequest:
 
 
 def load_trace(path: str | Path = CONV_TRACE) -> list[tuple[int, int]]:
-    """(ContextTokens, GeneratedTokens) of every row of an Azure LLM inference trace CSV, in file order."""
+    """(ContextTokens, GeneratedTokens) of every row of an Azure LLM inference trace CSV, in file
+    order."""
     with open(path, newline="") as f:
         return [
             (int(row["ContextTokens"]), int(row["GeneratedTokens"])) for row in csv.DictReader(f)
@@ -38,8 +41,8 @@ def load_trace(path: str | Path = CONV_TRACE) -> list[tuple[int, int]]:
 def sample_lengths(
     n: int, seed: int, max_prompt: int, max_output: int, trace: list[tuple[int, int]] | None = None
 ) -> list[tuple[int, int]]:
-    """n (prompt_len, output_len) pairs drawn from the trace without replacement (with it past the trace's size),
-    each clamped to [1, max_prompt] and [1, max_output]."""
+    """n (prompt_len, output_len) pairs drawn from the trace without replacement (with it past the
+    trace's size), each clamped to [1, max_prompt] and [1, max_output]."""
     if max_prompt < 1 or max_output < 1:
         raise ValueError(f"max_prompt/max_output: must be >= 1, got {max_prompt}/{max_output}")
     rows = load_trace() if trace is None else trace
@@ -49,7 +52,8 @@ def sample_lengths(
 
 
 def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
-    """length token ids uniform in [0, vocab_size), fixed by the seed (random ids never share a cached prefix)."""
+    """length token ids uniform in [0, vocab_size), fixed by the seed (random ids never share a
+    cached prefix)."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (length,), generator=gen).tolist()
 

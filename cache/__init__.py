@@ -1,4 +1,5 @@
-"""The snapshotted model cache: sources -> immutable snapshots -> packed weights -> streaming loader.
+"""The snapshotted model cache: sources -> immutable snapshots -> packed weights -> streaming
+loader.
 
 `resolve(ref)` turns a model reference into a local snapshot directory. Imports nothing of ours.
 """

@@ -1,6 +1,8 @@
-"""`python -m cache fetch|push|pull|ls`: fetch a model into the snapshot cache, share snapshots over S3, list them.
+"""`python -m cache fetch|push|pull|ls`: fetch a model into the snapshot cache, share snapshots over
+S3, list them.
 
-Credentials come from the clients' own environment (HF_TOKEN, AWS_*); they are never printed or logged.
+Credentials come from the clients' own environment (HF_TOKEN, AWS_*); they are never printed or
+logged.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The worker's side of the device stream: weights reach the GPU while the worker is still importing torch.
+"""The worker's side of the device stream: weights reach the GPU while the worker is still importing
+torch.
 
 `start_weights(model_dir, device)` (stdlib only; the start sequence calls it before `import torch`)
 starts the device stream, else the page-cache prefetch. `start(model_dir)` spawns
@@ -7,8 +8,8 @@ engine's load_pack of that pack takes it over: the allocation is mapped into tor
 few ms) and becomes one device buffer whose views are the parameters, exactly as the in-process
 loader's. Each layer is ready once the process reports its bytes copied.
 
-Anything that goes wrong (no driver, no virtual-memory support, the process dies) logs one line and the engine
-loads the pack in-process instead.
+Anything that goes wrong (no driver, no virtual-memory support, the process dies) logs one line and
+the engine loads the pack in-process instead.
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ class DeviceStream:
                 self.cond.notify_all()
 
     def wait_for(self, ready, timeout: float | None = None) -> None:
-        """Block until ready() (called under the lock) or an error; raises DeviceStreamError on error or timeout."""
+        """Block until ready() (called under the lock) or an error; raises DeviceStreamError on
+        error or timeout."""
         with self.cond:
             if not self.cond.wait_for(lambda: self.error is not None or ready(), timeout):
                 raise DeviceStreamError(f"the stream process said nothing for {timeout:.0f} s")
@@ -149,7 +151,8 @@ class DeviceStream:
 
     # what loader.load_pack calls on a pending stream
     def claim(self, device):
-        """Map the allocation into this process (torch is up) -> a DeviceStreamLoad, or None to load in-process."""
+        """Map the allocation into this process (torch is up) -> a DeviceStreamLoad, or None to load
+        in-process."""
         try:
             return DeviceStreamLoad(self, device)
         except (cu.CudaError, DeviceStreamError, OSError) as e:
@@ -161,7 +164,8 @@ class DeviceStream:
 
 
 class _DeviceMemory:
-    """The mapped allocation, seen by torch through the CUDA array interface; unmapped when torch lets it go."""
+    """The mapped allocation, seen by torch through the CUDA array interface; unmapped when torch
+    lets it go."""
 
     def __init__(self, ptr: int, size: int) -> None:
         self.ptr, self.size = ptr, size
@@ -180,7 +184,8 @@ class _DeviceMemory:
 
 
 class DeviceStreamLoad:
-    """The StreamingLoad interface (tensors, wait_group, group_ready, wait, cancel, stats) over a stream process."""
+    """The StreamingLoad interface (tensors, wait_group, group_ready, wait, cancel, stats) over a
+    stream process."""
 
     def __init__(self, stream: DeviceStream, device) -> None:
         import torch
@@ -234,7 +239,8 @@ class DeviceStreamLoad:
             return self.stream.error is None and self._has(group)
 
     def wait_group(self, group: int, stream=None) -> None:
-        """Block until the group's bytes are on the device (the process has seen its copies complete)."""
+        """Block until the group's bytes are on the device (the process has seen its copies
+        complete)."""
         self.stream.wait_for(lambda: self._has(group))
 
     def wait(self) -> LoadStats:
@@ -268,8 +274,9 @@ def start(
     start_pages: str | None = None,
     shard: tuple[int, int] = (0, 1),
 ) -> DeviceStream | None:
-    """Start streaming a pack (or a model directory's newest pack) to the GPU in a separate process; None when
-    there is no pack or no NVIDIA driver. load_pack of that pack to that device takes the stream over.
+    """Start streaming a pack (or a model directory's newest pack) to the GPU in a separate process;
+    None when there is no pack or no NVIDIA driver. load_pack of that pack to that device takes the
+    stream over.
     start_pages: a cache.start_pages record, read first when the pack is not in the page cache.
     shard: (rank, size) of a pack split over GPUs: the directory's newest pack of that shard."""
     if not os.path.exists("/dev/nvidiactl"):

@@ -1,8 +1,10 @@
-"""The streaming loader: a pack -> one device buffer holding every tensor, each tensor a view into it.
+"""The streaming loader: a pack -> one device buffer holding every tensor, each tensor a view into
+it.
 
-Reader threads (O_DIRECT when the file is not in the page cache) fill pinned buffers; copies run on their own
-CUDA stream; each group (layer) gets a ready event. Stdlib at import (torch only inside), so prefetch runs first;
-preload() starts the stream as soon as CUDA is up, and the engine's load_pack of the same file takes it over.
+Reader threads (O_DIRECT when the file is not in the page cache) fill pinned buffers; copies run on
+their own CUDA stream; each group (layer) gets a ready event. Stdlib at import (torch only inside),
+so prefetch runs first; preload() starts the stream as soon as CUDA is up, and the engine's
+load_pack of the same file takes it over.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from dataclasses import dataclass
 from cache.pack import ALIGNMENT, Pack, PackError, PackWriter, find_packs, read_pack, shard_name
 from cache.prefetch import _ACTIVE, Prefetch, prefetch, resident_fraction
 
-# The engine imports cache.loader only: the pack's writer, reader and error, and prefetch, come from here too.
+# The engine imports cache.loader only: the pack's writer, reader and error, and prefetch, come from
+# here too.
 __all__ = [
     "LoadStats",
     "Pack",
@@ -40,14 +43,15 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Loader: pinning host memory costs ~2-4 s/GiB (thread-seconds) in a fresh process on the H100, so the ring is
-# kept small: 16 threads x 2 x 16 MiB = 512 MiB, pinned lazily by the threads themselves. Each chunk takes the GIL
-# a few times, and a main thread importing or building the engine meanwhile holds it: fewer, bigger chunks stream
-# faster beside it (H100, page cache warm, pins cached: 25-31 GB/s with 8 MiB chunks, 38 GB/s with 16 MiB).
+# Loader: pinning host memory costs ~2-4 s/GiB (thread-seconds) in a fresh process on the H100, so
+# the ring is kept small: 16 threads x 2 x 16 MiB = 512 MiB, pinned lazily by the threads
+# themselves. Each chunk takes the GIL a few times, and a main thread importing or building the
+# engine meanwhile holds it: fewer, bigger chunks stream faster beside it (H100, page cache warm,
+# pins cached: 25-31 GB/s with 8 MiB chunks, 38 GB/s with 16 MiB).
 DEFAULT_CHUNK_BYTES = 16 << 20
 
 
-# ---- the streaming load ----------------------------------------------------------------------------------
+# ---- the streaming load --------------------------------------------------------------------------
 def tensor_views(pack: Pack, buffer) -> dict:
     """name -> the tensor as a view into `buffer`, a uint8 tensor holding the pack's data span."""
     import torch
@@ -71,9 +75,10 @@ def group_spans(pack: Pack) -> dict[int, tuple[int, int]]:
 def read_span(
     path: str, fds: dict[bool, int], view: memoryview, offset: int, n: int, direct: bool
 ) -> bool:
-    """Fill view[:n] from `path` at offset, opening it once per mode (fds: O_DIRECT or not -> fd, the caller's to
-    close). O_DIRECT reads whole aligned pages, as far as the view has room; where it is refused (EINVAL,
-    EOPNOTSUPP: tmpfs, odd alignment) the reads go on buffered. Returns whether O_DIRECT is still in use."""
+    """Fill view[:n] from `path` at offset, opening it once per mode (fds: O_DIRECT or not -> fd,
+    the caller's to close). O_DIRECT reads whole aligned pages, as far as the view has room; where
+    it is refused (EINVAL, EOPNOTSUPP: tmpfs, odd alignment) the reads go on buffered. Returns
+    whether O_DIRECT is still in use."""
     done = 0
     while done < n:
         want = min(len(view), -(-n // ALIGNMENT) * ALIGNMENT) if direct else n
@@ -113,7 +118,8 @@ class LoadStats:
 
 
 class StreamingLoad:
-    """One pack streaming into one device buffer. `tensors` are views, valid once their group is ready."""
+    """One pack streaming into one device buffer. `tensors` are views, valid once their group is
+    ready."""
 
     def __init__(
         self,
@@ -147,7 +153,8 @@ class StreamingLoad:
             self.buffer = raw[skip : skip + nbytes]
         self.tensors = tensor_views(pack, self.buffer)
         self.mode = self._choose_mode(direct)
-        # A prefetch still reading this file: the readers follow it instead of queueing disk reads of their own.
+        # A prefetch still reading this file: the readers follow it instead of queueing disk reads
+        # of their own.
         self._prefetch = (
             _ACTIVE.get(os.path.realpath(pack.path)) if self.mode == "buffered" else None
         )
@@ -205,7 +212,8 @@ class StreamingLoad:
 
     # -- workers --
     def _read(self, fds: dict[bool, int], dest: memoryview, offset: int) -> None:
-        """Fill dest from the file at offset; a refused O_DIRECT switches this load to buffered reads."""
+        """Fill dest from the file at offset; a refused O_DIRECT switches this load to buffered
+        reads."""
         if not read_span(self.pack.path, fds, dest, offset, len(dest), self.mode == "direct"):
             self.mode = "buffered"
 
@@ -268,7 +276,8 @@ class StreamingLoad:
                 os.close(fd)
 
     def _issued(self, chunk: int) -> None:
-        """Chunk read (CPU) or its copy enqueued (CUDA): groups whose every chunk is in are ready."""
+        """Chunk read (CPU) or its copy enqueued (CUDA): groups whose every chunk is in are
+        ready."""
         with self._lock:  # the record below must follow every copy of the group on the copy stream
             for g in self._groups_of_chunk[chunk]:
                 self._pending[g] -= 1
@@ -288,7 +297,8 @@ class StreamingLoad:
         return self._cuda_events[group].query() if self.cuda else True
 
     def wait_group(self, group: int, stream=None) -> None:
-        """Block until the group's copies are enqueued; on CUDA, make `stream` (default: current) wait for them."""
+        """Block until the group's copies are enqueued; on CUDA, make `stream` (default: current)
+        wait for them."""
         self._ready[group].wait()
         self._raise()
         if self.cuda:
@@ -320,7 +330,8 @@ class StreamingLoad:
         self.buffer = None
 
     def _raise(self) -> None:
-        """A read error means the pack is bad (PackError: rebuild it); anything else is the machine's (RuntimeError)."""
+        """A read error means the pack is bad (PackError: rebuild it); anything else is the
+        machine's (RuntimeError)."""
         if self._error is None:
             return
         kind = PackError if isinstance(self._error, OSError) else RuntimeError
@@ -352,10 +363,12 @@ def load_pack(
     chunk_bytes: int | None = None,
     direct: str | bool = "auto",
 ) -> StreamingLoad:
-    """Start streaming a pack into one buffer on `device` and return at once; call wait() or wait_group(g).
+    """Start streaming a pack into one buffer on `device` and return at once; call wait() or
+    wait_group(g).
 
-    direct: "auto" (O_DIRECT unless most of the file is in the page cache or a prefetch is running), True, False.
-    A preload() of the same file to the same device is taken over (whatever its options) instead of a new load.
+    direct: "auto" (O_DIRECT unless most of the file is in the page cache or a prefetch is running),
+    True, False. A preload() of the same file to the same device is taken over (whatever its
+    options) instead of a new load.
     """
     path = pack if isinstance(pack, str) else pack.path
     claimed = _claim_preload(path, device)
@@ -370,16 +383,18 @@ def load_pack(
     return StreamingLoad(pack, device, threads, chunk_bytes, direct)
 
 
-# ---- preload: the stream starts before the engine asks for it ---------------------------------------------
+# ---- preload: the stream starts before the engine asks for it ------------------------------------
 _PRELOADS: dict[tuple[str, str], StreamingLoad] = {}
 _PRELOADS_LOCK = threading.Lock()
 
 
 def preload(path: str, device="cuda", **options) -> StreamingLoad | None:
-    """Start streaming a pack to `device` now (right after `import torch`, while the engine still imports).
+    """Start streaming a pack to `device` now (right after `import torch`, while the engine still
+    imports).
 
-    `path` is a pack, or a model directory (its newest pack under `packs/`); None when there is none. The engine's
-    load_pack of the same file and device takes this load over; discard_preloads() frees one nobody took.
+    `path` is a pack, or a model directory (its newest pack under `packs/`); None when there is
+    none. The engine's load_pack of the same file and device takes this load over;
+    discard_preloads() frees one nobody took.
     """
     if os.path.isdir(path):
         packs = find_packs(os.path.join(path, "packs"))
@@ -397,13 +412,14 @@ def preload(path: str, device="cuda", **options) -> StreamingLoad | None:
     return load
 
 
-# A load started before torch could be imported (cache.device_stream): realpath -> an object with claim(device)
-# (the load, or None to load in-process) and cancel().
+# A load started before torch could be imported (cache.device_stream): realpath -> an object with
+# claim(device) (the load, or None to load in-process) and cancel().
 _PENDING: dict[str, object] = {}
 
 
 def register_pending(path: str, pending) -> None:
-    """The next load_pack of `path` to a CUDA device asks pending.claim(device) first; discard_preloads cancels it."""
+    """The next load_pack of `path` to a CUDA device asks pending.claim(device) first;
+    discard_preloads cancels it."""
     with _PRELOADS_LOCK:
         old = _PENDING.pop(os.path.realpath(path), None)
         _PENDING[os.path.realpath(path)] = pending
@@ -433,7 +449,8 @@ def _claim_preload(path: str, device):
 
 
 def discard_preloads(keep: str | None = None) -> int:
-    """Cancel every preload (except one of the file `keep`) and free its device memory; returns how many."""
+    """Cancel every preload (except one of the file `keep`) and free its device memory; returns how
+    many."""
     real = os.path.realpath(keep) if keep else None
     with _PRELOADS_LOCK:
         dropped = [k for k in _PRELOADS if k[0] != real]

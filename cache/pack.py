@@ -1,6 +1,8 @@
-"""The packed weight format: one file of named tensors, each aligned for direct I/O, plus a JSON index and a header.
+"""The packed weight format: one file of named tensors, each aligned for direct I/O, plus a JSON
+index and a header.
 
-Model-agnostic (names, dtypes, shapes, bytes); written atomically, validated on read (a torn or truncated pack is a PackError).
+Model-agnostic (names, dtypes, shapes, bytes); written atomically, validated on read (a torn or
+truncated pack is a PackError).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ ALIGNMENT = 4096  # every tensor (and the index) starts on a 4 KiB boundary, so 
 MAGIC = b"CBPACK\x00\x01"
 FORMAT_VERSION = 1
 SUFFIX = ".cbpack"
-# magic, format version, reserved, index offset, index bytes, file size, sha256 of the index; then a crc32 of these
+# magic, format version, reserved, index offset, index bytes, file size, sha256 of the index; then a
+# crc32 of these
 _HEADER = struct.Struct("<8sIIQQQ32s")
 _HEADER_CRC = struct.Struct("<I")
 
@@ -58,7 +61,8 @@ class PackEntry:
 
 @dataclass(frozen=True)
 class Pack:
-    """A validated pack's index: where each tensor lies. data_offset..data_end is the aligned span of all tensors."""
+    """A validated pack's index: where each tensor lies. data_offset..data_end is the aligned span
+    of all tensors."""
 
     path: str
     entries: list[PackEntry]
@@ -126,7 +130,8 @@ class PackWriter:
     def add(
         self, name: str, dtype: str, shape: tuple[int, ...] | list[int], data, group: int = 0
     ) -> None:
-        """Append one tensor: `data` is any buffer (bytes, memoryview, numpy array) of its raw bytes."""
+        """Append one tensor: `data` is any buffer (bytes, memoryview, numpy array) of its raw
+        bytes."""
         shape = tuple(int(d) for d in shape)
         view = memoryview(data).cast("B")
         if name in self._names:
@@ -154,7 +159,8 @@ class PackWriter:
             self._pos += pad
 
     def commit(self) -> str:
-        """Write the index and the header, fsync, rename into place, fsync the directory. Returns the path."""
+        """Write the index and the header, fsync, rename into place, fsync the directory. Returns
+        the path."""
         index = json.dumps(
             {
                 "format_version": FORMAT_VERSION,
@@ -210,9 +216,11 @@ class PackWriter:
 
 
 def _remove_stale_temps(directory: str, base: str) -> None:
-    """Temp files of writers that died (SIGKILL, power loss) are never valid packs: remove those of dead pids.
+    """Temp files of writers that died (SIGKILL, power loss) are never valid packs: remove those of
+    dead pids.
 
-    Only this host's temps are judged (the directory may be a network volume shared with other machines)."""
+    Only this host's temps are judged (the directory may be a network volume shared with other
+    machines)."""
     prefix = f".{base}.tmp-{_host()}-"
     for name in os.listdir(directory):
         if not name.startswith(prefix):
@@ -233,7 +241,8 @@ def _host() -> str:
 
 
 def read_pack(path: str) -> Pack:
-    """Validate the header, the index and the file size; FileNotFoundError if absent, PackError if invalid."""
+    """Validate the header, the index and the file size; FileNotFoundError if absent, PackError if
+    invalid."""
     path = os.path.abspath(path)
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size

@@ -1,4 +1,5 @@
-"""Page-cache residency (mincore) and prefetch: read weight files into the page cache in background threads.
+"""Page-cache residency (mincore) and prefetch: read weight files into the page cache in background
+threads.
 
 Stdlib only, so a worker calls prefetch() first thing and `import torch` overlaps the disk reads.
 """
@@ -23,13 +24,15 @@ PREFETCH_CHUNK_BYTES = 64 << 20
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-# ---- page-cache residency (mincore) ------------------------------------------------------------------------
+# ---- page-cache residency (mincore) --------------------------------------------------------------
 def resident_fraction(
     path: str, offset: int = 0, length: int | None = None, samples: int | None = None
 ) -> float | None:
-    """Fraction of the byte range's pages now in the page cache (Linux mincore), or None where it can't tell.
+    """Fraction of the byte range's pages now in the page cache (Linux mincore), or None where it
+    can't tell.
 
-    samples: look at that many evenly spaced pages only (a whole 16 GB file takes ~0.2 s to scan)."""
+    samples: look at that many evenly spaced pages only (a whole 16 GB file takes ~0.2 s to
+    scan)."""
     vec = page_residency(path, offset, length, samples)
     if vec is None:
         return None
@@ -108,11 +111,13 @@ def _libc():
     return _LIBC
 
 
-# ---- prefetch: pull a file into the page cache in the background (stdlib only) ---------------------------
+# ---- prefetch: pull a file into the page cache in the background (stdlib only) -------------------
 class Prefetch:
-    """A background thread (plus helpers) reading files into the page cache, skipping pages already cached.
+    """A background thread (plus helpers) reading files into the page cache, skipping pages already
+    cached.
 
-    The constructor only starts it. `wait()` blocks until done. It never raises: a prefetch is only a hint."""
+    The constructor only starts it. `wait()` blocks until done. It never raises: a prefetch is only
+    a hint."""
 
     def __init__(self, paths: list[str], threads: int, chunk_bytes: int) -> None:
         self.paths = paths
@@ -201,10 +206,12 @@ class Prefetch:
                 os.close(fd)
 
     def wait_covered(self, path: str, end: int, timeout: float | None = None) -> bool:
-        """Block until this prefetch has read every byte it planned below `end` in `path` (or has stopped).
+        """Block until this prefetch has read every byte it planned below `end` in `path` (or has
+        stopped).
 
-        A loader reading behind it then finds its chunks in the page cache and never queues its own disk reads
-        beside the prefetch's (which would starve the imports that share the disk). False on timeout."""
+        A loader reading behind it then finds its chunks in the page cache and never queues its own
+        disk reads beside the prefetch's (which would starve the imports that share the disk). False
+        on timeout."""
         real = os.path.realpath(path)
         with self._cond:
             return self._cond.wait_for(
@@ -242,10 +249,10 @@ def prefetch(
 ) -> Prefetch:
     """Start reading weights into the page cache now, in daemon threads, and return at once.
 
-    `path` is a pack file, or a model directory: its newest pack under `packs/` if there is one, else its
-    *.safetensors files. Imports only the stdlib, so a worker calls it first thing and `import torch` overlaps
-    the disk reads; pages already cached are skipped. A later load_pack of the same file reads through the
-    page cache (not O_DIRECT) while this runs.
+    `path` is a pack file, or a model directory: its newest pack under `packs/` if there is one,
+    else its *.safetensors files. Imports only the stdlib, so a worker calls it first thing and
+    `import torch` overlaps the disk reads; pages already cached are skipped. A later load_pack of
+    the same file reads through the page cache (not O_DIRECT) while this runs.
     """
     if os.path.isdir(path):
         packs = find_packs(os.path.join(path, "packs"))

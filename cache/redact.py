@@ -1,6 +1,8 @@
-"""Keeps credentials out of log lines: a filter on the loggers of our cache and of the clients it drives.
+"""Keeps credentials out of log lines: a filter on the loggers of our cache and of the clients it
+drives.
 
-`hide_secrets(...)` registers values (tokens, keys); any record whose text holds one is rewritten with it masked.
+`hide_secrets(...)` registers values (tokens, keys); any record whose text holds one is rewritten
+with it masked.
 """
 
 from __future__ import annotations
@@ -63,13 +65,15 @@ _REDACTOR = _Redactor()
 
 
 def mask(text: str) -> str:
-    """text with every registered secret masked (for error messages built from third-party exceptions)."""
+    """text with every registered secret masked (for error messages built from third-party
+    exceptions)."""
     return _REDACTOR.mask(text)
 
 
 def hide_secrets(*values: Any) -> None:
-    """Register secrets (empty and very short values are ignored) and attach the filter to every watched logger
-    that exists now; call it again after importing a client library so its new loggers are covered."""
+    """Register secrets (empty and very short values are ignored) and attach the filter to every
+    watched logger that exists now; call it again after importing a client library so its new
+    loggers are covered."""
     for value in values:
         text = secret_value(value)
         if text and len(text) >= 6:

@@ -1,6 +1,8 @@
-"""S3 (and S3-compatible) transfer of whole directories: push a directory, pull one, list one, small text objects.
+"""S3 (and S3-compatible) transfer of whole directories: push a directory, pull one, list one, small
+text objects.
 
-Generic over directories (snapshots, packs, engine artifacts); bounded timeouts and retries, errors without secrets.
+Generic over directories (snapshots, packs, engine artifacts); bounded timeouts and retries, errors
+without secrets.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ log = logging.getLogger(__name__)
 
 
 class RemoteError(RuntimeError):
-    """An S3 operation failed: the message names the endpoint, the object and the reason, never a credential."""
+    """An S3 operation failed: the message names the endpoint, the object and the reason, never a
+    credential."""
 
 
 @dataclass(frozen=True)
 class S3Options:
-    """How to reach the store. None means boto3's own default chain (AWS_* variables, ~/.aws, instance role);
-    timeouts and attempts bound how long an unreachable store can hold a start."""
+    """How to reach the store. None means boto3's own default chain (AWS_* variables, ~/.aws,
+    instance role); timeouts and attempts bound how long an unreachable store can hold a start."""
 
     endpoint_url: str | None = None
     access_key_id: Any = None  # str or pydantic SecretStr
@@ -156,7 +159,8 @@ def download_dir(
     s3=None,
     progress: bool = True,
 ) -> None:
-    """Download the objects uri/<name> into dest/<name>, checking each one's size; several at a time."""
+    """Download the objects uri/<name> into dest/<name>, checking each one's size; several at a
+    time."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     s3 = s3 or client(opts)
@@ -196,8 +200,8 @@ def upload_dir(
     progress: bool = True,
     last: str | None = None,
 ) -> None:
-    """Upload src/<name> to uri/<name> for every name, several at a time; `last` goes up after all the others
-    (the manifest: its presence marks the remote copy complete)."""
+    """Upload src/<name> to uri/<name> for every name, several at a time; `last` goes up after all
+    the others (the manifest: its presence marks the remote copy complete)."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     s3 = s3 or client(opts)
@@ -231,8 +235,9 @@ def push_dir(
     manifest: dict | None = None,
     progress: bool = True,
 ) -> dict:
-    """Upload a directory to uri/ with its manifest going up last, so a reader never takes a half-pushed copy as
-    complete. The manifest is the directory's own (coldbrew-manifest.json) or one computed now."""
+    """Upload a directory to uri/ with its manifest going up last, so a reader never takes a
+    half-pushed copy as complete. The manifest is the directory's own (coldbrew-manifest.json) or
+    one computed now."""
     import json
 
     from cache.snapshot import MANIFEST, build_manifest, read_manifest
@@ -279,8 +284,9 @@ def pull_dir(
     manifest: dict | None = None,
     s3=None,
 ) -> dict | None:
-    """Download a directory pushed with push_dir into dest (files, then its manifest), checking sizes and, with
-    verify="full", every sha256. Returns the manifest, or None when uri holds no complete push."""
+    """Download a directory pushed with push_dir into dest (files, then its manifest), checking
+    sizes and, with verify="full", every sha256. Returns the manifest, or None when uri holds no
+    complete push."""
     import json
 
     from cache.snapshot import MANIFEST, hash_files

@@ -1,6 +1,8 @@
-"""The lookup order from a model reference to a local snapshot: image, network volume, remote cache, the source.
+"""The lookup order from a model reference to a local snapshot: image, network volume, remote cache,
+the source.
 
-A snapshot fetched from the source is published to the local cache (and pushed to the remote cache when asked).
+A snapshot fetched from the source is published to the local cache (and pushed to the remote cache
+when asked).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ DEFAULT_BASE_PATH = "/runpod-volume"
 def default_cache_dir(
     cache_dir: str | os.PathLike | None, base_path: str | os.PathLike | None
 ) -> Path:
-    """cache_dir, else <base_path>/coldbrew-cache when the volume is mounted, else ~/.cache/coldbrew."""
+    """cache_dir, else <base_path>/coldbrew-cache when the volume is mounted, else
+    ~/.cache/coldbrew."""
     if cache_dir:
         return Path(cache_dir).expanduser()
     if base_path and os.path.isdir(base_path):
@@ -34,7 +37,8 @@ def make_s3_options(
     aws_secret_access_key=None,
     aws_region=None,
 ):
-    """S3Options from an explicit object and/or the handler's flat settings (the flat values win when set)."""
+    """S3Options from an explicit object and/or the handler's flat settings (the flat values win
+    when set)."""
     from dataclasses import replace
 
     from cache.remote import S3Options
@@ -50,7 +54,8 @@ def make_s3_options(
 
 
 def _find_baked(baked_dir: str | os.PathLike, src, revision: str, verify: str) -> Path | None:
-    """A snapshot baked into the image: baked_dir is a cache root (snapshots/...) or one snapshot directory."""
+    """A snapshot baked into the image: baked_dir is a cache root (snapshots/...) or one snapshot
+    directory."""
     from cache.snapshot import SnapshotStore, check_snapshot, read_manifest
 
     root = Path(baked_dir)
@@ -83,7 +88,8 @@ def _find_baked(baked_dir: str | os.PathLike, src, revision: str, verify: str) -
 def _from_remote(
     store, src, revision: str, remote: str, opts, verify: str, progress: bool
 ) -> Path | None:
-    """Pull (key, revision or the commit its remote ref names) from the fleet cache; None when it is not there."""
+    """Pull (key, revision or the commit its remote ref names) from the fleet cache; None when it is
+    not there."""
     from cache import remote as s3
     from cache.snapshot import ref_relpath, snapshot_relpath
     from cache.sources import is_commit
@@ -113,8 +119,8 @@ def _from_remote(
 
 
 def push_snapshot(path: str | os.PathLike, remote: str, opts=None, progress: bool = True) -> str:
-    """Push a published snapshot into the fleet cache layout (remote/snapshots/<key>/<revision>/, plus the ref
-    of the branch or tag it was fetched for). Returns the snapshot's URI."""
+    """Push a published snapshot into the fleet cache layout (remote/snapshots/<key>/<revision>/,
+    plus the ref of the branch or tag it was fetched for). Returns the snapshot's URI."""
     from cache import remote as s3
     from cache.snapshot import read_manifest, ref_relpath, snapshot_relpath
 
@@ -156,18 +162,21 @@ def resolve(
     gguf_dtype: str = "float32",
     check_config: Callable[[dict], Any] | None = None,
 ) -> Path:
-    """A model reference -> the path of a complete, verified local snapshot (config, tokenizer, safetensors).
+    """A model reference -> the path of a complete, verified local snapshot (config, tokenizer,
+    safetensors).
 
-    ref: a hub repo id (org/name), s3://bucket/prefix, a local directory (used in place) or a .gguf file.
-    Lookup order: baked_dir (a cache root or snapshot baked into the image), the network volume (the RunPod
-    cached-model layout under base_path, then cache_dir), the remote fleet cache (`remote`, s3://...), then the
-    source itself; what comes from the source is published to cache_dir and, with push=True, pushed to `remote`.
-    A branch or tag once fetched is pinned locally to its commit (refresh=True asks the hub again); an s3://
-    source prefix is taken as immutable (`revision` is then only a label, default "default").
-    token / endpoint: the hub's (None: huggingface_hub's own HF_TOKEN / HF_ENDPOINT). The S3 settings (None:
-    boto3's own chain) serve both s3:// sources and the remote cache. verify: "size" (always) or "full"
-    (sha256 of every file). remote_fallback: an unreachable remote cache falls back to the source with one
-    warning instead of failing.
+    ref: a hub repo id (org/name), s3://bucket/prefix, a local directory (used in place) or a .gguf
+    file.
+    Lookup order: baked_dir (a cache root or snapshot baked into the image), the network volume (the
+    RunPod cached-model layout under base_path, then cache_dir), the remote fleet cache (`remote`,
+    s3://...), then the source itself; what comes from the source is published to cache_dir and,
+    with push=True, pushed to `remote`. A branch or tag once fetched is pinned locally to its commit
+    (refresh=True asks the hub again); an s3:// source prefix is taken as immutable (`revision` is
+    then only a label, default "default").
+    token / endpoint: the hub's (None: huggingface_hub's own HF_TOKEN / HF_ENDPOINT). The S3
+    settings (None: boto3's own chain) serve both s3:// sources and the remote cache. verify: "size"
+    (always) or "full" (sha256 of every file). remote_fallback: an unreachable remote cache falls
+    back to the source with one warning instead of failing.
     check_config: called with config.json of a model about to be fetched from the hub or S3, before
     any weight file; a ValueError it raises refuses the model (a SourceError with its message).
     """

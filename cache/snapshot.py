@@ -1,6 +1,8 @@
-"""Immutable local snapshots: the manifest (sizes, sha256), verification, quarantine, and atomic publishing.
+"""Immutable local snapshots: the manifest (sizes, sha256), verification, quarantine, and atomic
+publishing.
 
-A cache root holds `snapshots/<key>/<revision>/`; builds happen in `.staging/` under a cross-process lock.
+A cache root holds `snapshots/<key>/<revision>/`; builds happen in `.staging/` under a cross-process
+lock.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ _HASH_CHUNK = 8 << 20
 
 
 def coldbrew_version() -> str:
-    """The installed coldbrew version (pyproject's, read from the source tree when not installed)."""
+    """The installed coldbrew version (pyproject's, read from the source tree when not
+    installed)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -63,7 +66,8 @@ def hash_file(path: Path, git_blob: bool = False) -> dict:
 
 
 def list_files(root: Path) -> list[str]:
-    """Relative POSIX paths of the regular files under root, sorted, leaving out the manifest and dot-dirs."""
+    """Relative POSIX paths of the regular files under root, sorted, leaving out the manifest and
+    dot-dirs."""
     out = []
     for path in root.rglob("*"):
         rel = path.relative_to(root)
@@ -75,7 +79,8 @@ def list_files(root: Path) -> list[str]:
 
 
 def hash_files(root: Path, names: list[str], workers: int = 8) -> dict[str, dict]:
-    """{name: {"size", "sha256"}} of files under root, hashed on several threads (hashlib releases the GIL)."""
+    """{name: {"size", "sha256"}} of files under root, hashed on several threads (hashlib releases
+    the GIL)."""
 
     def one(name: str) -> tuple[str, dict]:
         return name, hash_file(root / name)
@@ -109,7 +114,8 @@ def build_manifest(
 
 
 def read_manifest(root: Path) -> dict:
-    """The manifest of a snapshot directory; ValueError saying what is wrong when missing or malformed."""
+    """The manifest of a snapshot directory; ValueError saying what is wrong when missing or
+    malformed."""
     path = Path(root) / MANIFEST
     try:
         data = json.loads(path.read_text())
@@ -195,7 +201,8 @@ def ref_relpath(key: str, name: str) -> str:
 
 
 class SnapshotStore:
-    """A cache root: published snapshots, revision refs, locks, staging and quarantine directories."""
+    """A cache root: published snapshots, revision refs, locks, staging and quarantine
+    directories."""
 
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root).expanduser()
@@ -203,7 +210,7 @@ class SnapshotStore:
     def path(self, key: str, revision: str) -> Path:
         return self.root / snapshot_relpath(key, revision)
 
-    # ---- refs: a branch or tag name -> the pinned revision it was fetched at ----------------------------------
+    # ---- refs: a branch or tag name -> the pinned revision it was fetched at ---------------------
     def read_ref(self, key: str, name: str) -> str | None:
         try:
             return (self.root / ref_relpath(key, name)).read_text().strip() or None
@@ -218,7 +225,8 @@ class SnapshotStore:
         os.replace(tmp, path)
 
     def find(self, key: str, revision: str, verify: str = "size") -> Path | None:
-        """The published snapshot of (key, revision or a ref naming it) when it is intact, else None."""
+        """The published snapshot of (key, revision or a ref naming it) when it is intact, else
+        None."""
         for rev in dict.fromkeys([revision, self.read_ref(key, revision)]):
             if rev and check_snapshot(self.path(key, rev), verify) is None:
                 return self.path(key, rev)
@@ -230,7 +238,8 @@ class SnapshotStore:
         return FileLock(str(path))
 
     def quarantine(self, path: Path, reason: str) -> Path:
-        """Move a bad snapshot aside (never deleted, for a post-mortem) and say so in one log line."""
+        """Move a bad snapshot aside (never deleted, for a post-mortem) and say so in one log
+        line."""
         stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         dest = self.root / ".quarantine" / f"{path.parent.name}@{path.name}-{stamp}"
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -247,12 +256,14 @@ class SnapshotStore:
         verify: str = "size",
         resume: bool = False,
     ) -> Path:
-        """The intact snapshot of (key, revision), building it with `build(staging_dir) -> manifest` when needed.
+        """The intact snapshot of (key, revision), building it with `build(staging_dir) -> manifest`
+        when needed.
 
-        Only one process builds at a time (a file lock); the others wait and then find it published. The build
-        writes into a staging directory on the same filesystem, which is fsynced and renamed into place, so a
-        process killed mid-build leaves nothing that looks published. `resume` keeps a killed build's staging
-        files (the hub client keeps what a killed download completed)."""
+        Only one process builds at a time (a file lock); the others wait and then find it published.
+        The build writes into a staging directory on the same filesystem, which is fsynced and
+        renamed into place, so a process killed mid-build leaves nothing that looks published.
+        `resume` keeps a killed build's staging files (the hub client keeps what a killed download
+        completed)."""
         final = self.path(key, revision)
         if check_snapshot(final, verify) is None:
             return final

@@ -1,4 +1,5 @@
-"""Model sources: parse a reference (hub repo id, s3://, local dir, RunPod cached model, .gguf) and fetch its files.
+"""Model sources: parse a reference (hub repo id, s3://, local dir, RunPod cached model, .gguf) and
+fetch its files.
 
 Each fetch writes only the files the engine reads into a staging directory and returns their sizes
 and sha256; config.json comes first, so an unsupported model is refused before any weight moves.
@@ -44,7 +45,8 @@ _REPO_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._
 
 
 class SourceError(RuntimeError):
-    """A source could not give the model: the message names the source and the reason, never a credential."""
+    """A source could not give the model: the message names the source and the reason, never a
+    credential."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,8 @@ class Source:
 
     @property
     def key(self) -> str:
-        """A path-safe name for the cache (hub ids lower-cased: the hub matches them case-insensitively)."""
+        """A path-safe name for the cache (hub ids lower-cased: the hub matches them
+        case-insensitively)."""
         if self.kind == "hub":
             return "hf--" + self.location.lower().replace("/", "--")
         if self.kind == "s3":
@@ -70,7 +73,8 @@ class Source:
 
 
 def parse(ref: str) -> Source:
-    """The Source a model reference names: an existing directory or .gguf file, s3://bucket/prefix, or a hub id."""
+    """The Source a model reference names: an existing directory or .gguf file, s3://bucket/prefix,
+    or a hub id."""
     if not isinstance(ref, str) or not ref.strip():
         raise ValueError(
             f"model: must be a hub repo id, s3://bucket/prefix, a directory or a .gguf file, got {ref!r}"
@@ -102,7 +106,8 @@ def is_commit(revision: str | None) -> bool:
 
 
 def check_model_dir(path: Path) -> str | None:
-    """None when path has config.json and its safetensors (every shard its index names), else what is missing."""
+    """None when path has config.json and its safetensors (every shard its index names), else what
+    is missing."""
     if not (path / "config.json").is_file():
         return "no config.json"
     index = next(iter(sorted(path.glob("*.safetensors.index.json"))), None)
@@ -184,9 +189,10 @@ def check_first_files(
     return read(INDEX_FILE) if (dest / INDEX_FILE).is_file() else None
 
 
-# ---- a local directory ------------------------------------------------------------------------------------------
+# ---- a local directory ---------------------------------------------------------------------------
 def open_local(path: str, verify: str = "size") -> Path:
-    """A local model directory, used in place; one carrying a coldbrew manifest is verified against it."""
+    """A local model directory, used in place; one carrying a coldbrew manifest is verified against
+    it."""
     root = Path(path)
     reason = check_snapshot(root, verify) if (root / MANIFEST).exists() else check_model_dir(root)
     if reason is not None:
@@ -194,12 +200,13 @@ def open_local(path: str, verify: str = "size") -> Path:
     return root
 
 
-# ---- the RunPod cached-model layout ------------------------------------------------------------------------------
+# ---- the RunPod cached-model layout --------------------------------------------------------------
 def find_runpod_cached(
     base_path: str | os.PathLike | None, repo_id: str, revision: str | None
 ) -> Path | None:
-    """<base>/huggingface-cache/hub/models--org--name/snapshots/<commit>/ for repo_id (org/name compared
-    case-insensitively) at a commit, or at the commit its refs/<revision> names; None when absent or incomplete."""
+    """<base>/huggingface-cache/hub/models--org--name/snapshots/<commit>/ for repo_id (org/name
+    compared case-insensitively) at a commit, or at the commit its refs/<revision> names; None when
+    absent or incomplete."""
     if not base_path:
         return None
     hub = Path(base_path) / "huggingface-cache" / "hub"
@@ -224,7 +231,7 @@ def find_runpod_cached(
     return None
 
 
-# ---- S3 -------------------------------------------------------------------------------------------------------------
+# ---- S3 ------------------------------------------------------------------------------------------
 def fetch_s3(
     uri: str,
     dest: Path,
@@ -260,15 +267,17 @@ def fetch_s3(
     return files
 
 
-# ---- GGUF -----------------------------------------------------------------------------------------------------------
+# ---- GGUF ----------------------------------------------------------------------------------------
 def gguf_revision(path: str, dtype: str) -> str:
-    """Names one conversion: the dtype plus the file's size and mtime (hashing a multi-GB file each start is not)."""
+    """Names one conversion: the dtype plus the file's size and mtime (hashing a multi-GB file each
+    start is not)."""
     st = os.stat(path)
     return f"{dtype}-{st.st_size}-{st.st_mtime_ns}"
 
 
 def fetch_gguf(path: str, dest: Path, dtype: str = "float32") -> dict[str, dict]:
-    """Dequantize a GGUF file into dest as an HF-format directory (once: the result is a snapshot)."""
+    """Dequantize a GGUF file into dest as an HF-format directory (once: the result is a
+    snapshot)."""
     from cache.gguf import write_hf_dir
 
     log.info("dequantizing %s to %s (once)", path, dtype)

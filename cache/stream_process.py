@@ -1,15 +1,18 @@
-"""The device-stream process: a pack -> one shareable GPU allocation, filled while the worker still imports torch.
+"""The device-stream process: a pack -> one shareable GPU allocation, filled while the worker still
+imports torch.
 
-`python -m cache.stream_process PACK ORDINAL SOCKET_FD THREADS CHUNK_BYTES [START_PAGES]` (started by
-cache.device_stream). When the pack is not in the page cache, it first reads the start path's recorded pages
-(cache.start_pages), so the worker's imports do not queue behind the weights on the disk. It uses
-the driver through ctypes (no torch: it is streaming ~0.1 s after the worker starts) and runs in its own process, so
-its reader threads never wait for the worker's interpreter lock, which `import torch` holds for seconds at a time.
+`python -m cache.stream_process PACK ORDINAL SOCKET_FD THREADS CHUNK_BYTES [START_PAGES]` (started
+by cache.device_stream). When the pack is not in the page cache, it first reads the start path's
+recorded pages (cache.start_pages), so the worker's imports do not queue behind the weights on the
+disk. It uses the driver through ctypes (no torch: it is streaming ~0.1 s after the worker starts)
+and runs in its own process, so its reader threads never wait for the worker's interpreter lock,
+which `import torch` holds for seconds at a time.
 
-On the socket (one JSON object per line): first {"size", "nbytes", "bus_id"} with the allocation's POSIX fd attached,
-then {"done_to": OFFSET} each time the prefix of the pack's data on the device grows (every copy below OFFSET has
-completed), then {"finished": {stats}} or {"error": "..."}. The worker sends "mapped" once it has mapped the
-allocation (this process may then let its own mapping go and exit) or "cancel"; end of file means the same as cancel.
+On the socket (one JSON object per line): first {"size", "nbytes", "bus_id"} with the allocation's
+POSIX fd attached, then {"done_to": OFFSET} each time the prefix of the pack's data on the device
+grows (every copy below OFFSET has completed), then {"finished": {stats}} or {"error": "..."}. The
+worker sends "mapped" once it has mapped the allocation (this process may then let its own mapping
+go and exit) or "cancel"; end of file means the same as cancel.
 """
 
 from __future__ import annotations
@@ -75,7 +78,8 @@ class Streamer:
                 self.sock.sendall(data)
 
     def listen(self) -> None:
-        """The worker's side of the socket: 'mapped', 'cancel', or end of file (the worker is gone)."""
+        """The worker's side of the socket: 'mapped', 'cancel', or end of file (the worker is
+        gone)."""
         try:
             for line in self.sock.makefile("rb"):
                 if line.strip() == b"mapped":

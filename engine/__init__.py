@@ -1,6 +1,7 @@
 """coldbrew's paged-KV inference engine: continuous batching, chunked prefill, prefix caching.
 
-Knows nothing about RunPod, environment variables or S3. Public API: LLM, AsyncLLM, EngineArgs, SamplingParams.
+Knows nothing about RunPod, environment variables or S3. Public API: LLM, AsyncLLM, EngineArgs,
+SamplingParams.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""Chat templates: find a model's templates and render them with sandboxed jinja2, as transformers does.
+"""Chat templates: find a model's templates and render them with sandboxed jinja2, as transformers
+does.
 
-Byte-identical to transformers' apply_chat_template(tokenize=False) without importing it (15 s on the GPU machine).
+Byte-identical to transformers' apply_chat_template(tokenize=False) without importing it (15 s on
+the GPU machine).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
-# Names a message's reasoning arrives under; templates read `reasoning_content` (Qwen3), gpt-oss reads `thinking`.
+# Names a message's reasoning arrives under; templates read `reasoning_content` (Qwen3), gpt-oss
+# reads `thinking`.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
@@ -34,7 +37,8 @@ def _tojson(
     separators: tuple[str, str] | None = None,
     sort_keys: bool = False,
 ) -> str:
-    """json.dumps as HF chat templates expect it: no HTML escaping (unlike jinja's own tojson), non-ASCII kept."""
+    """json.dumps as HF chat templates expect it: no HTML escaping (unlike jinja's own tojson),
+    non-ASCII kept."""
     return json.dumps(
         value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
@@ -52,7 +56,8 @@ def _check_namespace_name(name: Any) -> None:
 
 
 class _GuardedNamespace(Namespace):
-    """jinja's namespace() without underscore-prefixed attributes, the way into interpreter internals."""
+    """jinja's namespace() without underscore-prefixed attributes, the way into interpreter
+    internals."""
 
     def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - jinja's Namespace takes self this way too
         self, rest = args[0], args[1:]
@@ -73,7 +78,8 @@ def _plain_dict(*args: Any, **kwargs: Any) -> dict:
 
 @lru_cache(maxsize=1)
 def _environment() -> ImmutableSandboxedEnvironment:
-    # Same settings as transformers: HF templates are written against trim_blocks/lstrip_blocks and loop controls.
+    # Same settings as transformers: HF templates are written against trim_blocks/lstrip_blocks and
+    # loop controls.
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
@@ -87,7 +93,8 @@ def _environment() -> ImmutableSandboxedEnvironment:
 
 @lru_cache(maxsize=64)
 def _compile(source: str) -> jinja2.Template:
-    """Compile a chat template once; a per-request template is compiled on first use and kept (LRU)."""
+    """Compile a chat template once; a per-request template is compiled on first use and kept
+    (LRU)."""
     try:
         return _environment().from_string(source)
     except jinja2.TemplateSyntaxError as e:
@@ -95,7 +102,8 @@ def _compile(source: str) -> jinja2.Template:
 
 
 def _is_content_access(node: jinja2.nodes.Node) -> bool:
-    """True for `x['content']` or `x.content`, looking through filters such as `x['content'] | selectattr(...)`."""
+    """True for `x['content']` or `x.content`, looking through filters such as
+    `x['content'] | selectattr(...)`."""
     while isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)) and node.node is not None:
         node = node.node
     if isinstance(node, jinja2.nodes.Getattr):
@@ -109,7 +117,8 @@ def _is_content_access(node: jinja2.nodes.Node) -> bool:
 def _template_iterates_content(source: str) -> bool:
     """Whether a template loops over a message's content, i.e. reads OpenAI-style content parts.
 
-    Looks for `{% for part in message['content'] %}`, also through a variable set from the content first.
+    Looks for `{% for part in message['content'] %}`, also through a variable set from the content
+    first.
     """
     ast = _environment().parse(source)
     content_vars = {
@@ -129,9 +138,11 @@ def _template_iterates_content(source: str) -> bool:
 
 
 def _plain(value: Any) -> Any:
-    """A copy of template input made of JSON types only, so a template never sees (or mutates) caller objects.
+    """A copy of template input made of JSON types only, so a template never sees (or mutates)
+    caller objects.
 
-    Pydantic models are dumped; anything else that is not JSON-like becomes an inert "<TypeName>" placeholder.
+    Pydantic models are dumped; anything else that is not JSON-like becomes an inert "<TypeName>"
+    placeholder.
     """
     if value is None or type(value) in (str, int, float, bool):
         return value
@@ -169,11 +180,12 @@ def _text_of_parts(parts: list, index: int) -> str:
 def _prepare_messages(messages: Any, content_as_parts: bool) -> list[dict]:
     """Validate messages lightly and shape them the way transformers hands them to a template.
 
-    Like transformers: keys whose value is None are dropped (OpenAI clients send content=None next to tool_calls)
-    and reasoning given as `reasoning`/`thinking` is also exposed as `reasoning_content` (and vice versa).
-    Unlike transformers, which passes content parts through untouched: when the template treats content as a string,
-    a list of text parts is joined with "\\n" into one string (as vLLM does), so text-only templates accept
-    OpenAI-style content; templates that loop over content get the parts list as is.
+    Like transformers: keys whose value is None are dropped (OpenAI clients send content=None next
+    to tool_calls) and reasoning given as `reasoning`/`thinking` is also exposed as
+    `reasoning_content` (and vice versa). Unlike transformers, which passes content parts through
+    untouched: when the template treats content as a string, a list of text parts is joined with
+    "\\n" into one string (as vLLM does), so text-only templates accept OpenAI-style content;
+    templates that loop over content get the parts list as is.
     """
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
@@ -198,9 +210,9 @@ def _prepare_messages(messages: Any, content_as_parts: bool) -> list[dict]:
     return prepared
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Loading
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def render_chat(
@@ -212,7 +224,8 @@ def render_chat(
     documents: list[dict] | None,
     variables: dict[str, Any],
 ) -> str:
-    """Render one conversation with template `source`; variables hold the special tokens and template kwargs.
+    """Render one conversation with template `source`; variables hold the special tokens and
+    template kwargs.
 
     Template errors, raise_exception(...) included, raise ValueError."""
     template = _compile(source)
@@ -248,7 +261,8 @@ def read_json(path: str) -> dict:
 
 
 def _templates_from_value(value: Any) -> dict[str, str]:
-    """A config's chat_template: one string, or a list of {"name", "template"} dicts (named templates)."""
+    """A config's chat_template: one string, or a list of {"name", "template"} dicts (named
+    templates)."""
     if isinstance(value, str):
         return {"default": value}
     if isinstance(value, list):
@@ -265,8 +279,9 @@ def _templates_from_value(value: Any) -> dict[str, str]:
 def load_templates(path: str, config: dict) -> dict[str, str]:
     """The model's chat templates by name, in transformers 5's order of precedence.
 
-    chat_template.jinja (plus additional_chat_templates/*.jinja, named by file) wins over tokenizer_config.json's
-    "chat_template"; chat_template.json (the older processor file, {"chat_template": ...}) is the last resort.
+    chat_template.jinja (plus additional_chat_templates/*.jinja, named by file) wins over
+    tokenizer_config.json's "chat_template"; chat_template.json (the older processor file,
+    {"chat_template": ...}) is the last resort.
     """
     templates: dict[str, str] = {}
     jinja_file = os.path.join(path, "chat_template.jinja")

@@ -40,20 +40,22 @@ class SamplingRow:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    # Per row: top-k (params.logprobs) plus the sampled token, from the raw model distribution; None when not asked.
+    # Per row: top-k (params.logprobs) plus the sampled token, from the raw model distribution; None
+    # when not asked.
     logprobs: list[PositionLogprobs | None]
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The transformations. Each works on a float32 [N, V] tensor in place and returns it; per-row values come as Python
-# sequences so deciding which rows need work never reads the device.
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# The transformations. Each works on a float32 [N, V] tensor in place and returns it; per-row values
+# come as Python sequences so deciding which rows need work never reads the device.
+# --------------------------------------------------------------------------------------------------
 
 
 def apply_banned_tokens(
     logits: torch.Tensor, banned_token_ids: Sequence[Sequence[int]]
 ) -> torch.Tensor:
-    """Set logits[i, t] = -inf for every t in banned_token_ids[i] (ids outside the vocabulary are ignored)."""
+    """Set logits[i, t] = -inf for every t in banned_token_ids[i] (ids outside the vocabulary are
+    ignored)."""
     vocab = logits.shape[-1]
     rows: list[int] = []
     cols: list[int] = []
@@ -71,10 +73,11 @@ def apply_banned_tokens(
 def _token_counts(
     seqs: Sequence[Sequence[Sequence[int]]], vocab: int, device: torch.device
 ) -> torch.Tensor:
-    """[len(seqs), vocab] float32 counts of the token ids in each row's lists (ids >= vocab are dropped)."""
+    """[len(seqs), vocab] float32 counts of the token ids in each row's lists (ids >= vocab are
+    dropped)."""
     counts = torch.zeros(len(seqs), vocab + 1, dtype=torch.float32, device=device)
-    # numpy builds the flat id array several times faster than torch.tensor(list) does; an int64 array passed in
-    # (a prompt the caller keeps converted) costs nothing here.
+    # numpy builds the flat id array several times faster than torch.tensor(list) does; an int64
+    # array passed in (a prompt the caller keeps converted) costs nothing here.
     parts = [np.asarray(ids, dtype=np.int64) for lists in seqs for ids in lists]
     lengths = [sum(len(ids) for ids in lists) for lists in seqs]
     total = sum(lengths)
@@ -100,8 +103,9 @@ def apply_penalties(
     presence_penalty: Sequence[float],
     frequency_penalty: Sequence[float],
 ) -> torch.Tensor:
-    """Repetition penalty over prompt+output tokens (a positive logit is divided by p, any other multiplied), then
-    presence/frequency penalties over output tokens only (logit -= frequency * count + presence * [count > 0])."""
+    """Repetition penalty over prompt+output tokens (a positive logit is divided by p, any other
+    multiplied), then presence/frequency penalties over output tokens only (logit -= frequency *
+    count + presence * [count > 0])."""
     vocab, device = logits.shape[-1], logits.device
 
     rep_rows = [i for i, p in enumerate(repetition_penalty) if p != 1.0]
@@ -152,16 +156,18 @@ def apply_top_k_top_p_min_p(
     top_p: Sequence[float] | None = None,
     min_p: Sequence[float] | None = None,
 ) -> torch.Tensor:
-    """Mask to -inf, in this order: tokens below the k-th largest logit (ties with it stay; k <= 0 disables), then
-    the tail outside the smallest set of most likely tokens whose mass reaches top_p (the top token always stays),
-    then tokens whose probability is below min_p times the largest probability."""
+    """Mask to -inf, in this order: tokens below the k-th largest logit (ties with it stay; k <= 0
+    disables), then the tail outside the smallest set of most likely tokens whose mass reaches top_p
+    (the top token always stays), then tokens whose probability is below min_p times the largest
+    probability."""
     vocab, device = logits.shape[-1], logits.device
     use_k = top_k is not None and any(0 < k < vocab for k in top_k)
     use_p = top_p is not None and any(p < 1.0 for p in top_p)
     use_min_p = min_p is not None and any(p > 0.0 for p in min_p)
 
     if use_k and not use_p:
-        # top-k alone: the k-th largest value comes from topk, much cheaper than sorting the whole vocabulary.
+        # top-k alone: the k-th largest value comes from topk, much cheaper than sorting the whole
+        # vocabulary.
         enabled = [0 < k < vocab for k in top_k]
         kmax = max(k for k, on in zip(top_k, enabled) if on)
         top_vals = logits.topk(kmax, dim=-1).values
@@ -172,7 +178,8 @@ def apply_top_k_top_p_min_p(
         on = torch.tensor(enabled).to(device, non_blocking=True)[:, None]
         logits.masked_fill_((logits < kth) & on, float("-inf"))
     elif use_k or use_p:
-        # Ascending order: the tail mass below a token is then summed smallest-first, the accurate way round.
+        # Ascending order: the tail mass below a token is then summed smallest-first, the accurate
+        # way round.
         sorted_logits, order = logits.sort(dim=-1)
         if use_k:
             index = torch.tensor([vocab - k if 0 < k < vocab else 0 for k in top_k]).to(
@@ -181,7 +188,8 @@ def apply_top_k_top_p_min_p(
             kth = sorted_logits.gather(1, index[:, None])
             sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
         if use_p:
-            # A token goes when it and every less likely token together hold at most 1 - top_p of the mass.
+            # A token goes when it and every less likely token together hold at most 1 - top_p of
+            # the mass.
             tail_limit = torch.tensor([1.0 - p for p in top_p], dtype=torch.float32).to(
                 device, non_blocking=True
             )
@@ -203,8 +211,8 @@ def random_sample(
 ) -> torch.Tensor:
     """argmax(probs / q) with q ~ Exponential(1): a draw from each row's distribution.
 
-    A row with a generator draws its q from that generator alone, so its token never depends on the other rows;
-    rows without one share a single draw from torch's default RNG.
+    A row with a generator draws its q from that generator alone, so its token never depends on the
+    other rows; rows without one share a single draw from torch's default RNG.
     """
     q = torch.empty_like(probs)
     default_rows = [i for i, g in enumerate(generators) if g is None]
@@ -224,16 +232,16 @@ def random_sample(
     return probs.div_(q).argmax(dim=-1)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Logprobs
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _logprob_tensors(
     logprobs: torch.Tensor, token_ids: torch.Tensor, kmax: int
 ) -> list[torch.Tensor]:
-    """On the device: the chosen tokens' logprobs [n] and ranks [n] (1 + #strictly greater), and the top-kmax ids,
-    logprobs and ranks [n, kmax]; nothing is read back here."""
+    """On the device: the chosen tokens' logprobs [n] and ranks [n] (1 + #strictly greater), and the
+    top-kmax ids, logprobs and ranks [n, kmax]; nothing is read back here."""
     chosen = logprobs.gather(1, token_ids[:, None])
     chosen_rank = (logprobs > chosen).sum(dim=-1) + 1
     if kmax <= 0:
@@ -244,7 +252,8 @@ def _logprob_tensors(
 
 
 def _read_back(tensors: list[torch.Tensor]) -> list[np.ndarray]:
-    """Every tensor in one device->host transfer (as float64, exact for ids, ranks and float32 logprobs)."""
+    """Every tensor in one device->host transfer (as float64, exact for ids, ranks and float32
+    logprobs)."""
     if len(tensors) == 1:
         return [tensors[0].cpu().numpy()]
     flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).cpu().numpy()
@@ -256,7 +265,8 @@ def _read_back(tensors: list[torch.Tensor]) -> list[np.ndarray]:
 
 
 def _logprob_entries(host: list[np.ndarray], ks: Sequence[int]) -> list[PositionLogprobs]:
-    """Per row, from _logprob_tensors' arrays read back: the chosen token, then the top ks[i] tokens."""
+    """Per row, from _logprob_tensors' arrays read back: the chosen token, then the top ks[i]
+    tokens."""
     ints = [a.astype(np.int64).tolist() for a in host[0::3]]  # ids, top ids
     ranks = [a.astype(np.int64).tolist() for a in host[2::3]]  # chosen ranks, top ranks
     ids, chosen, chosen_rank = ints[0], host[1].tolist(), ranks[0]
@@ -277,8 +287,8 @@ def _logprob_entries(host: list[np.ndarray], ks: Sequence[int]) -> list[Position
 def prompt_logprobs(
     logits: torch.Tensor, next_token_ids: list[int], k: int
 ) -> list[PositionLogprobs]:
-    """For prompt positions: logits [T, V] predict next_token_ids[t]; each entry has that token's logprob and rank
-    plus the top-k tokens of the position."""
+    """For prompt positions: logits [T, V] predict next_token_ids[t]; each entry has that token's
+    logprob and rank plus the top-k tokens of the position."""
     if logits.shape[0] != len(next_token_ids):
         raise ValueError(
             f"next_token_ids: expected {logits.shape[0]} ids (one per logits row), got {len(next_token_ids)}"
@@ -293,16 +303,17 @@ def prompt_logprobs(
     )
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The sampler
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 class DeviceSample:
     """One step's sampled token ids, with any requested logprobs, still on the device.
 
-    start_copy() queues their copy to pinned host memory behind the sampling kernels and returns at once; result()
-    waits for that copy alone (not for later work on the stream) and builds the SamplerOutput.
+    start_copy() queues their copy to pinned host memory behind the sampling kernels and returns at
+    once; result() waits for that copy alone (not for later work on the stream) and builds the
+    SamplerOutput.
     """
 
     def __init__(
@@ -325,7 +336,8 @@ class DeviceSample:
         tensors = self._tensors
         if not tensors[0].is_cuda or self._host is not None:
             return self
-        # One transfer: ids alone as int64, or everything as float64 (exact for ids, ranks and float32 logprobs).
+        # One transfer: ids alone as int64, or everything as float64 (exact for ids, ranks and
+        # float32 logprobs).
         flat = (
             tensors[0]
             if len(tensors) == 1
@@ -364,8 +376,9 @@ class DeviceSample:
 class Sampler:
     """Samples one token per row of a [N, V] logits batch, each row under its own SamplingParams.
 
-    Order: banned ids -> repetition penalty -> presence/frequency penalties -> greedy rows take the argmax ->
-    temperature -> top-k -> top-p -> min-p -> exponential-race draw. Logprobs come from the raw logits.
+    Order: banned ids -> repetition penalty -> presence/frequency penalties -> greedy rows take the
+    argmax -> temperature -> top-k -> top-p -> min-p -> exponential-race draw. Logprobs come from
+    the raw logits.
     """
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
@@ -438,8 +451,9 @@ class Sampler:
 
     @staticmethod
     def _draw(logits: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-        """One token per row of processed logits. On CUDA: one Triton kernel keyed per row by its generator (or the
-        device's default generator), no sync; elsewhere the exponential race of random_sample."""
+        """One token per row of processed logits. On CUDA: one Triton kernel keyed per row by its
+        generator (or the device's default generator), no sync; elsewhere the exponential race of
+        random_sample."""
         if fused_kernels_available(logits) and all(
             g is None or g.device.type == "cuda" for g in generators
         ):

@@ -1,7 +1,8 @@
-"""Sampling parameters: SamplingParams, the validated per-request knobs (named and defaulted like vLLM's).
+"""Sampling parameters: SamplingParams, the validated per-request knobs (named and defaulted like
+vLLM's).
 
-Stdlib only (no torch), so request-facing code (the handler's job and route schemas) imports it at no cost;
-the batched sampler that applies them lives in engine.sampling.
+Stdlib only (no torch), so request-facing code (the handler's job and route schemas) imports it at
+no cost; the batched sampler that applies them lives in engine.sampling.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def _number(name: str, value: Any, requirement: str, ok: Callable[[float], bool]
 def _integer(
     name: str, value: Any, requirement: str, ok: Callable[[int], bool], optional: bool = False
 ) -> int | None:
-    """An int (not a bool) that passes ok, returned as a plain int; None passes through when optional."""
+    """An int (not a bool) that passes ok, returned as a plain int; None passes through when
+    optional."""
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -59,7 +61,8 @@ def _check_bool(name: str, value: Any) -> None:
 
 @dataclass
 class SamplingParams:
-    """Per-request sampling knobs, named and defaulted like vLLM's; invalid values raise ValueError naming the field."""
+    """Per-request sampling knobs, named and defaulted like vLLM's; invalid values raise ValueError
+    naming the field."""
 
     n: int = 1
     temperature: float = 1.0
@@ -88,7 +91,8 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
     def validate(self) -> None:
-        """Check every field, normalising stop lists, number types and the seed; the first bad one raises ValueError."""
+        """Check every field, normalising stop lists, number types and the seed; the first bad one
+        raises ValueError."""
         self.n = _integer("n", self.n, f"in [1, {MAX_N}]", lambda v: 1 <= v <= MAX_N)
         self.temperature = _number("temperature", self.temperature, ">= 0", lambda v: v >= 0)
         self.top_p = _number("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1)
@@ -109,7 +113,8 @@ class SamplingParams:
             "frequency_penalty", self.frequency_penalty, "in [-2, 2]", lambda v: -2 <= v <= 2
         )
         if self.seed is not None:
-            # Any int is accepted; it is reduced into [0, 2**64) so torch.Generator.manual_seed takes it.
+            # Any int is accepted; it is reduced into [0, 2**64) so torch.Generator.manual_seed
+            # takes it.
             self.seed = _integer("seed", self.seed, "", lambda v: True) % _U64
         self._validate_stop()
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):

@@ -1,8 +1,10 @@
-"""The scheduler: picks each step's sequences and how many tokens each computes, under the token budget.
+"""The scheduler: picks each step's sequences and how many tokens each computes, under the token
+budget.
 
-Continuous batching with chunked prefill: running sequences go first (oldest first), each taking a decode token or
-its next prefill chunk; waiting sequences fill what budget is left. When blocks run out, the youngest running
-sequence is preempted (its blocks freed, recomputed later), so the oldest requests are always served first.
+Continuous batching with chunked prefill: running sequences go first (oldest first), each taking a
+decode token or its next prefill chunk; waiting sequences fill what budget is left. When blocks run
+out, the youngest running sequence is preempted (its blocks freed, recomputed later), so the oldest
+requests are always served first.
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ class Scheduler:
         kept: list[Sequence] = []
         queue = self.running
         self.running = []
-        # queue[head:end] are the running sequences not yet scheduled; victims are taken from the end.
+        # queue[head:end] are the running sequences not yet scheduled; victims are taken from the
+        # end.
         head, end = 0, len(queue)
         while head < end and budget > 0:
             seq = queue[head]

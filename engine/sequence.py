@@ -1,6 +1,8 @@
-"""Request and sequence state: the token lists, the KV block table and the progress counters the scheduler reads.
+"""Request and sequence state: the token lists, the KV block table and the progress counters the
+scheduler reads.
 
-A Request holds n Sequences (one per sample); each Sequence is scheduled, preempted and finished on its own.
+A Request holds n Sequences (one per sample); each Sequence is scheduled, preempted and finished on
+its own.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ class Sequence:
     detokenizer: "IncrementalDetokenizer | None" = None
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
-    # Sampled tokens whose ids are still on the device (async scheduling): they count in num_tokens, so the next
-    # step is scheduled as if they were known, but they are not in token_ids yet.
+    # Sampled tokens whose ids are still on the device (async scheduling): they count in num_tokens,
+    # so the next step is scheduled as if they were known, but they are not in token_ids yet.
     num_pending: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(
@@ -76,8 +78,8 @@ class Sequence:
 
     @property
     def reaches_length_limit(self) -> bool:
-        """Its tokens (pending ones included) already reach max_tokens or the context limit: once they are known it
-        finishes with "length", so there is nothing more to schedule for it."""
+        """Its tokens (pending ones included) already reach max_tokens or the context limit: once
+        they are known it finishes with "length", so there is nothing more to schedule for it."""
         n = len(self.token_ids) + self.num_pending
         max_tokens = self.request.params.max_tokens
         return n >= self.max_total_tokens or (
@@ -93,7 +95,8 @@ class Sequence:
         return self.index == 0 and self.params.prompt_logprobs is not None
 
     def reset_for_recompute(self) -> None:
-        """Preemption by recompute: drop the cached state, keep the tokens; the next admission prefills them all."""
+        """Preemption by recompute: drop the cached state, keep the tokens; the next admission
+        prefills them all."""
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table = []

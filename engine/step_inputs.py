@@ -1,5 +1,6 @@
-"""One step's model inputs (token ids, positions) and AttentionMetadata, packed with numpy into one pinned host buffer
-and sent to the device in one copy; the CUDA-graph static buffers use the same layout.
+"""One step's model inputs (token ids, positions) and AttentionMetadata, packed with numpy into one
+pinned host buffer and sent to the device in one copy; the CUDA-graph static buffers use the same
+layout.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ _ALIGN = 64  # bytes between sections: every view is aligned for any dtype and f
 
 @dataclass(frozen=True)
 class StepLayout:
-    """Byte offsets of each section in the packed buffer, for T tokens, B sequences and block tables B x W."""
+    """Byte offsets of each section in the packed buffer, for T tokens, B sequences and block tables
+    B x W."""
 
     num_tokens: int
     num_seqs: int
@@ -61,7 +63,8 @@ class StepTensors:
 
 
 def views(buf: torch.Tensor, layout: StepLayout, meta_host: dict) -> StepTensors:
-    """Typed views of a packed uint8 buffer (on any device) as the model's inputs and AttentionMetadata."""
+    """Typed views of a packed uint8 buffer (on any device) as the model's inputs and
+    AttentionMetadata."""
     offsets, _ = layout.offsets()
     t = {
         name: buf[at : at + n].view(dtype).view(shape)
@@ -84,13 +87,15 @@ def input_ids_view(buf: torch.Tensor, layout: StepLayout) -> torch.Tensor:
 
 
 class InputStager:
-    """Builds packed step inputs in a reusable pinned host buffer (CUDA) and copies them to the device at once."""
+    """Builds packed step inputs in a reusable pinned host buffer (CUDA) and copies them to the
+    device at once."""
 
     def __init__(self, device: torch.device, block_size: int) -> None:
         self.device = device
         self.block_size = block_size
-        # Two pinned buffers used in turn, each with the event of the last copy out of it: with steps queued ahead
-        # of the GPU, the buffer being rewritten is the one of two steps ago, whose copy has long left it.
+        # Two pinned buffers used in turn, each with the event of the last copy out of it: with
+        # steps queued ahead of the GPU, the buffer being rewritten is the one of two steps ago,
+        # whose copy has long left it.
         self._hosts: list[torch.Tensor | None] = [None, None]
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
@@ -128,10 +133,12 @@ class InputStager:
     ) -> StepTensors | None:
         """Pack one step and return its device tensors.
 
-        pad_to: add one-token rows up to this many sequences, with seq_len 0, slot -1 and query length 1 (the
-        decode graphs' padding). dest: a device uint8 buffer to copy into (a graph's static inputs); by default a
-        new one. max_seq_len: override (graphs pass an upper bound, their launch must not depend on it).
-        want_views: False skips building the returned tensors (a graph replay reads its own static views).
+        pad_to: add one-token rows up to this many sequences, with seq_len 0, slot -1 and query
+        length 1 (the decode graphs' padding). dest: a device uint8 buffer to copy into (a graph's
+        static inputs); by default a new one. max_seq_len: override (graphs pass an upper bound,
+        their launch must not depend on it).
+        want_views: False skips building the returned tensors (a graph replay reads its own static
+        views).
         """
         bs = self.block_size
         num_real = len(lens)

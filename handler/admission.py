@@ -1,5 +1,6 @@
-"""Admission for the RunPod SDK: how many jobs to hold (free KV capacity, up to MAX_CONCURRENCY), and the exits:
-SIGTERM drains within a grace period then exits 0; a fatal engine error fails the jobs in flight and exits 1.
+"""Admission for the RunPod SDK: how many jobs to hold (free KV capacity, up to MAX_CONCURRENCY),
+and the exits: SIGTERM drains within a grace period then exits 0; a fatal engine error fails the
+jobs in flight and exits 1.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class Ticket:
 
 
 class Admission:
-    """Decides the SDK's concurrency and owns the worker's shutdown paths (drain on SIGTERM, exit on fatal)."""
+    """Decides the SDK's concurrency and owns the worker's shutdown paths (drain on SIGTERM, exit on
+    fatal)."""
 
     def __init__(
         self,
@@ -69,7 +71,7 @@ class Admission:
         self._exiting = threading.Event()
         self._drain_deadline = float("inf")
 
-    # ---- jobs in flight ------------------------------------------------------------------------------------------
+    # ---- jobs in flight --------------------------------------------------------------------------
     @contextlib.contextmanager
     def track(self, job_id: str) -> Iterator[Ticket]:
         self._loop = asyncio.get_running_loop()
@@ -85,12 +87,14 @@ class Admission:
                 del self.tickets[job_id]
 
     def observe(self, prompt_tokens: int, output_tokens: int) -> None:
-        """A finished request's size: the typical request admission plans for is their moving average."""
+        """A finished request's size: the typical request admission plans for is their moving
+        average."""
         self.typical_tokens = next_typical_tokens(self.typical_tokens, prompt_tokens, output_tokens)
 
     def capacity(self) -> int | None:
-        """Concurrent requests this worker sustains now: the jobs it holds plus as many typical requests as the free
-        KV blocks hold, within [1, MAX_CONCURRENCY]; None until the engine is up."""
+        """Concurrent requests this worker sustains now: the jobs it holds plus as many typical
+        requests as the free KV blocks hold, within [1, MAX_CONCURRENCY]; None until the engine is
+        up."""
         engine = self.boot.engine_now()
         if engine is None:
             return None
@@ -109,15 +113,16 @@ class Admission:
             ticket.reason = reason
             ticket.abort.set()
 
-    # ---- the SDK's concurrency -----------------------------------------------------------------------------------
+    # ---- the SDK's concurrency -------------------------------------------------------------------
     def concurrency_modifier(self, current: int) -> int:
-        """How many jobs this worker holds at once. The SDK calls this before each job-take, in its event loop.
+        """How many jobs this worker holds at once. The SDK calls this before each job-take, in its
+        event loop.
 
-        Until the engine is up: MAX_CONCURRENCY (taken jobs wait for it). Once up: the jobs held plus as many more
-        typical requests as the free KV blocks hold, within [1, MAX_CONCURRENCY]. The SDK stops taking jobs until it
-        is idle whenever the value changes, so it moves only when it must: down when the cache can't take one more
-        typical request or the room is half of what was allowed (as after start-up), up when idle or when the room
-        has grown by a quarter."""
+        Until the engine is up: MAX_CONCURRENCY (taken jobs wait for it). Once up: the jobs held
+        plus as many more typical requests as the free KV blocks hold, within [1, MAX_CONCURRENCY].
+        The SDK stops taking jobs until it is idle whenever the value changes, so it moves only when
+        it must: down when the cache can't take one more typical request or the room is half of what
+        was allowed (as after start-up), up when idle or when the room has grown by a quarter."""
         self._install_signal_chain()
         with contextlib.suppress(
             RuntimeError
@@ -148,7 +153,7 @@ class Admission:
             return target
         return current
 
-    # ---- shutdown ------------------------------------------------------------------------------------------------
+    # ---- shutdown --------------------------------------------------------------------------------
     def drain_on_sigterm(self) -> None:
         """From process start: a SIGTERM drains (no job is held before the SDK runs, so that
         exits 0 at once). The SDK installs its own handler when its loop starts; the first
@@ -156,7 +161,8 @@ class Admission:
         signal.signal(signal.SIGTERM, lambda signum, frame: self.begin_drain())
 
     def _install_signal_chain(self) -> None:
-        """Put our SIGTERM handler in front of the SDK's (which stops job-taking) once its loop runs."""
+        """Put our SIGTERM handler in front of the SDK's (which stops job-taking) once its loop
+        runs."""
         if self._signals_installed or threading.current_thread() is not threading.main_thread():
             return
         self._signals_installed = True
@@ -173,7 +179,8 @@ class Admission:
         return time.monotonic() >= self._drain_deadline
 
     def begin_drain(self) -> None:
-        """No new work; jobs in flight finish or are aborted after grace_s; then the process exits 0."""
+        """No new work; jobs in flight finish or are aborted after grace_s; then the process exits
+        0."""
         if self.draining:
             return
         self.draining = True
@@ -196,7 +203,8 @@ class Admission:
         ).start()
 
     def fatal(self, exc: BaseException) -> None:
-        """The engine is dead (a CUDA fault, ...): fail what is in flight and exit 1 once their results are out."""
+        """The engine is dead (a CUDA fault, ...): fail what is in flight and exit 1 once their
+        results are out."""
         if self.fatal_error is not None:
             return
         self.fatal_error = exc
@@ -214,7 +222,8 @@ class Admission:
         ).start()
 
     def _exit_when_idle(self, code: int, limit_s: float) -> None:
-        """Exit with `code` once no job is held (its result posted) or after limit_s, whichever comes first."""
+        """Exit with `code` once no job is held (its result posted) or after limit_s, whichever
+        comes first."""
         deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline and (self.tickets or self._occupancy() > 0):
             time.sleep(0.05)

@@ -1,4 +1,5 @@
-"""The worker's settings: every environment variable it reads, in one validated, documented pydantic-settings class.
+"""The worker's settings: every environment variable it reads, in one validated, documented
+pydantic-settings class.
 
 `load_settings()` reads them once at start (RunPod worker-vllm's variables as
 handler/worker_vllm_env.json says) and raises SettingsError with one line for each variable it
@@ -25,21 +26,25 @@ from pydantic_settings import (
 
 from handler import worker_vllm_env
 
-# Where the demo model (and other local conversions) go when neither CACHE_DIR nor a network volume is there.
+# Where the demo model (and other local conversions) go when neither CACHE_DIR nor a network volume
+# is there.
 DEFAULT_LOCAL_CACHE = Path("~/.cache/coldbrew").expanduser()
 
-# load_settings(env=...) reads this mapping instead of os.environ (set only for the duration of that call).
+# load_settings(env=...) reads this mapping instead of os.environ (set only for the duration of that
+# call).
 _ENV_OVERRIDE: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
     "coldbrew_env", default=None
 )
 
 
 class SettingsError(ValueError):
-    """An environment variable holds a value the worker can't use; the message names it and the allowed values."""
+    """An environment variable holds a value the worker can't use; the message names it and the
+    allowed values."""
 
 
 class _EnvSource(EnvSettingsSource):
-    """pydantic-settings' env source, reading a given mapping instead of os.environ when load_settings got one."""
+    """pydantic-settings' env source, reading a given mapping instead of os.environ when
+    load_settings got one."""
 
     def _load_env_vars(self) -> Mapping[str, str | None]:
         env = _ENV_OVERRIDE.get()
@@ -72,12 +77,12 @@ def parse_token_count(text: str) -> int | str:
 
 
 class Settings(BaseSettings):
-    """Every variable the worker reads. Field `foo_bar` is the environment variable FOO_BAR (case-insensitive);
-    an empty value counts as unset, as RunPod templates often leave them."""
+    """Every variable the worker reads. Field `foo_bar` is the environment variable FOO_BAR
+    (case-insensitive); an empty value counts as unset, as RunPod templates often leave them."""
 
     model_config = SettingsConfigDict(env_ignore_empty=True, extra="ignore", validate_default=True)
 
-    # ---- the model ---------------------------------------------------------------------------------------------
+    # ---- the model -------------------------------------------------------------------------------
     model_name: str | None = Field(
         None,
         description=(
@@ -100,7 +105,7 @@ class Settings(BaseSettings):
         description="Jinja chat template (or path to a .jinja file) replacing the model's own.",
     )
 
-    # ---- the engine --------------------------------------------------------------------------------------------
+    # ---- the engine ------------------------------------------------------------------------------
     max_model_len: int | None = Field(
         None,
         ge=1,
@@ -180,7 +185,7 @@ class Settings(BaseSettings):
         ),
     )
 
-    # ---- the worker --------------------------------------------------------------------------------------------
+    # ---- the worker ------------------------------------------------------------------------------
     max_concurrency: int = Field(
         300,
         ge=1,
@@ -227,7 +232,7 @@ class Settings(BaseSettings):
         "INFO", description=("Logging level of the worker.")
     )
 
-    # ---- the OpenAI surface ------------------------------------------------------------------------------------
+    # ---- the OpenAI surface ----------------------------------------------------------------------
     openai_served_model_name_override: str | None = Field(
         None,
         description=(
@@ -296,7 +301,7 @@ class Settings(BaseSettings):
         ),
     )
 
-    # ---- the cache ---------------------------------------------------------------------------------------------
+    # ---- the cache -------------------------------------------------------------------------------
     base_path: str = Field(
         "/runpod-volume",
         description=("Network-volume mount; model snapshots are cached under it when it exists."),
@@ -376,7 +381,7 @@ class Settings(BaseSettings):
             raise ValueError("must look like s3://bucket/prefix")
         return value
 
-    # ---- derived values ----------------------------------------------------------------------------------------
+    # ---- derived values --------------------------------------------------------------------------
     @classmethod
     def env_names(cls) -> list[str]:
         """Every environment variable the worker reads, in declaration order."""
@@ -400,7 +405,8 @@ class Settings(BaseSettings):
         return rows
 
     def resolved_cache_dir(self) -> Path:
-        """CACHE_DIR, else BASE_PATH/coldbrew-cache when the volume is mounted, else ~/.cache/coldbrew."""
+        """CACHE_DIR, else BASE_PATH/coldbrew-cache when the volume is mounted, else
+        ~/.cache/coldbrew."""
         if self.cache_dir:
             return Path(self.cache_dir).expanduser()
         if os.path.isdir(self.base_path):

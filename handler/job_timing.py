@@ -1,5 +1,6 @@
-"""When a request waited and started: an engine wrapper that notes each request's first engine step and first token,
-and the small `metrics` block a RunPod job's final output carries (queue wait, capacity, the worker's cold start).
+"""When a request waited and started: an engine wrapper that notes each request's first engine step
+and first token, and the small `metrics` block a RunPod job's final output carries (queue wait,
+capacity, the worker's cold start).
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
-# The job the current task serves; asyncio tasks copy it, so the OpenAI routes' per-prompt tasks see their job.
+# The job the current task serves; asyncio tasks copy it, so the OpenAI routes' per-prompt tasks see
+# their job.
 _CURRENT_JOB: ContextVar["JobTiming | None"] = ContextVar("coldbrew_job_timing", default=None)
 
 
@@ -30,7 +32,8 @@ class JobTiming:
     first_token: float | None = None
 
     def note(self, request_metrics) -> None:
-        """Take the earliest start and first token over the job's engine requests (n samples, batched prompts)."""
+        """Take the earliest start and first token over the job's engine requests (n samples,
+        batched prompts)."""
         if request_metrics is None:
             return
         scheduled, token = request_metrics.first_scheduled_time, request_metrics.first_token_time
@@ -43,7 +46,8 @@ class JobTiming:
 
     @property
     def queue_wait_s(self) -> float | None:
-        """Handler start to the first engine step: the wait for the engine to load plus the engine's own queue."""
+        """Handler start to the first engine step: the wait for the engine to load plus the engine's
+        own queue."""
         end = self.first_scheduled if self.first_scheduled is not None else self.engine_ready
         return None if end is None else max(0.0, end - self.received)
 
@@ -83,8 +87,9 @@ def job_metrics(timing: JobTiming, capacity: int | None, cold_start: dict[str, f
 
 
 class TimedEngine:
-    """The AsyncLLM as request code sees it: every stream passes through unchanged while the request's engine
-    timing is noted on its job (given, or the running task's) and its own queue wait goes to `on_queue_wait`."""
+    """The AsyncLLM as request code sees it: every stream passes through unchanged while the
+    request's engine timing is noted on its job (given, or the running task's) and its own queue
+    wait goes to `on_queue_wait`."""
 
     def __init__(
         self,

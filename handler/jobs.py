@@ -58,7 +58,8 @@ class JobInputError(ValueError):
 
 
 class JobAborted(RuntimeError):
-    """The job's engine request was ended from outside (drain deadline, cancel): the job fails with this message."""
+    """The job's engine request was ended from outside (drain deadline, cancel): the job fails with
+    this message."""
 
 
 class _Strict(BaseModel):
@@ -274,7 +275,8 @@ def _engine_job(shape: EngineJob) -> Job:
 
 @dataclass
 class BatchSizes:
-    """Stream chunk sizes: start at `minimum` tokens, multiply by `growth` after each chunk, cap at `maximum`."""
+    """Stream chunk sizes: start at `minimum` tokens, multiply by `growth` after each chunk, cap at
+    `maximum`."""
 
     minimum: int
     growth: float
@@ -304,13 +306,14 @@ def _empty_batch(n: int) -> dict:
 async def run_engine_job(
     engine, routes, job: Job, settings, request_id: str, on_finish=None
 ) -> AsyncIterator[dict]:
-    """Generate for a prompt/messages job; yield worker-vllm batches `{"choices": [{"tokens": [...]}], "usage": ...}`.
+    """Generate for a prompt/messages job; yield worker-vllm batches
+    `{"choices": [{"tokens": [...]}], "usage": ...}`.
 
     The engine request is the one the OpenAI route builds from the same body (routes.prepare).
     Streaming: each batch holds the text pieces of about `size` new tokens (sizes grow per
     BatchSizes); not streaming: one batch with the whole text per choice. The last batch carries
-    each choice's finish_reason.
-    on_finish(prompt_tokens, output_tokens) is called once the request is done (admission learns request sizes)."""
+    each choice's finish_reason. on_finish(prompt_tokens, output_tokens) is called once the request
+    is done (admission learns request sizes)."""
     request = await routes.prepare(job.route, job.body)
     stream = engine.generate(request_id, request.prompts[0], request.params)
     n = request.params.n

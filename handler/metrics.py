@@ -1,7 +1,9 @@
-"""Serving metrics in the Prometheus text format: request counts, tokens in and out, TTFT, latency and queue-wait
-histograms, and what a scaler needs: the worker's capacity (free KV blocks -> concurrent requests) and its cold start.
+"""Serving metrics in the Prometheus text format: request counts, tokens in and out, TTFT, latency
+and queue-wait histograms, and what a scaler needs: the worker's capacity (free KV blocks ->
+concurrent requests) and its cold start.
 
-The OpenAI routes record into one `Metrics`; `render(stats)` adds the engine's gauges (running, waiting, KV blocks).
+The OpenAI routes record into one `Metrics`; `render(stats)` adds the engine's gauges (running,
+waiting, KV blocks).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ REQUEST_SIZE_WEIGHT = 0.1  # weight of the newest request in the moving average 
 
 
 def next_typical_tokens(typical: float, prompt_tokens: int, output_tokens: int) -> float:
-    """The moving average of request sizes (prompt + output tokens) after one more finished request."""
+    """The moving average of request sizes (prompt + output tokens) after one more finished
+    request."""
     return typical + REQUEST_SIZE_WEIGHT * (prompt_tokens + output_tokens - typical)
 
 
@@ -49,8 +52,9 @@ def sustainable_requests(
     context_limit: int,
     limit: int,
 ) -> int:
-    """Concurrent requests a worker sustains now: those it holds plus as many typical requests as its free KV blocks
-    hold (a typical request is never planned larger than the context limit), within [1, limit]."""
+    """Concurrent requests a worker sustains now: those it holds plus as many typical requests as
+    its free KV blocks hold (a typical request is never planned larger than the context limit),
+    within [1, limit]."""
     typical_blocks = max(1, -(-int(min(typical_tokens, context_limit)) // block_size))
     return max(1, min(limit, held + free_blocks // typical_blocks))
 
@@ -128,8 +132,9 @@ class Metrics:
             self.queue_wait.observe(seconds)
 
     def capacity(self, stats, engine) -> int:
-        """Concurrent requests this server sustains now (see sustainable_requests): the running ones (waiting ones
-        hold no blocks yet: they are among those the free blocks hold) plus typical requests in the free blocks."""
+        """Concurrent requests this server sustains now (see sustainable_requests): the running ones
+        (waiting ones hold no blocks yet: they are among those the free blocks hold) plus typical
+        requests in the free blocks."""
         core = engine.engine
         return sustainable_requests(
             stats.num_free_blocks,
@@ -149,10 +154,12 @@ class Metrics:
         cold_start: dict[str, float] | None = None,
         capacity: int | None = None,
     ) -> str:
-        """The Prometheus text exposition; `stats` is the engine's EngineStats (or None before it is loaded).
+        """The Prometheus text exposition; `stats` is the engine's EngineStats (or None before it is
+        loaded).
 
-        `cold_start`: the boot's timed phases in seconds; `capacity`: the concurrent requests sustained now (else
-        computed from `stats` and `engine`, the AsyncLLM, when both are given)."""
+        `cold_start`: the boot's timed phases in seconds; `capacity`: the concurrent requests
+        sustained now (else computed from `stats` and `engine`, the AsyncLLM, when both are
+        given)."""
         p = PREFIX
         if capacity is None and stats is not None and engine is not None:
             capacity = self.capacity(stats, engine)

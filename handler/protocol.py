@@ -1,6 +1,8 @@
-"""OpenAI request schemas as pydantic models: what the OpenAI API, its official clients and worker-vllm users send.
+"""OpenAI request schemas as pydantic models: what the OpenAI API, its official clients and
+worker-vllm users send.
 
-Strict types (a string is never read as a number), bounds that name the field, and clear refusals for what we lack.
+Strict types (a string is never read as a number), bounds that name the field, and clear refusals
+for what we lack.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(max_length=M
 
 
 class _Model(BaseModel):
-    # Unknown fields are ignored (clients send vendor extras such as "user" or "store"), types are strict.
+    # Unknown fields are ignored (clients send vendor extras such as "user" or "store"), types are
+    # strict.
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
@@ -57,7 +60,8 @@ class TextPart(_Model):
 
 
 class OtherPart(_Model):
-    """Any non-text part (image_url, input_audio, file, ...): parsed only to refuse it with a clear message."""
+    """Any non-text part (image_url, input_audio, file, ...): parsed only to refuse it with a clear
+    message."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     type: StrictStr
@@ -112,7 +116,8 @@ class SamplingFields(_Model):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     user: StrictStr | None = None
-    # vLLM extras worker-vllm users send that this engine lacks: refused by name rather than silently ignored.
+    # vLLM extras worker-vllm users send that this engine lacks: refused by name rather than
+    # silently ignored.
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -190,9 +195,10 @@ class ApiError(Exception):
         }
 
 
-# ---- validation errors -> one message naming the field ---------------------------------------------------------
+# ---- validation errors -> one message naming the field -------------------------------------------
 
-# Fields whose type is a union: what they accept, in words (pydantic would list each alternative's failure).
+# Fields whose type is a union: what they accept, in words (pydantic would list each alternative's
+# failure).
 _UNION_WORDS = {
     "stop": f"a string or a list of at most {MAX_STOP_STRINGS} strings",
     "prompt": "a string, a list of token ids, a list of strings or a list of token-id lists",
@@ -214,7 +220,8 @@ _RANK = {"value_error": 0, "missing": 2}
 
 
 def _is_union_tag(part: Any) -> bool:
-    """pydantic names the alternative of a union it tried in the error location: 'str', 'list[int]', 'TextPart'..."""
+    """pydantic names the alternative of a union it tried in the error location: 'str', 'list[int]',
+    'TextPart'..."""
     return isinstance(part, str) and (
         any(c in part for c in "[]-(")
         or part in ("str", "int", "float", "bool")
@@ -245,7 +252,8 @@ def _shown(value: Any) -> str:
 
 
 def describe_validation_error(errors: list[dict]) -> tuple[str, str]:
-    """pydantic's error list -> (param, message): the most telling error, named by its field path."""
+    """pydantic's error list -> (param, message): the most telling error, named by its field
+    path."""
 
     def rank(err: dict) -> tuple:
         kind = err["type"]

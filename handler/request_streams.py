@@ -1,6 +1,6 @@
-"""The engine side of one OpenAI request: its AsyncLLM streams (one per prompt) merged into one view of the newest
-outputs, and the chunk stream a streaming response hands out, which aborts the engine work when it is closed early.
-Both can be interrupted (the drain deadline) wherever they wait.
+"""The engine side of one OpenAI request: its AsyncLLM streams (one per prompt) merged into one view
+of the newest outputs, and the chunk stream a streaming response hands out, which aborts the engine
+work when it is closed early. Both can be interrupted (the drain deadline) wherever they wait.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ class Interrupted(Exception):
 
 
 class RequestStreams:
-    """The engine streams of one API request (one per prompt), merged; the newest cumulative output per prompt.
+    """The engine streams of one API request (one per prompt), merged; the newest cumulative output
+    per prompt.
 
-    `start()` returns once every prompt was admitted (an engine refusal raises there, before any chunk is sent);
-    `close()` aborts whatever is still running (the engine frees its blocks)."""
+    `start()` returns once every prompt was admitted (an engine refusal raises there, before any
+    chunk is sent); `close()` aborts whatever is still running (the engine frees its blocks)."""
 
     def __init__(self, engine, request_id: str, prompts: list[list[int]], params):
         self.engine = engine
@@ -46,7 +47,8 @@ class RequestStreams:
             await gen.aclose()
 
     async def _next(self) -> None:
-        """Wait for news, then take everything queued (a slow reader skips to the newest cumulative outputs)."""
+        """Wait for news, then take everything queued (a slow reader skips to the newest cumulative
+        outputs)."""
         items = [await self.queue.get()]
         while not self.queue.empty():
             items.append(self.queue.get_nowait())
@@ -67,7 +69,8 @@ class RequestStreams:
             raise
 
     async def updates(self) -> AsyncIterator[dict[int, Any]]:
-        """Yield the latest outputs after each batch of news, the first batch included, until all finished."""
+        """Yield the latest outputs after each batch of news, the first batch included, until all
+        finished."""
         yield self.latest
         while self.unfinished:
             await self._next()
@@ -84,8 +87,9 @@ class RequestStreams:
 
 
 class ChunkStream:
-    """The chunks of a streaming response: an async iterator of dicts. `aclose()` (also before the first chunk)
-    aborts what the engine still runs for it; callers must aclose it if they stop early (contextlib.aclosing)."""
+    """The chunks of a streaming response: an async iterator of dicts. `aclose()` (also before the
+    first chunk) aborts what the engine still runs for it; callers must aclose it if they stop early
+    (contextlib.aclosing)."""
 
     def __init__(self, chunks: AsyncIterator[dict], streams: RequestStreams):
         self._chunks = chunks
@@ -136,7 +140,8 @@ class ChunkStream:
 
 
 async def drain(streams: RequestStreams) -> float | None:
-    """Run a non-streaming request to its end (closing its streams whatever happens); when its first token came."""
+    """Run a non-streaming request to its end (closing its streams whatever happens); when its first
+    token came."""
     first_token = None
     try:
         async for latest in streams.updates():

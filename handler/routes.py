@@ -1,5 +1,6 @@
-"""The OpenAI routes (/v1/models, /v1/chat/completions, /v1/completions), one implementation for both faces:
-RunPod jobs (handler.jobs) and the HTTP server (handler.server) call `OpenAIRoutes.dispatch(route, body)`.
+"""The OpenAI routes (/v1/models, /v1/chat/completions, /v1/completions), one implementation for
+both faces: RunPod jobs (handler.jobs) and the HTTP server (handler.server) call
+`OpenAIRoutes.dispatch(route, body)`.
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ class _ChoiceState:
         self.finished = False
 
     def advance(self, c) -> tuple[str, list[int], int, int] | None:
-        """What choice `c` (its cumulative output) adds since the last chunk, recorded as sent: (new text, new token
-        ids, tokens sent before, text length sent before); None when there is nothing new to send."""
+        """What choice `c` (its cumulative output) adds since the last chunk, recorded as sent: (new
+        text, new token ids, tokens sent before, text length sent before); None when there is
+        nothing new to send."""
         if self.finished:
             return None
         delta_text = c.text[self.text_len :]
@@ -64,8 +66,9 @@ class _ChoiceState:
 
 
 class OpenAIRoutes:
-    """`await routes.dispatch(route, body)` -> a response dict, or an async iterator of chunk dicts when
-    body["stream"] is true. Errors raise ApiError with the HTTP status and the field at fault."""
+    """`await routes.dispatch(route, body)` -> a response dict, or an async iterator of chunk dicts
+    when body["stream"] is true. Errors raise ApiError with the HTTP status and the field at
+    fault."""
 
     def __init__(
         self, engine, settings: Settings, served_names: list[str], metrics: Metrics | None = None
@@ -90,7 +93,7 @@ class OpenAIRoutes:
         )
         self.created = int(time.time())
 
-    # ---- entry point -------------------------------------------------------------------------------------------
+    # ---- entry point -----------------------------------------------------------------------------
     async def dispatch(
         self, route: str, body: Any, method: str | None = None
     ) -> dict | AsyncIterator[dict]:
@@ -214,7 +217,7 @@ class OpenAIRoutes:
             return lp.decoded_token
         return self.tokenizer.decode_token(token_id)
 
-    # ---- logprobs formats --------------------------------------------------------------------------------------
+    # ---- logprobs formats ------------------------------------------------------------------------
     def _chat_logprobs(self, token_ids: list[int], positions: list, top_n: int) -> list[dict]:
         content = []
         for token_id, pos in zip(token_ids, positions):
@@ -266,7 +269,7 @@ class OpenAIRoutes:
             offset += len(text)
         return out
 
-    # ---- /v1/chat/completions ----------------------------------------------------------------------------------
+    # ---- /v1/chat/completions --------------------------------------------------------------------
     async def _chat_full(
         self, streams: RequestStreams, head: dict, req, prompt_lens, top_n, t0
     ) -> dict:
@@ -352,7 +355,7 @@ class OpenAIRoutes:
         finally:
             await streams.close()
 
-    # ---- /v1/completions ---------------------------------------------------------------------------------------
+    # ---- /v1/completions -------------------------------------------------------------------------
     async def _completion_full(
         self, streams: RequestStreams, head: dict, req, prompt_lens, top_n, echo, t0
     ) -> dict:

@@ -1,7 +1,7 @@
-"""`python -m handler serve`: the OpenAI routes as a plain HTTP server (FastAPI + uvicorn), with SSE streaming,
-/health (503 until the engine is ready), /metrics (Prometheus text) and hard limits on what a request may send.
-How slowly it may send (handler.http_connection), and the drain on SIGTERM, which ends what is left
-with an error event, are set up here too.
+"""`python -m handler serve`: the OpenAI routes as a plain HTTP server (FastAPI + uvicorn), with SSE
+streaming, /health (503 until the engine is ready), /metrics (Prometheus text) and hard limits on
+what a request may send. How slowly it may send (handler.http_connection), and the drain on SIGTERM,
+which ends what is left with an error event, are set up here too.
 """
 
 from __future__ import annotations
@@ -184,7 +184,8 @@ class OpenAIServer:
             stream.interrupt()
 
     async def handle(self, request: Request, route: str) -> Response:
-        """One OpenAI request: parse, dispatch, answer JSON or SSE; a client that leaves aborts the work."""
+        """One OpenAI request: parse, dispatch, answer JSON or SSE; a client that leaves aborts the
+        work."""
         try:
             body = (
                 await read_json_body(request, self.settings.max_request_bytes)
@@ -310,7 +311,8 @@ def build_app(settings: Settings, boot: EngineBoot, metrics: Metrics | None = No
 
     @app.get("/ping", include_in_schema=False)
     async def ping() -> Response:
-        """RunPod load-balancing endpoints probe /ping: 204 while loading, 200 when ready, 503 when dead."""
+        """RunPod load-balancing endpoints probe /ping: 204 while loading, 200 when ready, 503 when
+        dead."""
         response = server.health()
         return Response(status_code=204) if b'"loading"' in response.body else response
 

@@ -1,10 +1,12 @@
-"""The RunPod serverless worker: an async-generator job handler run by `runpod.serverless.start`, the engine loading
-in the background from process start. Every job ends in one result: its output, or `{"error": ...}`.
+"""The RunPod serverless worker: an async-generator job handler run by `runpod.serverless.start`,
+the engine loading in the background from process start. Every job ends in one result: its output,
+or `{"error": ...}`.
 
-A job's final output carries a `metrics` block (handler.job_timing.job_metrics): its queue wait, measured from the
-moment the SDK hands the job to the handler (the SDK passes the job-take answer on as it came, `id`, `input` and
-`webhook` as documented, and stamps no time on it, so nothing dates the enqueue; RunPod's own queue time is the
-`delayTime` of /status), the worker's capacity and its cold-start phases.
+A job's final output carries a `metrics` block (handler.job_timing.job_metrics): its queue wait,
+measured from the moment the SDK hands the job to the handler (the SDK passes the job-take answer on
+as it came, `id`, `input` and `webhook` as documented, and stamps no time on it, so nothing dates
+the enqueue; RunPod's own queue time is the `delayTime` of /status), the worker's capacity and its
+cold-start phases.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ def _is_out_of_memory(exc: BaseException) -> bool:
 
 
 async def _abortable(stream: AsyncIterator, ticket: Ticket) -> AsyncIterator:
-    """Items of `stream` until it ends or the ticket's abort is set; an abort (or the job being cancelled) cancels the
-    pending read, which closes the engine request and frees its blocks. An abort raises JobAborted(reason)."""
+    """Items of `stream` until it ends or the ticket's abort is set; an abort (or the job being
+    cancelled) cancels the pending read, which closes the engine request and frees its blocks. An
+    abort raises JobAborted(reason)."""
     stop = asyncio.ensure_future(ticket.abort.wait())
     read = None
     try:
@@ -63,14 +66,16 @@ async def _abortable(stream: AsyncIterator, ticket: Ticket) -> AsyncIterator:
         if read is not None:
             if not read.done():
                 read.cancel()
-            # also retrieves a read that ended (StopAsyncIteration, an error) just as this job was cancelled
+            # also retrieves a read that ended (StopAsyncIteration, an error) just as this job was
+            # cancelled
             await asyncio.gather(read, return_exceptions=True)
         await stream.aclose()
 
 
 def _is_final_output(item: Any) -> bool:
-    """The chunk that ends a served job: worker-vllm's last batch (each choice has its finish_reason) or a whole
-    (not streamed) OpenAI completion. Streamed OpenAI chunks stay exactly as the OpenAI API sends them."""
+    """The chunk that ends a served job: worker-vllm's last batch (each choice has its
+    finish_reason) or a whole (not streamed) OpenAI completion. Streamed OpenAI chunks stay exactly
+    as the OpenAI API sends them."""
     if not isinstance(item, dict) or "error" in item:
         return False
     choices = item.get("choices")
@@ -85,7 +90,8 @@ def _is_final_output(item: Any) -> bool:
 
 
 class Worker:
-    """The job handler and its collaborators: settings, the engine boot, admission, and the OpenAI routes."""
+    """The job handler and its collaborators: settings, the engine boot, admission, and the OpenAI
+    routes."""
 
     def __init__(self, settings: Settings, boot: EngineBoot, admission: Admission | None = None):
         self.settings = settings
@@ -103,7 +109,8 @@ class Worker:
         return self._routes
 
     async def handle(self, job: dict) -> AsyncIterator[Any]:
-        """The SDK's handler: yields output chunks; a failure is one final `{"error": message}` chunk."""
+        """The SDK's handler: yields output chunks; a failure is one final `{"error": message}`
+        chunk."""
         job_id = str(job.get("id", ""))
         try:
             parsed = parse_job(job.get("input"))
@@ -230,8 +237,9 @@ def _log_ready_line(boot: EngineBoot, argv: list[str]) -> None:
 
 
 def _run_local_job(worker: Worker, argv: list[str]) -> int:
-    """The SDK's local test mode (`--test_input JSON` or ./test_input.json, off RunPod) runs a job through a path
-    that can't drive an async-generator handler: run that one job here, print its result as RunPod would, exit."""
+    """The SDK's local test mode (`--test_input JSON` or ./test_input.json, off RunPod) runs a job
+    through a path that can't drive an async-generator handler: run that one job here, print its
+    result as RunPod would, exit."""
     if "--test_input" in argv:
         job = json.loads(argv[argv.index("--test_input") + 1])
     elif os.path.exists("test_input.json"):
@@ -293,7 +301,8 @@ def main(argv: list[str] | None = None, boot: EngineBoot | None = None) -> None:
         sys.stderr.flush()
         os._exit(code)
 
-    # The SDK logs every job's output at DEBUG, its default; it follows LOG_LEVEL unless --rp_log_level is given.
+    # The SDK logs every job's output at DEBUG, its default; it follows LOG_LEVEL unless
+    # --rp_log_level is given.
     RunPodLogger().set_level(
         {"WARNING": "WARN", "CRITICAL": "ERROR"}.get(settings.log_level, settings.log_level)
     )

@@ -553,7 +553,8 @@ class _CdnHandler(_Handler):
 
 
 class S3Server:
-    """moto's S3 server on a free loopback port, with a bucket; `client()` is a plain boto3 client for it."""
+    """moto's S3 server on a free loopback port, with a bucket; `client()` is a plain boto3 client
+    for it."""
 
     KEY_ID = "AKIAFAKEKEYID0042"
     SECRET = "s3cr3t-Value-that-must-never-be-logged"

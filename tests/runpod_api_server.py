@@ -1,7 +1,9 @@
-"""A local stand-in of the RunPod API a scaler talks to, on loopback: the queue API's `GET /v2/{id}/health` and the
-REST API's `GET/PATCH /v1/endpoints/{id}` (and its `POST .../update` synonym), with RunPod's shapes and auth.
+"""A local stand-in of the RunPod API a scaler talks to, on loopback: the queue API's
+`GET /v2/{id}/health` and the REST API's `GET/PATCH /v1/endpoints/{id}` (and its `POST .../update`
+synonym), with RunPod's shapes and auth.
 
-The test scripts the /health answers and reads back every request the server got (method, path, headers, body).
+The test scripts the /health answers and reads back every request the server got (method, path,
+headers, body).
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def health_body(
 
 
 class RunPodApiServer:
-    """`with RunPodApiServer(api_key, endpoint_id) as api:` serves on 127.0.0.1 (a free port) until the block ends."""
+    """`with RunPodApiServer(api_key, endpoint_id) as api:` serves on 127.0.0.1 (a free port) until
+    the block ends."""
 
     def __init__(self, api_key: str, endpoint_id: str, *, workers_max: int = 3):
         self.api_key = api_key
@@ -101,7 +104,7 @@ class RunPodApiServer:
         self._httpd.shutdown()
         self._httpd.server_close()
 
-    # ---- the API -------------------------------------------------------------------------------------------------
+    # ---- the API ---------------------------------------------------------------------------------
     def _next_health(self) -> dict:
         with self._lock:
             return (

@@ -1,6 +1,8 @@
-"""A local stand-in for RunPod's job queue: the job-take, job-stop, job-stream and job-done endpoints the SDK calls.
+"""A local stand-in for RunPod's job queue: the job-take, job-stop, job-stream and job-done
+endpoints the SDK calls.
 
-Tests enqueue jobs, ask for a job to be stopped, and read back what the real runpod SDK worker posted for each job.
+Tests enqueue jobs, ask for a job to be stopped, and read back what the real runpod SDK worker
+posted for each job.
 """
 
 from __future__ import annotations
@@ -135,8 +137,8 @@ class _QuietServer(ThreadingHTTPServer):
 
 
 class RunPodJobServer:
-    """`with RunPodJobServer() as server:` a threaded HTTP server on 127.0.0.1 (a free port); `server.env(pod_id)`
-    gives the RUNPOD_* variables that point a worker at it."""
+    """`with RunPodJobServer() as server:` a threaded HTTP server on 127.0.0.1 (a free port);
+    `server.env(pod_id)` gives the RUNPOD_* variables that point a worker at it."""
 
     def __init__(self):
         self.queue = JobQueue()
@@ -156,7 +158,8 @@ class RunPodJobServer:
             "RUNPOD_WEBHOOK_POST_STREAM": f"{self.base}/job-stream/$RUNPOD_POD_ID/$ID?token=t",
             "RUNPOD_WEBHOOK_PING": f"{self.base}/ping/$RUNPOD_POD_ID?token=t",
             "RUNPOD_PING_INTERVAL": "1000",
-            # The SDK's start-up fitness checks probe 8.8.8.8 and the GPU; tests run on loopback only.
+            # The SDK's start-up fitness checks probe 8.8.8.8 and the GPU; tests run on loopback
+            # only.
             "RUNPOD_SKIP_AUTO_SYSTEM_CHECKS": "true",
             "RUNPOD_SKIP_GPU_CHECK": "true",
         }

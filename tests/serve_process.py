@@ -1,4 +1,5 @@
-"""Test helper: run `python -m handler serve --port 0` in a subprocess on loopback, wait until /health is 200.
+"""Test helper: run `python -m handler serve --port 0` in a subprocess on loopback, wait until
+/health is 200.
 
 The server prints the port it bound; `stop()` sends SIGTERM (graceful) and returns the exit code.
 """

@@ -1,4 +1,5 @@
-"""AsyncLLM: per-request streams of cumulative outputs, the same tokens as LLM, and abort that frees blocks at once."""
+"""AsyncLLM: per-request streams of cumulative outputs, the same tokens as LLM, and abort that frees
+blocks at once."""
 
 from __future__ import annotations
 
@@ -100,8 +101,9 @@ async def test_a_client_that_goes_away_releases_its_request(smollm2_dir):
 
 
 async def test_out_of_memory_fails_only_the_request_that_asked_for_it(smollm2_dir, sync_llm):
-    """The device running out of memory on a big prefill ends that request with an error naming the cause;
-    the small requests beside it finish with their usual tokens and the engine stays up (no retry loop)."""
+    """The device running out of memory on a big prefill ends that request with an error naming the
+    cause; the small requests beside it finish with their usual tokens and the engine stays up (no
+    retry loop)."""
     params = SamplingParams(temperature=0.0, max_tokens=8)
     expected = sync_llm.generate(PROMPTS[:2], params)
     args = EngineArgs(model=smollm2_dir, dtype="float32", device="cpu", max_model_len=256)

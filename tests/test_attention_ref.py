@@ -1,6 +1,7 @@
 """The reference paged attention backend against a naive dense causal attention written out in full.
 
-Random ragged batches: decodes, full prefills and chunks after a cached prefix; several head dims, GQA, block sizes.
+Random ragged batches: decodes, full prefills and chunks after a cached prefix; several head dims,
+GQA, block sizes.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ def naive_attention(
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    """q [Q, H, D] are the last Q positions of a context keys/values [S, Hkv, D]; dense math in float32."""
+    """q [Q, H, D] are the last Q positions of a context keys/values [S, Hkv, D]; dense math in
+    float32."""
     num_q, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = keys.shape
     group = num_heads // num_kv_heads
@@ -52,7 +54,8 @@ def run_case(
     window: int | None = None,
     seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(backend output, naive output) for one random ragged batch; also checks the cache holds every token."""
+    """(backend output, naive output) for one random ragged batch; also checks the cache holds every
+    token."""
     gen = torch.Generator().manual_seed(seed)
     num_heads = num_kv_heads * group
     blocks_per_seq = [math.ceil(s / block_size) for s in seq_lens]
@@ -105,7 +108,8 @@ def run_case(
     return out.float().cpu(), torch.cat(expected)
 
 
-# Ragged batch: a decode, a full prefill, a chunk after a cached prefix, a 1-token prompt, a long decode.
+# Ragged batch: a decode, a full prefill, a chunk after a cached prefix, a 1-token prompt, a long
+# decode.
 SEQ_LENS = [9, 23, 37, 1, 50]
 QUERY_LENS = [1, 23, 11, 1, 1]
 

@@ -1,7 +1,9 @@
-"""The Triton paged attention backend against the torch reference backend, on CUDA (and tiny cases in the interpreter).
+"""The Triton paged attention backend against the torch reference backend, on CUDA (and tiny cases
+in the interpreter).
 
-Random ragged batches over shuffled block tables, with never-written cache memory set to NaN so a stray read shows:
-decodes (split-KV), prefills, chunks after a cached prefix, mixed steps, sliding windows, padded rows, CUDA graphs.
+Random ragged batches over shuffled block tables, with never-written cache memory set to NaN so a
+stray read shows: decodes (split-KV), prefills, chunks after a cached prefix, mixed steps, sliding
+windows, padded rows, CUDA graphs.
 """
 
 from __future__ import annotations
@@ -72,9 +74,11 @@ def make_case(
     seed: int = 0,
     padded_rows: int = 0,
 ) -> Case:
-    """A random step: sequence i has seq_lens[i] - query_lens[i] cached tokens and query_lens[i] new ones.
+    """A random step: sequence i has seq_lens[i] - query_lens[i] cached tokens and query_lens[i] new
+    ones.
 
-    padded_rows extra one-token rows with seq_len 0 and slot -1 follow, as a CUDA-graph batch is padded.
+    padded_rows extra one-token rows with seq_len 0 and slot -1 follow, as a CUDA-graph batch is
+    padded.
     """
     gen = torch.Generator().manual_seed(seed)
     num_heads = num_kv_heads * group
@@ -119,9 +123,11 @@ def make_case(
 
 
 def run_both(case: Case, backend, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(triton output, float32 reference output on the same inputs); also checks both caches end up equal.
+    """(triton output, float32 reference output on the same inputs); also checks both caches end up
+    equal.
 
-    The reference runs without the padded rows (it has no notion of them); their expected output is zeros.
+    The reference runs without the padded rows (it has no notion of them); their expected output is
+    zeros.
     """
     cache = case.cache.clone()
     out = backend.forward(
@@ -157,8 +163,8 @@ def triton_backend(**kwargs):
     return TritonAttentionBackend(torch.device("cuda"), **kwargs)
 
 
-# A mixed step: a decode, a full prefill, a chunk after a cached prefix, a 1-token prompt, a long decode,
-# a chunk that crosses many blocks after a long prefix.
+# A mixed step: a decode, a full prefill, a chunk after a cached prefix, a 1-token prompt, a long
+# decode, a chunk that crosses many blocks after a long prefix.
 MIXED_SEQ_LENS = [9, 77, 300, 1, 530, 700]
 MIXED_QUERY_LENS = [1, 77, 45, 1, 1, 260]
 
@@ -210,7 +216,8 @@ def test_decode_split_kv(dtype: torch.dtype, batch: int) -> None:
 @needs_cuda_triton
 @pytest.mark.parametrize("seed", range(6))
 def test_random_prefix_hits(seed: int) -> None:
-    """Chunked prefill over cached prefixes of random length, mixed with decodes, random GQA and block size."""
+    """Chunked prefill over cached prefixes of random length, mixed with decodes, random GQA and
+    block size."""
     gen = torch.Generator().manual_seed(1000 + seed)
     batch = int(torch.randint(1, 9, (1,), generator=gen))
     seq_lens = torch.randint(1, 900, (batch,), generator=gen).tolist()
@@ -239,7 +246,8 @@ def test_sliding_window(window: int, decode_only: bool) -> None:
 @pytest.mark.gpu
 @needs_cuda_triton
 def test_padded_decode_rows_give_zeros_and_write_nothing() -> None:
-    """Rows of seq_len 0 and slot -1 (a CUDA-graph batch padded up): zeros out, nothing written (run_both checks)."""
+    """Rows of seq_len 0 and slot -1 (a CUDA-graph batch padded up): zeros out, nothing written
+    (run_both checks)."""
     for batch in (3, 200):  # with and without split-KV
         seq_lens = torch.randint(
             1, 500, (batch,), generator=torch.Generator().manual_seed(batch)
@@ -270,7 +278,8 @@ def test_non_contiguous_qkv_views() -> None:
 @needs_cuda_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_replayed_from_cuda_graph(dtype: torch.dtype) -> None:
-    """Capture one decode, then change seq_lens, block tables, slots and q/k/v in place: replay == eager."""
+    """Capture one decode, then change seq_lens, block tables, slots and q/k/v in place: replay ==
+    eager."""
     backend = triton_backend()
     first = make_case(
         [40, 900, 3, 17], [1] * 4, 8, 4, 128, 16, dtype, "cuda", seed=1, padded_rows=2
@@ -351,7 +360,8 @@ def test_select_backend_on_cpu() -> None:
         select_backend("cpu", "triton")
 
 
-# numpy >= 2.3 refuses int() of a 1-element array, which triton 3.6's interpreter uses for range() bounds.
+# numpy >= 2.3 refuses int() of a 1-element array, which triton 3.6's interpreter uses for range()
+# bounds.
 INTERPRETER_SCRIPT = """
 import triton.runtime.interpreter as interp
 _patch = interp._patch_lang_tensor
@@ -386,7 +396,8 @@ print("ok", worst)
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_kernels_in_the_triton_interpreter() -> None:
-    """The same kernels, run by triton's CPU interpreter on tiny odd shapes (head_dim 24 and 16, group 3, block 4)."""
+    """The same kernels, run by triton's CPU interpreter on tiny odd shapes (head_dim 24 and 16,
+    group 3, block 4)."""
     env = dict(
         os.environ,
         TRITON_INTERPRET="1",

@@ -1,5 +1,5 @@
-"""The serving benchmark end to end on CPU (a tiny random Llama, tiny counts, two calls merged into one result),
-and the conv-trace sampler against the CSV read here with the csv module.
+"""The serving benchmark end to end on CPU (a tiny random Llama, tiny counts, two calls merged into
+one result), and the conv-trace sampler against the CSV read here with the csv module.
 """
 
 from __future__ import annotations
@@ -103,7 +103,8 @@ def test_trace_sampler_respects_caps_and_is_deterministic():
 
 
 def test_decode_window_recovers_a_lockstep_schedule():
-    """Four requests decoding in lockstep every 10 ms: the window finds the step time, the batch and the KV read."""
+    """Four requests decoding in lockstep every 10 ms: the window finds the step time, the batch and
+    the KV read."""
     prompts = [10, 20, 30, 40]
     records = []
     for i, p in enumerate(prompts):
@@ -194,7 +195,8 @@ def test_serving_benchmark_end_to_end_on_cpu(tmp_path):
         assert lvl["requests_finished"] >= 1 and lvl["finished_lengths_as_requested"]
         assert _ordered(lvl["ttft_ms"]) and _ordered(lvl["itl_ms"])
         assert lvl["kv"]["preemptions"] == 0
-    # Every prompt is fresh random ids: nothing may be served from the prefix cache, across workloads and levels.
+    # Every prompt is fresh random ids: nothing may be served from the prefix cache, across
+    # workloads and levels.
     assert all(d["kv"]["prefix_cache_hit_tokens"] == 0 for d in (conv, fixed, *levels))
 
     hf = res["hf"]

@@ -1,5 +1,6 @@
-"""S3 through moto's real server on loopback (boto3 with endpoint_url): s3:// sources, push and pull of any directory,
-the fleet cache between hub and workers, an S3 store that is down or silent, and no credential in any log line.
+"""S3 through moto's real server on loopback (boto3 with endpoint_url): s3:// sources, push and pull
+of any directory, the fleet cache between hub and workers, an S3 store that is down or silent, and
+no credential in any log line.
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ def test_the_fleet_cache_serves_workers_without_the_hub(s3, hub, model_files, tm
     }
     assert "cache-1/refs/hf--org--tiny/main" in keys
     assert f"cache-1/snapshots/hf--org--tiny/{hub.commit}/{MANIFEST}" in keys
-    # A second worker: the hub is gone (dead endpoint), the branch name still resolves through the fleet cache.
+    # A second worker: the hub is gone (dead endpoint), the branch name still resolves through the
+    # fleet cache.
     hub_requests = len(hub.log)
     dead_hub = f"http://127.0.0.1:{_closed_port()}"
     second = resolve(

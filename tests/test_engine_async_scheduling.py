@@ -1,8 +1,9 @@
-"""Async scheduling (step N+1 launched before step N's tokens are read back) on CPU: what it must not change.
+"""Async scheduling (step N+1 launched before step N's tokens are read back) on CPU: what it must
+not change.
 
-Greedy tokens are checked against HF transformers' generate on SmolLM2; for the rest (seeded sampling, stop strings
-and stop tokens, n > 1, logprobs, min_tokens, penalties, preemption, prefix caching, abort) against the engine's
-sync mode, which the other engine tests check against HF.
+Greedy tokens are checked against HF transformers' generate on SmolLM2; for the rest (seeded
+sampling, stop strings and stop tokens, n > 1, logprobs, min_tokens, penalties, preemption, prefix
+caching, abort) against the engine's sync mode, which the other engine tests check against HF.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def _run(model_dir: str, async_scheduling: bool, prompts, params, **kw):
 
 
 def test_mixed_workload_equals_sync_scheduling(smollm2_dir):
-    """14 blocks of 16 tokens cannot hold every sequence at once: preemption and recompute happen in both modes."""
+    """14 blocks of 16 tokens cannot hold every sequence at once: preemption and recompute happen in
+    both modes."""
     num_kv_blocks = 14
     from transformers import AutoTokenizer
 
@@ -193,8 +195,8 @@ async def test_abort_with_a_step_in_flight_frees_blocks_and_ends_the_stream(smol
 
 
 def test_prefix_cache_blocks_published_late_serve_the_same_tokens(smollm2_dir):
-    """Blocks whose last token was still on the device are published once it is read; a later identical prompt
-    hits them and decodes the same tokens."""
+    """Blocks whose last token was still on the device are published once it is read; a later
+    identical prompt hits them and decodes the same tokens."""
     llm = LLM(
         model=smollm2_dir, dtype="float32", device="cpu", max_model_len=512, async_scheduling=True
     )
@@ -213,8 +215,9 @@ def test_prefix_cache_blocks_published_late_serve_the_same_tokens(smollm2_dir):
 
 
 def test_a_failed_launch_after_a_penalty_flush_loses_no_output(smollm2_dir):
-    """With penalties the step in flight is read back before scheduling; when the next launch then runs out of
-    memory, the outputs already read go out with the next step (a finished request must not be lost)."""
+    """With penalties the step in flight is read back before scheduling; when the next launch then
+    runs out of memory, the outputs already read go out with the next step (a finished request must
+    not be lost)."""
     from engine.core import RequestFailed
 
     llm = LLM(

@@ -1,5 +1,5 @@
-"""The background engine boot: one readiness every caller awaits, load errors that name MODEL_NAME, served names,
-and a waiter that gives up never cancelling the load for the others.
+"""The background engine boot: one readiness every caller awaits, load errors that name MODEL_NAME,
+served names, and a waiter that gives up never cancelling the load for the others.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Bad input gets a precise ValueError naming the field, and the engine goes on serving everybody else."""
+"""Bad input gets a precise ValueError naming the field, and the engine goes on serving everybody
+else."""
 
 from __future__ import annotations
 

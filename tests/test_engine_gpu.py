@@ -1,5 +1,5 @@
-"""GPU checks of the engine's own device path (run with `make gpu-check`): KV sizing from free memory, and
-batched greedy decoding on a Llama-3.2-1B-shaped random bf16 checkpoint.
+"""GPU checks of the engine's own device path (run with `make gpu-check`): KV sizing from free
+memory, and batched greedy decoding on a Llama-3.2-1B-shaped random bf16 checkpoint.
 """
 
 from __future__ import annotations

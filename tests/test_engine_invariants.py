@@ -1,5 +1,6 @@
-"""Review tests of the engine's bookkeeping: block refcounts, the prefix cache, preemption, n > 1 sharing, stop rules
-and AsyncLLM streams, on a tiny random model: random workloads checked against invariants, and regression tests.
+"""Review tests of the engine's bookkeeping: block refcounts, the prefix cache, preemption, n > 1
+sharing, stop rules and AsyncLLM streams, on a tiny random model: random workloads checked against
+invariants, and regression tests.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def tiny_tok_dir(tiny_dir, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def reference(tiny_dir):
-    """Greedy tokens of a prompt run alone through a roomy engine without prefix caching (memoised)."""
+    """Greedy tokens of a prompt run alone through a roomy engine without prefix caching
+    (memoised)."""
     llm = LLM(
         model=tiny_dir,
         dtype="float32",
@@ -66,9 +68,9 @@ def tiny_llm(model_dir: str, **kwargs) -> LLM:
     return LLM(model=model_dir, dtype="float32", device="cpu", block_size=BLOCK, **kwargs)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Invariants of the block pool, checked after every step
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def check_invariants(core, fingerprints: dict) -> None:
@@ -97,8 +99,8 @@ def check_invariants(core, fingerprints: dict) -> None:
     for block in kv.blocks:
         if block.hash is not None:
             assert kv.cached.get(block.hash) == block.block_id
-    # A published block's K/V never changes while it stays published under the same hash (a recompute of the same
-    # tokens after eviction may differ by float noise, hence the tolerance).
+    # A published block's K/V never changes while it stays published under the same hash (a
+    # recompute of the same tokens after eviction may differ by float noise, hence the tolerance).
     cache = core.runner.kv_cache
     for block in kv.blocks:
         if block.hash is None:
@@ -204,9 +206,9 @@ def test_random_workloads_do_preempt_and_hit_the_prefix_cache(tiny_dir, referenc
     assert sum(s.prefix_cache_hit_tokens for s in stats) > 0
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Pure bookkeeping: n > 1 sharing with preemption of the parent or the child
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("caching", [True, False])
@@ -257,9 +259,9 @@ def test_abort_of_waiting_child_and_mid_prefill_parent_frees_everything():
     assert kv.num_free_blocks == 16 and not sched.has_unfinished()
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # prompt_logprobs: neither computed twice nor skipped under chunked prefill and preemption
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def test_prompt_logprobs_under_chunking_and_preemption_equal_those_alone(tiny_dir):
@@ -280,9 +282,9 @@ def test_prompt_logprobs_under_chunking_and_preemption_equal_those_alone(tiny_di
     assert llm.stats().num_free_blocks == 12
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Stop rules
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 PROMPT = [5, 6, 7, 8, 9]
 
@@ -318,9 +320,9 @@ def test_stop_strings_are_held_off_until_min_tokens(tiny_tok_dir):
 
 
 def test_num_cached_tokens_never_exceeds_the_prompt(tiny_dir):
-    """After preemption by recompute, a request re-admitted with a prefix-cache hit over its own prompt AND
-    generated tokens reports num_cached_tokens > len(prompt) (and a request preempted without a hit reports 0 even
-    though its prompt was served from the cache at first)."""
+    """After preemption by recompute, a request re-admitted with a prefix-cache hit over its own
+    prompt AND generated tokens reports num_cached_tokens > len(prompt) (and a request preempted
+    without a hit reports 0 even though its prompt was served from the cache at first)."""
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (12, 10, 9, 11)]
     llm = tiny_llm(tiny_dir, num_kv_blocks=11)
@@ -330,9 +332,9 @@ def test_num_cached_tokens_never_exceeds_the_prompt(tiny_dir):
         assert o.num_cached_tokens <= len(p), (o.num_cached_tokens, len(p))
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # AsyncLLM
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 LONG = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
 
@@ -390,9 +392,9 @@ async def test_async_shutdown_ends_in_flight_streams(tiny_dir):
 
 
 async def test_reused_request_id_never_sees_the_old_requests_output(tiny_dir):
-    """A client disconnects from request "x" while a step is running; a new "x" is submitted at once. The running
-    step's output for the old "x" is delivered by request_id only, so it lands in the new stream (with the old
-    prompt and tokens)."""
+    """A client disconnects from request "x" while a step is running; a new "x" is submitted at
+    once. The running step's output for the old "x" is delivered by request_id only, so it lands in
+    the new stream (with the old prompt and tokens)."""
     engine = AsyncLLM(
         model=tiny_dir, dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=64
     )

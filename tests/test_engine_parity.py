@@ -1,5 +1,5 @@
-"""End-to-end logits parity: every supported family through the whole engine (scheduler, chunked prefill, paged
-KV cache, runner, sampler) against HF transformers' full recompute, in float32.
+"""End-to-end logits parity: every supported family through the whole engine (scheduler, chunked
+prefill, paged KV cache, runner, sampler) against HF transformers' full recompute, in float32.
 """
 
 from __future__ import annotations

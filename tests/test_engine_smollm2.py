@@ -1,4 +1,5 @@
-"""The engine on a real model (SmolLM2-135M-Instruct, float32, CPU) against HF transformers' own generate.
+"""The engine on a real model (SmolLM2-135M-Instruct, float32, CPU) against HF transformers' own
+generate.
 
 Greedy tokens must be identical alone and batched, under preemption, with prefix caching on and off.
 """

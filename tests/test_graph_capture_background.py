@@ -1,8 +1,7 @@
 """Decode graphs captured off the step loop (GPU): once the worker's warm-up has loaded the kernel
-set, a step
-whose batch size has no graph yet replays a larger captured graph or runs eagerly while another
-thread captures
-its size; the tokens are those of graphs captured inline and of eager decoding.
+set, a step whose batch size has no graph yet replays a larger captured graph or runs eagerly while
+another thread captures its size; the tokens are those of graphs captured inline and of eager
+decoding.
 """
 
 from __future__ import annotations

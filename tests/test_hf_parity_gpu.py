@@ -1,15 +1,18 @@
-"""Greedy parity with HF transformers on a Llama-3.2-1B-shaped bf16 checkpoint: the engine's GPU fast path (Triton
-attention, fused layers, CUDA graphs, GPU sampler) generates the same 32 tokens as HF `generate(do_sample=False)`.
+"""Greedy parity with HF transformers on a Llama-3.2-1B-shaped bf16 checkpoint: the engine's GPU
+fast path (Triton attention, fused layers, CUDA graphs, GPU sampler) generates the same 32 tokens as
+HF `generate(do_sample=False)`.
 
-Why the weights are built by hand: with N(0, 0.02) weights everywhere, the top two logits of a 128k vocabulary sit
-about 0.2 standard deviations apart, so bf16 rounding (which differs between any two correct kernels) flips the
-argmax within a few steps; a random sharp attention head has the same problem one level down (two positions with
-near-equal scores). So layer 0 gets a head whose choice is fixed by position alone: its q and k come from biases
-(attention_bias=True) laid on the six fastest RoPE frequencies so that q.k peaks at a distance of COPY_DISTANCE
-tokens, at least 15 nats above any other distance up to 400; v and o copy the attended token's embedding into the
-residual stream, and the tied lm_head then prefers that token by more than a logit. Every other weight is small and
-random: each layer still runs through every kernel, but none can flip a choice. The output (the context's tokens
-from COPY_DISTANCE back, cycling) checks RoPE positions, KV-cache writes and reads, graphs and sampling.
+Why the weights are built by hand: with N(0, 0.02) weights everywhere, the top two logits of a 128k
+vocabulary sit about 0.2 standard deviations apart, so bf16 rounding (which differs between any two
+correct kernels) flips the argmax within a few steps; a random sharp attention head has the same
+problem one level down (two positions with near-equal scores). So layer 0 gets a head whose choice
+is fixed by position alone: its q and k come from biases (attention_bias=True) laid on the six
+fastest RoPE frequencies so that q.k peaks at a distance of COPY_DISTANCE tokens, at least 15 nats
+above any other distance up to 400; v and o copy the attended token's embedding into the residual
+stream, and the tied lm_head then prefers that token by more than a logit. Every other weight is
+small and random: each layer still runs through every kernel, but none can flip a choice. The output
+(the context's tokens from COPY_DISTANCE back, cycling) checks RoPE positions, KV-cache writes and
+reads, graphs and sampling.
 """
 
 from __future__ import annotations
@@ -61,8 +64,9 @@ def copy_head_checkpoint(out_dir: str, config: dict, device: str = "cuda") -> st
     def randn(shape, std):
         return (torch.randn(shape, generator=gen, device=device) * std).to(torch.bfloat16)
 
-    # q = sqrt(w) at angle 0, k = sqrt(w) at angle COPY_DISTANCE * theta (neox pairs: dims f and f + half), so after
-    # RoPE q.k = w * sum_f cos((p - j - COPY_DISTANCE) * theta_f): largest at distance p - j = COPY_DISTANCE.
+    # q = sqrt(w) at angle 0, k = sqrt(w) at angle COPY_DISTANCE * theta (neox pairs: dims f and f +
+    # half), so after RoPE q.k = w * sum_f cos((p - j - COPY_DISTANCE) * theta_f): largest at
+    # distance p - j = COPY_DISTANCE.
     theta = compute_inv_freq(
         head_dim, ModelConfig.from_dict(config).rope, config["max_position_embeddings"]
     )
@@ -155,8 +159,9 @@ def test_greedy_32_tokens_match_hf_generate(checkpoint):
         ref = out.sequences[0, len(prompt) :].tolist()
         top2 = torch.stack(out.scores)[:, 0].float().topk(2, dim=-1).values
         margin = (top2[:, 0] - top2[:, 1]).min().item()
-        # the premise, on the reference: the copy head works as designed, and no step is a near-tie (the top logit,
-        # about 20, leads by more than 1, a hundred times the bf16 noise between two kernels)
+        # the premise, on the reference: the copy head works as designed, and no step is a near-tie
+        # (the top logit, about 20, leads by more than 1, a hundred times the bf16 noise between two
+        # kernels)
         context = prompt + ref
         assert ref == [context[len(prompt) - 1 + i - COPY_DISTANCE] for i in range(NEW_TOKENS)]
         assert margin > 1.0, f"the premise failed: HF's top-2 logits came within {margin:.3f}"

@@ -1,8 +1,8 @@
-"""Malformed and hostile requests against one `python -m handler serve` process: each gets a precise OpenAI-shaped
-4xx naming the field at fault, and a normal request right after it still succeeds. Also the
-connection itself: header and request-line limits, nesting at several depths, slow and vanishing
-clients (timed out, or let go with one info line), no redirect built from the Host header; and
-nothing a client does leaves a traceback in the log.
+"""Malformed and hostile requests against one `python -m handler serve` process: each gets a precise
+OpenAI-shaped 4xx naming the field at fault, and a normal request right after it still succeeds.
+Also the connection itself: header and request-line limits, nesting at several depths, slow and
+vanishing clients (timed out, or let go with one info line), no redirect built from the Host header;
+and nothing a client does leaves a traceback in the log.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def completion(**fields):
 
 
 C, P = "/v1/chat/completions", "/v1/completions"
-# (case id, method, path, body: a dict sent as JSON or raw bytes, status, param, words the message must contain)
+# (case id, method, path, body: a dict sent as JSON or raw bytes, status, param, words the message
+# must contain)
 CASES = [
     ("missing messages", "POST", C, {"max_tokens": 2}, 400, "messages", ["messages", "required"]),
     ("messages not a list", "POST", C, {"messages": "hi"}, 400, "messages", ["messages", "list"]),
@@ -471,7 +472,8 @@ def test_hostile_request_gets_a_precise_error_and_the_server_lives_on(http, case
 
 
 def test_an_error_mid_stream_request_does_not_leak(http):
-    """A streaming request refused before its first chunk is a plain 4xx, not a broken event stream."""
+    """A streaming request refused before its first chunk is a plain 4xx, not a broken event
+    stream."""
     resp = http.post(P, json=completion(stream=True, max_tokens=100_000))
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens"
     health = http.get("/health")

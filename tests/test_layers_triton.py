@@ -1,7 +1,8 @@
-"""Triton kernels (engine/layers/fused.py, skinny_gemm.py, random_race.py) against transformers' and torch's layers.
+"""Triton kernels (engine/layers/fused.py, skinny_gemm.py, random_race.py) against transformers' and
+torch's layers.
 
-GPU tests check the compiled kernels in bf16/fp16/fp32 on random shapes; one CPU test runs them under Triton's
-interpreter in float32 so CI catches a broken kernel without a GPU.
+GPU tests check the compiled kernels in bf16/fp16/fp32 on random shapes; one CPU test runs them
+under Triton's interpreter in float32 so CI catches a broken kernel without a GPU.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def hf_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def hf_rope(q: torch.Tensor, k: torch.Tensor, rot: RotaryEmbedding, positions: torch.Tensor):
-    """transformers' rotation ([B, H, T, D] layout, cos/sin over the full head dim) on our cos/sin cache."""
+    """transformers' rotation ([B, H, T, D] layout, cos/sin over the full head dim) on our cos/sin
+    cache."""
     cos = torch.cat([rot.cos[positions]] * 2, dim=-1)[None]
     sin = torch.cat([rot.sin[positions]] * 2, dim=-1)[None]
     qh, kh = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
@@ -148,7 +150,8 @@ def test_rope_with_qwen3_qk_norm_matches_transformers():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_rope_into_paged_cache_matches_transformers(dtype, qk_norm):
-    """Rotated k and raw v land at their slots (padding slot -1 writes nothing), q as transformers rotates it."""
+    """Rotated k and raw v land at their slots (padding slot -1 writes nothing), q as transformers
+    rotates it."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
     from engine.attention import kv_cache_shape
@@ -264,7 +267,8 @@ def test_race_sample_follows_softmax_and_keys():
     reason="triton is not installed (CPU torch has none)",
 )
 def test_kernels_under_the_triton_interpreter_match_torch_in_float32():
-    """The kernels' logic on CPU (float32, where the interpreter rounds like torch): CI runs without a GPU."""
+    """The kernels' logic on CPU (float32, where the interpreter rounds like torch): CI runs without
+    a GPU."""
     script = textwrap.dedent("""
         # numpy >= 2.3 refuses int() of a 1-element array, which triton 3.6's interpreter uses for range() bounds
         import triton.runtime.interpreter as interp

@@ -1,5 +1,6 @@
-"""Load: 200 streaming requests from 50 concurrent clients (the official async openai client) against
-`python -m handler serve` on CPU with SmolLM2; every one completes once, with the engine's greedy output.
+"""Load: 200 streaming requests from 50 concurrent clients (the official async openai client)
+against `python -m handler serve` on CPU with SmolLM2; every one completes once, with the engine's
+greedy output.
 """
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ async def _run_clients(base_url: str, model: str) -> dict[int, dict | BaseExcept
 
 
 async def _collect(stream) -> dict:
-    """A stream's response ids, text and number of final chunks (chat deltas or completion texts)."""
+    """A stream's response ids, text and number of final chunks (chat deltas or completion
+    texts)."""
     ids, text, finishes = set(), "", 0
     async for chunk in stream:
         ids.add(chunk.id)

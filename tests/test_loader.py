@@ -1,7 +1,9 @@
-"""The streaming loader (cache.loader) and the engine's pack path (engine.models.weights), against safetensors.
+"""The streaming loader (cache.loader) and the engine's pack path (engine.models.weights), against
+safetensors.
 
-CPU: loaded tensors equal what safetensors reads, per-group readiness, prefetch before torch, packs written on
-the first load and used on the next, torn packs rebuilt, greedy parity through engine.LLM. GPU: the same into CUDA.
+CPU: loaded tensors equal what safetensors reads, per-group readiness, prefetch before torch, packs
+written on the first load and used on the next, torn packs rebuilt, greedy parity through
+engine.LLM. GPU: the same into CUDA.
 """
 
 from __future__ import annotations
@@ -153,7 +155,7 @@ def test_prefetch_of_a_model_dir_takes_its_newest_pack(tiny_dir, tmp_path):
     assert sorted(p.paths) == sorted(safetensors_files(tiny_dir)) and p.wait(60)
 
 
-# ---- the engine's side ---------------------------------------------------------------------------------------
+# ---- the engine's side ---------------------------------------------------------------------------
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3-tied"])
 def test_first_load_writes_the_pack_and_the_next_loads_identical_weights_from_it(tmp_path, family):
     model_dir = str(tmp_path / "model")
@@ -309,7 +311,7 @@ def test_greedy_outputs_are_identical_from_the_pack_and_from_safetensors(smollm2
     assert runs[0][0] == runs[1][0] and all(len(ids) == 8 for ids in runs[1][0])
 
 
-# ---- GPU --------------------------------------------------------------------------------------------------
+# ---- GPU -----------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("direct", [False, True])
 def test_cuda_load_equals_the_source_and_every_group_event_fires(tmp_path, direct):

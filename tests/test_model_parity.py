@@ -1,6 +1,8 @@
-"""Our decoder template against HF transformers on tiny random checkpoints of every supported family.
+"""Our decoder template against HF transformers on tiny random checkpoints of every supported
+family.
 
-Prefill then paged decode, mixed batches, sharded and old-spelling checkpoints, and the loader's error messages.
+Prefill then paged decode, mixed batches, sharded and old-spelling checkpoints, and the loader's
+error messages.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ def step_logits(
 
 
 def prefill_then_decode(model: DecoderModel, cfg: ModelConfig, toks: list[int]) -> torch.Tensor:
-    """Logits of every position: one prefill of PROMPT_LEN tokens, then single-token decodes through the cache."""
+    """Logits of every position: one prefill of PROMPT_LEN tokens, then single-token decodes through
+    the cache."""
     kv = new_cache(cfg)
     seq = PagedSeq(
         toks, shuffled_block_tables([len(toks)], BLOCK_SIZE, NUM_BLOCKS, seed=len(toks))[0]
@@ -96,7 +99,8 @@ def test_prefill_and_decode_match_hf(tiny, family: str) -> None:
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_mixed_batch_matches_each_alone(tiny, family: str) -> None:
-    """A chunked prefill after a cached prefix and a decode in one step give the same logits as apart."""
+    """A chunked prefill after a cached prefix and a decode in one step give the same logits as
+    apart."""
     path, hf = tiny(family)
     model, cfg = load(path)
     a_toks, b_toks = tokens(17, seed=1), tokens(14, seed=2)
@@ -216,7 +220,8 @@ def test_shape_mismatch_names_tensor_and_shapes(tiny, tmp_path: Path) -> None:
 
 
 def test_ignorable_tensors_are_ignored(tiny, tmp_path: Path) -> None:
-    """A tied checkpoint that still carries lm_head.weight, and rotary inv_freq buffers, load fine."""
+    """A tied checkpoint that still carries lm_head.weight, and rotary inv_freq buffers, load
+    fine."""
     src, hf = tiny("qwen3-tied")
 
     def add_extras(t: dict) -> None:

@@ -1,7 +1,7 @@
-"""The official `openai` client against `python -m handler serve` (a subprocess on loopback) with SmolLM2:
-outputs equal engine.LLM's for the same prompt and parameters, token for token; streaming, n, stop, seed, logprobs.
-Tools refused by name; SIGTERM ending what is left with an error event after the grace period,
-then exit 0; a truncated weight file named at start.
+"""The official `openai` client against `python -m handler serve` (a subprocess on loopback) with
+SmolLM2: outputs equal engine.LLM's for the same prompt and parameters, token for token; streaming,
+n, stop, seed, logprobs. Tools refused by name; SIGTERM ending what is left with an error event
+after the grace period, then exit 0; a truncated weight file named at start.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def _token_texts(llm, ids):
 def test_models_lists_the_served_names(client, smollm2_dir):
     ids = [m.id for m in client.models.list().data]
     assert ids[0] == SERVED and smollm2_dir in ids
-    # Any served name is accepted: the override, and the local path (what clients of a baked model send).
+    # Any served name is accepted: the override, and the local path (what clients of a baked model
+    # send).
     for name in (SERVED, smollm2_dir):
         assert (
             client.chat.completions.create(model=name, messages=QUESTION, max_tokens=1).model
@@ -258,7 +259,8 @@ def test_health_and_metrics(server, client):
 
 
 def test_a_closed_stream_aborts_its_engine_request(server):
-    # 64 samples to the context limit ignoring EOS: minutes of CPU work unless the abort really stops it.
+    # 64 samples to the context limit ignoring EOS: minutes of CPU work unless the abort really
+    # stops it.
     body = {
         "model": SERVED,
         "prompt": "Tell me a very long story about a dragon.",

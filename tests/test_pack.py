@@ -1,5 +1,6 @@
-"""The packed weight format (cache.pack): round trip of every dtype and shape, 4 KiB alignment, the index, and
-the faults: a truncated or torn pack is refused, a writer SIGKILLed mid-pack leaves nothing a reader accepts.
+"""The packed weight format (cache.pack): round trip of every dtype and shape, 4 KiB alignment, the
+index, and the faults: a truncated or torn pack is refused, a writer SIGKILLed mid-pack leaves
+nothing a reader accepts.
 """
 
 from __future__ import annotations

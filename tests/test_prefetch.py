@@ -1,7 +1,9 @@
-"""The start path's head start: prefetch coverage, loaders reading behind a prefetch, preloads taken over by the
-engine (or dropped when it loads another file), and what the start path imports before the weights stream.
+"""The start path's head start: prefetch coverage, loaders reading behind a prefetch, preloads taken
+over by the engine (or dropped when it loads another file), and what the start path imports before
+the weights stream.
 
-CPU only (the CUDA side is in tests/test_cold_start_gpu.py); references are safetensors' own reads of the model.
+CPU only (the CUDA side is in tests/test_cold_start_gpu.py); references are safetensors' own reads
+of the model.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def test_wait_covered_returns_once_the_prefetch_has_read_that_far(tmp_path):
     p = prefetch(path, threads=2, chunk_bytes=1 << 20)
     assert p.wait_covered(path, size, timeout=60)
     assert p.wait(60) and p.done()
-    # whatever was not already cached has been read, and a finished prefetch answers at once for any path
+    # whatever was not already cached has been read, and a finished prefetch answers at once for any
+    # path
     assert p.bytes_read <= size and p.wait_covered(str(tmp_path / "other"), 1 << 40, timeout=0)
 
 
@@ -129,8 +132,8 @@ def test_preload_weights_does_nothing_on_cpu_and_the_engine_drops_a_stray_preloa
 
 
 def test_the_start_path_streams_before_importing_triton_or_transformers(model_dir):
-    """Up to the preload the start path imports torch, the config and the loader only; the whole engine start and
-    a generation never import transformers."""
+    """Up to the preload the start path imports torch, the config and the loader only; the whole
+    engine start and a generation never import transformers."""
     code = (
         "import sys\n"
         "from cache.loader import prefetch\n"

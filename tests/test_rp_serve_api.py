@@ -1,5 +1,6 @@
-"""The worker off RunPod: `--rp_serve_api` (what `make run` starts) answers /runsync from the SDK's own local API and
-its printed curl line works; `--test_input` runs one job. Answers are checked against engine.LLM.
+"""The worker off RunPod: `--rp_serve_api` (what `make run` starts) answers /runsync from the SDK's
+own local API and its printed curl line works; `--test_input` runs one job. Answers are checked
+against engine.LLM.
 """
 
 from __future__ import annotations

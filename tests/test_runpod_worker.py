@@ -1,7 +1,7 @@
-"""The real runpod SDK worker loop (`python -m handler` in a subprocess) taking jobs from a local queue on loopback:
-both input shapes, streamed or not, concurrent, cancelled, malformed, SIGTERM; outputs equal engine.LLM's greedy ones.
-Also worker-vllm v2.24+'s route/body/method jobs, tools refused, and streams ended with an error
-past the grace period (exit 0).
+"""The real runpod SDK worker loop (`python -m handler` in a subprocess) taking jobs from a local
+queue on loopback: both input shapes, streamed or not, concurrent, cancelled, malformed, SIGTERM;
+outputs equal engine.LLM's greedy ones. Also worker-vllm v2.24+'s route/body/method jobs, tools
+refused, and streams ended with an error past the grace period (exit 0).
 """
 
 from __future__ import annotations
@@ -99,8 +99,8 @@ def test_prompt_and_messages_jobs_match_greedy_engine(worker, reference, smollm2
         worker, "plain", "plain-stream", "chat", "chat-stream"
     )
 
-    # Not streamed: one batch holding the whole text, worker-vllm's shape, plus usage and finish_reason (and the
-    # worker's metrics block, checked in test_worker_capacity.py).
+    # Not streamed: one batch holding the whole text, worker-vllm's shape, plus usage and
+    # finish_reason (and the worker's metrics block, checked in test_worker_capacity.py).
     assert plain["output"][0].pop("metrics")["queue_wait_s"] >= 0
     assert plain["output"] == [
         {
@@ -113,12 +113,14 @@ def test_prompt_and_messages_jobs_match_greedy_engine(worker, reference, smollm2
         "input": len(ref_chat.prompt_token_ids),
         "output": len(ref_chat.outputs[0].token_ids),
     }
-    # Streamed: the pieces join into the same text, and the aggregate result repeats the streamed batches.
+    # Streamed: the pieces join into the same text, and the aggregate result repeats the streamed
+    # batches.
     streamed = [post["output"] for post in worker.streams["plain-stream"]]
     assert _text(streamed) == ref.outputs[0].text
     assert plain_stream["output"] == streamed
     assert _text(chat_stream["output"]) == ref_chat.outputs[0].text
-    # Batches grow: >= 1 token (DEFAULT_MIN_BATCH_SIZE), then >= 3, >= 9 ... (factor 3), the last one holds the rest.
+    # Batches grow: >= 1 token (DEFAULT_MIN_BATCH_SIZE), then >= 3, >= 9 ... (factor 3), the last
+    # one holds the rest.
     outs = [b["usage"]["output"] for b in streamed]
     sizes = [outs[0]] + [b - a for a, b in zip(outs, outs[1:])]
     assert len(streamed) >= 3 and sizes[0] >= 1 and sizes[1] >= 3
@@ -157,7 +159,8 @@ def test_openai_route_jobs_match_greedy_engine(worker, reference, smollm2_dir):
     assert res_chat["output"][0]["choices"][0]["message"]["content"] == ref_chat
     assert res_completion["output"][0]["choices"][0]["text"] == ref
     assert smollm2_dir in [m["id"] for m in res_models["output"][0]["data"]]
-    # RAW_OPENAI_OUTPUT (default on): each batch is a string of SSE lines; the last one ends in [DONE].
+    # RAW_OPENAI_OUTPUT (default on): each batch is a string of SSE lines; the last one ends in
+    # [DONE].
     raw = "".join(res_stream["output"])
     events = [line[len("data: ") :] for line in raw.split("\n\n") if line]
     assert events[-1] == "[DONE]"
@@ -178,7 +181,8 @@ def test_several_jobs_run_at_once(worker, reference):
         worker.put(job_id, {"prompt": prompt, "sampling_params": _greedy(12), "stream": True})
     results = _wait_done(worker, *ids)
     assert [_text(r["output"]) for r in results] == refs
-    # Concurrency > 1: at some point several jobs had streamed output and none of them had finished yet.
+    # Concurrency > 1: at some point several jobs had streamed output and none of them had finished
+    # yet.
     open_jobs, most_open = set(), 0
     for kind, job_id in worker.events[start:]:
         if job_id in ids:
@@ -206,7 +210,8 @@ def test_cancelled_job_stops_and_the_worker_goes_on(worker, reference):
     (after,) = _wait_done(worker, "after-cancel-2")
     ref = reference.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
     assert after["output"][0]["choices"][0]["tokens"] == [ref]
-    # The stopped job streams no more and never gets a result of its own (RunPod already counts it as cancelled).
+    # The stopped job streams no more and never gets a result of its own (RunPod already counts it
+    # as cancelled).
     assert len(worker.streams["cancel-me"]) == posted
     assert "cancel-me" not in worker.done
     last = worker.streams["cancel-me"][-1]["output"]["usage"]["output"]
@@ -400,7 +405,8 @@ def test_sigterm_drains_in_flight_jobs_and_takes_no_new_ones(smollm2_dir, refere
                 tmp_path / "worker.log"
             ).read_text()
             proc.send_signal(signal.SIGTERM)
-            # A job-take poll already open when the signal lands may still return a job; give it time to end.
+            # A job-take poll already open when the signal lands may still return a job; give it
+            # time to end.
             assert not queue.wait_for(
                 lambda: proc.poll() is not None and not queue.done.get("in-flight"), 1.5
             )

@@ -43,9 +43,9 @@ def row(
     return SamplingRow(params or SamplingParams(), gen, prompt or [], output or [], banned or [])
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # SamplingParams
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 BAD_VALUES = [
     ("n", 0),
@@ -212,9 +212,9 @@ def test_is_greedy():
     assert not SamplingParams(temperature=0.01, top_k=2).is_greedy
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Transformations against transformers' processors
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def random_logits(n: int, vocab: int = VOCAB, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
@@ -319,7 +319,8 @@ BATCHES = {
 @pytest.mark.parametrize("scale", [0.5, 3.0])
 @pytest.mark.parametrize("batch", list(BATCHES))
 def test_top_k_top_p_min_p_match_transformers(batch, scale):
-    """One batch mixes the settings; each row's allowed set and kept values equal transformers' chain."""
+    """One batch mixes the settings; each row's allowed set and kept values equal transformers'
+    chain."""
     settings = BATCHES[batch] * 3
     logits = random_logits(len(settings), seed=5, scale=scale)
     ours = apply_top_k_top_p_min_p(
@@ -344,7 +345,8 @@ def test_top_k_keeps_ties_like_transformers():
 
 
 def test_exact_boundaries_match_transformers():
-    """Probabilities that are exact in binary: top_p stops once the kept mass reaches p; min_p keeps p == threshold."""
+    """Probabilities that are exact in binary: top_p stops once the kept mass reaches p; min_p keeps
+    p == threshold."""
     logits = torch.log(torch.tensor([[0.125, 0.5, 0.125, 0.25]]))
     for p in (0.5, 0.6, 0.75):  # (beyond 0.75 the two tied 0.125 tokens make the choice arbitrary)
         ours = apply_top_k_top_p_min_p(logits.clone(), None, [p], None)
@@ -361,7 +363,8 @@ def test_exact_boundaries_match_transformers():
 
 
 def test_processed_logits_with_temperature_and_penalties_match_transformers_chain():
-    """The full masking pipeline (penalty -> temperature -> top-k -> top-p -> min-p) against transformers."""
+    """The full masking pipeline (penalty -> temperature -> top-k -> top-p -> min-p) against
+    transformers."""
     logits = random_logits(6, seed=6)
     prompts = [[1, 2, 3, 4, 5]] * 6
     outputs = [[10, 11, 12]] * 6
@@ -386,9 +389,9 @@ def test_processed_logits_with_temperature_and_penalties_match_transformers_chai
         torch.testing.assert_close(ours[i], ref)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Sampler
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def test_greedy_equals_argmax():
@@ -556,7 +559,8 @@ def test_logprobs_come_from_raw_logits():
     check_ranks(entry, raw_lp[0])
     assert list(out.logprobs[1]) == [out.token_ids[1]]
     check_ranks(out.logprobs[1], raw_lp[1])
-    # the greedy row had its argmax banned: it picked the second best, which is rank 2 of the raw distribution
+    # the greedy row had its argmax banned: it picked the second best, which is rank 2 of the raw
+    # distribution
     assert out.logprobs[3][out.token_ids[3]].rank == 2 and len(out.logprobs[3]) == 20
     check_ranks(out.logprobs[3], raw_lp[3])
 

@@ -1,6 +1,7 @@
-"""`python -m scaling.controller` against a local stand-in of the RunPod API (tests/runpod_api_server.py), itself
-checked against the real runpod SDK's client: dry runs change nothing, live runs send the documented update with the
-key in the Authorization header only; a refused key, an API that is down or silent end in a clear error, never a hang.
+"""`python -m scaling.controller` against a local stand-in of the RunPod API
+(tests/runpod_api_server.py), itself checked against the real runpod SDK's client: dry runs change
+nothing, live runs send the documented update with the key in the Authorization header only; a
+refused key, an API that is down or silent end in a clear error, never a hang.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def _bases(server: RunPodApiServer) -> list[str]:
 
 
 def test_the_stand_in_answers_the_real_sdk_client(api, monkeypatch):
-    """The runpod SDK's own Endpoint.health() (its URL form and auth header) gets RunPod's documented shape."""
+    """The runpod SDK's own Endpoint.health() (its URL form and auth header) gets RunPod's
+    documented shape."""
     monkeypatch.setattr(runpod, "endpoint_url_base", api.queue_api)
     api.health_script = [health_body(in_queue=2, completed=1, failed=5, idle=1)]
     assert runpod.Endpoint(ENDPOINT, api_key=KEY).health() == api.health_script[0]
@@ -213,7 +215,8 @@ def test_an_api_that_is_down_or_silent_fails_clearly_without_hanging(caplog):
         and "Traceback" not in run.stderr
     )
     assert KEY not in run.stdout + run.stderr
-    # Down after it started: each poll fails with the reason; it gives up after --max-failures in a row.
+    # Down after it started: each poll fails with the reason; it gives up after --max-failures in a
+    # row.
     client = RunPodApi(KEY, ENDPOINT, queue_api=bases[1], rest_api=bases[3], timeout_s=1)
     lines: list[str] = []
     controller = Controller(

@@ -1,6 +1,7 @@
-"""The local endpoint emulator (scaling.endpoint) with real workers (`python -m handler`, the runpod SDK loop) on
-loopback, driven by the official runpod and openai clients: a burst of 40 scales 0 -> several workers -> 0, every job
-completes exactly once with engine.LLM's greedy output, and a SIGKILLed worker's jobs are retried or failed explicitly.
+"""The local endpoint emulator (scaling.endpoint) with real workers (`python -m handler`, the runpod
+SDK loop) on loopback, driven by the official runpod and openai clients: a burst of 40 scales 0 ->
+several workers -> 0, every job completes exactly once with engine.LLM's greedy output, and a
+SIGKILLed worker's jobs are retried or failed explicitly.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def client(endpoint, monkeypatch):
 
 @pytest.fixture(scope="module")
 def reference(smollm2_dir):
-    # One thread: this process shares the cores with the workers, and torch's thread pool spins badly when crowded.
+    # One thread: this process shares the cores with the workers, and torch's thread pool spins
+    # badly when crowded.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -226,7 +228,8 @@ def test_burst_scales_out_from_zero_and_every_job_completes_once(endpoint, clien
     _wait_for(all_final, what="40 jobs to finish")
     assert 1 < most_workers <= MAX_WORKERS
     assert [job.status() for job in jobs] == ["COMPLETED"] * 40
-    # Each job got its own prompt's answer: the worker's output equals engine.LLM's greedy one, all 40 of them.
+    # Each job got its own prompt's answer: the worker's output equals engine.LLM's greedy one, all
+    # 40 of them.
     refs = reference.generate(prompts, SamplingParams(temperature=0, max_tokens=6))
     assert [_text(job.output()) for job in jobs] == [r.outputs[0].text for r in refs]
     assert [job.output()[-1]["usage"]["output"] for job in jobs] == [
@@ -282,7 +285,8 @@ def test_openai_client_plain_and_streaming(endpoint, reference, smollm2_dir):
 def test_killed_worker_job_is_retried_or_failed_never_lost(endpoint, client, reference):
     jobs = endpoint.queue.jobs
     before = client.health()["jobs"]
-    # A job nobody has read from yet: its worker is SIGKILLed after the first streamed chunk; it runs again elsewhere.
+    # A job nobody has read from yet: its worker is SIGKILLed after the first streamed chunk; it
+    # runs again elsewhere.
     prompt = "Count from one to a thousand:"
     unseen = client.run(
         {"prompt": prompt, "sampling_params": _greedy(80, ignore_eos=True), "stream": True}
@@ -300,7 +304,8 @@ def test_killed_worker_job_is_retried_or_failed_never_lost(endpoint, client, ref
     )  # the whole greedy answer, posted once, by another worker
     assert jobs[unseen.job_id].worker_id != killed and jobs[unseen.job_id].done_posts == 1
 
-    # A job a client has partly read through /stream: a rerun would show its start twice, so it fails explicitly.
+    # A job a client has partly read through /stream: a rerun would show its start twice, so it
+    # fails explicitly.
     seen = client.run(
         {
             "prompt": "List the days of the week:",
@@ -326,8 +331,9 @@ def test_killed_worker_job_is_retried_or_failed_never_lost(endpoint, client, ref
 
 @pytest.mark.slow
 def test_frozen_worker_loses_its_lease_and_the_job_runs_elsewhere(endpoint, client, reference):
-    """A worker that stops answering (SIGSTOP on its whole process group, heartbeat included) is killed by the
-    endpoint after the lease timeout, and the job it held runs again on another worker."""
+    """A worker that stops answering (SIGSTOP on its whole process group, heartbeat included) is
+    killed by the endpoint after the lease timeout, and the job it held runs again on another
+    worker."""
     jobs = endpoint.queue.jobs
     before = client.health()["jobs"]["retried"]
     prompt = "Name three rivers:"
@@ -364,7 +370,8 @@ def test_cancel_stops_a_running_job_and_its_worker_goes_on(endpoint, client, ref
     _wait_for(lambda: job.job_id in worker.ping_jobs, what="the worker's heartbeat to list the job")
     assert job.cancel()["status"] == "CANCELLED"
     pings = worker.pings
-    # The stop reached the worker through its job-stop poll: its heartbeat stops listing the job, it posts no result.
+    # The stop reached the worker through its job-stop poll: its heartbeat stops listing the job, it
+    # posts no result.
     _wait_for(
         lambda: worker.pings > pings and job.job_id not in worker.ping_jobs,
         what="the worker to drop the job",
@@ -382,7 +389,8 @@ def test_cancel_stops_a_running_job_and_its_worker_goes_on(endpoint, client, ref
 
 @pytest.mark.slow
 def test_scales_back_to_zero_when_idle(endpoint, client):
-    """Runs last: with nothing to do every worker is drained after the keep-alive and its processes are gone."""
+    """Runs last: with nothing to do every worker is drained after the keep-alive and its processes
+    are gone."""
 
     def all_gone() -> bool:
         workers = client.health()["workers"]
@@ -404,7 +412,8 @@ def test_scales_back_to_zero_when_idle(endpoint, client):
             return True
         return False
 
-    # Each worker and its process group (the SDK's heartbeat child included) ended; init reaps the orphans.
+    # Each worker and its process group (the SDK's heartbeat child included) ended; init reaps the
+    # orphans.
     _wait_for(
         lambda: all(group_gone(pid) for pid in endpoint.pool.pids.values()),
         timeout=60,

@@ -1,5 +1,5 @@
-"""The scaling policy as a pure function: bursts, idle, booting workers, capacity changes, keep-alive from idle gaps,
-bounds, and a brute-force check of the ski-rental keep-warm horizon.
+"""The scaling policy as a pure function: bursts, idle, booting workers, capacity changes,
+keep-alive from idle gaps, bounds, and a brute-force check of the ski-rental keep-warm horizon.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The trace simulator on short slices of the Azure traces: every request served exactly once, FIFO, never more
-requests on a worker than its capacity, billing adds up, and scale-down saves idle time; the CLI's --quick run.
+"""The trace simulator on short slices of the Azure traces: every request served exactly once, FIFO,
+never more requests on a worker than its capacity, billing adds up, and scale-down saves idle time;
+the CLI's --quick run.
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ def test_never_scaling_down_bills_more_idle_than_scaling_down(traces, model):
     assert forever.cold_starts == 0
     assert forever.idle_s > brief.idle_s and forever.idle_s > ours.idle_s
     assert forever.billed_s > brief.billed_s
-    # scaling down is paid for in cold starts and in the wait of whoever arrives into a cold endpoint
+    # scaling down is paid for in cold starts and in the wait of whoever arrives into a cold
+    # endpoint
     assert brief.cold_starts > 0 and brief.queue_wait_s.max() > forever.queue_wait_s.max()
 
 

@@ -1,5 +1,6 @@
-"""The start path's page record: what a process mapped and imported, with its resident ranges, read back into the
-page cache. References: /proc/self/maps and sys.modules of a real child process, and mincore after the read."""
+"""The start path's page record: what a process mapped and imported, with its resident ranges, read
+back into the page cache. References: /proc/self/maps and sys.modules of a real child process, and
+mincore after the read."""
 
 from __future__ import annotations
 

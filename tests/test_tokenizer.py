@@ -1,5 +1,5 @@
-"""Tests for engine/tokenizer.py: encode/decode and chat templates against transformers (the reference, test-only),
-and the incremental detokenizer against full decodes, with stop strings.
+"""Tests for engine/tokenizer.py: encode/decode and chat templates against transformers (the
+reference, test-only), and the incremental detokenizer against full decodes, with stop strings.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Fixtures
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +66,9 @@ TEXTS = [
 ]
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Encode / decode against transformers
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -132,9 +132,9 @@ def test_special_tokens_as_added_token_dicts(smollm2_dir, tmp_path):
     assert t.bos_token_id is None
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Chat templates: SmolLM2's own
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 CONVERSATIONS = {
     "user_only": [{"role": "user", "content": "What is the capital of France?"}],
@@ -200,12 +200,13 @@ def test_invalid_messages_raise_value_error(tok, bad):
         tok.apply_chat_template(bad)
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Chat templates written for these tests, exercising what real templates use
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
-# Llama-3.1-like: BOS from the template, a date from strftime_now unless date_string is passed, tools as indented JSON,
-# single tool calls (raise_exception otherwise), tool results as ipython turns.
+# Llama-3.1-like: BOS from the template, a date from strftime_now unless date_string is passed,
+# tools as indented JSON, single tool calls (raise_exception otherwise), tool results as ipython
+# turns.
 LLAMA31_STYLE = r"""{{- bos_token }}
 {%- if date_string is not defined %}
     {%- set date_string = strftime_now("%d %b %Y") %}
@@ -258,8 +259,8 @@ LLAMA31_STYLE = r"""{{- bos_token }}
 {%- endif %}
 """
 
-# Qwen3-like: tools as compact JSON, a namespace and loop controls to find the last user query, reasoning_content
-# kept only after it, enable_thinking=False writing an empty think block.
+# Qwen3-like: tools as compact JSON, a namespace and loop controls to find the last user query,
+# reasoning_content kept only after it, enable_thinking=False writing an empty think block.
 QWEN3_STYLE = r"""{%- if tools %}
     {{- '<|im_start|>system\n' }}
     {%- if messages[0].role == 'system' %}
@@ -314,7 +315,8 @@ QWEN3_STYLE = r"""{%- if tools %}
 {%- endif %}
 """
 
-# Strict roles: rejects unknown roles and non-alternating turns with raise_exception; documents rendered if given.
+# Strict roles: rejects unknown roles and non-alternating turns with raise_exception; documents
+# rendered if given.
 STRICT_ROLES = r"""{%- if documents %}
     {{- '<docs>' }}
     {%- for doc in documents %}[{{ loop.index }}] {{ doc.title }}: {{ doc.text }}
@@ -545,9 +547,9 @@ def test_template_errors_become_value_errors(tok):
         )
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Where chat templates come from
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def test_missing_chat_template(smollm2_dir, tmp_path):
@@ -609,13 +611,14 @@ def test_chat_template_json_fallback(smollm2_dir, tmp_path):
     assert Tokenizer.from_dir(str(d), chat_template=PARTS_TEMPLATE).chat_template == PARTS_TEMPLATE
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Incremental detokenizer
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def stream(tok: Tokenizer, ids: list[int], **kwargs) -> tuple[IncrementalDetokenizer, list[str]]:
-    """Feed ids one by one; return the detokenizer and every intermediate output_text(finished=False)."""
+    """Feed ids one by one; return the detokenizer and every intermediate
+    output_text(finished=False)."""
     det = IncrementalDetokenizer(tok, **kwargs)
     shown = []
     for i in ids:
@@ -714,7 +717,8 @@ def check_stop_stream(tok, text, stop, include=False, skip=True):
     )
     final = det.output_text(finished=True)
     full = tok.decode(ids, skip_special_tokens=skip)
-    # The stop string that completes first (then the one starting first) wins, whatever the token boundaries.
+    # The stop string that completes first (then the one starting first) wins, whatever the token
+    # boundaries.
     hits = sorted((full.find(s) + len(s), full.find(s), s) for s in stop if s and s in full)
     if hits:
         _, pos, reason = hits[0]
@@ -814,9 +818,10 @@ def test_stop_string_across_skipped_special_token(tok):
     assert det.stop_reason is None and det.output_text(True) == "Hello wor<|im_end|>ld!"
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# A SentencePiece-style tokenizer (byte fallback, "▁" spaces, leading-space strip), as Llama 2 / Mistral use
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# A SentencePiece-style tokenizer (byte fallback, "▁" spaces, leading-space strip), as Llama 2 /
+# Mistral use
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """Triton's compiler key, computed by a second interpreter, is the one Triton computes itself.
 
-Reference: triton.runtime.cache.triton_key's own (uncached) function, run in the same process after the install.
+Reference: triton.runtime.cache.triton_key's own (uncached) function, run in the same process after
+the install.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
-"""Compiled-engine artifacts: the key, the choice ENGINE_MODE makes, and installing an artifact's kernels.
+"""Compiled-engine artifacts: the key, the choice ENGINE_MODE makes, and installing an artifact's
+kernels.
 
-CPU: keys built for machines this is not (pure functions), artifacts written as a build writes them. GPU (-m gpu):
-`python -m warmup build` on a small model, then the compiled engine against jit (identical greedy tokens).
+CPU: keys built for machines this is not (pure functions), artifacts written as a build writes them.
+GPU (-m gpu): `python -m warmup build` on a small model, then the compiled engine against jit
+(identical greedy tokens).
 """
 
 from __future__ import annotations
@@ -253,7 +255,7 @@ def test_a_worker_with_engine_mode_compiled_and_no_gpu_fails_its_start_in_one_li
         asyncio.run(boot.ready())
 
 
-# ---- GPU ----------------------------------------------------------------------------------------------------
+# ---- GPU -----------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_built_engine_gives_the_same_greedy_tokens_as_jit(tmp_path):

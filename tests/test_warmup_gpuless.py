@@ -1,13 +1,11 @@
 """Compiled engines built without a GPU: `python -m warmup build --no-gpu --arch sm_80,sm_90` on a
-tiny model gives
-one artifact per architecture whose cubins are ELF files for that SM (read from the ELF header, as
-cuobjdump does),
-keyed for any memory size with this install's versions; the kernel set it traces follows the
-engine's limits.
+tiny model gives one artifact per architecture whose cubins are ELF files for that SM (read from the
+ELF header, as cuobjdump does), keyed for any memory size with this install's versions; the kernel
+set it traces follows the engine's limits.
 
 CPU; Triton must be importable (its wheel carries ptxas). GPU (-m gpu): an artifact built with no
-GPU visible,
-installed into an empty Triton cache, leaves a worker nothing to compile, with jit's greedy tokens.
+GPU visible, installed into an empty Triton cache, leaves a worker nothing to compile, with jit's
+greedy tokens.
 """
 
 from __future__ import annotations
@@ -44,8 +42,7 @@ LIMITS = ["--dtype", "bfloat16", "--max-model-len", "128", "--max-num-seqs", "4"
 
 def cubin_sm(data: bytes) -> int:
     """The SM number a CUDA ELF object was built for: e_flags' low byte, or the next one from ELF
-    ABI version 8
-    (CUDA 12.8's new layout)."""
+    ABI version 8 (CUDA 12.8's new layout)."""
     assert data[:4] == b"\x7fELF" and data[4] == 2, "not a 64-bit ELF file"
     assert struct.unpack_from("<H", data, 18)[0] == EM_CUDA, "not a CUDA object"
     flags = struct.unpack_from("<I", data, 48)[0]

@@ -1,11 +1,9 @@
 """Publishing a compiled engine for the fleet: two worker processes racing on one volume directory,
-and on S3
-(moto's server), publish one artifact, which a later worker finds, pulls and installs as Triton
-cache hits.
+and on S3 (moto's server), publish one artifact, which a later worker finds, pulls and installs as
+Triton cache hits.
 
 The racers are real processes running warmup.publish as a worker's share does: stage the kernels
-from their own
-Triton cache, then publish, released together by a file barrier.
+from their own Triton cache, then publish, released together by a file barrier.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""What a worker reports to a scaler, on the real engine with SmolLM2: each job's final output carries its queue wait
-(the cold start included when the job came first), the worker's capacity and its boot phases; /metrics has the same.
+"""What a worker reports to a scaler, on the real engine with SmolLM2: each job's final output
+carries its queue wait (the cold start included when the job came first), the worker's capacity and
+its boot phases; /metrics has the same.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ GREEDY = {"temperature": 0, "max_tokens": 6}
 
 @pytest.fixture(scope="module")
 def cold(smollm2_dir):
-    """A worker whose engine is not loaded yet, and the first job it got (it waits for the whole boot)."""
+    """A worker whose engine is not loaded yet, and the first job it got (it waits for the whole
+    boot)."""
     settings = load_settings(
         {
             "MODEL_NAME": smollm2_dir,
@@ -69,7 +71,8 @@ def test_a_job_taken_during_the_cold_start_reports_the_boot_as_its_queue_wait(co
     phases = worker.boot.phases
     assert len(chunks) == 1 and "error" not in chunks[0], chunks
     m = chunks[0]["metrics"]
-    # It waited for the whole boot: at least the boot's own total, at most the job's whole time in the handler.
+    # It waited for the whole boot: at least the boot's own total, at most the job's whole time in
+    # the handler.
     assert (
         phases["total"] - 0.002
         <= m["engine_wait_s"]
@@ -77,7 +80,8 @@ def test_a_job_taken_during_the_cold_start_reports_the_boot_as_its_queue_wait(co
         <= m["time_to_first_token_s"]
     )
     assert m["time_to_first_token_s"] <= elapsed + 0.002
-    # The cold start counts from process start: the boot itself plus what came before it (here: the test run).
+    # The cold start counts from process start: the boot itself plus what came before it (here: the
+    # test run).
     assert m["cold_start_s"] == round(phases["total"] + phases["before_boot"], 3)
     assert 0 < phases["before_boot"] <= _process_age_s()
     assert set(m["cold_start_phases"]) == set(phases) - {"total"} and {"resolve", "engine"} <= set(
@@ -98,7 +102,8 @@ def test_a_warm_job_reports_a_short_wait_and_the_capacity_free_blocks_give(cold)
     m = out["metrics"]
     assert m["engine_wait_s"] == 0.0
     assert 0.0 <= m["queue_wait_s"] <= m["time_to_first_token_s"] <= elapsed + 0.002
-    # Capacity: the job itself (still held when its result is made) plus typical requests in the free blocks.
+    # Capacity: the job itself (still held when its result is made) plus typical requests in the
+    # free blocks.
     stats = engine.stats()
     block = worker.settings.block_size
     typical_blocks = math.ceil(adm.typical_tokens / block)
@@ -160,7 +165,8 @@ def test_openai_route_outputs_stay_valid_for_the_official_client(cold, smollm2_d
     )
     assert Completion.model_validate(completion[0]).usage.completion_tokens == 3
     assert completion[0]["metrics"]["capacity_requests"] >= 1
-    # Streamed: chunks stay exactly the OpenAI stream (SSE lines of chunk objects, then [DONE]); no metrics in it.
+    # Streamed: chunks stay exactly the OpenAI stream (SSE lines of chunk objects, then [DONE]); no
+    # metrics in it.
     streamed = "".join(
         _run(
             worker,
@@ -205,7 +211,8 @@ def test_metrics_endpoint_reports_capacity_cold_start_and_queue_wait(cold, smoll
     )
     assert r.status_code == 200, r.text
     text = client.get("/metrics").text
-    # One queue-wait observation per engine request (three prompts), each within the request's own latency.
+    # One queue-wait observation per engine request (three prompts), each within the request's own
+    # latency.
     assert _value(text, "coldbrew_queue_wait_seconds_count") == 3
     waited = _value(text, "coldbrew_queue_wait_seconds_sum")
     assert 0 <= waited <= 3 * _value(text, "coldbrew_request_latency_seconds_sum")
@@ -219,7 +226,8 @@ def test_metrics_endpoint_reports_capacity_cold_start_and_queue_wait(cold, smoll
         assert _value(text, "coldbrew_cold_start_seconds", f'{{phase="{phase}"}}') == pytest.approx(
             seconds
         )
-    # Capacity: nothing running now, so as many typical requests as the free blocks hold (bounded by MAX_NUM_SEQS).
+    # Capacity: nothing running now, so as many typical requests as the free blocks hold (bounded by
+    # MAX_NUM_SEQS).
     stats = boot.engine_now().stats()
     typical = _value(text, "coldbrew_typical_request_tokens")
     per_request = math.ceil(typical / worker.settings.block_size)
@@ -229,7 +237,8 @@ def test_metrics_endpoint_reports_capacity_cold_start_and_queue_wait(cold, smoll
 
 
 def test_queue_wait_counts_the_engine_queue(smollm2_dir):
-    """With one sequence at a time, of two jobs sent together the second waits in the engine until the first ends."""
+    """With one sequence at a time, of two jobs sent together the second waits in the engine until
+    the first ends."""
     settings = load_settings(
         {"MODEL_NAME": smollm2_dir, "MAX_MODEL_LEN": "512", "DEVICE": "cpu", "MAX_NUM_SEQS": "1"}
     )

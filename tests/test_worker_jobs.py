@@ -1,5 +1,6 @@
-"""The worker's job handler in-process on the real engine: cancellation frees KV blocks, the SIGTERM grace deadline
-aborts what is left, a dead engine fails the jobs in flight and exits 1, and admission follows free KV capacity.
+"""The worker's job handler in-process on the real engine: cancellation frees KV blocks, the SIGTERM
+grace deadline aborts what is left, a dead engine fails the jobs in flight and exits 1, and
+admission follows free KV capacity.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ async def _wait_all_free(engine, timeout=30.0):
 
 
 async def test_closing_a_job_mid_stream_frees_its_blocks(boot):
-    """The SDK cancels a stopped job's task; a generator left at a yield is closed: both end the engine request."""
+    """The SDK cancels a stopped job's task; a generator left at a yield is closed: both end the
+    engine request."""
     worker, _ = _worker(boot)
     engine = boot.engine_now()
     job = worker.handle({"id": "close-me", "input": LONG_JOB})
@@ -130,7 +132,8 @@ async def test_admission_follows_free_kv_blocks(boot):
     block = boot.settings.block_size
     adm.max_concurrency = 10_000
     adm.typical_tokens = 256
-    # Idle: as many typical requests as the whole cache holds; also down from MAX_CONCURRENCY, the value at start-up.
+    # Idle: as many typical requests as the whole cache holds; also down from MAX_CONCURRENCY, the
+    # value at start-up.
     assert adm.concurrency_modifier(1) == stats.num_kv_blocks // (256 // block)
     assert adm.concurrency_modifier(10_000) == stats.num_kv_blocks // (256 // block)
     # Bounded by MAX_CONCURRENCY; a typical request is never planned larger than the context limit.
@@ -411,7 +414,8 @@ async def test_openai_stream_as_chunk_objects_when_raw_output_is_off(boot, smoll
         )
     ]
     assert all(isinstance(b, list) and all(isinstance(c, dict) for c in b) for b in batches)
-    # Chunk counts per batch grow 1, 3, 9 ... (DEFAULT_MIN_BATCH_SIZE, x DEFAULT_BATCH_SIZE_GROWTH_FACTOR); no [DONE].
+    # Chunk counts per batch grow 1, 3, 9 ... (DEFAULT_MIN_BATCH_SIZE, x
+    # DEFAULT_BATCH_SIZE_GROWTH_FACTOR); no [DONE].
     assert [len(b) for b in batches[:-1]] == [1, 3, 9][: len(batches) - 1]
     deltas = "".join(c["choices"][0]["delta"].get("content") or "" for b in batches for c in b)
     assert deltas == whole[0]["choices"][0]["message"]["content"]

@@ -1,6 +1,8 @@
-"""Tiny random-weight HF checkpoints of every supported family, and hand-built AttentionMetadata, for the tests.
+"""Tiny random-weight HF checkpoints of every supported family, and hand-built AttentionMetadata,
+for the tests.
 
-The HF models come from transformers (a test-only dependency) and are saved with save_pretrained, as a hub repo is.
+The HF models come from transformers (a test-only dependency) and are saved with save_pretrained, as
+a hub repo is.
 """
 
 from __future__ import annotations
@@ -112,10 +114,11 @@ def make_tiny_model(
     rope_spelling: str = "new",
     **config,
 ):
-    """Build a seeded random HF model of `family`, save it to `out_dir` and return it (eval, float32).
+    """Build a seeded random HF model of `family`, save it to `out_dir` and return it (eval,
+    float32).
 
-    rope_spelling "old" rewrites config.json with `rope_theta` + `rope_scaling` instead of `rope_parameters`.
-    `config` overrides fields of the family's config.
+    rope_spelling "old" rewrites config.json with `rope_theta` + `rope_scaling` instead of
+    `rope_parameters`. `config` overrides fields of the family's config.
     """
     import transformers
 
@@ -135,7 +138,8 @@ def make_tiny_model(
 
 @torch.no_grad()
 def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Non-trivial weights: norms around 1 with noise, matrices N(0, 0.05), embeddings N(0, 0.1), biases N(0, 0.1)."""
+    """Non-trivial weights: norms around 1 with noise, matrices N(0, 0.05), embeddings N(0, 0.1),
+    biases N(0, 0.1)."""
     gen = torch.Generator().manual_seed(seed + 1)
     for name, p in model.named_parameters():
         noise = torch.randn(p.shape, generator=gen)
@@ -163,7 +167,8 @@ def add_char_tokenizer(model_dir: str) -> None:
 
 
 def write_old_rope_spelling(model_dir: str) -> None:
-    """Rewrite config.json's `rope_parameters` as the pre-transformers-5 `rope_theta` + `rope_scaling`."""
+    """Rewrite config.json's `rope_parameters` as the pre-transformers-5 `rope_theta` +
+    `rope_scaling`."""
     path = os.path.join(model_dir, "config.json")
     with open(path) as f:
         cfg = json.load(f)
@@ -182,11 +187,12 @@ def write_old_rope_spelling(model_dir: str) -> None:
 
 @torch.no_grad()
 def hf_logits(model, tokens: list[int]) -> torch.Tensor:
-    """Full-recompute logits [len(tokens), vocab] float32 of an HF model (causal: row t sees tokens[: t + 1])."""
+    """Full-recompute logits [len(tokens), vocab] float32 of an HF model (causal: row t sees
+    tokens[: t + 1])."""
     return model(torch.tensor([tokens]), use_cache=False).logits[0].float()
 
 
-# --- paged KV bookkeeping, by hand --------------------------------------------------------------------------
+# --- paged KV bookkeeping, by hand ----------------------------------------------------------------
 
 
 @dataclass
@@ -216,7 +222,8 @@ def shuffled_block_tables(
 def make_step(
     seqs: list[PagedSeq], num_new: list[int], block_size: int, device: str | torch.device = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """input_ids, positions and AttentionMetadata for one step where seqs[i] adds its next num_new[i] tokens.
+    """input_ids, positions and AttentionMetadata for one step where seqs[i] adds its next
+    num_new[i] tokens.
 
     Advances each sequence's num_cached.
     """
@@ -245,7 +252,8 @@ def host_metadata(
     block_size: int,
     device: str | torch.device = "cpu",
 ) -> AttentionMetadata:
-    """AttentionMetadata from host lists: block tables padded with block 0 to the widest (at least one column)."""
+    """AttentionMetadata from host lists: block tables padded with block 0 to the widest (at least
+    one column)."""
     width = max(max(len(t) for t in tables), 1)
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),

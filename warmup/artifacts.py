@@ -1,9 +1,11 @@
-"""Compiled-engine artifacts: what lets a cold process skip work, under a key naming everything that makes it valid.
+"""Compiled-engine artifacts: what lets a cold process skip work, under a key naming everything that
+makes it valid.
 
-An artifact is a directory `<model>/engines/<id>/` (or under another root) holding `artifact.json` (the key, the
-KV-sizing record, the CUDA-graph batch sizes, the build's smoke tokens and time) and `triton-cache/`: every kernel
-the engine compiled for this model, GPU and software stack while it was built. select() picks one for ENGINE_MODE;
-install() puts its kernels where Triton looks and returns the engine arguments its record implies.
+An artifact is a directory `<model>/engines/<id>/` (or under another root) holding `artifact.json`
+(the key, the KV-sizing record, the CUDA-graph batch sizes, the build's smoke tokens and time) and
+`triton-cache/`: every kernel the engine compiled for this model, GPU and software stack while it
+was built. select() picks one for ENGINE_MODE; install() puts its kernels where Triton looks and
+returns the engine arguments its record implies.
 """
 
 from __future__ import annotations
@@ -39,21 +41,23 @@ KEY_FIELDS = (
     "gpu_memory_utilization",
 )
 # An artifact with no measured KV-sizing record (built without a GPU, or published by a worker that
-# sized its
-# cache analytically) holds kernels only, which depend on neither field: its key says "any" in both.
+# sized its cache analytically) holds kernels only, which depend on neither field: its key says
+# "any" in both.
 ANY_MEMORY = "any"
 WILDCARD_FIELDS = ("gpu_memory_gib", "gpu_memory_utilization")
 
 
 class ArtifactError(RuntimeError):
-    """ENGINE_MODE=compiled and no artifact matches: the message is one line naming the fields that differ."""
+    """ENGINE_MODE=compiled and no artifact matches: the message is one line naming the fields that
+    differ."""
 
 
-# ---- the key -------------------------------------------------------------------------------------------------
+# ---- the key -------------------------------------------------------------------------------------
 def artifact_key(model_digest: str, limits: dict, device: dict, software: dict) -> dict:
     """The key from its parts (pure: tests build keys for machines they are not on).
 
-    limits: dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, gpu_memory_utilization.
+    limits: dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
+    gpu_memory_utilization.
     device: gpu_arch ("sm_90"), gpu_memory_gib. software: torch, triton, cuda versions."""
     key = {"format": ARTIFACT_FORMAT, "model_digest": model_digest, **device, **software, **limits}
     missing = [f for f in KEY_FIELDS if f not in key]
@@ -96,7 +100,8 @@ def _software() -> dict:
 
 
 def current_key(args) -> dict:
-    """The key this process would need, for EngineArgs `args` on its CUDA device (imports torch and triton)."""
+    """The key this process would need, for EngineArgs `args` on its CUDA device (imports torch and
+    triton)."""
     import torch
 
     from engine.models.weights import model_digest
@@ -121,9 +126,8 @@ def current_key(args) -> dict:
 
 def gpuless_key(args, arch: str) -> dict:
     """The key of an artifact built without a GPU for `arch` ("sm_90"): this install's torch, triton
-    and CUDA,
-    and any memory size and utilization (it holds kernels only; the KV-sizing record needs the
-    GPU)."""
+    and CUDA, and any memory size and utilization (it holds kernels only; the KV-sizing record needs
+    the GPU)."""
     import torch
 
     from engine.models.weights import model_digest
@@ -153,7 +157,7 @@ def mismatches(built: dict, wanted: dict) -> list[str]:
     ]
 
 
-# ---- finding and choosing ------------------------------------------------------------------------------------
+# ---- finding and choosing ------------------------------------------------------------------------
 def artifact_roots(model_dir: str, cache_dir: str | None = None) -> list[str]:
     """Where artifacts live: beside the model's snapshot, then the cache dir's engines/."""
     roots = [os.path.join(model_dir, ENGINES_DIR)]
@@ -195,8 +199,9 @@ def _check_mode(mode: str) -> None:
 
 
 def select(mode: str, roots: list[str], key: dict) -> Selection:
-    """ENGINE_MODE -> what runs. compiled without a matching artifact raises ArtifactError (one line naming the
-    fields of the closest artifact that differ); auto falls back to jit with that line as its reason."""
+    """ENGINE_MODE -> what runs. compiled without a matching artifact raises ArtifactError (one line
+    naming the fields of the closest artifact that differ); auto falls back to jit with that line as
+    its reason."""
     _check_mode(mode)
     if mode == "jit":
         return Selection("jit", None, "ENGINE_MODE=jit")
@@ -220,8 +225,9 @@ def select(mode: str, roots: list[str], key: dict) -> Selection:
 
 
 def install(artifact: str, triton_cache_dir: str | None = None) -> dict:
-    """Copy the artifact's kernels into Triton's cache (the current one unless given; entries already there are
-    kept) and return the EngineArgs overrides of its record: the measured KV step and the graph sizes."""
+    """Copy the artifact's kernels into Triton's cache (the current one unless given; entries
+    already there are kept) and return the EngineArgs overrides of its record: the measured KV step
+    and the graph sizes."""
     if triton_cache_dir is None:
         import triton.knobs
 
@@ -239,8 +245,9 @@ def install(artifact: str, triton_cache_dir: str | None = None) -> dict:
 
 
 def _copy_if_missing(src: str, dst: str) -> str:
-    """Copy one cache file. Triton's group files (__grp__*.json) list their kernel's files by absolute path, which
-    named the build's directory: they are rewritten to where the files are now, or Triton would compile again."""
+    """Copy one cache file. Triton's group files (__grp__*.json) list their kernel's files by
+    absolute path, which named the build's directory: they are rewritten to where the files are now,
+    or Triton would compile again."""
     if os.path.exists(dst):
         return dst
     if not os.path.basename(src).startswith("__grp__"):
@@ -262,10 +269,9 @@ def _copy_if_missing(src: str, dst: str) -> str:
 
 def pull_matching(key: dict, remote: str, cache_dir: str, opts=None) -> str | None:
     """The artifact for `key` from a fleet cache (remote/engines/<id>, as `warmup build --push` or a
-    worker's
-    publish wrote it: the exact key first, then the key for any memory size) into
-    cache_dir/engines/<id>,
-    atomically; None when the fleet has none. Raises cache.remote.RemoteError."""
+    worker's publish wrote it: the exact key first, then the key for any memory size) into
+    cache_dir/engines/<id>, atomically; None when the fleet has none. Raises
+    cache.remote.RemoteError."""
     for wanted in (key, any_memory(key)):
         path = _pull_one(key_id(wanted), remote, cache_dir, opts)
         if path is not None:
@@ -298,9 +304,11 @@ def _pull_one(name: str, remote: str, cache_dir: str, opts) -> str | None:
 def prepare(
     mode: str, args, cache_dir: str | None = None, remote: str | None = None, s3_options=None
 ):
-    """ENGINE_MODE applied to EngineArgs `args` (call once torch is up): -> (the args to build the engine with,
-    the Selection). compiled installs the artifact's kernels and takes its KV-sizing record and graph sizes.
-    remote (s3://...): with no matching artifact on disk, one pushed there for this key is pulled first."""
+    """ENGINE_MODE applied to EngineArgs `args` (call once torch is up): -> (the args to build the
+    engine with, the Selection). compiled installs the artifact's kernels and takes its KV-sizing
+    record and graph sizes.
+    remote (s3://...): with no matching artifact on disk, one pushed there for this key is pulled
+    first."""
     import dataclasses
 
     _check_mode(mode)

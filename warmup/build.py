@@ -1,15 +1,12 @@
 """`python -m warmup build`: compiled-engine artifacts, stored beside the model's snapshot.
 
 On the GPU it runs on (build): the engine starts with an empty Triton cache of its own, a profiled
-KV-sizing step
-and every decode graph captured, then runs prompts of many lengths and sampling settings; the
-artifact keeps the
-kernels it compiled, the measured step peak and the graph sizes, and a smoke generation's tokens.
+KV-sizing step and every decode graph captured, then runs prompts of many lengths and sampling
+settings; the artifact keeps the kernels it compiled, the measured step peak and the graph sizes,
+and a smoke generation's tokens.
 Without a GPU (build_without_gpu): for each named architecture, the kernel set warmup.kernel_set
-finds, compiled by
-warmup.aot for that target; the artifact holds kernels only, for any memory size of that
-architecture.
-Both publish atomically (warmup.publish; optionally to S3 as well).
+finds, compiled by warmup.aot for that target; the artifact holds kernels only, for any memory size
+of that architecture. Both publish atomically (warmup.publish; optionally to S3 as well).
 """
 
 from __future__ import annotations
@@ -25,12 +22,14 @@ log = logging.getLogger(__name__)
 
 
 def smoke_prompt(vocab: int) -> list[int]:
-    """The build's last generation (its greedy tokens are kept in the record, to compare a compiled run with)."""
+    """The build's last generation (its greedy tokens are kept in the record, to compare a compiled
+    run with)."""
     return [(1000 + 7 * i) % (vocab - 1) + 1 for i in range(32)]
 
 
 def _exercise(llm, max_len: int, vocab: int) -> None:
-    """Prompts of many lengths (alone, batched, and meeting decodes in mixed steps) and every sampler path."""
+    """Prompts of many lengths (alone, batched, and meeting decodes in mixed steps) and every
+    sampler path."""
     from engine import SamplingParams
 
     def prompt(n: int, salt: int) -> list[int]:
@@ -79,9 +78,9 @@ def build(
     revision: str | None = None,
     push: str | None = None,
 ) -> tuple[str, dict]:
-    """Build and publish an artifact for `model` (a snapshot directory or any reference cache.resolve takes);
-    returns (its directory, its artifact.json). Run it in a process of its own: it points Triton's cache at a
-    fresh directory for its whole life."""
+    """Build and publish an artifact for `model` (a snapshot directory or any reference
+    cache.resolve takes); returns (its directory, its artifact.json). Run it in a process of its
+    own: it points Triton's cache at a fresh directory for its whole life."""
     t0 = time.perf_counter()
     model = _resolve(model, cache_dir, revision)
     import torch
@@ -160,9 +159,8 @@ def build_without_gpu(
     **limits,
 ) -> list[tuple[str, dict]]:
     """One artifact per architecture in `arches`, compiled here without a GPU (each in `jobs`
-    processes);
-    returns [(its directory, its artifact.json)]. limits: dtype, max_model_len, max_num_seqs,
-    max_num_batched_tokens, gpu_memory_utilization, block_size (EngineArgs' names)."""
+    processes); returns [(its directory, its artifact.json)]. limits: dtype, max_model_len,
+    max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, block_size (EngineArgs' names)."""
     from warmup.aot import sm_counts_for
 
     model = _resolve(model, cache_dir, revision)

@@ -1,22 +1,16 @@
 """A worker's kernels before its first request, and never a compile inside a step after it.
 
 warm_kernels() runs once the engine is built, before the worker reports ready: the kernel set of a
-first request
-(prompts of every specialization class, then decode at batch 1; warmup.kernel_set) is traced with
-this GPU's driver,
-so each kernel is loaded from Triton's disk cache (an installed artifact, a warm cache) or compiled,
-and its module
-is on the GPU. It is bounded by a time budget and timed for the start-up log.
+first request (prompts of every specialization class, then decode at batch 1; warmup.kernel_set) is
+traced with this GPU's driver, so each kernel is loaded from Triton's disk cache (an installed
+artifact, a warm cache) or compiled, and its module is on the GPU. It is bounded by a time budget
+and timed for the start-up log.
 
 What is not loaded yet is loaded by a background thread: when the first kernels were on disk, right
-away; when they
-had to be compiled (an empty cache), a separate process (`python -m warmup kernels`, no GPU context,
-so no step of
-this worker waits on its compiles) compiles the whole set into this worker's Triton cache first.
-Once the set is
-loaded, decode graphs are captured in the background (engine.cuda_graphs) with each size's kernels
-loaded by the
-capture thread.
+away; when they had to be compiled (an empty cache), a separate process (`python -m warmup kernels`,
+no GPU context, so no step of this worker waits on its compiles) compiles the whole set into this
+worker's Triton cache first. Once the set is loaded, decode graphs are captured in the background
+(engine.cuda_graphs) with each size's kernels loaded by the capture thread.
 """
 
 from __future__ import annotations
@@ -113,10 +107,8 @@ def warm_kernels(
     """Load (or compile) a first request's kernels now, and start the background work that loads the
     rest.
     engine_mode: the mode that runs ("jit": the rest of the set is compiled by a background process
-    first;
-    "compiled": only if a first kernel was missing from the artifact). None where there is nothing
-    to warm (no
-    GPU, no Triton backend)."""
+    first; "compiled": only if a first kernel was missing from the artifact). None where there is
+    nothing to warm (no GPU, no Triton backend)."""
     live = _Live(engine)
     if live.runner.device.type != "cuda" or live.target_programs is None:
         return None
@@ -154,8 +146,7 @@ def warm_kernels(
 
 def _load_rest(live: _Live, steps: list, result: KernelWarmup) -> None:
     """Background: wait for the compile process (if any), load every other kernel of the set from
-    disk, then let
-    decode graphs be captured off the step loop."""
+    disk, then let decode graphs be captured off the step loop."""
     from warmup.kernel_set import kernel_dirs
 
     try:
@@ -221,8 +212,7 @@ def _read_list(path: str | None) -> list[str]:
 
 def _start_compile_process(live: _Live, cache_dir: str) -> tuple[subprocess.Popen, str]:
     """`python -m warmup kernels` for this GPU's architecture and SM count into this worker's Triton
-    cache, with no
-    GPU visible (no CUDA context, no GPU memory) and at a low CPU priority."""
+    cache, with no GPU visible (no CUDA context, no GPU memory) and at a low CPU priority."""
     import tempfile
 
     import torch

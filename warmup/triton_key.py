@@ -31,7 +31,8 @@ class TritonKey:
         )
 
     def install(self, timeout: float = 30.0) -> bool:
-        """Give Triton the key computed meanwhile (waits for it if need be); False if there is none to give."""
+        """Give Triton the key computed meanwhile (waits for it if need be); False if there is none
+        to give."""
         try:
             out, _ = self._proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -81,7 +81,8 @@ def _decode_batch(
     sliding_window: int | None,
     out: torch.Tensor,
 ) -> None:
-    """All one-token queries at once: gather each context padded to the longest, mask the padding."""
+    """All one-token queries at once: gather each context padded to the longest, mask the
+    padding."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     block_size = k_cache.shape[1]

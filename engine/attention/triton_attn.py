@@ -55,9 +55,8 @@ class TritonAttentionBackend(AttentionBackend):
         self.decode_tiles = decode_tiles
         self.prefill_tiles = prefill_tiles
         # Split-KV decode counts arriving splits per (sequence, kv head) here; the last one merges
-        # and resets its
-        # count, so the buffer stays zero between launches. Allocated (zeroed) outside any CUDA-
-        # graph capture.
+        # and resets its count, so the buffer stays zero between launches. Allocated (zeroed)
+        # outside any CUDA-graph capture.
         self.fused_merge = fused_merge
         self.arrivals: torch.Tensor | None = None
         if fused_merge and device is not None and device.type == "cuda":

@@ -1,7 +1,9 @@
-"""Triton kernels of the paged attention backend: the KV-cache write, one attention kernel, the split merge.
+"""Triton kernels of the paged attention backend: the KV-cache write, one attention kernel, the
+split merge.
 
-The attention kernel packs a kv head's whole query-head group into the rows of each tile, so a K/V tile is read
-once for all of them; decode runs it split along the context (flash-decoding), prefill one program per query tile.
+The attention kernel packs a kv head's whole query-head group into the rows of each tile, so a K/V
+tile is read once for all of them; decode runs it split along the context (flash-decoding), prefill
+one program per query tile.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ def write_kv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """One program per new token: copy its K and V rows [Hkv, D] to its flat slot; a negative slot is padding."""
+    """One program per new token: copy its K and V rows [Hkv, D] to its flat slot; a negative slot
+    is padding."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -67,9 +70,11 @@ def _attend_tile(
     USE_WINDOW: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """Fold keys [start, start + BLOCK_N) (those < end) into the running softmax (log2 domain, fp32).
+    """Fold keys [start, start + BLOCK_N) (those < end) into the running softmax (log2 domain,
+    fp32).
 
-    MASKED=False is for tiles wholly inside the context and below every row's position: no bounds, no mask.
+    MASKED=False is for tiles wholly inside the context and below every row's position: no bounds,
+    no mask.
     """
     n = start + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -94,7 +99,8 @@ def _attend_tile(
         if USE_WINDOW:
             visible = visible & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-    # scale_log2 > 0, so scaling the row max equals the max of the scaled row; s * scale - m is one FMA.
+    # scale_log2 > 0, so scaling the row max equals the max of the scaled row; s * scale - m is one
+    # FMA.
     m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s * scale_log2 - m_new[:, None])
@@ -147,13 +153,15 @@ def paged_attention_kernel(
     FUSED_MERGE: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    """Program (sequence b, kv head x split, query tile): rows are (query token, head of the group) pairs.
+    """Program (sequence b, kv head x split, query tile): rows are (query token, head of the group)
+    pairs.
 
-    Everything a program needs about its sequence comes from device tensors, so the grid depends on shapes only.
-    With NUM_SPLITS > 1 it writes a normalised partial output and its log2-sum-exp. FUSED_MERGE: only the splits
-    the context needs run; one that has the whole context writes the output itself, otherwise the last split to
-    arrive (an atomic count per sequence and kv head, reset by it) merges the partials. Without FUSED_MERGE
-    every split writes a partial and merge_splits_kernel combines them.
+    Everything a program needs about its sequence comes from device tensors, so the grid depends on
+    shapes only. With NUM_SPLITS > 1 it writes a normalised partial output and its log2-sum-exp.
+    FUSED_MERGE: only the splits the context needs run; one that has the whole context writes the
+    output itself, otherwise the last split to arrive (an atomic count per sequence and kv head,
+    reset by it) merges the partials. Without FUSED_MERGE every split writes a partial and
+    merge_splits_kernel combines them.
     """
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // NUM_SPLITS
@@ -168,7 +176,8 @@ def paged_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + b)
     ctx_start = seq_len - q_len  # position of the sequence's first query token
 
-    # Keys this tile can see: [lo, hi); those below `full` are visible to every row (no mask needed).
+    # Keys this tile can see: [lo, hi); those below `full` are visible to every row (no mask
+    # needed).
     hi = ctx_start + tl.minimum(q0 + BLOCK_Q, q_len)
     lo = 0
     if USE_WINDOW:
@@ -279,7 +288,8 @@ def paged_attention_kernel(
         )
         tl.store(part_lse_ptr + first + split, m_i + tl.log2(l_i), mask=row_valid)
         if FUSED_MERGE:
-            # acq_rel: this split's partials are visible before its arrival counts; the last one sees them all
+            # acq_rel: this split's partials are visible before its arrival counts; the last one
+            # sees them all
             arrival = arrivals_ptr + b * (tl.num_programs(1) // NUM_SPLITS) + kv_head
             if tl.atomic_add(arrival, 1, sem="acq_rel") == num_active - 1:
                 _merge_group(
@@ -318,8 +328,8 @@ def _merge_group(
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    """For each head of the group: out = sum_s exp2(lse_s - max) * partial_s / sum_s exp2(lse_s - max) over the
-    active splits (heads unrolled, so all their loads are in flight together)."""
+    """For each head of the group: out = sum_s exp2(lse_s - max) * partial_s / sum_s exp2(lse_s -
+    max) over the active splits (heads unrolled, so all their loads are in flight together)."""
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     s_ok = s < num_active
@@ -359,7 +369,8 @@ def merge_splits_kernel(
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    """One program per (token, head): weight each split's output by exp2(its lse - max); no context gives zeros."""
+    """One program per (token, head): weight each split's output by exp2(its lse - max); no context
+    gives zeros."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)

@@ -1,6 +1,8 @@
-"""Building blocks of the decoder template: RMSNorm, rotary embeddings, fused activations, plain linear layers.
+"""Building blocks of the decoder template: RMSNorm, rotary embeddings, fused activations, plain
+linear layers.
 
-Each layer allocates its parameters empty on the target device and dtype; on CUDA they run fused Triton kernels.
+Each layer allocates its parameters empty on the target device and dtype; on CUDA they run fused
+Triton kernels.
 """
 
 from engine.layers.activation import silu_and_mul

@@ -1,6 +1,8 @@
-"""Fused Triton kernels of the CUDA fast path: residual-add + RMSNorm, SiLU-and-mul, RoPE (+ Qwen3 q/k norm, KV write).
+"""Fused Triton kernels of the CUDA fast path: residual-add + RMSNorm, SiLU-and-mul, RoPE (+ Qwen3
+q/k norm, KV write).
 
-Each kernel rounds to the activation dtype where the torch reference does, so results match it within bf16 rounding.
+Each kernel rounds to the activation dtype where the torch reference does, so results match it
+within bf16 rounding.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
 
 
 def fused_kernels_available(x: torch.Tensor) -> bool:
-    """True when x lives on a CUDA device and triton is importable: the layers then take the fused kernels."""
+    """True when x lives on a CUDA device and triton is importable: the layers then take the fused
+    kernels."""
     return triton is not None and x.is_cuda
 
 
@@ -43,7 +46,8 @@ if triton is not None:
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
         if HAS_RESIDUAL:
             res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
-            # the sum is rounded to the activation dtype before the norm, as `x + residual` does in torch
+            # the sum is rounded to the activation dtype before the norm, as `x + residual` does in
+            # torch
             x = (x.to(tl.float32) + res.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
             tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
         xf = x.to(tl.float32)
@@ -84,8 +88,8 @@ if triton is not None:
         BLOCK_H: tl.constexpr,
         HAS_NORM: tl.constexpr,
     ):
-        """Rotate the num_heads heads of one token ([BLOCK_H, HALF] tiles of both halves) and store them densely
-        from dst_row (when store_ok)."""
+        """Rotate the num_heads heads of one token ([BLOCK_H, HALF] tiles of both halves) and store
+        them densely from dst_row (when store_ok)."""
         heads = tl.arange(0, BLOCK_H)[:, None]
         dims = tl.arange(0, BLOCK_D)[None, :]
         mask = (heads < num_heads) & (dims < HALF)
@@ -141,8 +145,9 @@ if triton is not None:
         HAS_NORM: tl.constexpr,
         TO_CACHE: tl.constexpr,
     ):
-        """One program per token. TO_CACHE: k_out_ptr is a paged KV cache layer [2, slots, Hkv, D] and the rotated
-        K and the untouched V go straight to the token's slot (a negative slot is padding: nothing written)."""
+        """One program per token. TO_CACHE: k_out_ptr is a paged KV cache layer [2, slots, Hkv, D]
+        and the rotated K and the untouched V go straight to the token's slot (a negative slot is
+        padding: nothing written)."""
         tok = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + tok).to(tl.int64)
         dims = tl.arange(0, BLOCK_D)[None, :]
@@ -285,11 +290,13 @@ def rope_fused(
     kv_cache_layer: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """q [T, H, D], k [T, Hkv, D] (strided views of a fused qkv output are fine) -> new contiguous rotated q, k.
+    """q [T, H, D], k [T, Hkv, D] (strided views of a fused qkv output are fine) -> new contiguous
+    rotated q, k.
 
-    cos/sin are the [max_positions, D/2] caches; with norm weights, each head is RMS-normalised first (Qwen3).
-    With v, kv_cache_layer [2, blocks, block_size, Hkv, D] (contiguous, q's dtype) and slot_mapping [T], the rotated
-    k and v are written to the cache at their slots instead (as the attention backend's KV write would): (q, None).
+    cos/sin are the [max_positions, D/2] caches; with norm weights, each head is RMS-normalised
+    first (Qwen3). With v, kv_cache_layer [2, blocks, block_size, Hkv, D] (contiguous, q's dtype)
+    and slot_mapping [T], the rotated k and v are written to the cache at their slots instead (as
+    the attention backend's KV write would): (q, None).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]

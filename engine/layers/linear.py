@@ -1,6 +1,8 @@
-"""Linear and embedding layers whose parameters are allocated empty (no init pass) on the target device and dtype.
+"""Linear and embedding layers whose parameters are allocated empty (no init pass) on the target
+device and dtype.
 
-The weight loader fills them; on CUDA a decode-sized input (few rows) takes the skinny Triton GEMM instead of cuBLAS.
+The weight loader fills them; on CUDA a decode-sized input (few rows) takes the skinny Triton GEMM
+instead of cuBLAS.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""The random draw of the CUDA sampler: per row, argmax of logits + Gumbel noise from a counter-based RNG (Philox).
+"""The random draw of the CUDA sampler: per row, argmax of logits + Gumbel noise from a
+counter-based RNG (Philox).
 
-Each row's noise depends only on its own 64-bit key, so a seeded request draws the same tokens whatever the batch.
+Each row's noise depends only on its own 64-bit key, so a seeded request draws the same tokens
+whatever the batch.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ _MASK64 = (1 << 64) - 1
 
 
 def mix64(z: int) -> int:
-    """splitmix64's finaliser: a well-spread 64-bit hash of a 64-bit int (used to derive per-draw keys)."""
+    """splitmix64's finaliser: a well-spread 64-bit hash of a 64-bit int (used to derive per-draw
+    keys)."""
     z = (z + 0x9E3779B97F4A7C15) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
@@ -25,8 +28,9 @@ def mix64(z: int) -> int:
 
 
 def draw_key(generator: torch.Generator) -> int:
-    """A signed 64-bit key for one row's draw from a CUDA generator, advancing the generator's Philox offset by 4
-    (one draw), so the next call on the same generator gets a different key. Host-only: no kernel, no sync."""
+    """A signed 64-bit key for one row's draw from a CUDA generator, advancing the generator's
+    Philox offset by 4 (one draw), so the next call on the same generator gets a different key.
+    Host-only: no kernel, no sync."""
     offset = generator.get_offset()
     generator.set_offset(offset + 4)
     key = mix64(generator.initial_seed() ^ mix64(offset))
@@ -62,9 +66,11 @@ if triton is not None:
 
 
 def race_sample(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """logits [N, V] float (masked entries -inf), keys [N] int64 on the same CUDA device -> sampled ids [N] int64.
+    """logits [N, V] float (masked entries -inf), keys [N] int64 on the same CUDA device -> sampled
+    ids [N] int64.
 
-    Token t of row i wins with probability softmax(logits[i])[t]; the noise of row i is a function of keys[i] only.
+    Token t of row i wins with probability softmax(logits[i])[t]; the noise of row i is a function
+    of keys[i] only.
     """
     n_rows, vocab = logits.shape
     out = torch.empty(n_rows, dtype=torch.int64, device=logits.device)

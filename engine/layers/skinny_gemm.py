@@ -1,7 +1,9 @@
-"""Skinny GEMM in Triton for decode (few rows, M <= 16): y = x @ W^T (+ b), reading each weight once at bandwidth.
+"""Skinny GEMM in Triton for decode (few rows, M <= 16): y = x @ W^T (+ b), reading each weight once
+at bandwidth.
 
-cuBLAS picks split-K kernels plus a reduce launch for these shapes; this kernel tiles N finely instead, and writes
-the lm_head's fp32 logits in the same pass (tiles per shape from bench/gemm_micro.py on an H100).
+cuBLAS picks split-K kernels plus a reduce launch for these shapes; this kernel tiles N finely
+instead, and writes the lm_head's fp32 logits in the same pass (tiles per shape from
+bench/gemm_micro.py on an H100).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ if triton is not None:
     ):
         """Program n: output columns [n * BLOCK_N, +BLOCK_N) of every row; the loop walks K once.
 
-        ROUND: round the fp32 result to x's dtype before storing into a wider y (bf16 logits in an fp32 buffer).
+        ROUND: round the fp32 result to x's dtype before storing into a wider y (bf16 logits in an
+        fp32 buffer).
         """
         pid_n = tl.program_id(0)
         rm = tl.arange(0, BLOCK_M)
@@ -76,7 +79,8 @@ if triton is not None:
 
 
 def skinny_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when the skinny kernel serves x @ weight^T: CUDA, bf16/fp16, at most MAX_ROWS rows, weight rows dense."""
+    """True when the skinny kernel serves x @ weight^T: CUDA, bf16/fp16, at most MAX_ROWS rows,
+    weight rows dense."""
     if (
         triton is None
         or not x.is_cuda
@@ -90,7 +94,8 @@ def skinny_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def default_config(n: int, k: int) -> SkinnyConfig:
-    """Tiles per shape, the fastest of a sweep on an H100 at 1 row, weights read from HBM (Llama-3.1-8B's shapes)."""
+    """Tiles per shape, the fastest of a sweep on an H100 at 1 row, weights read from HBM
+    (Llama-3.1-8B's shapes)."""
     if n >= 16384:  # gate_up, lm_head
         return (32, 512, 4, 4)
     if n >= 6144:  # fused qkv
@@ -109,8 +114,9 @@ def skinny_gemm(
 ) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias) -> [..., N] in x's dtype.
 
-    `out` (2-D [rows, N], e.g. an fp32 logits buffer) receives the result rounded to x's dtype first, as
-    F.linear(...).float() would give. `config` overrides the tiles (the benchmark sweeps them).
+    `out` (2-D [rows, N], e.g. an fp32 logits buffer) receives the result rounded to x's dtype
+    first, as F.linear(...).float() would give. `config` overrides the tiles (the benchmark sweeps
+    them).
     """
     n, k = weight.shape
     x2 = x.reshape(-1, x.shape[-1])

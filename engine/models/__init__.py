@@ -1,7 +1,7 @@
 """Models of the engine: one decoder template for the Llama / Mistral / Qwen2 / Qwen3 families.
 
-build_model allocates an empty model; load_model builds it and fills it (names resolve on first use, so the
-weights' preload does not import the model code, and triton with it).
+build_model allocates an empty model; load_model builds it and fills it (names resolve on first use,
+so the weights' preload does not import the model code, and triton with it).
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""The one decoder template (Llama, Mistral, Qwen2, Qwen3), readable top to bottom, with per-family switches.
+"""The one decoder template (Llama, Mistral, Qwen2, Qwen3), readable top to bottom, with per-family
+switches.
 
-Switches come from ModelConfig: qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3), explicit head_dim, tied lm_head.
+Switches come from ModelConfig: qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3), explicit head_dim,
+tied lm_head.
 
 Under tensor parallelism (a Shard of more than one rank) each rank builds its slice: qkv and gate_up
 keep its rows (heads, MLP columns), o_proj and down_proj its input columns and all-reduce, the
@@ -85,7 +87,8 @@ class Attention(nn.Module):
         if getattr(self.backend, "accepts_written_kv", False) and rotary.can_write_cache(
             q, kv_cache_layer
         ):
-            # one kernel rotates q and k (Qwen3: normalises each head first) and stores k, v in the paged cache
+            # one kernel rotates q and k (Qwen3: normalises each head first) and stores k, v in the
+            # paged cache
             q = rotary.rotate_into_cache(
                 positions, q, k, v, kv_cache_layer, meta.slot_mapping, self.q_norm, self.k_norm
             )
@@ -114,9 +117,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), with the running sum carried as `residual`.
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), with the running sum carried as
+    `residual`.
 
-    Each residual add is fused with the norm that follows it: norm(x, residual) -> (normed, x + residual).
+    Each residual add is fused with the norm that follows it: norm(x, residual) -> (normed, x +
+    residual).
     """
 
     def __init__(
@@ -137,7 +142,8 @@ class DecoderLayer(nn.Module):
         kv_cache_layer: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's MLP output, the residual stream before it); their sum is the layer's output."""
+        """(this layer's MLP output, the residual stream before it); their sum is the layer's
+        output."""
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
@@ -149,9 +155,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """Token ids of one ragged step -> final-normed hidden states; compute_logits maps them to the vocabulary.
+    """Token ids of one ragged step -> final-normed hidden states; compute_logits maps them to the
+    vocabulary.
 
-    Parameter names are HF's without the "model." prefix, except the fused `qkv_proj` and `gate_up_proj`.
+    Parameter names are HF's without the "model." prefix, except the fused `qkv_proj` and
+    `gate_up_proj`.
     """
 
     def __init__(
@@ -164,8 +172,8 @@ class DecoderModel(nn.Module):
         shard: Shard = SINGLE,
         comm=None,
     ) -> None:
-        """param_device="meta" builds the parameters without memory (a loader then points them into its own
-        buffer); buffers (the rotary cos/sin tables) always live on `device`.
+        """param_device="meta" builds the parameters without memory (a loader then points them into
+        its own buffer); buffers (the rotary cos/sin tables) always live on `device`.
 
         shard: the slice this rank holds; comm: its collectives
         (engine.distributed.comm.Communicator; a shard without one can load, not run)."""
@@ -209,7 +217,8 @@ class DecoderModel(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """input_ids, positions [T] int64; kv_cache [L, 2, blocks, block_size, Hkv, D] -> hidden [T, hidden]."""
+        """input_ids, positions [T] int64; kv_cache [L, 2, blocks, block_size, Hkv, D] -> hidden [T,
+        hidden]."""
         x = self.embed_tokens(input_ids)
         residual = None
         for i, layer in enumerate(self.layers):
@@ -219,7 +228,8 @@ class DecoderModel(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] float32 (written into `out` [N, vocab] when given)."""
+        """hidden [N, hidden] -> logits [N, vocab] float32 (written into `out` [N, vocab] when
+        given)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.shard.size > 1:  # each rank's vocabulary rows, gathered in the model dtype (rounded
             if self.comm is None:  # as TP=1 rounds them)
@@ -312,7 +322,8 @@ class DecoderModel(nn.Module):
     def load_hf_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], presliced: bool = False
     ) -> None:
-        """Copy HF-named tensors into our parameters (slices of the fused ones), casting to the model dtype.
+        """Copy HF-named tensors into our parameters (slices of the fused ones), casting to the
+        model dtype.
 
         Each tensor is whole (this rank's slice is cut here), or with presliced=True already its
         slice (as iter_safetensors(..., slots) reads them). Raises ValueError for a shape mismatch,
@@ -384,9 +395,9 @@ def build_model(
     shard: Shard = SINGLE,
     comm=None,
 ) -> DecoderModel:
-    """An empty (unloaded) DecoderModel with parameters allocated once, on `device` (or `param_device`), in
-    `dtype`; under tensor parallelism, the slice `shard` of it, with its collectives through
-    `comm`."""
+    """An empty (unloaded) DecoderModel with parameters allocated once, on `device` (or
+    `param_device`), in `dtype`; under tensor parallelism, the slice `shard` of it, with its
+    collectives through `comm`."""
     from engine.config import SUPPORTED_ARCHITECTURES, resolve_dtype
 
     if model_config.family not in SUPPORTED_ARCHITECTURES.values():

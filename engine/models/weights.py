@@ -1,13 +1,15 @@
-"""Loads a DecoderModel's weights: from a pack in the final layout through the streaming loader when one exists,
-otherwise from HF safetensors (sharded or not), writing the pack for next time. Never transformers, never pickle.
+"""Loads a DecoderModel's weights: from a pack in the final layout through the streaming loader when
+one exists, otherwise from HF safetensors (sharded or not), writing the pack for next time. Never
+transformers, never pickle.
 
 Under tensor parallelism each rank loads and packs only its own slice (one pack per rank,
 cache.pack.shard_name), so each GPU streams its own bytes at start. load_format "dummy" fills random
 weights on the device (benchmarks).
 """
 
-# The model code (and triton with it) is imported inside the functions that build a model, so preload_weights can
-# start the stream right after `import torch`, before the rest of the engine imports.
+# The model code (and triton with it) is imported inside the functions that build a model, so
+# preload_weights can start the stream right after `import torch`, before the rest of the engine
+# imports.
 from __future__ import annotations
 
 import hashlib
@@ -44,13 +46,15 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MANIFEST_FILE = "coldbrew-manifest.json"  # written by cache.snapshot: when present it names the snapshot's bytes
 PACKS_DIR = "packs"
-# Bump when the parameter names, fusions or byte layout of the pack change: old packs then no longer match.
+# Bump when the parameter names, fusions or byte layout of the pack change: old packs then no longer
+# match.
 PACK_LAYOUT_VERSION = 1
 LOAD_FORMATS = ("auto", "pack", "safetensors", "dummy")
 
 
 def safetensors_files(model_dir: str) -> list[str]:
-    """The checkpoint's files: the shards named by the index, else model.safetensors, else every *.safetensors."""
+    """The checkpoint's files: the shards named by the index, else model.safetensors, else every
+    *.safetensors."""
     index = os.path.join(model_dir, INDEX_FILE)
     if os.path.isfile(index):
         with open(index) as f:
@@ -109,9 +113,10 @@ def iter_safetensors(
                 yield name, part[cut] if slot.dim == 0 else part[:, cut]
 
 
-# ---- which pack belongs to this checkpoint ------------------------------------------------------------------
+# ---- which pack belongs to this checkpoint -------------------------------------------------------
 def model_digest(model_dir: str) -> str:
-    """The snapshot manifest's hash when cache wrote one; else config.json plus the weight files' names/sizes/mtimes."""
+    """The snapshot manifest's hash when cache wrote one; else config.json plus the weight files'
+    names/sizes/mtimes."""
     h = hashlib.sha256()
     manifest = os.path.join(model_dir, MANIFEST_FILE)
     if os.path.isfile(manifest):
@@ -156,18 +161,21 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _group_of(name: str, num_layers: int) -> int:
-    """Group 0: embeddings; 1..L: decoder layer i-1; L+1: final norm and lm_head (the ready order of a forward)."""
+    """Group 0: embeddings; 1..L: decoder layer i-1; L+1: final norm and lm_head (the ready order of
+    a forward)."""
     if name.startswith("layers."):
         return 1 + int(name.split(".")[1])
     return 0 if name.startswith("embed_tokens.") else num_layers + 1
 
 
-# ---- loading -------------------------------------------------------------------------------------------------
+# ---- loading -------------------------------------------------------------------------------------
 def preload_weights(args: EngineArgs) -> bool:
-    """Start streaming the pack the engine built from `args` will load, to its GPU, now; True if started.
+    """Start streaming the pack the engine built from `args` will load, to its GPU, now; True if
+    started.
 
-    Called right after `import torch` (before the engine imports and builds), so the copy overlaps all of that;
-    load_model then takes the stream over. Nothing happens on CPU, without a matching pack, or for safetensors.
+    Called right after `import torch` (before the engine imports and builds), so the copy overlaps
+    all of that; load_model then takes the stream over. Nothing happens on CPU, without a matching
+    pack, or for safetensors.
     Never raises: the real load reports any problem."""
     try:
         device = args.torch_device()
@@ -199,10 +207,10 @@ def load_model(
     """Build the model on `device` in `dtype` and fill it (a tensor-parallel rank: its `shard`, with
     collectives `comm`).
 
-    load_format "auto": from the pack when a valid one matches (model digest, dtype, layout), else from safetensors,
-    then write the pack (a failure to write logs one line); "pack": the same, but a failure to write the pack
-    raises; "safetensors": never read or write a pack; "dummy": random weights made on the device,
-    nothing read. `model.load_stats` says what happened.
+    load_format "auto": from the pack when a valid one matches (model digest, dtype, layout), else
+    from safetensors, then write the pack (a failure to write logs one line); "pack": the same, but
+    a failure to write the pack raises; "safetensors": never read or write a pack; "dummy": random
+    weights made on the device, nothing read. `model.load_stats` says what happened.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
@@ -265,12 +273,14 @@ def load_model_from_pack(
     comm=None,
     **loader_options,
 ) -> "DecoderModel":
-    """The model with every parameter a view into one device buffer streamed from the pack at `path`.
+    """The model with every parameter a view into one device buffer streamed from the pack at
+    `path`.
 
-    overlap (default: on CUDA) returns while the bytes still stream: each layer's first forward waits for its own
-    group (the GPU waits on the group's copy event), so the first step computes early layers while later ones load;
-    `model.wait_weights()` blocks until all are in. Raises FileNotFoundError when there is no pack and PackError
-    when it is invalid or does not match `key` or the model's parameters (names, dtypes, shapes)."""
+    overlap (default: on CUDA) returns while the bytes still stream: each layer's first forward
+    waits for its own group (the GPU waits on the group's copy event), so the first step computes
+    early layers while later ones load; `model.wait_weights()` blocks until all are in. Raises
+    FileNotFoundError when there is no pack and PackError when it is invalid or does not match `key`
+    or the model's parameters (names, dtypes, shapes)."""
     from engine.models.decoder import build_model
 
     pack = read_pack(path)
@@ -329,8 +339,9 @@ def load_model_from_pack(
 
 
 def _wait_hooks(model: "DecoderModel", load, finished):
-    """Forward pre-hooks: embeddings wait for group 0, layer i for group i+1, the final norm for everything (then
-    every hook is removed, so later steps and CUDA graph captures see a plain model). Returns wait_all()."""
+    """Forward pre-hooks: embeddings wait for group 0, layer i for group i+1, the final norm for
+    everything (then every hook is removed, so later steps and CUDA graph captures see a plain
+    model). Returns wait_all()."""
     handles: list = []
     done = threading.Lock()
     state = {"finished": False}
@@ -379,7 +390,8 @@ def fill_random(model: "DecoderModel", seed: int = 0) -> None:
 
 
 def write_model_pack(model: nn.Module, path: str, key: dict) -> str:
-    """Write the model's parameters, in their final (fused) layout and dtype, as a pack at `path`, atomically."""
+    """Write the model's parameters, in their final (fused) layout and dtype, as a pack at `path`,
+    atomically."""
     num_layers = getattr(getattr(model, "config", None), "num_layers", 0)
     with PackWriter(path, metadata=key) as writer:
         for name, p in model.named_parameters():
