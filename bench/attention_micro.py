@@ -140,10 +140,12 @@ def decode_rows(args, bandwidth: float, dtype: torch.dtype) -> list[dict]:
             )
             print(
                 f"decode b={batch} ctx={context}: {results[first] * 1e6:.1f} us "
-                f"({rows[-1]['of_bandwidth']:.0%} of copy bw), best {best_name} {rows[-1]['best_of_bandwidth']:.0%}",
+                f"({rows[-1]['of_bandwidth']:.0%} of copy bw), "
+                f"best {best_name} {rows[-1]['best_of_bandwidth']:.0%}",
                 flush=True,
             )
-            del q, k, v, cache, meta
+            # Drop this step's tensors before the next one is made (the lambdas above are done).
+            q = k = v = cache = meta = None
             torch.cuda.empty_cache()
     return rows
 
@@ -164,9 +166,8 @@ def prefill_rows(args, dtype: torch.dtype) -> list[dict]:
         q, k, v, cache, meta = make_step(
             batch, context, new, args.heads, args.kv_heads, args.head_dim, args.block_size, dtype
         )
-        visible = batch * sum(
-            context - new + i + 1 for i in range(new)
-        )  # (query, key) pairs under the causal mask
+        # (query, key) pairs under the causal mask
+        visible = batch * sum(context - new + i + 1 for i in range(new))
         flops = 4 * args.heads * args.head_dim * visible
         scale = args.head_dim**-0.5
         results = {}
@@ -208,11 +209,11 @@ def prefill_rows(args, dtype: torch.dtype) -> list[dict]:
             }
         )
         print(
-            f"prefill b={batch} ctx={context} new={new}: {rows[-1]['tflops']:.0f} TFLOP/s, best {best_name} "
-            f"{rows[-1]['best_tflops']:.0f}, sdpa {rows[-1]['sdpa_tflops']}",
+            f"prefill b={batch} ctx={context} new={new}: {rows[-1]['tflops']:.0f} TFLOP/s, "
+            f"best {best_name} {rows[-1]['best_tflops']:.0f}, sdpa {rows[-1]['sdpa_tflops']}",
             flush=True,
         )
-        del q, k, v, cache, meta, kd, vd
+        q = k = v = cache = meta = kd = vd = None  # free before the next configuration
         torch.cuda.empty_cache()
     return rows
 
@@ -293,14 +294,16 @@ def main() -> None:
         f"block={args.block_size}; copy bandwidth {bandwidth / 1e12:.2f} TB/s"
     )
     print(
-        "| decode batch | context | KV MB | us/step (graph) | us (eager) | us (torch ref) | of copy bw |"
+        "| decode batch | context | KV MB | us/step (graph) | us (eager) | us (torch ref) "
+        "| of copy bw |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if r["kind"] == "decode":
             print(
-                f"| {r['batch']} | {r['context']} | {r['kv_bytes'] / 1e6:.0f} | {r['graph_s'] * 1e6:.1f} | "
-                f"{r['eager_s'] * 1e6:.1f} | {r['reference_s'] * 1e6:.0f} | {r['of_bandwidth']:.0%} |"
+                f"| {r['batch']} | {r['context']} | {r['kv_bytes'] / 1e6:.0f} "
+                f"| {r['graph_s'] * 1e6:.1f} | {r['eager_s'] * 1e6:.1f} "
+                f"| {r['reference_s'] * 1e6:.0f} | {r['of_bandwidth']:.0%} |"
             )
     print("| prefill seqs | context | new tokens | ms | TFLOP/s | SDPA TFLOP/s |")
     print("| --- | --- | --- | --- | --- | --- |")

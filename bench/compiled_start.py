@@ -236,9 +236,8 @@ def main() -> None:
 
     t0 = time.perf_counter()
     root = Path(args.root)
-    for old in root.glob(
-        "*"
-    ):  # caches and artifacts of a previous run; the model (and its pack) stay
+    # caches and artifacts of a previous run; the model (and its pack) stay
+    for old in root.glob("*"):
         if old.name != "model":
             shutil.rmtree(old, ignore_errors=True)
     model_dir = synthesize(args.config, str(root / "model"), device="cuda")
@@ -282,9 +281,8 @@ def main() -> None:
     log(
         f"(a) empty cache: {runs['a']['first_token_s']:.2f} s; published: {runs['a']['wait_found']}"
     )
-    runs["c"] = measure(
-        "c", {**env("c", "auto"), "CACHE_DIR": str(root / "cache-a")}, vocab
-    )  # (a)'s volume
+    # (a)'s volume
+    runs["c"] = measure("c", {**env("c", "auto"), "CACHE_DIR": str(root / "cache-a")}, vocab)
     log(f"(c) published artifact: {runs['c']['first_token_s']:.2f} s")
     published = Path(model_dir) / "engines"
     if published.exists():  # (b) must find only its own artifact

@@ -122,7 +122,8 @@ def main() -> None:
     for batch in map(int, filter(None, args.step_batches.split(","))):
         steps[batch] = decode_step_seconds(llm, batch, prompt_len=128, new_tokens=64)
         print(
-            f"engine decode step b={batch}: {steps[batch] * 1e3:.2f} ms ({batch / steps[batch]:.0f} tok/s)",
+            f"engine decode step b={batch}: {steps[batch] * 1e3:.2f} ms "
+            f"({batch / steps[batch]:.0f} tok/s)",
             flush=True,
         )
 
@@ -155,8 +156,8 @@ def main() -> None:
                 row["kernels"] = kernel_table(graphs.graphs[size])
             rows.append(row)
             print(
-                f"fused={fused} b={batch} ctx={context}: graph {seconds * 1e3:.3f} ms, floor {floor * 1e3:.2f} ms "
-                f"({row['of_roofline']:.0%})",
+                f"fused={fused} b={batch} ctx={context}: graph {seconds * 1e3:.3f} ms, "
+                f"floor {floor * 1e3:.2f} ms ({row['of_roofline']:.0%})",
                 flush=True,
             )
         del graphs
@@ -177,7 +178,8 @@ def main() -> None:
     for row in rows:
         if "kernels" in row:
             print(
-                f"\nkernels, fused={row['fused']} b={row['batch']} ctx={row['context']} (us per step, launches):"
+                f"\nkernels, fused={row['fused']} b={row['batch']} ctx={row['context']} "
+                "(us per step, launches):"
             )
             for name, k in list(row["kernels"].items())[:14]:
                 print(f"  {k['us']:9.1f} {k['launches']:6.0f}  {name[:90]}")
@@ -186,7 +188,8 @@ def main() -> None:
         f"weights read per step {weight_bytes / 1e9:.2f} GB"
     )
     print(
-        "| batch | context | graph ms (fused) | graph ms (unfused) | floor ms | of roofline (fused) |"
+        "| batch | context | graph ms (fused) | graph ms (unfused) | floor ms "
+        "| of roofline (fused) |"
     )
     print("| --- | --- | --- | --- | --- | --- |")
     for batch, context in cases:
@@ -205,7 +208,8 @@ def main() -> None:
         )
     for batch, seconds in steps.items():
         print(
-            f"engine step (host included) b={batch}: {seconds * 1e3:.2f} ms, {batch / seconds:.0f} tok/s"
+            f"engine step (host included) b={batch}: {seconds * 1e3:.2f} ms, "
+            f"{batch / seconds:.0f} tok/s"
         )
 
 

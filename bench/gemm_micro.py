@@ -70,7 +70,8 @@ def measure(
     x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
     logits = torch.empty(rows, n, dtype=torch.float32, device="cuda") if name == "lm_head" else None
 
-    def cublas():  # what the layers did before: cuBLAS, and a copy of the lm_head's logits into the fp32 buffer
+    # What the layers did before: cuBLAS, and a copy of the lm_head's logits into the fp32 buffer.
+    def cublas():
         y = F.linear(x, weights.next())
         if logits is not None:
             logits.copy_(y)
@@ -166,13 +167,14 @@ def main() -> None:
         extra = ""
         if "skinny_default_s" in r:
             extra = (
-                f" skinny {r['skinny_default_s'] * 1e6:.1f} us ({r['skinny_default_of_bw']:.0%}), best "
-                f"{r['skinny_best']} {r['skinny_best_s'] * 1e6:.1f} us"
+                f" skinny {r['skinny_default_s'] * 1e6:.1f} us ({r['skinny_default_of_bw']:.0%}), "
+                f"best {r['skinny_best']} {r['skinny_best_s'] * 1e6:.1f} us"
             )
         if "tiled_best_s" in r:
             extra += (
-                f" cublas swapped {r['cublas_swapped_s'] * 1e6:.1f} us, tiled best {r['tiled_best']} "
-                f"{r['tiled_best_s'] * 1e6:.1f} us ({r['tiled_best_tflops']:.0f} TFLOP/s)"
+                f" cublas swapped {r['cublas_swapped_s'] * 1e6:.1f} us, "
+                f"tiled best {r['tiled_best']} {r['tiled_best_s'] * 1e6:.1f} us "
+                f"({r['tiled_best_tflops']:.0f} TFLOP/s)"
             )
         print(
             f"{name} M={m}: cublas {r['cublas_s'] * 1e6:.1f} us ({r['cublas_of_bw']:.0%} bw, "
@@ -188,10 +190,12 @@ def main() -> None:
     with open(os.path.join(args.out, "gemm_micro.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(
-        f"\n{result['device']}, bf16, copy bandwidth {bandwidth / 1e12:.2f} TB/s; GPU time per call in CUDA graphs"
+        f"\n{result['device']}, bf16, copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
+        "GPU time per call in CUDA graphs"
     )
     print(
-        "| shape | N x K | rows | cuBLAS us | of bw | TFLOP/s | skinny us (default) | skinny best us (tiles) |"
+        "| shape | N x K | rows | cuBLAS us | of bw | TFLOP/s | skinny us (default) "
+        "| skinny best us (tiles) |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:

@@ -15,9 +15,8 @@ from bench.trace import BenchRequest
 
 
 def load_hf_model(model_dir: str, dtype: torch.dtype, device: str):
-    from transformers import (
-        AutoModelForCausalLM,  # 15 s to import on the GPU machine: only the hf part pays it
-    )
+    # 15 s to import on the GPU machine: only the hf part pays it
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map=device)
     model.eval()
@@ -112,7 +111,8 @@ def run_continuous_batching(model, requests: list[BenchRequest], device: str):
 
     config = GenerationConfig(max_new_tokens=max(r.output_len for r in requests), do_sample=False)
     on_gpu = device.startswith("cuda")
-    gc.collect()  # what generate left cached goes back, so the manager sizes its cache from all free memory
+    # What generate left cached goes back, so the manager sizes its cache from all free memory.
+    gc.collect()
     if on_gpu:
         torch.cuda.empty_cache()
     # On a GPU HF sizes its paged cache from free memory; on CPU that would zero gigabytes, so give

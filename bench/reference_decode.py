@@ -155,12 +155,14 @@ def main() -> None:
     with open(os.path.join(args.out, name), "w") as f:
         json.dump(result, f, indent=1)
     print(
-        f"{result['device']}, {args.config}, bf16, {result['mode']}, {result['attention']} attention, copy bandwidth "
-        f"{bandwidth / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB, floor {floor_s * 1e3:.2f} ms/step, "
+        f"{result['device']}, {args.config}, bf16, {result['mode']}, "
+        f"{result['attention']} attention, copy bandwidth {bandwidth / 1e9:.0f} GB/s, "
+        f"weights {weight_bytes / 1e9:.2f} GB, floor {floor_s * 1e3:.2f} ms/step, "
         f"init {init_s:.1f} s"
     )
     print(
-        f"{'scheduling':>10} {'batch':>5} {'ms/step':>9} {'tok/s':>9} {'of roofline':>12} {'graph replay ms':>16}"
+        f"{'scheduling':>10} {'batch':>5} {'ms/step':>9} {'tok/s':>9} {'of roofline':>12} "
+        f"{'graph replay ms':>16}"
     )
     for r in rows:
         replay = "-" if r["graph_replay_ms"] is None else f"{r['graph_replay_ms']:.2f}"

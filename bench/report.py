@@ -75,14 +75,16 @@ def table(res: dict) -> str:
     calls = meta.get("calls", [])
     bw = ", ".join(f"{c['bandwidth_GBps']:.0f}" for c in calls if c.get("bandwidth_GBps"))
     lines = [
-        f"coldbrew serving benchmark: {meta.get('device', '?')}, {meta.get('config', '?')}, {meta.get('dtype', '?')}, "
-        f"copy bandwidth {bw or '?'} GB/s (per call)",
-        f"{'workload':<30} {'out tok/s':>10} {'total tok/s':>12} {'TTFT p50/p99 ms':>18} {'ITL p50/p99 ms':>16}",
+        f"coldbrew serving benchmark: {meta.get('device', '?')}, {meta.get('config', '?')}, "
+        f"{meta.get('dtype', '?')}, copy bandwidth {bw or '?'} GB/s (per call)",
+        f"{'workload':<30} {'out tok/s':>10} {'total tok/s':>12} {'TTFT p50/p99 ms':>18} "
+        f"{'ITL p50/p99 ms':>16}",
     ]
 
     def row(name: str, d: dict, total: bool = True) -> None:
         lines.append(
-            f"{name:<30} {_f(d.get('output_tok_s')):>10} {_f(d.get('total_tok_s')) if total else '-':>12} "
+            f"{name:<30} {_f(d.get('output_tok_s')):>10} "
+            f"{_f(d.get('total_tok_s')) if total else '-':>12} "
             f"{_lat(d.get('ttft_ms', {})):>18} {_lat(d.get('itl_ms', {})):>16}"
         )
 
@@ -90,10 +92,8 @@ def table(res: dict) -> str:
     for key, label in (("conv", "offline conv"), ("fixed", "offline fixed")):
         if key in off:
             d = off[key]
-            row(
-                f"{label} x{d['num_requests']} ({d['prompt_tokens'] // max(d['num_requests'], 1)} in avg)",
-                d,
-            )
+            mean_prompt = d["prompt_tokens"] // max(d["num_requests"], 1)
+            row(f"{label} x{d['num_requests']} ({mean_prompt} in avg)", d)
     for lvl in (res.get("online") or {}).get("levels", []):
         row(f"online c={lvl['concurrency']} ({lvl['requests_finished']} done)", lvl, total=False)
     hf = res.get("hf") or {}
@@ -117,9 +117,10 @@ def table(res: dict) -> str:
     if win:
         if win.get("valid"):
             lines.append(
-                f"offline fixed, decode steps: {win['step_ms']:.2f} ms at batch {win['mean_batch']:.0f}, floor "
-                f"{win['floor_ms']:.2f} ms (weights {win['weights_GB_per_step']:.1f} GB + KV "
-                f"{win['kv_GB_per_step']:.1f} GB per step): {win['roofline_frac']:.0%} of the roofline"
+                f"offline fixed, decode steps: {win['step_ms']:.2f} ms at batch "
+                f"{win['mean_batch']:.0f}, floor {win['floor_ms']:.2f} ms "
+                f"(weights {win['weights_GB_per_step']:.1f} GB + KV {win['kv_GB_per_step']:.1f} GB "
+                f"per step): {win['roofline_frac']:.0%} of the roofline"
             )
         else:
             lines.append(f"offline fixed, decode steps: {win.get('reason')}")
@@ -129,7 +130,8 @@ def table(res: dict) -> str:
         lines.append(f"ours / HF ({rat.get('hf_best_mode', '-')} best): " + ", ".join(parts))
     for part, kv in (res.get("kv") or {}).items():
         lines.append(
-            f"KV ({part}): {kv['num_kv_blocks']} blocks allocated, peak used {kv['peak_used_blocks']} "
+            f"KV ({part}): {kv['num_kv_blocks']} blocks allocated, "
+            f"peak used {kv['peak_used_blocks']} "
             f"({kv['waste_frac']:.0%} never used), {kv['preemptions']} preemptions"
         )
     return "\n".join(lines)

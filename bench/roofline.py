@@ -43,9 +43,8 @@ def copy_bandwidth(device: str, nbytes: int, repeats: int = 10) -> float:
 @dataclass(frozen=True)
 class ModelBytes:
     weights: int  # every parameter
-    decode_weights: (
-        int  # read once per decode step: all but an untied embedding table (only gathered)
-    )
+    # read once per decode step: all but an untied embedding table (only gathered)
+    decode_weights: int
     kv_per_token: int  # K and V of one token in every layer
 
     def step_floor_s(self, kv_tokens: float, bandwidth: float) -> float:
@@ -59,9 +58,8 @@ def model_bytes(config: dict, dtype: torch.dtype) -> ModelBytes:
     numel = {name: _numel(shape) for name, shape in shapes.items()}
     weights = sum(numel.values()) * size
     tied = bool(config.get("tie_word_embeddings", False))
-    decode = weights - (
-        0 if tied else numel[EMBEDDING] * size
-    )  # tied: the table is the lm_head, read whole
+    # tied: the table is the lm_head, read whole
+    decode = weights - (0 if tied else numel[EMBEDDING] * size)
     m = ModelConfig.from_dict(config)
     return ModelBytes(weights, decode, 2 * m.num_layers * m.num_kv_heads * m.head_dim * size)
 

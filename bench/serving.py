@@ -40,13 +40,7 @@ from engine import AsyncLLM, EngineArgs
 from engine.config import ModelConfig
 from warmup.artifacts import prepare
 
-PARTS = (
-    "hf",
-    "decode",
-    "conv",
-    "fixed",
-    "online",
-)  # the order they run in; "offline" means conv,fixed
+PARTS = ("hf", "decode", "conv", "fixed", "online")  # the order they run in; "offline": conv,fixed
 SEEDS = {"conv": 1, "fixed": 2, "online": 3, "hf": 4, "warmup": 5, "decode": 6}
 log = logging.getLogger("bench.serving")
 
@@ -256,8 +250,10 @@ class Bench:
             "decode_weights_GB": self.bytes.decode_weights / 1e9,
             "bandwidth_GBps": self.bandwidth / 1e9,
             "repeats_ms": [s * 1e3 for s in all_s],
-            "how": "(engine finish time - first token time) / (tokens - 1), median of 3; floor = weights less the "
-            "embedding table / copy bandwidth",
+            "how": (
+                "(engine finish time - first token time) / (tokens - 1), median of 3; "
+                "floor = weights less the embedding table / copy bandwidth"
+            ),
         }
 
     async def conv(self) -> None:
@@ -328,8 +324,11 @@ class Bench:
             log.info("online c=%d: %.0f output tok/s", c, levels[-1]["output_tok_s"])
         self.results["online"] = {
             "levels": levels,
-            "how": "closed loop: each client sends its next conv-trace request when the last ends; statistics over "
-            "the window after the warm-up; requests open at the end are aborted after their first token",
+            "how": (
+                "closed loop: each client sends its next conv-trace request when the last ends; "
+                "statistics over the window after the warm-up; requests open at the end are "
+                "aborted after their first token"
+            ),
         }
 
     async def hf(self) -> None:
@@ -375,9 +374,9 @@ class Bench:
         records, start, end, poller = await run_offline(engine, reqs, "hf-subset")
         out["ours"] = {**summarize(records, start, end), "kv": poller.kv()}
         out["how"] = (
-            "same requests for all three (random ids, conv-trace lengths); HF generate in static batches in "
-            "trace order, left-padded, every row run to the batch's longest output; HF continuous batching "
-            "through its manager with per-request max_new_tokens, EOS off"
+            "same requests for all three (random ids, conv-trace lengths); HF generate in static "
+            "batches in trace order, left-padded, every row run to the batch's longest output; "
+            "HF continuous batching through its manager with per-request max_new_tokens, EOS off"
         )
         self.results["hf"] = out
 
@@ -388,9 +387,8 @@ class Bench:
             for part in order:
                 await getattr(self, part)()
                 section = "offline" if part in ("conv", "fixed") else part
-                write(
-                    self.args.out, {section: self.results[section]}
-                )  # a call cut short keeps what it measured
+                # a call cut short keeps what it measured
+                write(self.args.out, {section: self.results[section]})
             if self.engine is not None:
                 await wait_idle(self.engine)
                 s = await asyncio.to_thread(self.engine.stats)
@@ -412,9 +410,12 @@ class Bench:
             "dtype": a.dtype,
             "weights_GB": self.bytes.weights / 1e9,
             "kv_bytes_per_token": self.bytes.kv_per_token,
-            "timing": "every AsyncLLM stream output is timestamped on arrival in the client (asyncio, same process); "
-            "TTFT from submission (offline: all at once); a chunk of k new tokens dt after the previous "
-            "one counts k inter-token gaps of dt / k; prompts are random ids, outputs forced (ignore_eos)",
+            "timing": (
+                "every AsyncLLM stream output is timestamped on arrival in the client (asyncio, "
+                "same process); TTFT from submission (offline: all at once); a chunk of k new "
+                "tokens dt after the previous one counts k inter-token gaps of dt / k; prompts are "
+                "random ids, outputs forced (ignore_eos)"
+            ),
             "calls": [
                 {
                     "parts": order,

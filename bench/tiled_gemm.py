@@ -16,9 +16,8 @@ try:  # a CPU-only install may have no triton; the torch layers never need it
 except ImportError:  # pragma: no cover - exercised only on installs without triton
     triton = None
 
-TiledConfig = tuple[
-    int, int, int, int, int, int
-]  # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
+# (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
+TiledConfig = tuple[int, int, int, int, int, int]
 
 
 if triton is not None:

@@ -18,9 +18,8 @@ class RequestRecord:
     prompt_len: int
     requested_output: int
     submit_time: float
-    chunks: list[tuple[float, int]] = field(
-        default_factory=list
-    )  # (arrival time, cumulative output tokens)
+    # (arrival time, cumulative output tokens)
+    chunks: list[tuple[float, int]] = field(default_factory=list)
     finish_reason: str | None = None
 
     def add(self, t: float, num_tokens: int) -> None:

@@ -20,9 +20,8 @@ CONV_TRACE = Path(__file__).resolve().parent / "data" / "AzureLLMInferenceTrace_
 @dataclass(frozen=True)
 class BenchRequest:
     prompt_token_ids: list[int]
-    output_len: (
-        int  # forced: the request runs with max_tokens = min_tokens = output_len and ignore_eos
-    )
+    # forced: the request runs with max_tokens = min_tokens = output_len and ignore_eos
+    output_len: int
 
     @property
     def prompt_len(self) -> int:

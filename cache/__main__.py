@@ -81,7 +81,8 @@ def _pull(args) -> None:
     manifest = remote.read_manifest_at(args.uri, opts)
     if manifest is None:
         raise SystemExit(
-            f"pull: {args.uri.rstrip('/')}/coldbrew-manifest.json not found (nothing complete there)"
+            f"pull: {args.uri.rstrip('/')}/coldbrew-manifest.json not found "
+            "(nothing complete there)"
         )
     if args.dest:
         Path(args.dest).mkdir(parents=True, exist_ok=True)
@@ -97,7 +98,8 @@ def _pull(args) -> None:
         return
     if not manifest.get("key") or not manifest.get("revision"):
         raise SystemExit(
-            "pull: this push is not a coldbrew snapshot (no key/revision in its manifest); use --dest"
+            "pull: this push is not a coldbrew snapshot (no key/revision in its manifest); "
+            "use --dest"
         )
     store = SnapshotStore(default_cache_dir(args.cache_dir, args.base_path))
     path = store.publish(
@@ -159,7 +161,8 @@ def _ls(args) -> None:
     )
     if staging or quarantined:
         print(
-            f"{len(staging)} unfinished builds in .staging, {len(quarantined)} damaged snapshots in .quarantine"
+            f"{len(staging)} unfinished builds in .staging, "
+            f"{len(quarantined)} damaged snapshots in .quarantine"
         )
 
 

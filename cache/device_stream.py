@@ -31,9 +31,8 @@ from cache.prefetch import prefetch
 log = logging.getLogger(__name__)
 
 STREAM_THREADS = 16
-HEADER_TIMEOUT_S = (
-    120.0  # the process has the allocation within a second or two; this only bounds a hung driver
-)
+# the process has the allocation within a second or two; this only bounds a hung driver
+HEADER_TIMEOUT_S = 120.0
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -92,9 +91,8 @@ class DeviceStream:
                 data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 1)
             except OSError:
                 data, fds = b"", []
-            exit_code = (
-                self.proc.wait() if not data else None
-            )  # end of file: the process is exiting
+            # end of file: the process is exiting
+            exit_code = self.proc.wait() if not data else None
             with self.cond:
                 if fds and self.fd is None:
                     self.fd = fds[0]
@@ -207,9 +205,8 @@ class DeviceStreamLoad:
                 f"{self.pack.data_nbytes}"
             )
         torch.cuda.init()
-        cu.primary_context(
-            self.device.index
-        )  # torch's context, current on this thread for the calls below
+        # torch's context, current on this thread for the calls below
+        cu.primary_context(self.device.index)
         bus = cu.pci_bus_id(self.device.index)
         if bus != header["bus_id"]:
             raise DeviceStreamError(

@@ -105,9 +105,8 @@ class LoadStats:
     nbytes: int
     seconds: float  # first read -> last byte on the device
     alloc_seconds: float  # the device buffer and the views
-    pin_seconds: (
-        float  # pinned ring allocation summed over threads (they overlap each other and the reads)
-    )
+    # pinned ring allocation summed over threads (they overlap each other and the reads)
+    pin_seconds: float
     mode: str  # "direct" (O_DIRECT) or "buffered"
     threads: int
     chunk_bytes: int
@@ -201,9 +200,8 @@ class StreamingLoad:
             return "direct"
         if direct is False or direct == "buffered":
             return "buffered"
-        if (
-            os.path.realpath(self.pack.path) in _ACTIVE
-        ):  # a prefetch is pulling it into the page cache
+        # a prefetch is pulling it into the page cache
+        if os.path.realpath(self.pack.path) in _ACTIVE:
             return "buffered"
         resident = resident_fraction(
             self.pack.path, self.pack.data_offset, self.pack.data_nbytes, samples=256
@@ -227,9 +225,8 @@ class StreamingLoad:
         try:
             if self.cuda:
                 torch.cuda.set_device(self.device)
-                torch.cuda.set_stream(
-                    self.copy_stream
-                )  # this thread's current stream: every copy goes there
+                # this thread's current stream: every copy goes there
+                torch.cuda.set_stream(self.copy_stream)
             turn = 0
             while self._error is None:
                 with self._lock:
@@ -245,9 +242,8 @@ class StreamingLoad:
                     self._read(fds, memoryview(self.buffer[lo : lo + n].numpy()), off)
                     self._issued(i)
                     continue
-                if (
-                    len(slots) < ring
-                ):  # pinned lazily: the first read starts after one buffer, not the whole ring
+                # pinned lazily: the first read starts after one buffer, not the whole ring
+                if len(slots) < ring:
                     t0 = time.perf_counter()
                     host = torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True)
                     slots.append((host, memoryview(host.numpy()), torch.cuda.Event()))
@@ -255,10 +251,10 @@ class StreamingLoad:
                         self._pin_seconds += time.perf_counter() - t0
                 host, view, copied = slots[turn % ring]
                 turn += 1
-                if (
-                    not copied.query()
-                ):  # the previous copy out of this pinned buffer has not finished yet
-                    copied.synchronize()  # (asked first: a wait gives up the GIL, and getting it back costs)
+                # The previous copy out of this pinned buffer may not have finished yet; ask first,
+                # as a wait gives up the GIL, and getting it back costs.
+                if not copied.query():
+                    copied.synchronize()
                 self._read(fds, view[:n], off)
                 self.buffer[lo : lo + n].copy_(host[:n], non_blocking=True)
                 copied.record(self.copy_stream)

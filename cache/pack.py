@@ -16,7 +16,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-ALIGNMENT = 4096  # every tensor (and the index) starts on a 4 KiB boundary, so O_DIRECT can read any of them
+# Every tensor (and the index) starts on a 4 KiB boundary, so O_DIRECT can read any of them.
+ALIGNMENT = 4096
 MAGIC = b"CBPACK\x00\x01"
 FORMAT_VERSION = 1
 SUFFIX = ".cbpack"
@@ -263,7 +264,8 @@ def read_pack(path: str) -> Pack:
             )
         if size != file_size:
             raise PackError(
-                f"pack {path}: truncated or extended: {size} bytes on disk, the header says {file_size}"
+                f"pack {path}: truncated or extended: {size} bytes on disk, "
+                f"the header says {file_size}"
             )
         if index_offset + index_nbytes != file_size or index_offset % ALIGNMENT:
             raise PackError(
@@ -307,7 +309,8 @@ def read_pack(path: str) -> Pack:
             or e.name in by_name
         ):
             raise PackError(
-                f"pack {path}: tensor {e.name!r} at {e.offset}+{e.nbytes} overlaps or leaves the data"
+                f"pack {path}: tensor {e.name!r} at {e.offset}+{e.nbytes} "
+                "overlaps or leaves the data"
             )
         end = e.offset + e.nbytes
         by_name[e.name] = e

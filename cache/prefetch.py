@@ -220,9 +220,8 @@ class Prefetch:
 
     def _covered(self, real: str, end: int) -> bool:
         span = self._spans.get(real)
-        if (
-            span is None
-        ):  # not planned yet (or not a file of this prefetch: nothing to wait for once planned)
+        # not planned yet (or not a file of this prefetch: nothing to wait for once planned)
+        if span is None:
             return bool(self._spans) or bool(self._work)
         while span[0] < span[1] and self._done[span[0]]:
             span[0] += 1

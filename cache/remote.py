@@ -68,9 +68,8 @@ def client(opts: S3Options | None = None):
         aws_access_key_id=key_id, aws_secret_access_key=secret, region_name=opts.region
     )
     s3 = session.client("s3", endpoint_url=opts.endpoint_url, config=config)
-    creds = (
-        session.get_credentials()
-    )  # the chain's result, so keys taken from the environment are hidden too
+    # the chain's result, so keys taken from the environment are hidden too
+    creds = session.get_credentials()
     frozen = creds.get_frozen_credentials() if creds is not None else None
     hide_secrets(
         key_id, secret, *((frozen.access_key, frozen.secret_key, frozen.token) if frozen else ())

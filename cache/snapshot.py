@@ -161,7 +161,10 @@ def check_snapshot(root: Path, verify: str = "size") -> str | None:
     if verify == "full":
         for name, entry in hash_files(root, sorted(files)).items():
             if entry["sha256"] != files[name]["sha256"]:
-                return f"{name} sha256 {entry['sha256'][:12]}... != manifest {files[name]['sha256'][:12]}..."
+                return (
+                    f"{name} sha256 {entry['sha256'][:12]}... "
+                    f"!= manifest {files[name]['sha256'][:12]}..."
+                )
     return None
 
 

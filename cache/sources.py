@@ -51,7 +51,8 @@ class SourceError(RuntimeError):
 
 @dataclass(frozen=True)
 class Source:
-    """A parsed model reference. kind: hub | s3 | local | gguf; location: repo id, s3 URI or absolute path."""
+    """A parsed model reference. kind: hub | s3 | local | gguf; location: repo id, s3 URI or
+    absolute path."""
 
     kind: str
     location: str
@@ -77,7 +78,8 @@ def parse(ref: str) -> Source:
     or a hub id."""
     if not isinstance(ref, str) or not ref.strip():
         raise ValueError(
-            f"model: must be a hub repo id, s3://bucket/prefix, a directory or a .gguf file, got {ref!r}"
+            "model: must be a hub repo id, s3://bucket/prefix, a directory or a .gguf file, "
+            f"got {ref!r}"
         )
     ref = ref.strip()
     if ref.startswith("s3://"):
@@ -222,9 +224,8 @@ def find_runpod_cached(
                 commit = (repo / "refs" / (revision or "main")).read_text().strip()
             except OSError:
                 snaps = [p for p in (repo / "snapshots").glob("*") if p.is_dir()]
-                if (
-                    revision is None and len(snaps) == 1
-                ):  # RunPod caches one snapshot; no ref written
+                # RunPod caches one snapshot; no ref written
+                if revision is None and len(snaps) == 1:
                     commit = snaps[0].name
         if commit and check_model_dir(repo / "snapshots" / commit) is None:
             return repo / "snapshots" / commit

@@ -25,8 +25,7 @@ import sys
 import threading
 import time
 
-from cache import cuda_driver as cu
-from cache import start_pages
+from cache import cuda_driver as cu, start_pages
 from cache.loader import read_span
 from cache.pack import read_pack
 from cache.prefetch import resident_fraction
@@ -158,9 +157,8 @@ class Streamer:
                         i, self.next = self.next, self.next + 1
                     if i >= len(self.chunks):
                         break
-                    if (
-                        len(slots) < RING_PER_THREAD
-                    ):  # pinned lazily: reading starts after one buffer, not the ring
+                    # pinned lazily: reading starts after one buffer, not the ring
+                    if len(slots) < RING_PER_THREAD:
                         t = time.perf_counter()
                         host = cu.host_alloc(self.chunk_bytes)
                         view = memoryview(
@@ -171,16 +169,14 @@ class Streamer:
                             self.pin_seconds += time.perf_counter() - t
                     slot = slots[turn % len(slots)]
                     turn += 1
-                    if (
-                        slot[3] is not None
-                    ):  # the copy out of this buffer must end before it is read into again
+                    # the copy out of this buffer must end before it is read into again
+                    if slot[3] is not None:
                         cu.event_synchronize(slot[2])
                         self.completed(slot[3])
                     off, n = self.chunks[i]
                     if not read_span(self.pack.path, fds, slot[1], off, n, self.direct):
-                        self.direct = (
-                            False  # O_DIRECT refused (tmpfs): every reader goes on buffered
-                        )
+                        # O_DIRECT refused (tmpfs): every reader goes on buffered
+                        self.direct = False
                     cu.copy_to_device_async(
                         self.base + off - self.pack.data_offset, slot[0], n, stream
                     )

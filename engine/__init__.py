@@ -21,11 +21,15 @@ _EXPORTS = {
 }
 __all__ = list(_EXPORTS)
 
-if TYPE_CHECKING:
-    from engine.config import EngineArgs
-    from engine.llm import LLM, AsyncLLM
-    from engine.outputs import CompletionOutput, Logprob, RequestOutput
-    from engine.sampling_params import SamplingParams
+if TYPE_CHECKING:  # the same names for type checkers ("X as X": a re-export)
+    from engine.config import EngineArgs as EngineArgs
+    from engine.llm import LLM as LLM, AsyncLLM as AsyncLLM
+    from engine.outputs import (
+        CompletionOutput as CompletionOutput,
+        Logprob as Logprob,
+        RequestOutput as RequestOutput,
+    )
+    from engine.sampling_params import SamplingParams as SamplingParams
 
 
 def __getattr__(name: str):

@@ -223,7 +223,8 @@ class EngineArgs:
         if self.cuda_graph_sizes is not None:
             if not isinstance(self.cuda_graph_sizes, (list, tuple)) or not self.cuda_graph_sizes:
                 raise ValueError(
-                    f"cuda_graph_sizes: must be a non-empty list of ints, got {self.cuda_graph_sizes!r}"
+                    "cuda_graph_sizes: must be a non-empty list of ints, "
+                    f"got {self.cuda_graph_sizes!r}"
                 )
             for size in self.cuda_graph_sizes:
                 _check_int("cuda_graph_sizes", size, 1, MAX_CUDA_GRAPH_SIZE)

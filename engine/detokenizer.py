@@ -40,9 +40,8 @@ class IncrementalDetokenizer:
         min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
-        self.min_tokens = (
-            min_tokens  # stop strings count only once this many tokens are out (as vLLM does)
-        )
+        # stop strings count only once this many tokens are out (as vLLM does)
+        self.min_tokens = min_tokens
         self._raw = tokenizer.backend
         self.skip_special_tokens = skip_special_tokens
         self._dropped_ids = tokenizer._skipped_ids if skip_special_tokens else frozenset()

@@ -29,9 +29,8 @@ def layer_activation_bytes(cfg: ModelConfig, itemsize: int, num_tokens: int) -> 
         cfg.hidden_size,
         cfg.intermediate_size,
     )
-    attention_half = (
-        (q + 2 * kv) + (q + kv) + q + h
-    )  # qkv, rotated q and k, attention output, o_proj output
+    # qkv, rotated q and k, attention output, o_proj output
+    attention_half = (q + 2 * kv) + (q + kv) + q + h
     mlp_half = 2 * inter + inter + h  # gate_up, silu(gate) * up, down_proj output
     stream = 3 * h  # the residual stream in and out, and its normed copy
     return num_tokens * (stream + max(attention_half, mlp_half)) * itemsize

@@ -28,13 +28,11 @@ class SamplingRow:
 
     params: SamplingParams
     generator: torch.Generator | None  # when set, this row's random draw uses only it
-    prompt_token_ids: list[
-        int
-    ]  # or an int64 numpy array, which skips a per-step conversion of a long prompt
+    # or an int64 numpy array, which skips a per-step conversion of a long prompt
+    prompt_token_ids: list[int]
     output_token_ids: list[int]
-    banned_token_ids: list[int] = field(
-        default_factory=list
-    )  # masked to -inf this step (e.g. EOS under min_tokens)
+    # masked to -inf this step (e.g. EOS under min_tokens)
+    banned_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -291,7 +289,8 @@ def prompt_logprobs(
     logprob and rank plus the top-k tokens of the position."""
     if logits.shape[0] != len(next_token_ids):
         raise ValueError(
-            f"next_token_ids: expected {logits.shape[0]} ids (one per logits row), got {len(next_token_ids)}"
+            f"next_token_ids: expected {logits.shape[0]} ids (one per logits row), "
+            f"got {len(next_token_ids)}"
         )
     if logits.shape[0] == 0:
         return []
@@ -323,9 +322,8 @@ class DeviceSample:
         lp_rows: list[int],
         ks: list[int],
     ):
-        self.token_ids = (
-            token_ids  # [N] int64 on the logits' device: the next step's inputs can read them there
-        )
+        # [N] int64 on the logits' device: the next step's inputs can read them there
+        self.token_ids = token_ids
         self._tensors = [token_ids, *lp_tensors]
         self._lp_rows = lp_rows
         self._ks = ks

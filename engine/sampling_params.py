@@ -157,7 +157,8 @@ class SamplingParams:
                 raise ValueError(f"stop: each entry must be a str, got {_describe(s)}")
             if not 1 <= len(s) <= MAX_STOP_STRING_CHARS:
                 raise ValueError(
-                    f"stop: each string must have 1 to {MAX_STOP_STRING_CHARS} characters, got {len(s)}"
+                    f"stop: each string must have 1 to {MAX_STOP_STRING_CHARS} characters, "
+                    f"got {len(s)}"
                 )
         self.stop = stop
 

@@ -108,7 +108,8 @@ class Scheduler:
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
             if seq.num_pending:
-                break  # preempted while its last token is still on the device: admitted once that token is known
+                # preempted while its last token is still on the device: admitted once it is known
+                break
             parent = seq.parent
             if (
                 parent is not None

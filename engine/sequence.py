@@ -42,9 +42,8 @@ class Sequence:
     # so the next step is scheduled as if they were known, but they are not in token_ids yet.
     num_pending: int = 0
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(
-        default_factory=list
-    )  # chained hashes of the full blocks of token_ids
+    # chained hashes of the full blocks of token_ids
+    block_hashes: list[bytes] = field(default_factory=list)
     num_hashed_blocks: int = 0  # how many of block_table are published in the prefix cache
     parent: "Sequence | None" = None  # sample 0, whose prompt blocks the other samples share
     logprobs: list[PositionLogprobs] | None = None
@@ -115,9 +114,8 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     # Filled for positions 1..len(prompt)-1 as the prompt is computed; position 0 has none.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
-    num_cached_tokens: int = (
-        0  # prompt tokens found in the KV cache at first admission (prefix cache, or sample 0)
-    )
+    # prompt tokens found in the KV cache at first admission (prefix cache, or sample 0)
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:

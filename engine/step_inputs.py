@@ -15,7 +15,8 @@ import torch
 
 from engine.attention import AttentionMetadata
 
-_ALIGN = 64  # bytes between sections: every view is aligned for any dtype and for vectorised kernel loads
+# Bytes between sections: every view is aligned for any dtype and for vectorised kernel loads.
+_ALIGN = 64
 
 
 @dataclass(frozen=True)
@@ -102,9 +103,8 @@ class InputStager:
 
     def _host_buffer(self, nbytes: int) -> torch.Tensor:
         if self.device.type != "cuda":
-            return torch.empty(
-                nbytes, dtype=torch.uint8
-            )  # the buffer is the step's input itself: a fresh one
+            # the buffer is the step's input itself: a fresh one
+            return torch.empty(nbytes, dtype=torch.uint8)
         self._turn ^= 1
         turn = self._turn
         if self._copied[turn] is not None:

@@ -9,8 +9,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from tokenizers import AddedToken
-from tokenizers import Tokenizer as _RawTokenizer
+from tokenizers import AddedToken, Tokenizer as _RawTokenizer
 
 from engine.chat_template import load_templates, read_json, render_chat, template_from_argument
 
@@ -80,9 +79,8 @@ class Tokenizer:
             )
         raw = _RawTokenizer.from_file(tokenizer_file)
         config = read_json(os.path.join(path, "tokenizer_config.json"))
-        legacy_map = read_json(
-            os.path.join(path, "special_tokens_map.json")
-        )  # older repos keep them here only
+        # older repos keep them here only
+        legacy_map = read_json(os.path.join(path, "special_tokens_map.json"))
 
         special: dict[str, str] = {}
         for name in NAMED_SPECIAL_TOKENS:
@@ -220,15 +218,16 @@ class Tokenizer:
             return self._templates.get(chat_template) or template_from_argument(chat_template)
         if not self._templates:
             raise ValueError(
-                "model has no chat template; pass chat_template=... (a jinja template or a .jinja file)"
+                "model has no chat template; pass chat_template=... "
+                "(a jinja template or a .jinja file)"
             )
         if tools is not None and "tool_use" in self._templates:
             return self._templates["tool_use"]
         if "default" in self._templates:
             return self._templates["default"]
         raise ValueError(
-            f"model has several chat templates and none is named 'default': {sorted(self._templates)}; "
-            "pass chat_template=<name>"
+            "model has several chat templates and none is named 'default': "
+            f"{sorted(self._templates)}; pass chat_template=<name>"
         )
 
     def apply_chat_template(

@@ -21,9 +21,8 @@ from handler.metrics import SEED_REQUEST_TOKENS, next_typical_tokens, sustainabl
 log = logging.getLogger(__name__)
 
 DRAIN_GRACE_S = 30.0  # in-flight jobs get this long after SIGTERM before they are aborted
-EXIT_WAIT_S = (
-    10.0  # after a fatal error or the drain deadline: the longest wait for results to be posted
-)
+# after a fatal error or the drain deadline: the longest wait for results to be posted
+EXIT_WAIT_S = 10.0
 
 
 def _sdk_occupancy() -> int:
@@ -124,9 +123,8 @@ class Admission:
         it must: down when the cache can't take one more typical request or the room is half of what
         was allowed (as after start-up), up when idle or when the room has grown by a quarter."""
         self._install_signal_chain()
-        with contextlib.suppress(
-            RuntimeError
-        ):  # the SDK calls this in its event loop; the drain timer needs it
+        # the SDK calls this in its event loop; the drain timer needs it
+        with contextlib.suppress(RuntimeError):
             self._loop = asyncio.get_running_loop()
         if self.draining or self.fatal_error is not None:
             return max(1, current)
@@ -193,7 +191,8 @@ class Admission:
                 self._loop.call_later,
                 self.grace_s,
                 self.abort_all,
-                f"the worker is shutting down (SIGTERM) and the request did not finish within {self.grace_s:.0f}s",
+                "the worker is shutting down (SIGTERM) and the request did not finish within "
+                f"{self.grace_s:.0f}s",
             )
         threading.Thread(
             target=self._exit_when_idle,
@@ -227,9 +226,8 @@ class Admission:
         deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline and (self.tickets or self._occupancy() > 0):
             time.sleep(0.05)
-        time.sleep(
-            0.2
-        )  # the SDK removes a job just after posting its result; let the post's connection close
+        # the SDK removes a job just after posting its result; let the post's connection close
+        time.sleep(0.2)
         if self._exiting.is_set():
             return
         self._exiting.set()

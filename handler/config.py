@@ -153,8 +153,8 @@ class Settings(BaseSettings):
     engine_mode: Literal["jit", "compiled", "auto"] = Field(
         "auto",
         description=(
-            "jit: eager + Triton kernels compiled on first use; compiled: a prebuilt engine for this GPU; "
-            "auto: compiled when a matching artifact exists, else jit."
+            "jit: eager + Triton kernels compiled on first use; compiled: a prebuilt engine for "
+            "this GPU; auto: compiled when a matching artifact exists, else jit."
         ),
     )
 
@@ -171,8 +171,8 @@ class Settings(BaseSettings):
     load_format: Literal["auto", "pack", "safetensors"] = Field(
         "auto",
         description=(
-            "Weights: auto loads the engine-ready pack when one matches, else safetensors (and writes the pack); "
-            "pack: fail if the pack can't be used; safetensors: never use packs."
+            "Weights: auto loads the engine-ready pack when one matches, else safetensors (and "
+            "writes the pack); pack: fail if the pack can't be used; safetensors: never use packs."
         ),
     )
     tensor_parallel_size: int = Field(
@@ -180,8 +180,8 @@ class Settings(BaseSettings):
         ge=1,
         le=8,
         description=(
-            "GPUs the model is split over (tensor parallelism, one process per GPU, all started by the "
-            "worker)."
+            "GPUs the model is split over (tensor parallelism, one process per GPU, all started "
+            "by the worker)."
         ),
     )
 
@@ -211,7 +211,8 @@ class Settings(BaseSettings):
         ge=1.0,
         le=1000.0,
         description=(
-            "Each streamed chunk holds this many times the tokens of the previous one, up to DEFAULT_BATCH_SIZE."
+            "Each streamed chunk holds this many times the tokens of the previous one, up to "
+            "DEFAULT_BATCH_SIZE."
         ),
     )
     raw_openai_output: bool = Field(
@@ -225,7 +226,8 @@ class Settings(BaseSettings):
         ge=1,
         le=1 << 24,
         description=(
-            "max_tokens of requests that give none. Unset: whatever context remains after the prompt."
+            "max_tokens of requests that give none. "
+            "Unset: whatever context remains after the prompt."
         ),
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
@@ -236,7 +238,8 @@ class Settings(BaseSettings):
     openai_served_model_name_override: str | None = Field(
         None,
         description=(
-            "Model name the OpenAI routes answer to and list, besides MODEL_NAME and the local path."
+            "Model name the OpenAI routes answer to and list, "
+            "besides MODEL_NAME and the local path."
         ),
     )
     openai_response_role: str = Field(
@@ -309,20 +312,22 @@ class Settings(BaseSettings):
     cache_dir: str | None = Field(
         None,
         description=(
-            "Snapshot cache directory. Unset: BASE_PATH/coldbrew-cache if BASE_PATH exists, else ~/.cache/coldbrew."
+            "Snapshot cache directory. "
+            "Unset: BASE_PATH/coldbrew-cache if BASE_PATH exists, else ~/.cache/coldbrew."
         ),
     )
     baked_model_dir: str | None = Field(
         None,
         description=(
-            "Snapshot (or cache root) baked into the image at build time; looked up before anything else."
+            "Snapshot (or cache root) baked into the image at build time; "
+            "looked up before anything else."
         ),
     )
     cache_verify: Literal["size", "full"] = Field(
         "size",
         description=(
-            "How a cached snapshot is checked at start: size (every file's size, instant) or full (sha256 of every "
-            "file); a snapshot that fails is quarantined and fetched again."
+            "How a cached snapshot is checked at start: size (every file's size, instant) or full "
+            "(sha256 of every file); a snapshot that fails is quarantined and fetched again."
         ),
     )
     s3_cache_uri: str | None = Field(

@@ -14,7 +14,6 @@ from concurrent.futures import Future
 
 from handler.config import Settings
 from warmup.start import EngineStart, ResolveError, StartArgs
-from warmup.start import process_age_s as _process_age_s  # noqa: F401 - the age phases count from
 
 log = logging.getLogger(__name__)
 

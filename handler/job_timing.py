@@ -20,15 +20,12 @@ _CURRENT_JOB: ContextVar["JobTiming | None"] = ContextVar("coldbrew_job_timing",
 class JobTiming:
     """Wall-clock times (time.time(), as the engine's RequestMetrics) of one job's milestones."""
 
-    received: float = field(
-        default_factory=time.time
-    )  # the RunPod SDK handed the job to the handler
-    engine_ready: float | None = (
-        None  # the engine was loaded (at once unless the job came during the cold start)
-    )
-    first_scheduled: float | None = (
-        None  # the engine first ran a step for one of the job's requests
-    )
+    # the RunPod SDK handed the job to the handler
+    received: float = field(default_factory=time.time)
+    # the engine was loaded (at once unless the job came during the cold start)
+    engine_ready: float | None = None
+    # the engine first ran a step for one of the job's requests
+    first_scheduled: float | None = None
     first_token: float | None = None
 
     def note(self, request_metrics) -> None:

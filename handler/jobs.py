@@ -102,7 +102,8 @@ class EngineJob(_BatchOverrides):
 
 
 class OpenAIJob(_BatchOverrides):
-    """`{"openai_route": "/v1/chat/completions" | "/v1/completions" | "/v1/models", "openai_input": {...}}`."""
+    """`{"openai_route": ROUTE, "openai_input": {...}}`, ROUTE one of "/v1/chat/completions",
+    "/v1/completions", "/v1/models"."""
 
     openai_route: StrictStr
     openai_input: dict[str, Any] | None = None

@@ -32,9 +32,8 @@ QUEUE_WAIT_BUCKETS = (
     120.0,
     300.0,
 )
-SEED_REQUEST_TOKENS = (
-    1024  # the size assumed of a typical request (prompt + output) until some have been served
-)
+# the size assumed of a typical request (prompt + output) until some have been served
+SEED_REQUEST_TOKENS = 1024
 REQUEST_SIZE_WEIGHT = 0.1  # weight of the newest request in the moving average of request sizes
 
 
@@ -193,21 +192,21 @@ class Metrics:
                 f"# HELP {p}_request_latency_seconds Request arrival to its last token.",
                 f"# TYPE {p}_request_latency_seconds histogram",
                 *self.latency.lines(f"{p}_request_latency_seconds"),
-                f"# HELP {p}_queue_wait_seconds Request arrival to its first engine step (RunPod jobs: handler "
-                "start, so the wait for the engine to load counts).",
+                f"# HELP {p}_queue_wait_seconds Request arrival to its first engine step "
+                "(RunPod jobs: handler start, so the wait for the engine to load counts).",
                 f"# TYPE {p}_queue_wait_seconds histogram",
                 *self.queue_wait.lines(f"{p}_queue_wait_seconds"),
-                f"# HELP {p}_typical_request_tokens Moving average of prompt + output tokens per request.",
+                f"# HELP {p}_typical_request_tokens "
+                "Moving average of prompt + output tokens per request.",
                 f"# TYPE {p}_typical_request_tokens gauge",
                 f"{p}_typical_request_tokens {_num(round(self.typical_tokens, 3))}",
             ]
-        cold_start = dict(
-            cold_start or {}
-        )  # one copy (in C, atomic): the boot thread may still be adding phases
+        # one copy (in C, atomic): the boot thread may still be adding phases
+        cold_start = dict(cold_start or {})
         if cold_start:
             lines += [
-                f"# HELP {p}_cold_start_seconds Seconds each start-up phase took (before_boot: process "
-                "start to the boot's start; total: the boot's start to ready).",
+                f"# HELP {p}_cold_start_seconds Seconds each start-up phase took (before_boot: "
+                "process start to the boot's start; total: the boot's start to ready).",
                 f"# TYPE {p}_cold_start_seconds gauge",
             ]
             lines += [
@@ -216,8 +215,8 @@ class Metrics:
             ]
         if capacity is not None:
             lines += [
-                f"# HELP {p}_capacity_requests Concurrent requests this worker sustains now: those it holds "
-                "plus as many typical requests as its free KV blocks hold.",
+                f"# HELP {p}_capacity_requests Concurrent requests this worker sustains now: "
+                "those it holds plus as many typical requests as its free KV blocks hold.",
                 f"# TYPE {p}_capacity_requests gauge",
                 f"{p}_capacity_requests {int(capacity)}",
             ]

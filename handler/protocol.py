@@ -76,9 +76,8 @@ class OtherPart(_Model):
 
 
 class ChatMessage(_Model):
-    model_config = ConfigDict(
-        extra="allow", strict=True
-    )  # tool_calls, tool_call_id, reasoning ... reach the template
+    # tool_calls, tool_call_id, reasoning ... reach the template
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: StrictStr | list[TextPart | OtherPart] | None = None
     name: StrictStr | None = None

@@ -95,9 +95,8 @@ class ChunkStream:
         self._chunks = chunks
         self._streams = streams
         self._ended = False
-        self.on_end = (
-            None  # called once with the HTTP-like status: 200 done, 4xx/5xx failed, 499 left early
-        )
+        # called once with the HTTP-like status: 200 done, 4xx/5xx failed, 499 left early
+        self.on_end = None
 
     def __aiter__(self) -> "ChunkStream":
         return self
@@ -108,10 +107,8 @@ class ChunkStream:
         except StopAsyncIteration:
             await self._end(200)
             raise
-        except (
-            asyncio.CancelledError,
-            GeneratorExit,
-        ):  # the consumer left (a closed connection, a cancelled job)
+        except (asyncio.CancelledError, GeneratorExit):
+            # the consumer left (a closed connection, a cancelled job)
             await self._end(499)
             raise
         except (

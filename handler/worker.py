@@ -124,9 +124,8 @@ class Worker:
             return
         timing = JobTiming()
         if self.boot.is_ready:
-            timing.engine_ready = (
-                timing.received
-            )  # no wait for the engine: it was up when the job came
+            # no wait for the engine: it was up when the job came
+            timing.engine_ready = timing.received
         with self.admission.track(job_id) as ticket:
             async for item in self._run(job_id, parsed, ticket, timing):
                 if _is_final_output(item):
@@ -163,9 +162,8 @@ class Worker:
                     request_id,
                     on_finish=observe,
                 )
-            with (
-                timing.current()
-            ):  # the OpenAI routes' engine requests find their job through the running task
+            # the OpenAI routes' engine requests find their job through the running task
+            with timing.current():
                 async for item in _abortable(stream, ticket):
                     yield item
         except JobAborted as exc:  # cut short: ended as on the HTTP face (error event, [DONE])
@@ -179,9 +177,8 @@ class Worker:
     def _job_error(self, job_id: str, job: Job, engine, exc: Exception) -> str | dict:
         """What a failed job answers; a dead engine also starts the fatal exit. Errors a request
         can cause are logged in one line, errors of the machine with their traceback."""
-        if (
-            engine.errored is not None
-        ):  # checked first: a dead engine fails every stream, whatever it raised
+        # checked first: a dead engine fails every stream, whatever it raised
+        if engine.errored is not None:
             self.admission.fatal(engine.errored)
             name = type(engine.errored).__name__
             return job.answer(500, f"the engine failed ({name}); the worker restarts")
@@ -247,7 +244,8 @@ def _run_local_job(worker: Worker, argv: list[str]) -> int:
             job = json.load(f)
     else:
         print(
-            "coldbrew: not on RunPod (no job queue configured). Use --rp_serve_api for the SDK's local API, "
+            "coldbrew: not on RunPod (no job queue configured). "
+            "Use --rp_serve_api for the SDK's local API, "
             "--test_input '{\"input\": {...}}' for one job, or `python -m handler serve`.",
             file=sys.stderr,
         )

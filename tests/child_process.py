@@ -25,7 +25,9 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30.
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    try:  # a group whose id is the child's pid exists only if the child started it (start_new_session=True)
+    # A group whose id is the child's pid exists only if the child started it
+    # (start_new_session=True).
+    try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass

@@ -136,7 +136,8 @@ class RunPodApiServer:
         merged = {**self.endpoint, **body}
         if merged["workersMin"] > merged["workersMax"]:
             return 400, {
-                "error": f"workersMin ({merged['workersMin']}) exceeds workersMax ({merged['workersMax']})"
+                "error": f"workersMin ({merged['workersMin']}) "
+                f"exceeds workersMax ({merged['workersMax']})"
             }
         self.endpoint = merged
         return 200, dict(merged)

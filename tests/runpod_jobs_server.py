@@ -115,9 +115,8 @@ def _handler(queue: JobQueue):
 
         def do_POST(self):
             url = urlsplit(self.path)
-            parts = url.path.strip("/").split(
-                "/"
-            )  # v2/<endpoint>/job-done|job-stream/<worker id>/<job id>
+            # v2/<endpoint>/job-done|job-stream/<worker id>/<job id>
+            parts = url.path.strip("/").split("/")
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             if len(parts) == 5 and parts[2] in ("job-done", "job-stream"):
                 queue.record("stream" if parts[2] == "job-stream" else "done", parts[4], body)
@@ -130,9 +129,8 @@ def _handler(queue: JobQueue):
 class _QuietServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def handle_error(
-        self, request, client_address
-    ):  # the worker dropping a kept-alive connection is normal
+    # the worker dropping a kept-alive connection is normal
+    def handle_error(self, request, client_address):
         pass
 
 

@@ -52,9 +52,8 @@ class ServeProcess:
         port_found = threading.Event()
         self.port: int | None = None
 
-        def pump() -> (
-            None
-        ):  # keep reading so the pipe never fills; remember the output for failure messages
+        # keep reading so the pipe never fills; remember the output for failure messages
+        def pump() -> None:
             for line in self.proc.stdout:
                 self.lines.append(line)
                 m = _PORT_LINE.search(line)

@@ -112,9 +112,8 @@ async def test_out_of_memory_fails_only_the_request_that_asked_for_it(smollm2_di
     real_execute = runner.execute
     big_prompt = "word " * 150
 
-    def execute(
-        scheduled, rows, *previous
-    ):  # the device refuses any step that prefills over 100 tokens at once
+    # the device refuses any step that prefills over 100 tokens at once
+    def execute(scheduled, rows, *previous):
         if any(s.num_new_tokens > 100 for s in scheduled):
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
         return real_execute(scheduled, rows, *previous)

@@ -38,9 +38,8 @@ class Case:
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    cache: (
-        torch.Tensor
-    )  # [2, blocks, block_size, Hkv, D], the prefix written and everything else NaN
+    # [2, blocks, block_size, Hkv, D], the prefix written and everything else NaN
+    cache: torch.Tensor
     meta: AttentionMetadata
     scale: float
     num_real: int  # sequences before the padded rows
@@ -374,14 +373,24 @@ import torch
 from tests.test_attention_triton import make_case, run_both
 from engine.attention.triton_attn import TritonAttentionBackend
 
-# on CPU tensors: 2 'SMs', so decode splits 4-ways here; merged in the attention kernel or by a second launch
-backends = [TritonAttentionBackend(programs_per_sm=16), TritonAttentionBackend(programs_per_sm=16, fused_merge=False)]
+# on CPU tensors: 2 'SMs', so decode splits 4-ways here; merged in the attention kernel or by a
+# second launch
+backends = [
+    TritonAttentionBackend(programs_per_sm=16),
+    TritonAttentionBackend(programs_per_sm=16, fused_merge=False),
+]
 worst = 0.0
-for (dtype, head_dim), backend in zip(((torch.float32, 24), (torch.float16, 24), (torch.float32, 16)),
-                                      backends + backends[:1]):
-    for seqs, qlens, window in (([9, 40, 1, 70], [1, 1, 1, 1], None), ([9, 23, 37, 1, 50], [1, 23, 11, 1, 1], None),
-                                ([9, 40, 1, 70], [1, 1, 1, 1], 5), ([9, 23, 37, 1, 50], [1, 23, 11, 1, 1], 6)):
-        case = make_case(seqs, qlens, 2, 3, head_dim, 4, dtype, "cpu", padded_rows=2 if max(qlens) == 1 else 0)
+for (dtype, head_dim), backend in zip(
+    ((torch.float32, 24), (torch.float16, 24), (torch.float32, 16)), backends + backends[:1]
+):
+    for seqs, qlens, window in (
+        ([9, 40, 1, 70], [1, 1, 1, 1], None),
+        ([9, 23, 37, 1, 50], [1, 23, 11, 1, 1], None),
+        ([9, 40, 1, 70], [1, 1, 1, 1], 5),
+        ([9, 23, 37, 1, 50], [1, 23, 11, 1, 1], 6),
+    ):
+        padded_rows = 2 if max(qlens) == 1 else 0
+        case = make_case(seqs, qlens, 2, 3, head_dim, 4, dtype, "cpu", padded_rows=padded_rows)
         out, ref = run_both(case, backend, window)
         pad = out[case.meta.query_start_loc_cpu[case.num_real]:]
         assert torch.equal(pad, torch.zeros_like(pad)), "padded rows must be zeros"
@@ -389,7 +398,9 @@ for (dtype, head_dim), backend in zip(((torch.float32, 24), (torch.float16, 24),
         err = (out - ref).abs().max().item()
         assert err < bound, (dtype, seqs, window, err)
         worst = max(worst, err)
-assert backends[0].arrivals is not None and not backends[0].arrivals.any(), "split arrival counts must reset to 0"
+assert backends[0].arrivals is not None and not backends[0].arrivals.any(), (
+    "split arrival counts must reset to 0"
+)
 print("ok", worst)
 """
 

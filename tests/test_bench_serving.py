@@ -90,9 +90,8 @@ def test_trace_sampler_respects_caps_and_is_deterministic():
     assert all(1 <= p <= 4096 and 1 <= o <= 1024 for p, o in a)
     assert set(a) <= capped  # every pair is a real trace row, clamped
     assert max(p for p, _ in a) == 4096  # the trace has longer prompts: the cap bites
-    tight = sample_lengths(
-        len(rows) + 10, seed=3, max_prompt=64, max_output=8
-    )  # more than the trace holds
+    # more than the trace holds
+    tight = sample_lengths(len(rows) + 10, seed=3, max_prompt=64, max_output=8)
     assert len(tight) == len(rows) + 10 and all(p <= 64 and o <= 8 for p, o in tight)
     reqs = conv_requests(20, vocab_size=300, seed=1, **CAPS)
     assert [(r.prompt_len, r.output_len) for r in reqs] == sample_lengths(20, 1, **CAPS)
@@ -120,9 +119,8 @@ def test_decode_window_recovers_a_lockstep_schedule():
     assert abs(win["step_ms"] - 10) < 0.2
     assert win["kv_tokens_per_step"] == sum(prompts) + 4 * sum(range(1, 30)) / 29
     assert abs(win["floor_ms"] - (1000 + 10 * win["kv_tokens_per_step"]) / 1e6 * 1e3) < 1e-9
-    cut = decode_window(
-        records, 1.1, mb, bandwidth=1e6
-    )  # e.g. a preemption at t = 1.1 ends the window
+    # e.g. a preemption at t = 1.1 ends the window
+    cut = decode_window(records, 1.1, mb, bandwidth=1e6)
     assert cut["steps"] == 10 and cut["kv_tokens_per_step"] == sum(prompts) + 4 * 5.5
     assert not decode_window(records, 1.01, mb, bandwidth=1e6)["valid"]
 
@@ -158,9 +156,8 @@ def test_serving_benchmark_end_to_end_on_cpu(tmp_path):
         *SIZES,
     ]
     _run([*common, "--parts", "decode,offline,online"])
-    stdout = _run(
-        [*common, "--parts", "hf"]
-    )  # a second call merges its section into the same serving.json
+    # a second call merges its section into the same serving.json
+    stdout = _run([*common, "--parts", "hf"])
     res = json.loads((out / "serving.json").read_text())
 
     assert {"meta", "decode", "offline", "online", "hf", "kv", "ratios"} <= set(res)
@@ -212,9 +209,8 @@ def test_serving_benchmark_end_to_end_on_cpu(tmp_path):
 
     png = (out / "serving.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
-    assert (
-        "offline conv x16" in stdout and "HF generate_batch" in stdout
-    )  # the table comes last, merged
+    # the table comes last, merged
+    assert "offline conv x16" in stdout and "HF generate_batch" in stdout
 
     # --merge combines result files written elsewhere without running anything.
     merged_dir = tmp_path / "merged"

@@ -54,9 +54,8 @@ def _closed_port() -> int:
 
 
 def test_an_s3_source_gives_a_snapshot_of_the_engine_files(s3, model_files, tmp_path, caplog):
-    upload_tree(
-        s3.client(), s3.bucket, "models/tiny", model_files
-    )  # the test's own client: not under test
+    # the test's own client: not under test
+    upload_tree(s3.client(), s3.bucket, "models/tiny", model_files)
     caplog.set_level(logging.DEBUG)
     path = resolve(
         "s3://fleet/models/tiny",
@@ -73,9 +72,8 @@ def test_an_s3_source_gives_a_snapshot_of_the_engine_files(s3, model_files, tmp_
         and check_snapshot(path, "full") is None
     )
     assert s3.SECRET not in caplog.text and s3.KEY_ID not in caplog.text
-    assert any(
-        "Sending http request" in r.getMessage() for r in caplog.records
-    )  # botocore logged its requests
+    # botocore logged its requests
+    assert any("Sending http request" in r.getMessage() for r in caplog.records)
 
 
 def test_push_and_pull_round_trip_any_directory_and_the_manifest_marks_completion(s3, tmp_path):
@@ -195,9 +193,8 @@ def test_cli_push_pull_ls_fetch(s3, hub, model_files, tmp_path):
     )
     listed = cli("ls", "--cache-dir", str(tmp_path / "b"))
     assert listed.returncode == 0
-    size_kb = (
-        sum(len(d) for d in _engine_files(model_files).values()) / 1e3
-    )  # a tiny model: hundreds of KB
+    # a tiny model: hundreds of KB
+    size_kb = sum(len(d) for d in _engine_files(model_files).values()) / 1e3
     line = next(ln for ln in listed.stdout.splitlines() if "hf://org/tiny" in ln)
     assert hub.commit in line and f"{size_kb:.1f} KB" in line and " ok " in line
     # fetch from the fleet cache through the CLI, hub unreachable

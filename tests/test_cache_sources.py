@@ -355,7 +355,6 @@ def test_a_gguf_file_is_dequantized_once_into_a_snapshot_matching_gguf_py(tmp_pa
     assert config["num_hidden_layers"] == int(reader.fields["llama.block_count"].parts[-1][0])
     assert len(ours) == 2 + 9 * config["num_hidden_layers"]  # tied embeddings: no lm_head
     stamp = (path / "model.safetensors").stat().st_mtime_ns
-    assert (
-        resolve(str(gguf), cache_dir=tmp_path / "cache", base_path=None) == path
-    )  # no second conversion
+    # no second conversion
+    assert resolve(str(gguf), cache_dir=tmp_path / "cache", base_path=None) == path
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp

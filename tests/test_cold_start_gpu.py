@@ -66,10 +66,8 @@ def test_the_analytic_step_bound_covers_the_profiled_peak(llama_1b, backend, num
     measured = runner._profile_gpu_blocks(num_tokens, num_rows) - held
     bound = step_peak_bytes(runner.model_config, 2, num_tokens, num_rows, backend)
     assert measured <= bound, (measured / 2**20, bound / 2**20)
-    assert bound <= 2 * measured + (512 << 20), (
-        measured / 2**20,
-        bound / 2**20,
-    )  # not so loose it wastes KV
+    # not so loose it wastes KV
+    assert bound <= 2 * measured + (512 << 20), (measured / 2**20, bound / 2**20)
     del llm, runner
     _free()
 
@@ -89,9 +87,8 @@ def test_analytic_kv_sizing_stays_within_the_budget_through_the_largest_step(lla
             kv_sizing=mode,
         )
         blocks[mode] = llm.engine.num_kv_blocks
-        if (
-            mode == "analytic"
-        ):  # the largest prefill, then sampling with top-p on every row it can have
+        # the largest prefill, then sampling with top-p on every row it can have
+        if mode == "analytic":
             prompt = [(11 * i) % 30000 + 5 for i in range(8000)]
             out = llm.generate(
                 [prompt], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=4, ignore_eos=True)

@@ -69,9 +69,8 @@ def test_the_stream_process_hears_mapped_and_stops_once_the_worker_is_gone(tmp_p
     listener = threading.Thread(target=streamer.listen, daemon=True)
     listener.start()
     ours.sendall(b"mapped\n")
-    assert (
-        streamer.mapped.wait(10) and not streamer.stop.is_set()
-    )  # the worker holds its mapping; reads go on
+    # the worker holds its mapping; reads go on
+    assert streamer.mapped.wait(10) and not streamer.stop.is_set()
     ours.close()  # the worker exited
     listener.join(10)
     assert not listener.is_alive() and streamer.stop.is_set()
@@ -101,9 +100,8 @@ def test_a_streamed_pack_equals_its_tensors_and_each_group_waits_for_its_bytes(t
     before = torch.cuda.mem_get_info()[0]
     del load
     free_gpu_memory()
-    assert (
-        torch.cuda.mem_get_info()[0] > before + pack.data_nbytes // 2
-    )  # unmapped with the last view
+    # unmapped with the last view
+    assert torch.cuda.mem_get_info()[0] > before + pack.data_nbytes // 2
 
 
 @pytest.mark.gpu
@@ -146,9 +144,8 @@ def test_an_engine_on_a_streamed_pack_gives_the_safetensors_engines_tokens(tmp_p
 def test_a_worker_boot_streams_the_pack_it_wrote_on_its_first_start(tmp_path):
     import asyncio
 
-    pytest.importorskip(
-        "pydantic_settings"
-    )  # the worker's own dependencies (make gpu-check needs only torch's)
+    # the worker's own dependencies (make gpu-check needs only torch's)
+    pytest.importorskip("pydantic_settings")
     from handler.config import load_settings
     from handler.engine_boot import EngineBoot
 
@@ -164,9 +161,8 @@ def test_a_worker_boot_streams_the_pack_it_wrote_on_its_first_start(tmp_path):
         }
     )
     outputs, streams = [], []
-    for _ in range(
-        2
-    ):  # the first start writes the pack, the second streams it from a separate process
+    # the first start writes the pack, the second streams it from a separate process
+    for _ in range(2):
         boot = EngineBoot(settings)
         engine = asyncio.run(boot.ready())
         outputs.append(engine.engine.runner.model.embed_tokens.weight.float().sum().item())

@@ -85,9 +85,8 @@ def _run(model_dir: str, async_scheduling: bool, prompts, params, **kw):
     )
     outs = llm.generate(prompts, params)
     stats = llm.stats()
-    assert (
-        stats.num_free_blocks == stats.num_kv_blocks
-    )  # every block came back, the dropped extra steps' too
+    # every block came back, the dropped extra steps' too
+    assert stats.num_free_blocks == stats.num_kv_blocks
     assert not llm.engine.scheduler.has_unfinished()
     return outs, stats
 
@@ -143,9 +142,8 @@ def test_a_stop_found_one_step_late_drops_the_extra_token(smollm2_dir, async_llm
     assert finished.outputs[0].token_ids == free_run[: first + 1]
     assert (finished.outputs[0].finish_reason, finished.outputs[0].stop_reason) == ("stop", stop_id)
     stats = engine.stats()
-    assert (
-        stats.num_free_blocks == stats.num_kv_blocks
-    )  # freed when the stop was seen, with a step still in flight
+    # freed when the stop was seen, with a step still in flight
+    assert stats.num_free_blocks == stats.num_kv_blocks
     engine.step()  # reads back the dropped step: nothing comes of it
     assert not engine.has_unfinished()
 
@@ -202,15 +200,13 @@ def test_prefix_cache_blocks_published_late_serve_the_same_tokens(smollm2_dir):
     )
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     first = llm.generate([PROMPTS[3]], params)[0]
-    follow = (
-        first.prompt_token_ids + first.outputs[0].token_ids[:36]
-    )  # prompt + generated blocks, then more
+    # prompt + generated blocks, then more
+    follow = first.prompt_token_ids + first.outputs[0].token_ids[:36]
     again = llm.generate([follow], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[
         0
     ]
-    assert again.num_cached_tokens == 16 * (
-        (len(follow) - 1) // 16
-    )  # every full block of it, as sync gives
+    # every full block of it, as sync gives
+    assert again.num_cached_tokens == 16 * ((len(follow) - 1) // 16)
     assert again.outputs[0].token_ids == first.outputs[0].token_ids[36:40]
 
 
@@ -233,9 +229,8 @@ def test_a_failed_launch_after_a_penalty_flush_loses_no_output(smollm2_dir):
     )
     real_execute = engine.runner.execute
 
-    def execute(
-        scheduled, rows, *previous
-    ):  # refuses any step that prefills more than 100 tokens at once
+    # refuses any step that prefills more than 100 tokens at once
+    def execute(scheduled, rows, *previous):
         if any(s.num_new_tokens > 100 for s in scheduled):
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
         return real_execute(scheduled, rows, *previous)
@@ -243,7 +238,8 @@ def test_a_failed_launch_after_a_penalty_flush_loses_no_output(smollm2_dir):
     engine.runner.execute = execute
     engine.add_request("small", PROMPTS[0], params)
     engine.step()
-    engine.step()  # "small": its last token in flight, with a penalty, so the next step reads it back first
+    # "small": its last token in flight, with a penalty, so the next step reads it back first
+    engine.step()
     engine.add_request("big", "word " * 150, SamplingParams(temperature=0.0, max_tokens=2))
     failed, finals = [], {}
     while engine.has_unfinished():

@@ -67,9 +67,8 @@ def test_ready_serves_every_waiter_and_survives_a_cancelled_one(smollm2_dir, tmp
         assert {"resolve", "stream_start", "engine", "total"} <= set(boot.phases)
         assert boot.weight_stream == "prefetch"  # no GPU: the page cache is filled, not a device
         assert first.engine.max_model_len == 256
-        pages = Path(
-            start_pages.default_path(str(tmp_path))
-        )  # recorded once the engine is up, for later starts
+        # recorded once the engine is up, for later starts
+        pages = Path(start_pages.default_path(str(tmp_path)))
         deadline = time.monotonic() + 30
         while not pages.exists() and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -75,9 +75,8 @@ def test_prompt_larger_than_the_whole_cache_is_refused(smollm2_dir):
     out = eng.generate([list(range(100, 150))], SamplingParams(temperature=0.0, ignore_eos=True))[
         0
     ].outputs[0]
-    assert (
-        out.finish_reason == "length" and len(out.token_ids) == 64 - 50
-    )  # the cache is the context limit
+    # the cache is the context limit
+    assert out.finish_reason == "length" and len(out.token_ids) == 64 - 50
 
 
 def _copy_model(src: str, dst, edit_config=None, drop_tensor: str | None = None) -> str:

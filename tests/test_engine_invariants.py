@@ -160,9 +160,8 @@ def random_workload(
                 ),
             )
             requests[rid] = (prompt, max_tokens, prompt_lp)
-        if (
-            core.requests and rng.random() < 0.05
-        ):  # abort anything: waiting, mid-prefill, decoding, n > 1
+        # abort anything: waiting, mid-prefill, decoding, n > 1
+        if core.requests and rng.random() < 0.05:
             rid = rng.choice(sorted(core.requests))
             core.abort(rid)
             aborted.add(rid)
@@ -244,9 +243,8 @@ def test_shared_prompt_blocks_survive_preemption_of_parent_or_child(caching, vic
 
 def test_abort_of_waiting_child_and_mid_prefill_parent_frees_everything():
     kv = KVCacheManager(num_blocks=16, block_size=4)
-    sched = Scheduler(
-        kv, max_num_seqs=8, max_num_batched_tokens=5
-    )  # a 13-token prompt needs 3 chunks
+    # a 13-token prompt needs 3 chunks
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=5)
     parent = make_seq(list(range(10, 23)))
     child = make_seq(list(range(10, 23)))
     child.request, child.index, child.parent = parent.request, 1, parent
@@ -360,9 +358,8 @@ async def test_async_abort_mid_prefill_and_of_n_gt_1_frees_blocks(tiny_dir):
             and stats.num_running == stats.num_waiting == 0
         )
         final = await asyncio.wait_for(task, 5)
-        while (
-            not final.finished
-        ):  # an output from before the abort may come first; the stream still ends
+        # an output from before the abort may come first; the stream still ends
+        while not final.finished:
             final = await asyncio.wait_for(gen.__anext__(), 5)
         assert all(c.finish_reason == "abort" for c in final.outputs)
     finally:
@@ -382,9 +379,8 @@ async def test_async_shutdown_ends_in_flight_streams(tiny_dir):
             pass
 
     try:
-        await asyncio.wait_for(
-            drain(), 3
-        )  # an error or a final output are both fine; waiting forever is not
+        # an error or a final output are both fine; waiting forever is not
+        await asyncio.wait_for(drain(), 3)
     except RuntimeError:
         pass
     except TimeoutError:
@@ -422,12 +418,10 @@ async def test_reused_request_id_never_sees_the_old_requests_output(tiny_dir):
         old = engine.generate("x", old_prompt, LONG)
         await old.__anext__()
         gate["hold_after"] = True
-        await asyncio.to_thread(
-            entered.wait, 5
-        )  # the engine thread is inside a step that produced old "x" output
-        closing = asyncio.ensure_future(
-            old.aclose()
-        )  # the client goes away: its stream is dropped, abort queued
+        # the engine thread is inside a step that produced old "x" output
+        await asyncio.to_thread(entered.wait, 5)
+        # the client goes away: its stream is dropped, abort queued
+        closing = asyncio.ensure_future(old.aclose())
         for _ in range(5):
             await asyncio.sleep(0)
         new = engine.generate(
@@ -436,20 +430,17 @@ async def test_reused_request_id_never_sees_the_old_requests_output(tiny_dir):
         first = asyncio.ensure_future(new.__anext__())
         for _ in range(5):
             await asyncio.sleep(0)
-        gate["hold_before"] = (
-            True  # the step after: hold back the new request's own outputs for a while
-        )
+        # the step after: hold back the new request's own outputs for a while
+        gate["hold_before"] = True
         release_after.set()
-        await asyncio.to_thread(
-            held_before.wait, 5
-        )  # the abort of the old "x" and the add of the new one ran
+        # the abort of the old "x" and the add of the new one ran
+        await asyncio.to_thread(held_before.wait, 5)
         await asyncio.sleep(0.05)
         release_before.set()
         try:
             out = await asyncio.wait_for(first, 5)
-        except (
-            ValueError
-        ):  # refusing the id while the old request is still being dropped is fine too
+        # refusing the id while the old request is still being dropped is fine too
+        except ValueError:
             out = None
         await asyncio.wait_for(closing, 5)
         if out is not None:

@@ -17,7 +17,8 @@ PROMPTS = [
     "1, 2, 3, 4,",
     "def fibonacci(n):",
     "Q: What is the boiling point of water in Celsius?\nA:",
-    "Once upon a time, in a small village at the edge of a dark forest, there lived an old woodcutter who",
+    "Once upon a time, in a small village at the edge of a dark forest, "
+    "there lived an old woodcutter who",
     "Translate to French: I would like a cup of coffee, please.",
     "List three primary colors:",
     "The quick brown fox jumps over the lazy dog. " * 6 + "Then the fox",

@@ -38,13 +38,12 @@ pytestmark = [
 NEW_TOKENS = 32
 COPY_DISTANCE = 3
 ROPE_PAIRS = 6  # the fastest-turning frequency pairs carry the positional pattern
-PAIR_WEIGHT = 160.0  # q.k = 160 * sum cos((d - 3) theta_f): a 0.84 * 160 / 8 = 17 nat margin after the 1/8 scale
-COPY_GAIN = (
-    0.05  # o_proj gain: the copied embedding outweighs the token's own embedding (0.02) ten to one
-)
-SMALL_STD = (
-    0.002  # every other matrix and bias: present, computed, but too small to move the argmax
-)
+# q.k = 160 * sum cos((d - 3) theta_f): a 0.84 * 160 / 8 = 17 nat margin after the 1/8 scale
+PAIR_WEIGHT = 160.0
+# o_proj gain: the copied embedding outweighs the token's own embedding (0.02) ten to one
+COPY_GAIN = 0.05
+# every other matrix and bias: present, computed, but too small to move the argmax
+SMALL_STD = 0.002
 
 
 def copy_head_config(num_layers: int | None = None) -> dict:
@@ -86,13 +85,11 @@ def copy_head_checkpoint(out_dir: str, config: dict, device: str = "cuda") -> st
             t = q_head.repeat(heads).to(device, torch.bfloat16)
         elif name == "model.layers.0.self_attn.k_proj.bias":
             t = k_head.repeat(kv_heads).to(device, torch.bfloat16)
-        elif (
-            name == "model.layers.0.self_attn.v_proj.weight"
-        ):  # kv head j reads hidden dims [64j, 64j + 64)
+        # kv head j reads hidden dims [64j, 64j + 64)
+        elif name == "model.layers.0.self_attn.v_proj.weight":
             t = torch.eye(kv_heads * head_dim, hidden, dtype=torch.bfloat16, device=device)
-        elif (
-            name == "model.layers.0.self_attn.o_proj.weight"
-        ):  # head h writes back where its kv head read
+        # head h writes back where its kv head read
+        elif name == "model.layers.0.self_attn.o_proj.weight":
             t = torch.zeros(shape, dtype=torch.bfloat16, device=device)
             for h in range(heads):
                 rows = slice((h // group) * head_dim, (h // group + 1) * head_dim)
@@ -135,9 +132,8 @@ def test_greedy_32_tokens_match_hf_generate(checkpoint):
     assert runner.graphs is not None, "the fast path must run from CUDA graphs"
     assert runner.model.layers[0].self_attn.backend.name == "triton"
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    ours = [
-        o.outputs[0].token_ids for o in llm.generate(prompts, params)
-    ]  # a batch of 5, padded to the graph of 8
+    # a batch of 5, padded to the graph of 8
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     alone = llm.generate(prompts[:1], params)[0].outputs[0].token_ids  # batch 1: its own graph
     del llm, runner
     gc.collect()

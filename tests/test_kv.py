@@ -121,9 +121,8 @@ def test_allocation_with_cached_blocks_counts_the_tokens_after_them():
     a = make_seq(list(range(13)))  # 3 full blocks + 1
     run_prefill(kv, a)
     kv.free(a)
-    b = make_seq(
-        list(range(12)) + list(range(50, 58))
-    )  # 3 cached blocks, then 8 new tokens: 2 more blocks
+    # 3 cached blocks, then 8 new tokens: 2 more blocks
+    b = make_seq(list(range(12)) + list(range(50, 58)))
     hits = kv.find_cached_prefix(b)
     assert len(hits) == 3
     assert kv.can_allocate(b, 8, hits)  # 5 blocks in all

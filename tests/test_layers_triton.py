@@ -110,10 +110,8 @@ def test_rope_matches_transformers(dtype, rope, heads, kv_heads, head_dim):
         dtype
     )
     q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    q, k = (
-        q.view(tokens, heads, head_dim),
-        k.view(tokens, kv_heads, head_dim),
-    )  # strided views, as the model has
+    # strided views, as the model has
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
     positions = torch.randint(0, 16384, (tokens,), device="cuda", generator=gen)
     q_out, k_out = rope_fused(positions, q, k, rot.cos, rot.sin)
     q_ref, k_ref = hf_rope(q, k, rot, positions)
@@ -270,7 +268,8 @@ def test_kernels_under_the_triton_interpreter_match_torch_in_float32():
     """The kernels' logic on CPU (float32, where the interpreter rounds like torch): CI runs without
     a GPU."""
     script = textwrap.dedent("""
-        # numpy >= 2.3 refuses int() of a 1-element array, which triton 3.6's interpreter uses for range() bounds
+        # numpy >= 2.3 refuses int() of a 1-element array, which triton 3.6's interpreter uses
+        # for range() bounds
         import triton.runtime.interpreter as interp
         _patch = interp._patch_lang_tensor
         def _patched(tensor, scope):
@@ -309,14 +308,19 @@ def test_kernels_under_the_triton_interpreter_match_torch_in_float32():
         qo = rot.rotate_into_cache(pos, q, k, v, cache, slots, qn, kn)
         torch.testing.assert_close(qo, apply_rotary(qn(q), rot.cos[pos], rot.sin[pos]))
         flat, real = cache.view(2, 24, 2, 80), slots >= 0
-        torch.testing.assert_close(flat[0, slots[real]], apply_rotary(kn(k), rot.cos[pos], rot.sin[pos])[real])
+        rotated_k = apply_rotary(kn(k), rot.cos[pos], rot.sin[pos])
+        torch.testing.assert_close(flat[0, slots[real]], rotated_k[real])
         assert torch.equal(flat[1, slots[real]], v[real]) and (flat[:, [1, 2, 23]] == 7.0).all()
         from engine.layers.skinny_gemm import skinny_gemm
         x, w, b = torch.randn(3, 200), torch.randn(33, 200), torch.randn(33)
         torch.testing.assert_close(skinny_gemm(x, w, b, config=(16, 64, 4, 2)), F.linear(x, w, b))
         out = torch.empty(5, 33, dtype=torch.float64)[1:4]
-        torch.testing.assert_close(skinny_gemm(x, w, out=out, config=(32, 128, 4, 2)), F.linear(x, w).double(),
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            skinny_gemm(x, w, out=out, config=(32, 128, 4, 2)),
+            F.linear(x, w).double(),
+            atol=1e-4,
+            rtol=1e-4,
+        )
         print("ok")
     """)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))

@@ -62,7 +62,8 @@ def test_the_run_path_never_imports_transformers(smollm2_dir):
         "from engine import LLM, SamplingParams\n"
         f"llm = LLM(model={smollm2_dir!r}, device='cpu', max_model_len=256)\n"
         "llm.chat([{'role': 'user', 'content': 'hi'}], SamplingParams(max_tokens=2))\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'accelerate')))\n"
+        "print(sorted(m for m in sys.modules\n"
+        "             if m.split('.')[0] in ('transformers', 'accelerate')))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300

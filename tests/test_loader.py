@@ -91,9 +91,8 @@ def test_cpu_load_equals_what_safetensors_reads(tiny_dir, tmp_path, direct, thre
     for name, t in ref.items():
         view = load.tensors[name]
         assert view.dtype == t.dtype and view.shape == t.shape and torch.equal(view, t), name
-        assert (
-            view.untyped_storage().data_ptr() == load.buffer.untyped_storage().data_ptr()
-        )  # one allocation
+        # one allocation
+        assert view.untyped_storage().data_ptr() == load.buffer.untyped_storage().data_ptr()
     assert all(load.group_ready(g) for g in pack.groups)
 
 
@@ -135,8 +134,9 @@ def test_prefetch_imports_only_the_stdlib_and_fills_the_page_cache(tmp_path):
     code = (
         "import sys\nfrom cache.loader import prefetch, resident_fraction\n"
         f"p = prefetch({path!r}, threads=3, chunk_bytes=1 << 20)\nassert p.wait(60)\n"
-        f"print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'safetensors')),"
-        f" p.bytes_read, resident_fraction({path!r}))\n"
+        "print(sorted(m for m in sys.modules\n"
+        "             if m.split('.')[0] in ('torch', 'numpy', 'safetensors')),\n"
+        f"      p.bytes_read, resident_fraction({path!r}))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
@@ -183,9 +183,8 @@ def test_first_load_writes_the_pack_and_the_next_loads_identical_weights_from_it
 
 def test_a_forward_started_while_the_weights_stream_waits_per_layer_and_matches(tiny_dir, tmp_path):
     cfg = ModelConfig.from_dir(tiny_dir)
-    ref_model = load_model(
-        tiny_dir, cfg, "float32", "cpu", pack_dir=str(tmp_path)
-    )  # writes the pack
+    # writes the pack
+    ref_model = load_model(tiny_dir, cfg, "float32", "cpu", pack_dir=str(tmp_path))
     path = ref_model.load_stats["pack_written"]
     streaming = load_model_from_pack(
         path,
@@ -209,9 +208,8 @@ def test_a_forward_started_while_the_weights_stream_waits_per_layer_and_matches(
             outs.append(model.compute_logits(model(ids, positions, kv.clone(), meta)))
     assert torch.equal(outs[0], outs[1])
     assert streaming.load_stats["source"] == "pack" and streaming.load_stats["nbytes"] > 0
-    assert (
-        "seconds" in streaming.load_stats
-    )  # the final norm's hook waited for every byte, then left
+    # the final norm's hook waited for every byte, then left
+    assert "seconds" in streaming.load_stats
     assert not any(m._forward_pre_hooks for m in streaming.modules())
     streaming.wait_weights()  # idempotent
 
@@ -254,7 +252,8 @@ def test_a_load_killed_while_writing_the_pack_is_rebuilt_by_the_next_start(tiny_
         from engine.config import ModelConfig
         from engine.models.weights import load_model
         add, count = cache.pack.PackWriter.add, [0]
-        def slow_add(self, *args, **kwargs):  # pause after two tensors so the parent kills a half-written pack
+        # pause after two tensors so the parent kills a half-written pack
+        def slow_add(self, *args, **kwargs):
             add(self, *args, **kwargs)
             count[0] += 1
             if count[0] == 2:
@@ -262,13 +261,13 @@ def test_a_load_killed_while_writing_the_pack_is_rebuilt_by_the_next_start(tiny_
                 print("midway", flush=True)
                 time.sleep(60)
         cache.pack.PackWriter.add = slow_add
-        load_model({tiny_dir!r}, ModelConfig.from_dir({tiny_dir!r}), "float32", "cpu", pack_dir={pack_dir!r})
+        config = ModelConfig.from_dir({tiny_dir!r})
+        load_model({tiny_dir!r}, config, "float32", "cpu", pack_dir={pack_dir!r})
     """)
     kill_when_midway(child)
     path = pack_path(tiny_dir, torch.float32, pack_dir)
-    assert (
-        not os.path.exists(path) and len(os.listdir(pack_dir)) == 1
-    )  # only the dead writer's temp file
+    # only the dead writer's temp file
+    assert not os.path.exists(path) and len(os.listdir(pack_dir)) == 1
     cfg = ModelConfig.from_dir(tiny_dir)
     rebuilt = load_model(tiny_dir, cfg, "float32", "cpu", pack_dir=pack_dir)
     assert rebuilt.load_stats["source"] == "safetensors" and os.listdir(pack_dir) == [
@@ -296,9 +295,8 @@ def test_greedy_outputs_are_identical_from_the_pack_and_from_safetensors(smollm2
         pack_dir=str(tmp_path),
     )
     runs = []
-    for _ in range(
-        2
-    ):  # the first start loads safetensors and writes the pack; the second loads the pack
+    # the first start loads safetensors and writes the pack; the second loads the pack
+    for _ in range(2):
         llm = LLM(model=smollm2_dir, **opts)
         runs.append(
             (
@@ -327,9 +325,8 @@ def test_cuda_load_equals_the_source_and_every_group_event_fires(tmp_path, direc
     with torch.cuda.stream(consumer):
         sums = []
         for g in pack.groups:
-            load.wait_group(
-                g
-            )  # the consumer stream waits on the group's copy event, the host does not
+            # the consumer stream waits on the group's copy event, the host does not
+            load.wait_group(g)
             sums.append(sum(load.tensors[f"layer{g}.{k}"].float().sum() for k in "ab"))
     consumer.synchronize()
     stats = load.wait()
@@ -352,9 +349,8 @@ def test_cuda_model_from_the_pack_equals_the_safetensors_model(tmp_path):
     first = load_model(model_dir, cfg, "bfloat16", "cuda")
     second = load_model(model_dir, cfg, "bfloat16", "cuda")
     assert (first.load_stats["source"], second.load_stats["source"]) == ("safetensors", "pack")
-    assert (
-        second.load_stats.get("streaming") is True
-    )  # on CUDA load_model returns while the bytes stream
+    # on CUDA load_model returns while the bytes stream
+    assert second.load_stats.get("streaming") is True
     second.wait_weights()
     assert "gbps" in second.load_stats
     a, b = dict(first.named_parameters()), dict(second.named_parameters())

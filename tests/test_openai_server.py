@@ -280,9 +280,8 @@ def test_a_closed_stream_aborts_its_engine_request(server):
                 if events == 2:
                     break  # leave mid-stream: the connection closes
     deadline = time.monotonic() + 60
-    while (
-        True
-    ):  # the engine request is aborted and its blocks freed: nothing runs, no block stays in use
+    # the engine request is aborted and its blocks freed: nothing runs, no block stays in use
+    while True:
         text = httpx.get(server.base_url + "/metrics").text
         idle = (
             _metric(text, "coldbrew_num_requests_running") == 0

@@ -130,15 +130,13 @@ def test_a_writer_killed_mid_pack_leaves_nothing_valid_and_the_next_writer_succe
     """)
     kill_when_midway(child)
     leftovers = os.listdir(path.parent)
-    assert len(leftovers) == 1 and leftovers[0].startswith(
-        ".m.cbpack.tmp-"
-    )  # the dead writer's temp only
+    # the dead writer's temp only
+    assert len(leftovers) == 1 and leftovers[0].startswith(".m.cbpack.tmp-")
     assert os.path.getsize(path.parent / leftovers[0]) >= 4 << 20
     with pytest.raises(FileNotFoundError):
         read_pack(str(path))
     assert find_packs(str(path.parent)) == []
-    write(
-        str(path), {"x": torch.ones(3)}
-    )  # the next writer removes the dead one's temp and publishes
+    # the next writer removes the dead one's temp and publishes
+    write(str(path), {"x": torch.ones(3)})
     assert os.listdir(path.parent) == ["m.cbpack"]
     assert [e.name for e in read_pack(str(path)).entries] == ["x"]

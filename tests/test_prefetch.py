@@ -66,9 +66,8 @@ def test_wait_covered_returns_once_the_prefetch_has_read_that_far(tmp_path):
 def test_a_load_reading_behind_a_prefetch_equals_the_source(tmp_path):
     ref = random_tensors(8)
     path = write_pack(str(tmp_path / "p.cbpack"), ref)
-    p = prefetch(
-        path, threads=1, chunk_bytes=64 << 10
-    )  # small reads: the loader catches up and must wait
+    # small reads: the loader catches up and must wait
+    p = prefetch(path, threads=1, chunk_bytes=64 << 10)
     load = load_pack(path, "cpu", threads=4, chunk_bytes=8192)
     stats = load.wait()
     assert p.wait(60) and stats.mode == "buffered"
@@ -107,9 +106,8 @@ def test_preload_weights_does_nothing_on_cpu_and_the_engine_drops_a_stray_preloa
     load_model(model_dir, cfg, "float32", "cpu")  # writes the float32 pack
     assert preload_weights(EngineArgs(model=model_dir, device="cpu")) is False
     f32 = pack_path(model_dir, torch.float32)
-    stray = preload(
-        f32, "cpu"
-    )  # a float32 preload, then an engine that wants bfloat16: the preload is dropped
+    # a float32 preload, then an engine that wants bfloat16: the preload is dropped
+    stray = preload(f32, "cpu")
     model = load_model(model_dir, cfg, "bfloat16", "cpu")
     assert stray.buffer is None and model.load_stats["source"] == "safetensors"
     again = preload(f32, "cpu")  # the matching one is used
@@ -141,11 +139,12 @@ def test_the_start_path_streams_before_importing_triton_or_transformers(model_di
         "from engine.config import EngineArgs\n"
         "from engine.models.weights import preload_weights\n"
         f"preload_weights(EngineArgs(model={model_dir!r}, device='cpu'))\n"
-        "early = sorted(m for m in ('triton', 'transformers', 'tokenizers', 'jinja2', 'engine.models.decoder')"
-        " if m in sys.modules)\n"
+        "early = sorted(m for m in ('triton', 'transformers', 'tokenizers', 'jinja2',\n"
+        "                           'engine.models.decoder') if m in sys.modules)\n"
         "from engine import LLM, SamplingParams\n"
         f"llm = LLM(model={model_dir!r}, device='cpu', num_kv_blocks=16, block_size=4)\n"
-        "out = llm.generate([[3, 5, 7]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))\n"
+        "params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)\n"
+        "out = llm.generate([[3, 5, 7]], params)\n"
         "print(early, len(out[0].outputs[0].token_ids), 'transformers' in sys.modules)\n"
     )
     out = subprocess.run(

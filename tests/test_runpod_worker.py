@@ -38,6 +38,7 @@ def _start_worker(
         **env,
     }
     log = open(log_path, "wb")
+    # stop() ends the SDK's heartbeat too
     return subprocess.Popen(
         [sys.executable, "-m", "handler"],
         cwd=REPO,
@@ -45,7 +46,7 @@ def _start_worker(
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-    )  # stop() ends the SDK's heartbeat too
+    )
 
 
 @pytest.fixture(scope="module")

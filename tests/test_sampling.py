@@ -307,9 +307,8 @@ SETTINGS = [  # (top_k, top_p, min_p)
 
 BATCHES = {
     "all": SETTINGS,
-    "top_k_and_min_p_only": [
-        s for s in SETTINGS if s[1] == 1.0
-    ],  # the top-k path without a full sort
+    # the top-k path without a full sort
+    "top_k_and_min_p_only": [s for s in SETTINGS if s[1] == 1.0],
     "top_k_only": [(k, 1.0, 0.0) for k in (0, 3, 1, -1, 77, VOCAB, VOCAB - 1)],
     "top_p_only": [(0, p, 0.0) for p in (0.3, 1.0, 0.9, 0.999)],
     "min_p_only": [(0, 1.0, m) for m in (0.0, 0.01, 0.9, 1.0)],

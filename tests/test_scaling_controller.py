@@ -86,9 +86,8 @@ def test_dry_run_prints_decisions_and_changes_nothing(api):
     assert len(lines) == 3, run.stdout
     assert '{"workersMin": 0}' in lines[0]  # nothing queued, nothing arriving: no worker held
     burst = int(lines[1].split('"workersMin": ')[1].split("}")[0])
-    assert (
-        1 <= burst <= 3
-    )  # scaled up at once, within the endpoint's workersMax (read from the API)
+    # scaled up at once, within the endpoint's workersMax (read from the API)
+    assert 1 <= burst <= 3
     assert api.updates() == []  # a dry run sends no update
     assert [r["method"] for r in api.requests] == [
         "GET"
@@ -263,17 +262,15 @@ def test_bad_arguments_name_the_flag():
 def test_recommend_prints_native_settings_the_update_call_accepts(api):
     config = PolicyConfig(latency_budget_s=3.0, max_workers=3)
     many = recommend(config, capacity=8, cold_start_s=40, mean_service_s=10, arrival_rate=0.0)
-    assert (
-        many["scalerType"] == "REQUEST_COUNT" and many["scalerValue"] == 6
-    )  # floor(8 x 0.85) requests/worker
+    # floor(8 x 0.85) requests/worker
+    assert many["scalerType"] == "REQUEST_COUNT" and many["scalerValue"] == 6
     assert many["workersMin"] == 0 and many["workersMax"] == 3 and 1 <= many["idleTimeout"] <= 3600
     one = recommend(config, capacity=1, cold_start_s=40, mean_service_s=10, arrival_rate=0.5)
     assert one["scalerType"] == "QUEUE_DELAY" and one["scalerValue"] == 3
     assert 1 <= one["workersMin"] <= 3  # a steady 0.5 request/s keeps workers warm
     client = RunPodApi(KEY, ENDPOINT, queue_api=api.queue_api, rest_api=api.rest_api)
-    assert (
-        client.update_endpoint(**many)["scalerType"] == "REQUEST_COUNT"
-    )  # a valid EndpointUpdateInput
+    # a valid EndpointUpdateInput
+    assert client.update_endpoint(**many)["scalerType"] == "REQUEST_COUNT"
     run = _controller("--recommend", "--capacity", "8", "--cold-start", "40", key=None)
     assert (
         run.returncode == 0
@@ -288,9 +285,8 @@ def test_arrival_meter_counts_new_requests_and_idle_gaps():
     assert meter.update(0, h()) == 0 and meter.rate == 0
     assert meter.update(10, h(in_queue=5, completed=5)) == 10
     assert 0.5 < meter.rate < 1.0  # 1 request/s, smoothed over the 10 s window
-    assert (
-        meter.update(20, h(completed=3)) == 0
-    )  # counts that fall (RunPod's window moved) are no arrivals
+    # counts that fall (RunPod's window moved) are no arrivals
+    assert meter.update(20, h(completed=3)) == 0
     assert meter.idle_for(25) == 5
     meter.update(30, h(completed=3))
     meter.update(42, h(in_queue=1, completed=3))  # traffic is back after 22 s without any
@@ -300,9 +296,8 @@ def test_arrival_meter_counts_new_requests_and_idle_gaps():
     assert meter.oldest_wait_s == 0
     meter.update(50, h(in_queue=2, completed=3))
     assert meter.oldest_wait_s == 8
-    meter.update(
-        60, h(in_queue=1, in_progress=1, completed=3)
-    )  # the first was taken: the head came by 50
+    # the first was taken: the head came by 50
+    meter.update(60, h(in_queue=1, in_progress=1, completed=3))
     assert meter.oldest_wait_s == 10
     meter.update(70, h(completed=5))
     assert meter.oldest_wait_s == 0

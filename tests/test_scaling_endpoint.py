@@ -119,9 +119,8 @@ def test_cli_serves_health_and_stops_on_sigterm():
         text=True,
     )
     try:
-        line = (
-            proc.stdout.readline()
-        )  # "coldbrew local endpoint: http://127.0.0.1:PORT/v2/local  (OpenAI: ...)"
+        # "coldbrew local endpoint: http://127.0.0.1:PORT/v2/local  (OpenAI: ...)"
+        line = proc.stdout.readline()
         base = line.split()[3]
         assert base.startswith("http://127.0.0.1:") and base.endswith("/v2/local"), line
         health = requests.get(f"{base}/health").json()
@@ -299,9 +298,8 @@ def test_killed_worker_job_is_retried_or_failed_never_lost(endpoint, client, ref
     ref = reference.generate(prompt, SamplingParams(temperature=0, max_tokens=80, ignore_eos=True))[
         0
     ]
-    assert (
-        _text(unseen.output()) == ref.outputs[0].text
-    )  # the whole greedy answer, posted once, by another worker
+    # the whole greedy answer, posted once, by another worker
+    assert _text(unseen.output()) == ref.outputs[0].text
     assert jobs[unseen.job_id].worker_id != killed and jobs[unseen.job_id].done_posts == 1
 
     # A job a client has partly read through /stream: a rerun would show its start twice, so it
@@ -350,9 +348,8 @@ def test_frozen_worker_loses_its_lease_and_the_job_runs_elsewhere(endpoint, clie
     ]
     assert _text(job.output()) == ref.outputs[0].text
     assert client.health()["jobs"]["retried"] == before + 1
-    assert (
-        frozen not in endpoint.pool.workers
-    )  # the endpoint killed it (SIGKILL ends a stopped process)
+    # the endpoint killed it (SIGKILL ends a stopped process)
+    assert frozen not in endpoint.pool.workers
 
 
 @pytest.mark.slow
@@ -401,9 +398,8 @@ def test_scales_back_to_zero_when_idle(endpoint, client):
 
     _wait_for(all_gone, timeout=120, what="zero workers")
     assert client.health()["jobs"]["inQueue"] == client.health()["jobs"]["inProgress"] == 0
-    assert (
-        len(endpoint.pool.pids) > MAX_WORKERS - 1
-    )  # the burst and the replacements after the kill
+    # the burst and the replacements after the kill
+    assert len(endpoint.pool.pids) > MAX_WORKERS - 1
 
     def group_gone(pid: int) -> bool:
         try:

@@ -42,9 +42,8 @@ CFG = PolicyConfig()
 def test_a_burst_into_an_empty_endpoint_starts_enough_workers_at_once():
     d = decide(obs(in_queue=300), CFG)
     assert isinstance(d, Decision)
-    assert d.desired_workers == math.ceil(
-        300 / (128 * CFG.target_utilization)
-    )  # 3, not one at a time
+    # 3, not one at a time
+    assert d.desired_workers == math.ceil(300 / (128 * CFG.target_utilization))
     assert decide(obs(in_queue=1), CFG).desired_workers == 1
 
 

@@ -48,9 +48,8 @@ def test_worker_model_reads_the_benchmark_json(model):
     data = json.loads(SERVING_JSON.read_text())
     levels = data["online"]["levels"]
     assert model.capacity == max(lv["concurrency"] for lv in levels)
-    for lv in (
-        levels
-    ):  # at every measured level the model gives back the measured per-request rate and TTFT
+    # at every measured level the model gives back the measured per-request rate and TTFT
+    for lv in levels:
         c = lv["concurrency"]
         assert model.decode_tok_s[c] == pytest.approx(lv["output_tok_s"] / c)
         assert model.ttft_s[c] == pytest.approx(lv["ttft_ms"]["p50"] / 1000)
@@ -130,9 +129,8 @@ def test_quick_cli_writes_table_json_and_plot(tmp_path, capsys):
     assert {r["policy"] for r in rows} == set(POLICIES)
     assert {r["cold_start_s"] for r in rows} == {5.0, 30.0}
     for r in rows:
-        assert r["gpu_s"] == pytest.approx(
-            r["boot_s"] + r["busy_s"] + r["idle_s"], rel=1e-4
-        )  # 5 digits kept
+        # 5 digits kept
+        assert r["gpu_s"] == pytest.approx(r["boot_s"] + r["busy_s"] + r["idle_s"], rel=1e-4)
         assert 0 <= r["slo_2s"] <= r["slo_5s"] <= 1
         assert r["queue_wait_p50_s"] <= r["queue_wait_p99_s"] and r["ttft_p50_s"] <= r["ttft_p99_s"]
     assert comparisons and all(c["verdict"] for c in comparisons)

@@ -190,11 +190,12 @@ def test_on_a_gpu_the_stream_process_starts_before_torch(tmp_path):
         pytest.skip("needs CUDA")
     pytest.importorskip("fastapi")  # the server's own dependencies (gpu-check needs only torch's)
     model_dir = str(tmp_path / "model")
+    # writes the pack
     code = (
         "from tests.tiny_models import make_tiny_model\nfrom engine import LLM\n"
         f"make_tiny_model('llama', {model_dir!r})\n"
         f"LLM(model={model_dir!r}, dtype='float32', device='cuda', num_kv_blocks=16)\n"
-    )  # writes the pack
+    )
     _python(code)
     argv = ["serve", "--host", "127.0.0.1", "--port", str(_free_port())]
     events = _run_until(argv, "fastapi", model_dir, tmp_path)

@@ -34,9 +34,8 @@ def test_a_record_holds_the_mapped_libraries_and_imported_modules_with_their_pag
     files = {name: ranges for name, ranges in data["files"]}
     import safetensors
 
-    assert any(
-        n.endswith(".so") and "safetensors" in n for n in files
-    )  # mapped: the extension module
+    # mapped: the extension module
+    assert any(n.endswith(".so") and "safetensors" in n for n in files)
     import importlib.util
 
     pyc = importlib.util.cache_from_source(safetensors.__file__)  # imported: its bytecode was read
@@ -48,9 +47,8 @@ def test_a_record_holds_the_mapped_libraries_and_imported_modules_with_their_pag
             off % os.sysconf("SC_PAGE_SIZE") == 0 and n > 0 for off, n in ranges
         ), name
         assert all(off + n <= size + os.sysconf("SC_PAGE_SIZE") for off, n in ranges), name
-        assert all(a[0] + a[1] < b[0] for a, b in zip(ranges, ranges[1:])), (
-            name
-        )  # sorted, merged, disjoint
+        # sorted, merged, disjoint
+        assert all(a[0] + a[1] < b[0] for a, b in zip(ranges, ranges[1:])), name
     assert data["bytes"] == sum(n for r in files.values() for _, n in r)
 
 
@@ -67,9 +65,8 @@ def test_reading_a_record_fills_the_page_cache_and_skips_what_is_gone(tmp_path):
     }
     path = tmp_path / "pages.json"
     path.write_text(json.dumps(record))
-    assert (
-        start_pages.read(str(path)) == 2 << 20
-    )  # the missing file is skipped, the other read in full
+    # the missing file is skipped, the other read in full
+    assert start_pages.read(str(path)) == 2 << 20
     assert resident_fraction(str(blob), 0, 2 << 20) == 1.0
 
 

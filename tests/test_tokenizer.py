@@ -10,8 +10,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer as RawTokenizer
-from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import (
+    Tokenizer as RawTokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    trainers,
+)
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
@@ -85,9 +91,8 @@ def test_decode_matches_transformers(tok, hf, text, skip):
     ids = hf.encode(text, add_special_tokens=False)
     assert tok.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
     if not skip:
-        assert (
-            tok.decode(ids, skip_special_tokens=False) == text
-        )  # byte-level BPE round-trips exactly
+        # byte-level BPE round-trips exactly
+        assert tok.decode(ids, skip_special_tokens=False) == text
 
 
 def test_decode_random_ids_matches_transformers(tok, hf):
@@ -201,7 +206,8 @@ def test_invalid_messages_raise_value_error(tok, bad):
 
 
 # --------------------------------------------------------------------------------------------------
-# Chat templates written for these tests, exercising what real templates use
+# Chat templates written for these tests, exercising what real templates use (with the long lines
+# real templates have: each closes with a noqa for E501)
 # --------------------------------------------------------------------------------------------------
 
 # Llama-3.1-like: BOS from the template, a date from strftime_now unless date_string is passed,
@@ -257,7 +263,7 @@ LLAMA31_STYLE = r"""{{- bos_token }}
 {%- if add_generation_prompt %}
     {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
 {%- endif %}
-"""
+"""  # noqa: E501
 
 # Qwen3-like: tools as compact JSON, a namespace and loop controls to find the last user query,
 # reasoning_content kept only after it, enable_thinking=False writing an empty think block.
@@ -313,7 +319,7 @@ QWEN3_STYLE = r"""{%- if tools %}
         {{- '<think>\n\n</think>\n\n' }}
     {%- endif %}
 {%- endif %}
-"""
+"""  # noqa: E501
 
 # Strict roles: rejects unknown roles and non-alternating turns with raise_exception; documents
 # rendered if given.
@@ -332,14 +338,14 @@ STRICT_ROLES = r"""{%- if documents %}
     {%- endif %}
     {{- '[' + message['role'] | upper + '] ' + message['content'] + eos_token }}
 {%- endfor %}
-{%- if add_generation_prompt %}[ASSISTANT] {{ greeting | default('') }}{% endif %}"""
+{%- if add_generation_prompt %}[ASSISTANT] {{ greeting | default('') }}{% endif %}"""  # noqa: E501
 
 # Reads OpenAI-style content parts by looping over them.
 PARTS_TEMPLATE = r"""{%- for message in messages %}<|{{ message.role }}|>
 {%- if message.content is string %}{{ message.content }}
 {%- else %}{% for part in message.content %}{% if part.type == 'text' %}({{ part.text }}){% endif %}{% endfor %}
 {%- endif %}<|end|>
-{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"""
+{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"""  # noqa: E501
 
 TOOLS = [
     {
@@ -401,13 +407,11 @@ def test_llama31_style_template(tok, hf, add_generation_prompt, with_tools):
         tok, hf, LLAMA31_STYLE, TOOL_CHAT, tools=tools, add_generation_prompt=add_generation_prompt
     )
     assert ours == ref
-    assert ours.startswith(
-        "<|im_start|><|start_header_id|>system"
-    )  # bos_token came from the tokenizer config
+    # bos_token came from the tokenizer config
+    assert ours.startswith("<|im_start|><|start_header_id|>system")
     if with_tools:
-        assert (
-            '    "name": "get_weather"' in ours and "<Zürich> & 東京" in ours
-        )  # indent kept, no HTML escaping
+        # indent kept, no HTML escaping
+        assert '    "name": "get_weather"' in ours and "<Zürich> & 東京" in ours
     ours, ref = _both(
         tok,
         hf,
@@ -485,9 +489,8 @@ def test_qwen3_style_template(tok, hf, enable_thinking, with_tools):
         tok, hf, QWEN3_STYLE, QWEN_CHAT, tools=tools, add_generation_prompt=True, **kwargs
     )
     assert ours == ref
-    assert (
-        "<think>\nNeed a tool.\n</think>" in ours
-    )  # `reasoning` exposed as reasoning_content, like transformers
+    # `reasoning` exposed as reasoning_content, like transformers
+    assert "<think>\nNeed a tool.\n</think>" in ours
     assert '{"city":"東京","unit":"celsius"}' in ours
     assert ours.endswith("<think>\n\n</think>\n\n") == (enable_thinking is False)
     if with_tools:
@@ -693,9 +696,8 @@ def test_garbage_run_is_not_held_forever(tok):
     det = IncrementalDetokenizer(tok)
     for n, i in enumerate(ids, start=1):
         det.add(i)
-        assert len(det.text) >= len(
-            tok.decode(ids[: max(0, n - 8)])
-        )  # at most 8 tokens are ever held
+        # at most 8 tokens are ever held
+        assert len(det.text) >= len(tok.decode(ids[: max(0, n - 8)]))
     assert det.output_text(finished=True) == tok.decode(ids)
 
 
@@ -729,9 +731,8 @@ def check_stop_stream(tok, text, stop, include=False, skip=True):
     for s in shown:
         assert final.startswith(s)  # the stream only ever grows, and never shows text after a cut
         if any(stop_str in s for stop_str in stop if stop_str):
-            assert (
-                include and s == final
-            )  # a stop string shows only in the final text, and only when included
+            # a stop string shows only in the final text, and only when included
+            assert include and s == final
     return det, shown, final
 
 
@@ -758,9 +759,8 @@ def test_stop_string_multibyte_and_first_completed_wins(tok):
     assert det.stop_reason == "dog. 你" and final == "The quick brown fox jumps over the lazy "
     det, _, final = check_stop_stream(tok, STOP_TEXT, ["lazy dog. 你好世界", "dog"])
     assert det.stop_reason == "dog" and final == "The quick brown fox jumps over the lazy "
-    det, _, final = check_stop_stream(
-        tok, STOP_TEXT, ["dog", "lazy dog"]
-    )  # both end together: the earlier start
+    # both end together: the earlier start
+    det, _, final = check_stop_stream(tok, STOP_TEXT, ["dog", "lazy dog"])
     assert det.stop_reason == "lazy dog" and final == "The quick brown fox jumps over the "
 
 
@@ -769,9 +769,8 @@ def test_stop_at_start_and_absent(tok):
     assert final == "" and det.stop_reason == "The q"
     det, shown, final = check_stop_stream(tok, STOP_TEXT, ["not there", "zzz"])
     assert final == STOP_TEXT and det.stop_reason is None
-    assert (
-        shown[-1] == STOP_TEXT[: len(STOP_TEXT) - (len("not there") - 1)]
-    )  # max_stop_len - 1 held back
+    # max_stop_len - 1 held back
+    assert shown[-1] == STOP_TEXT[: len(STOP_TEXT) - (len("not there") - 1)]
 
 
 def test_stop_strings_random(tok):

@@ -113,9 +113,9 @@ def test_an_artifact_for_another_arch_and_torch_is_refused_with_the_exact_fields
     with pytest.raises(ArtifactError) as err:
         select("compiled", [str(tmp_path)], _key())
     assert str(err.value) == (
-        f"ENGINE_MODE=compiled: no compiled engine matches this worker: the closest, {path}, differs in "
-        "gpu_arch (built for 'sm_80', this worker 'sm_90'); torch (built for '2.10.0+cu128', this worker "
-        "'2.11.0+cu130')"
+        "ENGINE_MODE=compiled: no compiled engine matches this worker: "
+        f"the closest, {path}, differs in gpu_arch (built for 'sm_80', this worker 'sm_90'); "
+        "torch (built for '2.10.0+cu128', this worker '2.11.0+cu130')"
     )
     assert "\n" not in str(err.value)
     sel = select("auto", [str(tmp_path)], _key())  # auto: jit, saying why
@@ -156,9 +156,8 @@ def test_no_artifact_at_all_names_where_it_looked(tmp_path):
 
 
 def test_install_adds_the_kernels_keeps_what_is_there_and_returns_the_record(tmp_path):
-    built_at = (
-        "/tmp/.build-gone/triton-cache/k2"  # where the build's Triton wrote the group's files
-    )
+    # where the build's Triton wrote the group's files
+    built_at = "/tmp/.build-gone/triton-cache/k2"
     group = {
         "child_paths": {
             "kernel.cubin": f"{built_at}/kernel.cubin",
@@ -195,18 +194,16 @@ def test_an_installed_artifact_is_a_hit_for_tritons_own_cache_manager(tmp_path, 
     triton_cache = pytest.importorskip("triton.runtime.cache")
     built = tmp_path / "build" / "triton-cache"
     monkeypatch.setenv("TRITON_CACHE_DIR", str(built))
-    writer = triton_cache.FileCacheManager(
-        "abc"
-    )  # the build's Triton writes a kernel and its group
+    # the build's Triton writes a kernel and its group
+    writer = triton_cache.FileCacheManager("abc")
     paths = {
         "k.cubin": writer.put(b"\x7fELF", "k.cubin"),
         "k.json": writer.put("{}", "k.json", binary=False),
     }
     writer.put_group("k.json", paths)
     art = tmp_path / "engines" / "a1"
-    shutil.copytree(
-        built, art / TRITON_DIR
-    )  # the artifact is published elsewhere, the build dir removed
+    # the artifact is published elsewhere, the build dir removed
+    shutil.copytree(built, art / TRITON_DIR)
     (art / ARTIFACT_FILE).write_text(
         json.dumps({"key": _key(), "record": {"kv_step_bytes": 1, "graph_sizes": [1]}})
     )
@@ -323,23 +320,18 @@ def test_an_artifact_pushed_to_the_fleet_cache_is_pulled_by_key_and_chosen(tmp_p
     cache_dir = str(tmp_path / "worker-cache")
     with S3Server() as s3:
         opts = s3.options()
-        assert (
-            pull_matching(key, "s3://fleet/prefix", cache_dir, opts) is None
-        )  # nothing pushed yet
-        remote.push_dir(
-            art, f"s3://fleet/prefix/engines/{key_id(key)}", opts, progress=False
-        )  # as --push does
-        assert (
-            pull_matching(_key(gpu_arch="sm_80"), "s3://fleet/prefix", cache_dir, opts) is None
-        )  # another key
+        # nothing pushed yet
+        assert pull_matching(key, "s3://fleet/prefix", cache_dir, opts) is None
+        # as --push does
+        remote.push_dir(art, f"s3://fleet/prefix/engines/{key_id(key)}", opts, progress=False)
+        # another key
+        assert pull_matching(_key(gpu_arch="sm_80"), "s3://fleet/prefix", cache_dir, opts) is None
         path = pull_matching(key, "s3://fleet/prefix", cache_dir, opts)
     assert path == os.path.join(cache_dir, "engines", key_id(key))
-    assert sorted(os.listdir(os.path.join(cache_dir, "engines"))) == [
-        key_id(key)
-    ]  # no staging left behind
+    # no staging left behind
+    assert sorted(os.listdir(os.path.join(cache_dir, "engines"))) == [key_id(key)]
     sel = select("compiled", artifact_roots(str(tmp_path / "model"), cache_dir), key)
     assert (sel.mode, sel.artifact) == ("compiled", path)
     assert (Path(path) / TRITON_DIR / "k1" / "kernel.cubin").read_bytes() == b"\x7fELF"
-    assert (
-        pull_matching(key, "s3://fleet/prefix", cache_dir, None) == path
-    )  # already here: no S3 call at all
+    # already here: no S3 call at all
+    assert pull_matching(key, "s3://fleet/prefix", cache_dir, None) == path

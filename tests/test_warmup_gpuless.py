@@ -159,9 +159,8 @@ def test_the_kernel_set_follows_the_engine_limits():
     steps = steps_for(args, 128)
     assert [s for s in steps if s.graph] == [Step(s, s, 8, graph=True) for s in (1, 2, 4)]
     eager = {(s.num_tokens, s.table_width) for s in steps if not s.graph}
-    assert eager == {
-        (t, w) for t in (2, 16, 17) for w in (1, 2, 8)
-    }  # widths: 1, other, the widest (< 16)
+    # widths: 1, other, the widest (< 16)
+    assert eager == {(t, w) for t in (2, 16, 17) for w in (1, 2, 8)}
     first = steps_for(args, 128, first_only=True)
     assert [s for s in first if s.graph] == [Step(1, 1, 8, graph=True)] and set(first) <= set(steps)
     wide = steps_for(EngineArgs(model="x", max_num_seqs=4, max_model_len=4096), 4096)
@@ -231,11 +230,8 @@ def test_an_artifact_built_with_no_gpu_visible_leaves_the_worker_nothing_to_comp
         llm = LLM(**vars(engine_args))
         warm = warm_kernels(llm, sel.mode)
         tokens[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
-        for n in (
-            1,
-            3,
-            4,
-        ):  # every decode graph size, prompts alone and batched, the sampler's draw
+        # every decode graph size, prompts alone and batched, the sampler's draw
+        for n in (1, 3, 4):
             llm.generate(prompts[:n], sampled)
         after = set(os.listdir(cache))
         if mode == "compiled":
@@ -243,9 +239,8 @@ def test_an_artifact_built_with_no_gpu_visible_leaves_the_worker_nothing_to_comp
                 f"compiled at run time: {sorted(after - before)}"
             )
         else:
-            assert (
-                warm.compiled
-            )  # the empty cache compiled the first request's kernels before ready
+            # the empty cache compiled the first request's kernels before ready
+            assert warm.compiled
         warm.loaded.wait(300)
         del llm
         from conftest import free_gpu_memory

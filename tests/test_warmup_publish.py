@@ -121,10 +121,8 @@ def race(tmp_path: Path, root: Path, remote: str = "-", env: dict | None = None)
 def test_two_workers_publishing_on_one_volume_publish_one_artifact(tmp_path):
     root = tmp_path / "volume" / "model" / ENGINES_DIR
     results = race(tmp_path, root)
-    assert sorted(r["local"] for r in results) == [
-        False,
-        True,
-    ]  # one rename; the other found it published
+    # one rename; the other found it published
+    assert sorted(r["local"] for r in results) == [False, True]
     final = Path(results[0]["final"])
     assert final == root / key_id(any_memory(worker_key())) and results[1]["final"] == str(final)
     assert sorted(os.listdir(root)) == [".locks", final.name]  # no staging directory left behind
@@ -165,9 +163,8 @@ def test_two_workers_publishing_to_s3_at_once_publish_one_artifact_that_the_next
             sub.mkdir()
             results.append(race(sub, sub / "volume" / ENGINES_DIR, "s3://fleet/race", env))
         flat = [r for pair in results for r in pair]
-        assert (
-            sum(bool(r["remote"]) for r in flat) == 1
-        )  # one manifest landed; the other three found it
+        # one manifest landed; the other three found it
+        assert sum(bool(r["remote"]) for r in flat) == 1
         key = any_memory(worker_key())
         uri = f"s3://fleet/race/{ENGINES_DIR}/{key_id(key)}"
         manifest = s3.read_manifest_at(uri, server.options())

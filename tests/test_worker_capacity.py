@@ -20,9 +20,10 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from handler.admission import Admission
 from handler.config import load_settings
-from handler.engine_boot import EngineBoot, _process_age_s
+from handler.engine_boot import EngineBoot
 from handler.server import build_app
 from handler.worker import Worker
+from warmup.start import process_age_s as _process_age_s
 
 GREEDY = {"temperature": 0, "max_tokens": 6}
 
@@ -200,9 +201,8 @@ def _value(text: str, name: str, labels: str = "") -> float:
 def test_metrics_endpoint_reports_capacity_cold_start_and_queue_wait(cold, smollm2_dir):
     worker, _, _ = cold
     boot = worker.boot
-    client = TestClient(
-        build_app(worker.settings, boot)
-    )  # no lifespan: the module's engine stays up
+    # no lifespan: the module's engine stays up
+    client = TestClient(build_app(worker.settings, boot))
     before = client.get("/metrics").text
     assert _value(before, "coldbrew_queue_wait_seconds_count") == 0
     r = client.post(

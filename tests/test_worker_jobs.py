@@ -185,14 +185,8 @@ async def test_dead_engine_fails_jobs_in_flight_and_exits_1(smollm2_dir):
 def test_batch_sizes_grow_to_the_cap():
     settings = load_settings({})
     sizes = BatchSizes.for_job(EngineJob(prompt="x"), settings).sizes()
-    assert [next(sizes) for _ in range(6)] == [
-        1,
-        3,
-        9,
-        27,
-        50,
-        50,
-    ]  # DEFAULT_* of worker-vllm: 1, x3, 50
+    # DEFAULT_* of worker-vllm: 1, x3, 50
+    assert [next(sizes) for _ in range(6)] == [1, 3, 9, 27, 50, 50]
     sizes = BatchSizes.for_job(
         EngineJob(prompt="x", min_batch_size=4, batch_size_growth_factor=2, max_batch_size=20),
         settings,

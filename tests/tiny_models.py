@@ -154,8 +154,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 def add_char_tokenizer(model_dir: str) -> None:
     """Give a tiny model (vocab 256) a one-character-per-token tokenizer: id i >= 3 <-> chr(0x100 +
     i)."""
-    from tokenizers import Tokenizer as RawTokenizer
-    from tokenizers import decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as RawTokenizer, decoders, models, pre_tokenizers
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{chr(0x100 + i): i for i in range(3, 256)}}
     raw = RawTokenizer(models.WordLevel(vocab, unk_token="<unk>"))

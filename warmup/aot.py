@@ -143,9 +143,8 @@ def compile_kernel_set(
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
-    shares = [
-        items[i::jobs] for i in range(jobs)
-    ]  # neighbours (the same kernels) go to different processes
+    # neighbours (the same kernels) go to different processes
+    shares = [items[i::jobs] for i in range(jobs)]
     out: dict[str, str] = {}
     with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
         for part in pool.map(

@@ -323,9 +323,8 @@ def prepare(
             )
         return args, Selection("jit", None, f"ENGINE_MODE=auto: jit, the engine runs on {device}")
     key, roots = current_key(args), artifact_roots(args.model, cache_dir)
-    if (
-        remote and cache_dir and select("auto", roots, key).mode == "jit"
-    ):  # none on disk: the fleet may have one
+    # none on disk: the fleet may have one
+    if remote and cache_dir and select("auto", roots, key).mode == "jit":
         from cache.remote import RemoteError
 
         try:

@@ -59,9 +59,8 @@ def _exercise(llm, max_len: int, vocab: int) -> None:
         SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5),
     ]
     prompts = [prompt(lengths[i % len(lengths)] // (1 + i % 3) or 1, 100 + i) for i in range(48)]
-    llm.generate(
-        prompts, [mixed[i % len(mixed)] for i in range(len(prompts))]
-    )  # batched and mixed steps
+    # batched and mixed steps
+    llm.generate(prompts, [mixed[i % len(mixed)] for i in range(len(prompts))])
 
 
 def build(
@@ -107,9 +106,8 @@ def build(
         llm = LLM(**{**vars(args), "kv_sizing": "profile", "cuda_graph_capture": "start"})
         core = llm.engine
         _exercise(llm, core.context_limit, core.runner.model_config.vocab_size)
-        arch = key[
-            "gpu_arch"
-        ]  # and the kernel set, for this GPU's and its architecture's other SM counts
+        # and the kernel set, for this GPU's and its architecture's other SM counts
+        arch = key["gpu_arch"]
         own_sms = torch.cuda.get_device_properties(
             torch.cuda.current_device()
         ).multi_processor_count
@@ -138,9 +136,8 @@ def build(
 
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    final, _ = publish_local(
-        staging, staging_root, key, replace=True
-    )  # a rebuild of the same key replaces it
+    # a rebuild of the same key replaces it
+    final, _ = publish_local(staging, staging_root, key, replace=True)
     _push(final, key, push)
     log.info("warmup: built %s in %.1f s", final, seconds)
     return final, {"key": key, "record": record}
@@ -164,9 +161,8 @@ def build_without_gpu(
     from warmup.aot import sm_counts_for
 
     model = _resolve(model, cache_dir, revision)
-    plan = [
-        (a, sm_counts_for(a, sm_counts)) for a in arches
-    ]  # refuses an unknown arch before any work
+    # refuses an unknown arch before any work
+    plan = [(a, sm_counts_for(a, sm_counts)) for a in arches]
     root = out_dir or os.path.join(model, ENGINES_DIR)
     built = [_build_arch(model, arch, counts, root, limits, jobs) for arch, counts in plan]
     for final, data in built:

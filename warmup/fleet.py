@@ -18,9 +18,8 @@ import time
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5
-IDLE_WAIT_S = (
-    60.0  # past this with requests always running, publish anyway (files copied on this thread)
-)
+# past this with requests always running, publish anyway (files copied on this thread)
+IDLE_WAIT_S = 60.0
 
 
 def share_when_served(

@@ -30,9 +30,8 @@ _CUDA_CHECKS = (
     ("engine.layers.fused", "fused_kernels_available"),
     ("engine.layers.skinny_gemm", "skinny_applies"),
 )
-TRACED_LAYERS = (
-    2  # layer 0 (no residual into its first norm) and any later one: every layer's launches
-)
+# layer 0 (no residual into its first norm) and any later one: every layer's launches
+TRACED_LAYERS = 2
 
 
 @dataclass(frozen=True)
@@ -156,14 +155,12 @@ def steps_for(args, max_model_len: int, first_only: bool = False) -> list[Step]:
     if first_only:
         return steps
     eager_from = 1 if not sizes else sizes[-1] + 1
-    if (
-        eager_from <= args.max_num_seqs
-    ):  # decode steps without a graph: every batch at the widest tables ...
+    # decode steps without a graph: every batch at the widest tables ...
+    if eager_from <= args.max_num_seqs:
         near = sorted({w for w in (width, width - 1, width // 16 * 16) if w >= 1})
         steps += [Step(b, b, w) for b in range(eager_from, args.max_num_seqs + 1) for w in near]
-        steps += [
-            Step(eager_from, eager_from, w) for w in range(1, width + 1)
-        ]  # ... and every width
+        # ... and every width
+        steps += [Step(eager_from, eager_from, w) for w in range(1, width + 1)]
     return steps
 
 

@@ -62,9 +62,8 @@ def publish_local(staging: str, root: str, key: dict, *, replace: bool) -> tuple
 
     final = os.path.join(root, key_id(key))
     os.makedirs(os.path.join(root, LOCKS_DIR), exist_ok=True)
-    with FileLock(
-        os.path.join(root, LOCKS_DIR, f"{key_id(key)}.lock")
-    ):  # the kernel drops it if we die
+    # the kernel drops it if we die
+    with FileLock(os.path.join(root, LOCKS_DIR, f"{key_id(key)}.lock")):
         if os.path.isfile(os.path.join(final, ARTIFACT_FILE)) and not replace:
             shutil.rmtree(staging, ignore_errors=True)
             return final, False
@@ -108,11 +107,8 @@ def publish_remote(artifact: str, remote: str, key: dict, opts=None) -> bool:
         client.put_object(Bucket=bucket, Key=name, Body=body, IfNoneMatch="*")
     except ClientError as e:
         code = e.response.get("Error", {}).get("Code")
-        if code in (
-            "PreconditionFailed",
-            "ConditionalRequestConflict",
-        ):  # another publisher's manifest landed
-            return False
+        if code in ("PreconditionFailed", "ConditionalRequestConflict"):
+            return False  # another publisher's manifest landed
         if code != "NotImplemented":
             raise s3.RemoteError(f"S3 put {s3.join_uri(uri, MANIFEST)}: {code}") from None
         log.info(

@@ -37,9 +37,8 @@ class KernelWarmup:
 
     seconds: float = 0.0
     kernels: int = 0  # kernels loaded or compiled before ready
-    compiled: list[str] = field(
-        default_factory=list
-    )  # Triton cache entries that appeared meanwhile
+    # Triton cache entries that appeared meanwhile
+    compiled: list[str] = field(default_factory=list)
     cache_dir: str | None = None  # this worker's Triton cache
     before: set[str] | None = None  # its entries when the warm-up began
     entries: set[str] = field(default_factory=set)  # cache entries of the loaded kernels
@@ -63,9 +62,8 @@ class _Live:
         backend = (
             self.runner.model.layers[0].self_attn.backend if len(self.runner.model.layers) else None
         )
-        self.target_programs = getattr(
-            backend, "target_programs", None
-        )  # None: not the Triton backend
+        # None: not the Triton backend
+        self.target_programs = getattr(backend, "target_programs", None)
 
     def model(self):
         from warmup.kernel_set import meta_model
@@ -131,9 +129,8 @@ def warm_kernels(
         before=before,
         entries=set(kernel_dirs(kernels)),
     )
-    if (
-        engine_mode == "jit" or result.compiled
-    ):  # the rest may be missing: compiled out of this process first
+    # the rest may be missing: compiled out of this process first
+    if engine_mode == "jit" or result.compiled:
         result.compile_process, result.compile_list = _start_compile_process(live, cache_dir)
     done = set(first)
     rest = [s for s in steps_for(live.args, live.max_model_len) if s not in done]
@@ -243,13 +240,11 @@ def _start_compile_process(live: _Live, cache_dir: str) -> tuple[subprocess.Pope
         "--engine-args",
         json.dumps(vars(live.args)),
     ]
-    here = os.path.dirname(
-        os.path.dirname(os.path.abspath(__file__))
-    )  # where `warmup` is imported from
+    # where `warmup` is imported from
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-    env = dict(
-        os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=path
-    )  # its warnings reach this worker's log
+    # its warnings reach this worker's log
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=path)
     proc = subprocess.Popen(
         cmd,
         env=env,

@@ -47,9 +47,8 @@ class TritonKey:
         except ImportError:
             return False
         original = getattr(triton_cache, "triton_key", None)
-        if original is None or not hasattr(
-            original, "cache_info"
-        ):  # another Triton: leave it alone
+        # another Triton: leave it alone
+        if original is None or not hasattr(original, "cache_info"):
             return False
         if original.cache_info().currsize:  # already computed in this process
             return True

@@ -185,9 +185,8 @@ def paged_attention_kernel(
         full = lo  # every tile is masked under a window
     else:
         full = (ctx_start + q0 + 1) // BLOCK_N * BLOCK_N
-    num_active = (
-        1  # splits that hold keys (at least one, so a row with no context still writes its zeros)
-    )
+    # splits that hold keys (at least one, so a row with no context still writes its zeros)
+    num_active = 1
     if NUM_SPLITS > 1:
         tiles = tl.cdiv(hi - lo, BLOCK_N)
         per_split_tiles = tl.cdiv(tiles, NUM_SPLITS)

@@ -53,9 +53,8 @@ if triton is not None:
                 logits_ptr + row * stride_row + cols, mask=mask, other=float("-inf")
             ).to(tl.float32)
             u = tl.rand(key, cols)
-            u = tl.minimum(
-                tl.maximum(u, 1.0e-30), 0.99999994
-            )  # keep log(-log(u)) finite at both ends
+            # keep log(-log(u)) finite at both ends
+            u = tl.minimum(tl.maximum(u, 1.0e-30), 0.99999994)
             score = logit - tl.log(-tl.log(u))  # Gumbel-max: a draw from softmax(logit)
             better = score > best
             best = tl.where(better, score, best)

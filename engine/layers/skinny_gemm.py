@@ -51,9 +51,8 @@ if triton is not None:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         rows_ok = rm < M
-        rn_safe = tl.where(rn < N, rn, 0).to(
-            tl.int64
-        )  # out-of-range columns re-read row 0 (stores are masked)
+        # out-of-range columns re-read row 0 (stores are masked)
+        rn_safe = tl.where(rn < N, rn, 0).to(tl.int64)
         w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
         x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

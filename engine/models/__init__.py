@@ -19,13 +19,13 @@ _EXPORTS = {
 }
 __all__ = list(_EXPORTS)
 
-if TYPE_CHECKING:
-    from engine.models.decoder import DecoderModel, build_model
+if TYPE_CHECKING:  # the same names for type checkers ("X as X": a re-export)
+    from engine.models.decoder import DecoderModel as DecoderModel, build_model as build_model
     from engine.models.weights import (
-        iter_safetensors,
-        load_model,
-        preload_weights,
-        safetensors_files,
+        iter_safetensors as iter_safetensors,
+        load_model as load_model,
+        preload_weights as preload_weights,
+        safetensors_files as safetensors_files,
     )
 
 

@@ -94,9 +94,8 @@ class Attention(nn.Module):
             )
             kwargs["kv_written"] = True
         else:
-            q, k = rotary(
-                positions, q, k, self.q_norm, self.k_norm
-            )  # Qwen3 normalises each head before rotating
+            # Qwen3 normalises each head before rotating
+            q, k = rotary(positions, q, k, self.q_norm, self.k_norm)
         out = self.backend.forward(q, k, v, kv_cache_layer, meta, self.scale, **kwargs)
         return self.o_proj(out.reshape(T, self.q_size))
 
@@ -240,9 +239,8 @@ class DecoderModel(nn.Module):
             local = skinny_gemm(hidden, weight) if skinny else F.linear(hidden, weight)
             logits = self.comm.gather_vocab(local)[:, : self.config.vocab_size]
             return logits.float() if out is None else out.copy_(logits)
-        if out is not None and skinny_applies(
-            hidden, weight
-        ):  # decode: bf16-rounded logits straight into out
+        # decode: bf16-rounded logits straight into out
+        if out is not None and skinny_applies(hidden, weight):
             return skinny_gemm(hidden, weight, out=out)
         logits = F.linear(hidden, weight)
         if out is None:
@@ -350,7 +348,8 @@ class DecoderModel(nn.Module):
             dest = params[slot.param][slot.start : slot.end]
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise ValueError(
-                    f"weights: {name} has shape {tuple(tensor.shape)} but the model expects {tuple(dest.shape)}"
+                    f"weights: {name} has shape {tuple(tensor.shape)} "
+                    f"but the model expects {tuple(dest.shape)}"
                 )
             dest.copy_(tensor)
             seen.add(name)

@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-MANIFEST_FILE = "coldbrew-manifest.json"  # written by cache.snapshot: when present it names the snapshot's bytes
+# Written by cache.snapshot: when present it names the snapshot's bytes.
+MANIFEST_FILE = "coldbrew-manifest.json"
 PACKS_DIR = "packs"
 # Bump when the parameter names, fusions or byte layout of the pack change: old packs then no longer
 # match.
@@ -362,7 +363,8 @@ def _wait_hooks(model: "DecoderModel", load, finished):
                 return
             if load.cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
-                    "weights: still streaming while a CUDA graph captures; call model.wait_weights()"
+                    "weights: still streaming while a CUDA graph captures; "
+                    "call model.wait_weights()"
                 )
             load.wait_group(group)
 
