@@ -15,7 +15,7 @@ from bench.trace import BenchRequest
 
 
 def load_hf_model(model_dir: str, dtype: torch.dtype, device: str):
-    # 15 s to import on the GPU machine: only the hf part pays it
+    # slow to import: only the hf part pays for it
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map=device)

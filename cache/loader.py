@@ -43,11 +43,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Loader: pinning host memory costs ~2-4 s/GiB (thread-seconds) in a fresh process on the H100, so
-# the ring is kept small: 16 threads x 2 x 16 MiB = 512 MiB, pinned lazily by the threads
-# themselves. Each chunk takes the GIL a few times, and a main thread importing or building the
-# engine meanwhile holds it: fewer, bigger chunks stream faster beside it (H100, page cache warm,
-# pins cached: 25-31 GB/s with 8 MiB chunks, 38 GB/s with 16 MiB).
+# Loader: pinning host memory costs seconds of thread time per GiB in a fresh process, so the ring
+# is kept small: 16 threads x 2 x 16 MiB = 512 MiB, pinned lazily by the threads themselves. Each
+# chunk takes the GIL a few times, and a main thread importing or building the engine meanwhile
+# holds it: fewer, bigger chunks stream faster beside it (docs/performance.md, "The start sequence
+# inside one process", from bench/results/2026-11-22-h100-cold-start-variants.json).
 DEFAULT_CHUNK_BYTES = 16 << 20
 
 

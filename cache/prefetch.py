@@ -31,8 +31,8 @@ def resident_fraction(
     """Fraction of the byte range's pages now in the page cache (Linux mincore), or None where it
     can't tell.
 
-    samples: look at that many evenly spaced pages only (a whole 16 GB file takes ~0.2 s to
-    scan)."""
+    samples: look at that many evenly spaced pages only (a scan of every page of a weight file
+    costs a visible part of a start)."""
     vec = page_residency(path, offset, length, samples)
     if vec is None:
         return None

@@ -1,7 +1,7 @@
 """The start path's own files: which pages of the libraries and modules a worker's start used,
 recorded once, so a cold start reads them in a few large reads before the weights instead of
-`import torch` faulting them in one small read at a time behind the weight stream (on the H100's
-disk a cold import beside the stream took 13.9 s, alone 4.5).
+`import torch` faulting them in one small read at a time behind the weight stream (what that is
+worth: docs/cold-start.md, from bench/results/2026-11-22-h100-cold-start-start-pages.json).
 
 record(path): the files this process maps (/proc/self/maps: torch's and CUDA's shared libraries) and
 imported (sys.modules), each with its pages now in the page cache (mincore), merged into ranges.

@@ -4,9 +4,9 @@ imports torch.
 `python -m cache.stream_process PACK ORDINAL SOCKET_FD THREADS CHUNK_BYTES [START_PAGES]` (started
 by cache.device_stream). When the pack is not in the page cache, it first reads the start path's
 recorded pages (cache.start_pages), so the worker's imports do not queue behind the weights on the
-disk. It uses the driver through ctypes (no torch: it is streaming ~0.1 s after the worker starts)
-and runs in its own process, so its reader threads never wait for the worker's interpreter lock,
-which `import torch` holds for seconds at a time.
+disk. It uses the driver through ctypes (no torch: it is streaming long before the worker has
+imported torch) and runs in its own process, so its reader threads never wait for the worker's
+interpreter lock, which `import torch` holds for seconds at a time.
 
 On the socket (one JSON object per line): first {"size", "nbytes", "bus_id"} with the allocation's
 POSIX fd attached, then {"done_to": OFFSET} each time the prefix of the pack's data on the device

@@ -1,8 +1,8 @@
 """Chat templates: find a model's templates and render them with sandboxed jinja2, as transformers
 does.
 
-Byte-identical to transformers' apply_chat_template(tokenize=False) without importing it (15 s on
-the GPU machine).
+Byte-identical to transformers' apply_chat_template(tokenize=False) without importing it (its
+import would cost a start more than everything else the engine imports).
 """
 
 from __future__ import annotations

@@ -178,8 +178,8 @@ class EngineArgs:
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None
     # GPU start-up: "lazy" captures a decode graph on the first step of its padded size (the start
-    # skips ~1 s of capture), "start" captures every size before the engine is ready. Graph memory
-    # is budgeted either way.
+    # skips the capture), "start" captures every size before the engine is ready. Graph memory is
+    # budgeted either way.
     cuda_graph_capture: str = "lazy"
     # GPU KV sizing: "analytic" subtracts an upper bound of the largest step's activations computed
     # from the model's shapes (engine/memory_budget.py); "profile" runs that step once at start and

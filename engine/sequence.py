@@ -75,15 +75,19 @@ class Sequence:
         """Generated tokens, pending ones included: the index of the next token to sample."""
         return len(self.token_ids) + self.num_pending - self.num_prompt_tokens
 
+    def at_length_limit(self, num_tokens: int) -> bool:
+        """The length rule: with `num_tokens` tokens (prompt included) the sequence has reached
+        max_tokens or the context limit, and finishes with "length"."""
+        max_tokens = self.request.params.max_tokens
+        return num_tokens >= self.max_total_tokens or (
+            max_tokens is not None and num_tokens - self.num_prompt_tokens >= max_tokens
+        )
+
     @property
     def reaches_length_limit(self) -> bool:
-        """Its tokens (pending ones included) already reach max_tokens or the context limit: once
-        they are known it finishes with "length", so there is nothing more to schedule for it."""
-        n = len(self.token_ids) + self.num_pending
-        max_tokens = self.request.params.max_tokens
-        return n >= self.max_total_tokens or (
-            max_tokens is not None and n - self.num_prompt_tokens >= max_tokens
-        )
+        """Its tokens (pending ones included) already reach the length limit: once they are known
+        it finishes with "length", so there is nothing more to schedule for it."""
+        return self.at_length_limit(len(self.token_ids) + self.num_pending)
 
     @property
     def is_finished(self) -> bool:

@@ -1,5 +1,5 @@
 """The house rules of DESIGN.md, checked on the code: imports point downward, the engine reads no
-environment variables, and the run path never imports transformers (15 s on the GPU machine).
+environment variables, and the run path never imports transformers (far too slow to import).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ at bandwidth.
 
 cuBLAS picks split-K kernels plus a reduce launch for these shapes; this kernel tiles N finely
 instead, and writes the lm_head's fp32 logits in the same pass (tiles per shape from
-bench/gemm_micro.py on an H100).
+bench/gemm_micro.py: bench/results/2026-11-22-h100-gemm-micro.json).
 """
 
 from __future__ import annotations
@@ -93,8 +93,8 @@ def skinny_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def default_config(n: int, k: int) -> SkinnyConfig:
-    """Tiles per shape, the fastest of a sweep on an H100 at 1 row, weights read from HBM
-    (Llama-3.1-8B's shapes)."""
+    """Tiles per shape, the fastest of a sweep at 1 row, weights read from HBM (Llama-3.1-8B's
+    shapes; bench/results/2026-11-22-h100-gemm-micro.json)."""
     if n >= 16384:  # gate_up, lm_head
         return (32, 512, 4, 4)
     if n >= 6144:  # fused qkv
