@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -94,6 +95,16 @@ def test_hub_reads_generated_copies_of_the_root_files(tmp_path):
     )
     for path in written:
         assert path.read_text() == (REPO / path.relative_to(tmp_path)).read_text(), path
+
+
+def test_the_generator_command_answers_help_and_refuses_a_directory_without_the_listing(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "handler.hub_listing"]
+    shown = subprocess.run([*command, "--help"], capture_output=True, text=True, env=env)
+    assert shown.returncode == 0 and "REPO" in shown.stdout, shown.stderr
+    refused = subprocess.run([*command, str(tmp_path)], capture_output=True, text=True, env=env)
+    assert refused.returncode == 2 and f"{tmp_path} has no hub.json" in refused.stderr
+    assert "Traceback" not in refused.stderr and not (tmp_path / HUB_DIR).exists()
 
 
 def test_the_hub_finds_handler_dockerfile_and_readme():
