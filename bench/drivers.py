@@ -137,11 +137,11 @@ async def run_online(
     tag: str,
     counter: Iterator[int],
 ):
-    """`concurrency` clients, each sending its next request when the last one ends, for warmup_s +
-    duration_s. Request k is make_request(k) for k from counter (share one across levels, so no
-    prompt repeats and hits the prefix cache). Requests still open at the end are aborted once they
-    have their first token (so no TTFT is cut off). Returns (records, window start, window end,
-    poller): the window excludes the warm-up."""
+    """`concurrency` clients, each sending its next request when the last one ends, for
+    warmup_s + duration_s. Request k is make_request(k) for k from counter (share one across
+    levels, so no prompt repeats and hits the prefix cache). Requests still open at the end are
+    aborted once they have their first token (so no TTFT is cut off). Returns (records, window
+    start, window end, poller): the window excludes the warm-up."""
     records: list[RequestRecord] = []
     async with StatsPoller(engine) as poller:
         start = time.perf_counter()

@@ -104,8 +104,8 @@ class ModelConfig:
 
 
 def _read_rope(cfg: dict[str, Any]) -> RopeConfig:
-    """Rope settings live in `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`
-    (before)."""
+    """Rope settings live in `rope_parameters` (transformers 5), or before that in `rope_theta`
+    and `rope_scaling`."""
     merged = rope_settings(cfg)
     theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
     return RopeConfig(

@@ -102,8 +102,8 @@ def apply_penalties(
     frequency_penalty: Sequence[float],
 ) -> torch.Tensor:
     """Repetition penalty over prompt+output tokens (a positive logit is divided by p, any other
-    multiplied), then presence/frequency penalties over output tokens only (logit -= frequency *
-    count + presence * [count > 0])."""
+    multiplied), then presence/frequency penalties over output tokens only
+    (logit -= frequency * count + presence * [count > 0])."""
     vocab, device = logits.shape[-1], logits.device
 
     rep_rows = [i for i, p in enumerate(repetition_penalty) if p != 1.0]

@@ -178,7 +178,7 @@ class Admission:
 
     def begin_drain(self) -> None:
         """No new work; jobs in flight finish or are aborted after grace_s; then the process exits
-        0."""
+        with 0."""
         if self.draining:
             return
         self.draining = True

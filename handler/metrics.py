@@ -1,6 +1,6 @@
 """Serving metrics in the Prometheus text format: request counts, tokens in and out, TTFT, latency
-and queue-wait histograms, and what a scaler needs: the worker's capacity (free KV blocks ->
-concurrent requests) and its cold start.
+and queue-wait histograms, and what a scaler needs: the worker's capacity (the concurrent requests
+its free KV blocks hold) and its cold start.
 
 The OpenAI routes record into one `Metrics`; `render(stats)` adds the engine's gauges (running,
 waiting, KV blocks).

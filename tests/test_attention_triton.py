@@ -277,8 +277,8 @@ def test_non_contiguous_qkv_views() -> None:
 @needs_cuda_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_replayed_from_cuda_graph(dtype: torch.dtype) -> None:
-    """Capture one decode, then change seq_lens, block tables, slots and q/k/v in place: replay ==
-    eager."""
+    """Capture one decode, then change seq_lens, block tables, slots and q/k/v in place: the replay
+    equals eager."""
     backend = triton_backend()
     first = make_case(
         [40, 900, 3, 17], [1] * 4, 8, 4, 128, 16, dtype, "cuda", seed=1, padded_rows=2

@@ -63,8 +63,8 @@ def copy_head_checkpoint(out_dir: str, config: dict, device: str = "cuda") -> st
     def randn(shape, std):
         return (torch.randn(shape, generator=gen, device=device) * std).to(torch.bfloat16)
 
-    # q = sqrt(w) at angle 0, k = sqrt(w) at angle COPY_DISTANCE * theta (neox pairs: dims f and f +
-    # half), so after RoPE q.k = w * sum_f cos((p - j - COPY_DISTANCE) * theta_f): largest at
+    # q = sqrt(w) at angle 0, k = sqrt(w) at angle COPY_DISTANCE * theta (neox pairs: dims f and
+    # f + half), so after RoPE q.k = w * sum_f cos((p - j - COPY_DISTANCE) * theta_f): largest at
     # distance p - j = COPY_DISTANCE.
     theta = compute_inv_freq(
         head_dim, ModelConfig.from_dict(config).rope, config["max_position_embeddings"]

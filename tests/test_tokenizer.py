@@ -818,8 +818,7 @@ def test_stop_string_across_skipped_special_token(tok):
 
 
 # --------------------------------------------------------------------------------------------------
-# A SentencePiece-style tokenizer (byte fallback, "▁" spaces, leading-space strip), as Llama 2 /
-# Mistral use
+# A SentencePiece-style tokenizer (byte fallback, "▁" spaces, leading-space strip): Llama 2, Mistral
 # --------------------------------------------------------------------------------------------------
 
 

@@ -152,8 +152,8 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def add_char_tokenizer(model_dir: str) -> None:
-    """Give a tiny model (vocab 256) a one-character-per-token tokenizer: id i >= 3 <-> chr(0x100 +
-    i)."""
+    """Give a tiny model (vocab 256) a one-character-per-token tokenizer:
+    id i >= 3 <-> chr(0x100 + i)."""
     from tokenizers import Tokenizer as RawTokenizer, decoders, models, pre_tokenizers
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{chr(0x100 + i): i for i in range(3, 256)}}
@@ -166,8 +166,8 @@ def add_char_tokenizer(model_dir: str) -> None:
 
 
 def write_old_rope_spelling(model_dir: str) -> None:
-    """Rewrite config.json's `rope_parameters` as the pre-transformers-5 `rope_theta` +
-    `rope_scaling`."""
+    """Rewrite config.json's `rope_parameters` as the older spelling, `rope_theta` and
+    `rope_scaling` (before transformers 5)."""
     path = os.path.join(model_dir, "config.json")
     with open(path) as f:
         cfg = json.load(f)

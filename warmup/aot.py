@@ -157,8 +157,8 @@ def compile_kernel_set(
 def _compile_items(
     engine_args: dict, cache_dir: str, arch: str | None, items: list
 ) -> dict[str, str]:
-    """Trace (SM count, step) items with compile-only launches (a process of its own when jobs >
-    1)."""
+    """Trace (SM count, step) items with compile-only launches (run in a process of its own when
+    jobs > 1)."""
     import torch
 
     from engine import EngineArgs

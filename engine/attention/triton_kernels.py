@@ -327,8 +327,9 @@ def _merge_group(
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    """For each head of the group: out = sum_s exp2(lse_s - max) * partial_s / sum_s exp2(lse_s -
-    max) over the active splits (heads unrolled, so all their loads are in flight together)."""
+    """For each head of the group, over the active splits:
+    out = sum_s exp2(lse_s - max) * partial_s / sum_s exp2(lse_s - max)
+    (heads unrolled, so all their loads are in flight together)."""
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     s_ok = s < num_active

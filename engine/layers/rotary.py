@@ -51,8 +51,8 @@ def _llama3_scale(
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D], cos/sin [T, D/2] -> x rotated: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1
-    sin)."""
+    """x [T, H, D], cos/sin [T, D/2] -> x rotated:
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
     cos = cos.unsqueeze(1)
     sin = sin.unsqueeze(1)
     x1, x2 = x.chunk(2, dim=-1)
@@ -60,8 +60,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class RotaryEmbedding(nn.Module):
-    """Holds cos/sin [max_positions, head_dim // 2] in the model dtype; rotates q [T, H, D] and k
-    [T, Hkv, D]."""
+    """Holds cos/sin [max_positions, head_dim // 2] in the model dtype; rotates q [T, H, D] and
+    k [T, Hkv, D]."""
 
     def __init__(
         self,

@@ -119,8 +119,8 @@ class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), with the running sum carried as
     `residual`.
 
-    Each residual add is fused with the norm that follows it: norm(x, residual) -> (normed, x +
-    residual).
+    Each residual add is fused with the norm that follows it:
+    norm(x, residual) -> (normed, x + residual).
     """
 
     def __init__(
@@ -216,8 +216,8 @@ class DecoderModel(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """input_ids, positions [T] int64; kv_cache [L, 2, blocks, block_size, Hkv, D] -> hidden [T,
-        hidden]."""
+        """input_ids, positions [T] int64; kv_cache [L, 2, blocks, block_size, Hkv, D]
+        -> hidden [T, hidden]."""
         x = self.embed_tokens(input_ids)
         residual = None
         for i, layer in enumerate(self.layers):
@@ -262,8 +262,8 @@ class DecoderModel(nn.Module):
         out: dict[str, WeightSlot] = {}
 
         def rows(hf: str, ours: str, start: int, count: int, first: int, total: int) -> None:
-            """Rows [first, first + count) of an HF tensor of `total` rows -> our rows [start, start
-            + count)."""
+            """Rows [first, first + count) of an HF tensor of `total` rows -> our rows
+            [start, start + count)."""
             if ours in params:
                 full = (total, *params[ours].shape[1:])
                 out[hf] = WeightSlot(ours, start, start + count, 0, first, count, full)
