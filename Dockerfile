@@ -1,16 +1,16 @@
 # syntax=docker/dockerfile:1.7
 # The coldbrew worker image: a CUDA 13.0 base (torch's wheels bring the CUDA libraries), Python
-# 3.12, torch (cu130 wheels), the worker's dependencies from the lock, this repo; `python -m
-# handler` runs the RunPod worker. Build args and baking a model (HF_TOKEN as a BuildKit secret,
-# never a layer): docs/deploy.md.
+# 3.12, torch (cu130 wheels), the worker's dependencies from the lock, this repo;
+# `python -m handler` runs the RunPod worker. Build args and baking a model (HF_TOKEN as a BuildKit
+# secret, never a layer): docs/deploy.md.
 #   docker build -t coldbrew .
 #   docker build --secret id=HF_TOKEN,env=HF_TOKEN \
 #       --build-arg MODEL_NAME=meta-llama/Llama-3.1-8B-Instruct \
 #       --build-arg MODEL_REVISION=<commit> -t coldbrew:llama8b .
 ARG CUDA_IMAGE=nvidia/cuda:13.0.2-base-ubuntu24.04
 
-# ---- base: Python, torch and the locked dependencies; no sources, so editing the code reuses these
-# layers.
+# ---- base: Python, torch and the locked dependencies; no sources, so that editing the code
+# reuses these layers.
 FROM ${CUDA_IMAGE} AS base
 ARG TORCH_VERSION=2.11.0+cu130
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130
@@ -35,8 +35,8 @@ RUN python -c "import tomllib; \
         print(*project['dependencies'], sep=chr(10))" > requirements.txt \
     && pip install -c constraints.txt -r requirements.txt setuptools
 
-# ---- app: the sources, installed into the venv and compiled to bytecode (imports are on the
-# cold-start path).
+# ---- app: the sources, installed into the venv and compiled to bytecode (imports are on
+# the cold-start path).
 FROM base AS app
 COPY README.md ./
 COPY engine ./engine

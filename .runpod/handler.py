@@ -12,9 +12,8 @@ import sys
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # This file is named handler.py: its own directory must not shadow the `handler` package.
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-sys.path.insert(
-    0, os.path.dirname(_HERE)
-)  # a clone's root; an installed package is found all the same
+# a clone's root; an installed package is found all the same
+sys.path.insert(0, os.path.dirname(_HERE))
 
 from handler.worker import main  # noqa: E402
 

@@ -1,9 +1,12 @@
-"""Microbenchmark of the Triton paged attention backend on one GPU, Llama-3.1-8B-shaped (32 q / 8 kv heads, D 128).
+"""Microbenchmark of the Triton paged attention backend on one GPU, Llama-3.1-8B-shaped (32 q / 8 kv
+heads, D 128).
 
-`python -m bench.attention_micro --out DIR`: decode KV bytes read per step / time against the measured copy bandwidth,
-prefill TFLOP/s against torch SDPA on the same (dense) shapes, GPU time inside CUDA graphs (eager decode too, which
-adds the host's launch cost), split merge inside the kernel vs a second launch; prints a table, writes JSON.
+`python -m bench.attention_micro --out DIR`: decode KV bytes read per step / time against the
+measured copy bandwidth, prefill TFLOP/s against torch SDPA on the same (dense) shapes, GPU time
+inside CUDA graphs (eager decode too, which adds the host's launch cost), split merge inside the
+kernel vs a second launch; prints a table, writes JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,21 +22,37 @@ from engine.attention.torch_ref import TorchAttentionBackend
 from engine.attention.triton_attn import TritonAttentionBackend
 
 
-def make_step(batch: int, context: int, query_len: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
-              dtype: torch.dtype):
-    """Random q/k/v, a one-layer cache and metadata: `batch` sequences of `context` tokens, the last query_len new."""
+def make_step(
+    batch: int,
+    context: int,
+    query_len: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+):
+    """Random q/k/v, a one-layer cache and metadata: `batch` sequences of `context` tokens, the last
+    query_len new."""
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
-    cache = torch.randn(kv_cache_shape(1, num_blocks, block_size, kv_heads, head_dim), dtype=dtype, device="cuda")[0]
+    cache = torch.randn(
+        kv_cache_shape(1, num_blocks, block_size, kv_heads, head_dim), dtype=dtype, device="cuda"
+    )[0]
     tables = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq).to(torch.int32)
     pos = torch.arange(context - query_len, context, device="cuda")
     slots = (tables[:, pos // block_size].long() * block_size + pos % block_size).flatten()
     tokens = batch * query_len
     starts = list(range(0, tokens + 1, query_len))
     meta = AttentionMetadata(
-        slot_mapping=slots, query_start_loc=torch.tensor(starts, dtype=torch.int32, device="cuda"),
-        seq_lens=torch.full((batch,), context, dtype=torch.int32, device="cuda"), block_tables=tables,
-        max_query_len=query_len, max_seq_len=context, query_start_loc_cpu=starts, seq_lens_cpu=[context] * batch,
+        slot_mapping=slots,
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.full((batch,), context, dtype=torch.int32, device="cuda"),
+        block_tables=tables,
+        max_query_len=query_len,
+        max_seq_len=context,
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=[context] * batch,
         block_size=block_size,
     )
     q = torch.randn(tokens, heads, head_dim, dtype=dtype, device="cuda")
@@ -42,9 +61,11 @@ def make_step(batch: int, context: int, query_len: int, heads: int, kv_heads: in
     return q, k, v, cache, meta
 
 
-def time_call(fn, graph: bool, calls: int = 20, repeats: int = 7,
-              capture_error_mode: str = "global") -> float:
-    """Median seconds per call: `calls` back-to-back calls, captured in one CUDA graph when `graph`."""
+def time_call(
+    fn, graph: bool, calls: int = 20, repeats: int = 7, capture_error_mode: str = "global"
+) -> float:
+    """Median seconds per call: `calls` back-to-back calls, captured in one CUDA graph when
+    `graph`."""
     fn()
     torch.cuda.synchronize()
     if graph:
@@ -54,9 +75,11 @@ def time_call(fn, graph: bool, calls: int = 20, repeats: int = 7,
                 fn()
         run = g.replay
     else:
+
         def run():
             for _ in range(calls):
                 fn()
+
     run()
     times = []
     for _ in range(repeats):
@@ -71,82 +94,133 @@ def time_call(fn, graph: bool, calls: int = 20, repeats: int = 7,
 
 def decode_rows(args, bandwidth: float, dtype: torch.dtype) -> list[dict]:
     rows = []
-    decode_configs = [None] + [tuple(map(int, c.split(":"))) for c in args.decode_sweep.split(",") if c]
+    decode_configs = [None] + [
+        tuple(map(int, c.split(":"))) for c in args.decode_sweep.split(",") if c
+    ]
     for batch in map(int, args.batches.split(",")):
         for context in map(int, args.contexts.split(",")):
-            q, k, v, cache, meta = make_step(batch, context, 1, args.heads, args.kv_heads, args.head_dim,
-                                             args.block_size, dtype)
+            q, k, v, cache, meta = make_step(
+                batch, context, 1, args.heads, args.kv_heads, args.head_dim, args.block_size, dtype
+            )
             kv_bytes = batch * context * args.kv_heads * args.head_dim * 2 * cache.element_size()
             scale = args.head_dim**-0.5
             results = {}
             for pps in map(int, args.programs_per_sm.split(",")):
                 for tiles in decode_configs:
                     for fused in map(int, args.fused_merge.split(",")):
-                        backend = TritonAttentionBackend("cuda", programs_per_sm=pps, decode_tiles=tiles,
-                                                         fused_merge=bool(fused))
-                        seconds = time_call(lambda: backend.forward(q, k, v, cache, meta, scale), graph=True)
+                        backend = TritonAttentionBackend(
+                            "cuda", programs_per_sm=pps, decode_tiles=tiles, fused_merge=bool(fused)
+                        )
+                        seconds = time_call(
+                            lambda: backend.forward(q, k, v, cache, meta, scale), graph=True
+                        )
                         results[f"pps={pps} tiles={tiles} fused_merge={fused}"] = seconds
             default = TritonAttentionBackend("cuda")
             eager = time_call(lambda: default.forward(q, k, v, cache, meta, scale), graph=False)
             ref = TorchAttentionBackend()
-            reference = time_call(lambda: ref.forward(q, k, v, cache, meta, scale), graph=False, calls=3, repeats=3)
+            reference = time_call(
+                lambda: ref.forward(q, k, v, cache, meta, scale), graph=False, calls=3, repeats=3
+            )
             best_name = min(results, key=results.get)
             first = next(iter(results))
-            rows.append({
-                "kind": "decode", "batch": batch, "context": context, "kv_bytes": kv_bytes,
-                "graph_s": results[first], "eager_s": eager, "reference_s": reference,
-                "of_bandwidth": kv_bytes / results[first] / bandwidth,
-                "best": best_name, "best_of_bandwidth": kv_bytes / results[best_name] / bandwidth, "sweep": results,
-            })
-            print(f"decode b={batch} ctx={context}: {results[first] * 1e6:.1f} us "
-                  f"({rows[-1]['of_bandwidth']:.0%} of copy bw), best {best_name} {rows[-1]['best_of_bandwidth']:.0%}",
-                  flush=True)
-            del q, k, v, cache, meta
+            rows.append(
+                {
+                    "kind": "decode",
+                    "batch": batch,
+                    "context": context,
+                    "kv_bytes": kv_bytes,
+                    "graph_s": results[first],
+                    "eager_s": eager,
+                    "reference_s": reference,
+                    "of_bandwidth": kv_bytes / results[first] / bandwidth,
+                    "best": best_name,
+                    "best_of_bandwidth": kv_bytes / results[best_name] / bandwidth,
+                    "sweep": results,
+                }
+            )
+            print(
+                f"decode b={batch} ctx={context}: {results[first] * 1e6:.1f} us "
+                f"({rows[-1]['of_bandwidth']:.0%} of copy bw), "
+                f"best {best_name} {rows[-1]['best_of_bandwidth']:.0%}",
+                flush=True,
+            )
+            # Drop this step's tensors before the next one is made (the lambdas above are done).
+            q = k = v = cache = meta = None
             torch.cuda.empty_cache()
     return rows
 
 
 def prefill_rows(args, dtype: torch.dtype) -> list[dict]:
     rows = []
-    prefill_configs = [None] + [tuple(map(int, c.split(":"))) for c in args.prefill_sweep.split(",") if c]
+    prefill_configs = [None] + [
+        tuple(map(int, c.split(":"))) for c in args.prefill_sweep.split(",") if c
+    ]
     group = args.heads // args.kv_heads
-    # (sequences, context, new tokens): a fresh prompt, a batch of short prompts, a chunk after a cached prefix
-    for batch, context, new in ((1, args.prefill, args.prefill), (8, 512, 512), (1, args.prefill, args.prefill // 4)):
-        q, k, v, cache, meta = make_step(batch, context, new, args.heads, args.kv_heads, args.head_dim,
-                                         args.block_size, dtype)
-        visible = batch * sum(context - new + i + 1 for i in range(new))  # (query, key) pairs under the causal mask
+    # (sequences, context, new tokens): a fresh prompt, a batch of short prompts, a chunk after a
+    # cached prefix
+    for batch, context, new in (
+        (1, args.prefill, args.prefill),
+        (8, 512, 512),
+        (1, args.prefill, args.prefill // 4),
+    ):
+        q, k, v, cache, meta = make_step(
+            batch, context, new, args.heads, args.kv_heads, args.head_dim, args.block_size, dtype
+        )
+        # (query, key) pairs under the causal mask
+        visible = batch * sum(context - new + i + 1 for i in range(new))
         flops = 4 * args.heads * args.head_dim * visible
         scale = args.head_dim**-0.5
         results = {}
         for tiles in prefill_configs:
             backend = TritonAttentionBackend("cuda", prefill_tiles=tiles)
-            results[f"tiles={tiles}"] = time_call(lambda: backend.forward(q, k, v, cache, meta, scale), graph=True,
-                                                  calls=5)
-        # Baseline: torch SDPA (flash) on dense, contiguous [batch, heads, S, D] tensors, K/V repeated for GQA.
+            results[f"tiles={tiles}"] = time_call(
+                lambda: backend.forward(q, k, v, cache, meta, scale), graph=True, calls=5
+            )
+        # Baseline: torch SDPA (flash) on dense, contiguous [batch, heads, S, D] tensors, K/V
+        # repeated for GQA.
         qd = q.view(batch, new, args.heads, args.head_dim).transpose(1, 2)
         kd = torch.randn(batch, args.heads, context, args.head_dim, dtype=dtype, device="cuda")
         vd = torch.randn_like(kd)
         sdpa = None
         if new == context:
-            sdpa = time_call(lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True),
-                             graph=True, calls=5)
+            sdpa = time_call(
+                lambda: torch.nn.functional.scaled_dot_product_attention(
+                    qd, kd, vd, is_causal=True
+                ),
+                graph=True,
+                calls=5,
+            )
         best_name = min(results, key=results.get)
         first = next(iter(results))
-        rows.append({
-            "kind": "prefill", "batch": batch, "context": context, "new_tokens": new, "flops": flops,
-            "seconds": results[first], "tflops": flops / results[first] / 1e12,
-            "best": best_name, "best_tflops": flops / results[best_name] / 1e12,
-            "sdpa_tflops": flops / sdpa / 1e12 if sdpa else None, "sweep": results, "group": group,
-        })
-        print(f"prefill b={batch} ctx={context} new={new}: {rows[-1]['tflops']:.0f} TFLOP/s, best {best_name} "
-              f"{rows[-1]['best_tflops']:.0f}, sdpa {rows[-1]['sdpa_tflops']}", flush=True)
-        del q, k, v, cache, meta, kd, vd
+        rows.append(
+            {
+                "kind": "prefill",
+                "batch": batch,
+                "context": context,
+                "new_tokens": new,
+                "flops": flops,
+                "seconds": results[first],
+                "tflops": flops / results[first] / 1e12,
+                "best": best_name,
+                "best_tflops": flops / results[best_name] / 1e12,
+                "sdpa_tflops": flops / sdpa / 1e12 if sdpa else None,
+                "sweep": results,
+                "group": group,
+            }
+        )
+        print(
+            f"prefill b={batch} ctx={context} new={new}: {rows[-1]['tflops']:.0f} TFLOP/s, "
+            f"best {best_name} {rows[-1]['best_tflops']:.0f}, sdpa {rows[-1]['sdpa_tflops']}",
+            flush=True,
+        )
+        q = k = v = cache = meta = kd = vd = None  # free before the next configuration
         torch.cuda.empty_cache()
     return rows
 
 
 def plot(rows: list[dict], path: str) -> None:
-    """Two panels: decode KV read rate as a share of the copy bandwidth; prefill TFLOP/s beside SDPA."""
+    """Two panels: decode KV read rate as a share of the copy bandwidth; prefill TFLOP/s beside
+    SDPA."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -155,13 +229,21 @@ def plot(rows: list[dict], path: str) -> None:
     decode = [r for r in rows if r["kind"] == "decode"]
     prefill = [r for r in rows if r["kind"] == "prefill"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.bar([f"b{r['batch']}\nctx{r['context']}" for r in decode], [100 * r["of_bandwidth"] for r in decode])
+    left.bar(
+        [f"b{r['batch']}\nctx{r['context']}" for r in decode],
+        [100 * r["of_bandwidth"] for r in decode],
+    )
     left.set_ylabel("% of copy bandwidth")
     left.set_title("decode (CUDA graph)")
     labels = [f"{r['batch']}x{r['new_tokens']}\nctx{r['context']}" for r in prefill]
     x = range(len(prefill))
     right.bar([i - 0.2 for i in x], [r["tflops"] for r in prefill], width=0.4, label="triton paged")
-    right.bar([i + 0.2 for i in x], [r["sdpa_tflops"] or 0 for r in prefill], width=0.4, label="SDPA dense")
+    right.bar(
+        [i + 0.2 for i in x],
+        [r["sdpa_tflops"] or 0 for r in prefill],
+        width=0.4,
+        label="SDPA dense",
+    )
     right.set_xticks(list(x), labels)
     right.set_ylabel("TFLOP/s")
     right.set_title("prefill")
@@ -180,8 +262,16 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--contexts", default="1024,4096")
     ap.add_argument("--prefill", type=int, default=4096)
-    ap.add_argument("--programs-per-sm", default="2", help="decode split targets to try, the first is the default")
-    ap.add_argument("--fused-merge", default="1,0", help="decode split merge in the kernel (1) or a second launch (0)")
+    ap.add_argument(
+        "--programs-per-sm",
+        default="2",
+        help="decode split targets to try, the first is the default",
+    )
+    ap.add_argument(
+        "--fused-merge",
+        default="1,0",
+        help="decode split merge in the kernel (1) or a second launch (0)",
+    )
     ap.add_argument("--decode-sweep", default="", help="extra decode tiles M:N:warps:stages,...")
     ap.add_argument("--prefill-sweep", default="", help="extra prefill tiles M:N:warps:stages,...")
     args = ap.parse_args()
@@ -189,26 +279,41 @@ def main() -> None:
     dtype = torch.bfloat16
     bandwidth = copy_bandwidth("cuda", 2 << 30)
     rows = decode_rows(args, bandwidth, dtype) + prefill_rows(args, dtype)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth": bandwidth,
-              "shape": vars(args), "rows": rows}
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "copy_bandwidth": bandwidth,
+        "shape": vars(args),
+        "rows": rows,
+    }
     with open(os.path.join(args.out, "attention_micro.json"), "w") as f:
         json.dump(result, f, indent=1)
     plot(rows, os.path.join(args.out, "attention_micro.png"))
-    print(f"\n{result['device']}, bf16, H={args.heads} Hkv={args.kv_heads} D={args.head_dim} "
-          f"block={args.block_size}; copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    print("| decode batch | context | KV MB | us/step (graph) | us (eager) | us (torch ref) | of copy bw |")
+    print(
+        f"\n{result['device']}, bf16, H={args.heads} Hkv={args.kv_heads} D={args.head_dim} "
+        f"block={args.block_size}; copy bandwidth {bandwidth / 1e12:.2f} TB/s"
+    )
+    print(
+        "| decode batch | context | KV MB | us/step (graph) | us (eager) | us (torch ref) "
+        "| of copy bw |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if r["kind"] == "decode":
-            print(f"| {r['batch']} | {r['context']} | {r['kv_bytes'] / 1e6:.0f} | {r['graph_s'] * 1e6:.1f} | "
-                  f"{r['eager_s'] * 1e6:.1f} | {r['reference_s'] * 1e6:.0f} | {r['of_bandwidth']:.0%} |")
+            print(
+                f"| {r['batch']} | {r['context']} | {r['kv_bytes'] / 1e6:.0f} "
+                f"| {r['graph_s'] * 1e6:.1f} | {r['eager_s'] * 1e6:.1f} "
+                f"| {r['reference_s'] * 1e6:.0f} | {r['of_bandwidth']:.0%} |"
+            )
     print("| prefill seqs | context | new tokens | ms | TFLOP/s | SDPA TFLOP/s |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if r["kind"] == "prefill":
             sdpa = f"{r['sdpa_tflops']:.0f}" if r["sdpa_tflops"] else "-"
-            print(f"| {r['batch']} | {r['context']} | {r['new_tokens']} | {r['seconds'] * 1e3:.2f} | "
-                  f"{r['tflops']:.0f} | {sdpa} |")
+            print(
+                f"| {r['batch']} | {r['context']} | {r['new_tokens']} | {r['seconds'] * 1e3:.2f} | "
+                f"{r['tflops']:.0f} | {sdpa} |"
+            )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
-"""Synthesize a random-weight HF-format checkpoint (config.json + sharded safetensors) of a real architecture.
+"""Synthesize a random-weight HF-format checkpoint (config.json + sharded safetensors) of a real
+architecture.
 
-Speed does not depend on weight values, and the GPU machine has no network: benchmarks build their models here.
+Speed does not depend on weight values, and the GPU machine has no network: benchmarks build their
+models here.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,13 +22,17 @@ CONFIGS = Path(__file__).resolve().parent / "configs"
 
 
 def hf_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor name of the architecture with its shape, read off the engine's own weight map."""
+    """Every HF tensor name of the architecture with its shape, read off the engine's own weight
+    map."""
     model = build_model(ModelConfig.from_dict(config), torch.bfloat16, "meta")
     return {name: slot.full for name, slot in model.hf_weight_map().items()}
 
 
-def synthesize(config_name: str, out_dir: str, shard_bytes: int = 5 << 30, device: str = "cpu", seed: int = 0) -> str:
-    """Write `configs/<config_name>` with N(0, 0.02) bf16 weights (norms = 1) to out_dir; reuse a complete one."""
+def synthesize(
+    config_name: str, out_dir: str, shard_bytes: int = 5 << 30, device: str = "cpu", seed: int = 0
+) -> str:
+    """Write `configs/<config_name>` with N(0, 0.02) bf16 weights (norms = 1) to out_dir; reuse a
+    complete one."""
     out = Path(out_dir)
     if (out / "model.safetensors.index.json").exists():
         return str(out)
@@ -58,7 +65,10 @@ def synthesize(config_name: str, out_dir: str, shard_bytes: int = 5 << 30, devic
     if shard:
         flush()
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    index = {"metadata": {"total_size": sum(2 * _numel(s) for s in shapes.values())}, "weight_map": weight_map}
+    index = {
+        "metadata": {"total_size": sum(2 * _numel(s) for s in shapes.values())},
+        "weight_map": weight_map,
+    }
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index))
     os.replace(tmp, out)
     return str(out)

@@ -22,15 +22,21 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-REQUEST = {"input": {"prompt": "The capital of France is",
-                     "sampling_params": {"max_tokens": 16, "temperature": 0}}}
+REQUEST = {
+    "input": {
+        "prompt": "The capital of France is",
+        "sampling_params": {"max_tokens": 16, "temperature": 0},
+    }
+}
 
 
 def ask(port: int) -> dict | None:
     """The README's /runsync request; its answer, or None while the worker is not up."""
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/runsync",
-                                 data=json.dumps(REQUEST).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/runsync",
+        data=json.dumps(REQUEST).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=600) as resp:
             return json.load(resp)
@@ -39,8 +45,9 @@ def ask(port: int) -> dict | None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--repo", default=str(REPO), help="what to clone (default: this checkout)")
     ap.add_argument("--port", type=int, default=18600)
     ap.add_argument("--timeout", type=float, default=1200)
@@ -50,16 +57,25 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="coldbrew-clone-"))
     clone = work / "coldbrew"
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("VIRTUAL_ENV", "PYTHONPATH") and not k.startswith(("MODEL_", "RUNPOD_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("VIRTUAL_ENV", "PYTHONPATH") and not k.startswith(("MODEL_", "RUNPOD_"))
+    }
     env["CACHE_DIR"] = str(work / "cache")  # a new user's empty model cache
     times: dict[str, float] = {}
     t0 = time.monotonic()
     subprocess.run(["git", "clone", "-q", args.repo, str(clone)], check=True)
     times["clone"] = time.monotonic() - t0
     log = open(work / "make-run.log", "w")
-    proc = subprocess.Popen(["make", "run", f"RUN_PORT={args.port}"], cwd=clone, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        ["make", "run", f"RUN_PORT={args.port}"],
+        cwd=clone,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     answer = None
     try:
         while answer is None:
@@ -78,9 +94,13 @@ def main() -> None:
         proc.wait(timeout=60)
         log.close()
     text = answer.get("output", [{}])[0].get("choices", [{}])[0].get("tokens", [""])
-    result = {"times_s": {k: round(v, 1) for k, v in times.items()}, "status": answer.get("status"),
-              "text": "".join(text), "cpu_count": os.cpu_count(),
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    result = {
+        "times_s": {k: round(v, 1) for k, v in times.items()},
+        "status": answer.get("status"),
+        "text": "".join(text),
+        "cpu_count": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

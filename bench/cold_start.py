@@ -468,7 +468,9 @@ def main() -> None:
                 keep_until=default_path(cache_dir, entry),
             ),
         )
-    report["start_pages_recorded"] = all(os.path.exists(default_path(cache_dir, e)) for e in entries)
+    report["start_pages_recorded"] = all(
+        os.path.exists(default_path(cache_dir, e)) for e in entries
+    )
     packs = [p for p in weight_files(model_dir) if p.endswith(".cbpack")]
     if not packs:
         raise SystemExit("no pack was written: see the first start's log above")
@@ -488,8 +490,9 @@ def main() -> None:
             record(
                 ENTRY_LABELS[entry],
                 "warm",
-                run_entry(entry, model_dir, cache_dir, prompt, env_extra,
-                          log_path=log_path(entry, "warm")),
+                run_entry(
+                    entry, model_dir, cache_dir, prompt, env_extra, log_path=log_path(entry, "warm")
+                ),
             )
     warm_cache([p for p in weight_files(model_dir) if p.endswith(".safetensors")])
     for _ in range(args.hf_runs):
@@ -507,8 +510,14 @@ def main() -> None:
             record(
                 ENTRY_LABELS[entry],
                 "dropped",
-                run_entry(entry, model_dir, cache_dir, prompt, env_extra,
-                          log_path=log_path(entry, "dropped")),
+                run_entry(
+                    entry,
+                    model_dir,
+                    cache_dir,
+                    prompt,
+                    env_extra,
+                    log_path=log_path(entry, "dropped"),
+                ),
             )
 
     report["targets"] = targets(report)
@@ -578,10 +587,14 @@ def _sum(phases: dict, *names: str) -> float | None:
 
 def print_table(report: dict) -> None:
     r = report
-    print(f"\n{r['device']}, torch {r['torch']}, Python {r['python']}, {r['config']} bf16 "
-          f"({r['pack_bytes'] / 1e9:.2f} GB pack), prompt {r['prompt_len']} tokens, {r['date']}")
-    print("seconds from process start; phases from the entry's ready line (bare and HF: from the "
-          "child's stamps)")
+    print(
+        f"\n{r['device']}, torch {r['torch']}, Python {r['python']}, {r['config']} bf16 "
+        f"({r['pack_bytes'] / 1e9:.2f} GB pack), prompt {r['prompt_len']} tokens, {r['date']}"
+    )
+    print(
+        "seconds from process start; phases from the entry's ready line (bare and HF: from the "
+        "child's stamps)"
+    )
     head = " ".join(f"{c:>14}" for c, _ in COLUMNS)
     print(f"{'run':<34} {'cache':<7} {head} {'port open':>10} {'1st token':>10}")
     for r in report["runs"]:

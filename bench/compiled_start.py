@@ -2,27 +2,22 @@
 on the same GPU:
 
   (a) an empty Triton cache and no artifact (ENGINE_MODE=auto runs jit; as the fleet's first worker
-  it publishes
-      its kernels beside the snapshot once it has served);
-  (b) an artifact built on this machine with no GPU visible (`CUDA_VISIBLE_DEVICES= python -m warmup
-  build
-      --no-gpu --arch <this GPU's>`), an empty Triton cache;
+      it publishes its kernels beside the snapshot once it has served);
+  (b) an artifact built on this machine with no GPU visible
+      (`CUDA_VISIBLE_DEVICES= python -m warmup build --no-gpu --arch <this GPU's>`), an empty Triton
+      cache;
   (c) the artifact (a) published, an empty Triton cache;
   (d) ENGINE_MODE=jit with a warm Triton cache (a worker before it compiled the whole kernel set
   there).
 
 Each: one streamed request is sent as soon as the server listens (start -> first token, client-timed
-from the
-spawn), then 32 concurrent streams (mixed prompt lengths, 64 tokens, greedy): burst wall time, time
-to first token
-p50 / p99, the median stream's longest pause between two tokens. The greedy tokens of every request
-are compared
-across the four (the model's tokenizer is word-level: one word per token id, so texts compare token
-ids).
+from the spawn), then 32 concurrent streams (mixed prompt lengths, 64 tokens, greedy): burst wall
+time, time to first token p50 / p99, the median stream's longest pause between two tokens. The
+greedy tokens of every request are compared across the four (the model's tokenizer is word-level:
+one word per token id, so texts compare token ids).
 
 `python -m bench.compiled_start --out $OUT` on a GPU machine: synthesizes the model
-(bench.checkpoint), writes
-$OUT/compiled-start.json and prints the table.
+(bench.checkpoint), writes $OUT/compiled-start.json and prints the table.
 """
 
 from __future__ import annotations
@@ -108,8 +103,7 @@ class Serve:
 
     def wait_for(self, pattern: str, timeout: float) -> bool:
         """Until a log line matches; False at once when the worker logged no "kernels:" line at
-        ready (a start
-        sequence without warmup.ready's hooks: nothing to wait for)."""
+        ready (a start sequence without warmup.ready's hooks: nothing to wait for)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not any("kernels:" in line for _, line in self.lines) and any(
@@ -242,9 +236,8 @@ def main() -> None:
 
     t0 = time.perf_counter()
     root = Path(args.root)
-    for old in root.glob(
-        "*"
-    ):  # caches and artifacts of a previous run; the model (and its pack) stay
+    # caches and artifacts of a previous run; the model (and its pack) stay
+    for old in root.glob("*"):
         if old.name != "model":
             shutil.rmtree(old, ignore_errors=True)
     model_dir = synthesize(args.config, str(root / "model"), device="cuda")
@@ -288,9 +281,8 @@ def main() -> None:
     log(
         f"(a) empty cache: {runs['a']['first_token_s']:.2f} s; published: {runs['a']['wait_found']}"
     )
-    runs["c"] = measure(
-        "c", {**env("c", "auto"), "CACHE_DIR": str(root / "cache-a")}, vocab
-    )  # (a)'s volume
+    # (a)'s volume
+    runs["c"] = measure("c", {**env("c", "auto"), "CACHE_DIR": str(root / "cache-a")}, vocab)
     log(f"(c) published artifact: {runs['c']['first_token_s']:.2f} s")
     published = Path(model_dir) / "engines"
     if published.exists():  # (b) must find only its own artifact

@@ -1,8 +1,11 @@
-"""Per-kernel GPU time of the engine's captured decode step at a few batch sizes and context lengths (one GPU).
+"""Per-kernel GPU time of the engine's captured decode step at a few batch sizes and context lengths
+(one GPU).
 
-`python -m bench.decode_profile --out DIR`: synthesizes the checkpoint, builds the engine, then captures decode graphs
-with the fused decode kernels on and off and replays them over synthetic contexts; prints a table, writes JSON.
+`python -m bench.decode_profile --out DIR`: synthesizes the checkpoint, builds the engine, then
+captures decode graphs with the fused decode kernels on and off and replays them over synthetic
+contexts; prints a table, writes JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,7 +27,8 @@ SKINNY_ROWS = skinny.MAX_ROWS
 
 
 def set_fused(runner, on: bool) -> None:
-    """The decode fast path's kernels on (skinny GEMMs, merge inside attention, RoPE writing the cache) or off."""
+    """The decode fast path's kernels on (skinny GEMMs, merge inside attention, RoPE writing the
+    cache) or off."""
     skinny.MAX_ROWS = SKINNY_ROWS if on else 0
     backend = runner.model.layers[0].self_attn.backend
     backend.fused_merge = on
@@ -33,8 +37,8 @@ def set_fused(runner, on: bool) -> None:
 
 @torch.inference_mode()
 def stage(graphs: DecodeGraphs, batch: int, context: int, num_blocks: int, block_size: int) -> int:
-    """Stage `batch` sequences whose new token sits at position context - 1 (distinct blocks, wrapping around the
-    cache when it is too small); returns the captured size that serves them."""
+    """Stage `batch` sequences whose new token sits at position context - 1 (distinct blocks,
+    wrapping around the cache when it is too small); returns the captured size that serves them."""
     per_seq = -(-context // block_size)
     tables = [[(i * per_seq + j) % num_blocks for j in range(per_seq)] for i in range(batch)]
     positions = [context - 1] * batch
@@ -81,18 +85,32 @@ def main() -> None:
     ap.add_argument("--config", default="llama-3.1-8b.json")
     ap.add_argument("--model-dir", default="/tmp/coldbrew-bench/model")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
-    ap.add_argument("--cases", default="1:128,1:4096,64:1024,256:128,256:1024,256:2048", help="batch:context,...")
+    ap.add_argument(
+        "--cases",
+        default="1:128,1:4096,64:1024,256:128,256:1024,256:2048",
+        help="batch:context,...",
+    )
     ap.add_argument("--profile-cases", default="1:128,256:1024")
-    ap.add_argument("--step-batches", default="1,64,256", help="host-inclusive decode step timings (engine.generate)")
-    ap.add_argument("--variants", default="fused,unfused", help="which graphs to capture and replay")
+    ap.add_argument(
+        "--step-batches",
+        default="1,64,256",
+        help="host-inclusive decode step timings (engine.generate)",
+    )
+    ap.add_argument(
+        "--variants", default="fused,unfused", help="which graphs to capture and replay"
+    )
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    model_dir = synthesize(args.config, os.path.join(args.model_dir, args.config.removesuffix(".json")), device="cuda")
+    model_dir = synthesize(
+        args.config, os.path.join(args.model_dir, args.config.removesuffix(".json")), device="cuda"
+    )
     bandwidth = copy_bandwidth("cuda", 2 << 30)
     cases = [tuple(map(int, c.split(":"))) for c in args.cases.split(",")]
     profile_cases = {tuple(map(int, c.split(":"))) for c in args.profile_cases.split(",") if c}
     sizes = sorted({b for b, _ in cases})
-    llm = LLM(model=model_dir, dtype="bfloat16", device="cuda", max_model_len=4096, cuda_graph_sizes=sizes)
+    llm = LLM(
+        model=model_dir, dtype="bfloat16", device="cuda", max_model_len=4096, cuda_graph_sizes=sizes
+    )
     runner = llm.engine.runner
     model = runner.model
     cfg = model.config
@@ -103,52 +121,96 @@ def main() -> None:
     steps = {}
     for batch in map(int, filter(None, args.step_batches.split(","))):
         steps[batch] = decode_step_seconds(llm, batch, prompt_len=128, new_tokens=64)
-        print(f"engine decode step b={batch}: {steps[batch] * 1e3:.2f} ms ({batch / steps[batch]:.0f} tok/s)",
-              flush=True)
+        print(
+            f"engine decode step b={batch}: {steps[batch] * 1e3:.2f} ms "
+            f"({batch / steps[batch]:.0f} tok/s)",
+            flush=True,
+        )
 
     rows = []
     for fused in [name == "fused" for name in args.variants.split(",") if name]:
         set_fused(runner, fused)
-        graphs = DecodeGraphs(model, runner.kv_cache, runner.stager, sizes, runner.max_model_len, runner.block_size,
-                              cfg.vocab_size)
+        graphs = DecodeGraphs(
+            model,
+            runner.kv_cache,
+            runner.stager,
+            sizes,
+            runner.max_model_len,
+            runner.block_size,
+            cfg.vocab_size,
+        )
         graphs.capture()
         for batch, context in cases:
             size = stage(graphs, batch, context, runner.num_blocks, runner.block_size)
             seconds = replay_seconds(graphs.graphs[size])
             floor = (weight_bytes + batch * context * kv_bytes_per_token) / bandwidth
-            row = {"fused": fused, "batch": batch, "context": context, "graph_ms": seconds * 1e3,
-                   "floor_ms": floor * 1e3, "of_roofline": floor / seconds}
+            row = {
+                "fused": fused,
+                "batch": batch,
+                "context": context,
+                "graph_ms": seconds * 1e3,
+                "floor_ms": floor * 1e3,
+                "of_roofline": floor / seconds,
+            }
             if (batch, context) in profile_cases:
                 row["kernels"] = kernel_table(graphs.graphs[size])
             rows.append(row)
-            print(f"fused={fused} b={batch} ctx={context}: graph {seconds * 1e3:.3f} ms, floor {floor * 1e3:.2f} ms "
-                  f"({row['of_roofline']:.0%})", flush=True)
+            print(
+                f"fused={fused} b={batch} ctx={context}: graph {seconds * 1e3:.3f} ms, "
+                f"floor {floor * 1e3:.2f} ms ({row['of_roofline']:.0%})",
+                flush=True,
+            )
         del graphs
         torch.cuda.empty_cache()
     set_fused(runner, True)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": args.config,
-              "copy_bandwidth": bandwidth, "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token,
-              "engine_step_s": steps, "rows": rows}
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "config": args.config,
+        "copy_bandwidth": bandwidth,
+        "weight_bytes": weight_bytes,
+        "kv_bytes_per_token": kv_bytes_per_token,
+        "engine_step_s": steps,
+        "rows": rows,
+    }
     with open(os.path.join(args.out, "decode_profile.json"), "w") as f:
         json.dump(result, f, indent=1)
     for row in rows:
         if "kernels" in row:
-            print(f"\nkernels, fused={row['fused']} b={row['batch']} ctx={row['context']} (us per step, launches):")
+            print(
+                f"\nkernels, fused={row['fused']} b={row['batch']} ctx={row['context']} "
+                "(us per step, launches):"
+            )
             for name, k in list(row["kernels"].items())[:14]:
                 print(f"  {k['us']:9.1f} {k['launches']:6.0f}  {name[:90]}")
-    print(f"\n{result['device']}, {args.config}, bf16, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
-          f"weights read per step {weight_bytes / 1e9:.2f} GB")
-    print("| batch | context | graph ms (fused) | graph ms (unfused) | floor ms | of roofline (fused) |")
+    print(
+        f"\n{result['device']}, {args.config}, bf16, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
+        f"weights read per step {weight_bytes / 1e9:.2f} GB"
+    )
+    print(
+        "| batch | context | graph ms (fused) | graph ms (unfused) | floor ms "
+        "| of roofline (fused) |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
     for batch, context in cases:
-        on = next((r for r in rows if r["fused"] and (r["batch"], r["context"]) == (batch, context)), None)
-        off = next((r for r in rows if not r["fused"] and (r["batch"], r["context"]) == (batch, context)), None)
+        on = next(
+            (r for r in rows if r["fused"] and (r["batch"], r["context"]) == (batch, context)), None
+        )
+        off = next(
+            (r for r in rows if not r["fused"] and (r["batch"], r["context"]) == (batch, context)),
+            None,
+        )
         ref = on or off
-        print(f"| {batch} | {context} | {on['graph_ms'] if on else float('nan'):.3f} | "
-              f"{off['graph_ms'] if off else float('nan'):.3f} | {ref['floor_ms']:.2f} | "
-              f"{ref['floor_ms'] / ref['graph_ms']:.0%} |")
+        print(
+            f"| {batch} | {context} | {on['graph_ms'] if on else float('nan'):.3f} | "
+            f"{off['graph_ms'] if off else float('nan'):.3f} | {ref['floor_ms']:.2f} | "
+            f"{ref['floor_ms'] / ref['graph_ms']:.0%} |"
+        )
     for batch, seconds in steps.items():
-        print(f"engine step (host included) b={batch}: {seconds * 1e3:.2f} ms, {batch / seconds:.0f} tok/s")
+        print(
+            f"engine step (host included) b={batch}: {seconds * 1e3:.2f} ms, "
+            f"{batch / seconds:.0f} tok/s"
+        )
 
 
 if __name__ == "__main__":

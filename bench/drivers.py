@@ -1,6 +1,8 @@
-"""Drive the engine's AsyncLLM as clients do: all requests at once (offline), N looping clients (online), one
-request alone (decode), while a poller samples the engine's stats; every streamed output is timestamped on arrival.
+"""Drive the engine's AsyncLLM as clients do: all requests at once (offline), N looping clients
+(online), one request alone (decode), while a poller samples the engine's stats; every streamed
+output is timestamped on arrival.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,14 +19,23 @@ from engine import AsyncLLM, SamplingParams
 
 def forced_params(output_len: int) -> SamplingParams:
     """Greedy, exactly output_len tokens: EOS ignored and held back, no stop rules."""
-    return SamplingParams(temperature=0.0, max_tokens=output_len, min_tokens=output_len, ignore_eos=True)
+    return SamplingParams(
+        temperature=0.0, max_tokens=output_len, min_tokens=output_len, ignore_eos=True
+    )
 
 
 async def stream_request(
-    engine: AsyncLLM, request_id: str, req: BenchRequest, rec: RequestRecord, stop_at: float | None = None
+    engine: AsyncLLM,
+    request_id: str,
+    req: BenchRequest,
+    rec: RequestRecord,
+    stop_at: float | None = None,
 ) -> RequestRecord:
-    """Stream one request into rec. Past stop_at (if given) it is aborted as soon as it has its first token."""
-    async with aclosing(engine.generate(request_id, req.prompt_token_ids, forced_params(req.output_len))) as stream:
+    """Stream one request into rec. Past stop_at (if given) it is aborted as soon as it has its
+    first token."""
+    async with aclosing(
+        engine.generate(request_id, req.prompt_token_ids, forced_params(req.output_len))
+    ) as stream:
         async for out in stream:
             rec.add(time.perf_counter(), len(out.outputs[0].token_ids))
             if out.finished:
@@ -50,7 +61,9 @@ class StatsPoller:
             await asyncio.sleep(self.interval)
 
     async def __aenter__(self) -> "StatsPoller":
-        self.samples.append((time.perf_counter(), asdict(await asyncio.to_thread(self.engine.stats))))
+        self.samples.append(
+            (time.perf_counter(), asdict(await asyncio.to_thread(self.engine.stats)))
+        )
         self._task = asyncio.create_task(self._run())
         return self
 
@@ -60,10 +73,13 @@ class StatsPoller:
             await self._task
         except asyncio.CancelledError:
             pass
-        self.samples.append((time.perf_counter(), asdict(await asyncio.to_thread(self.engine.stats))))
+        self.samples.append(
+            (time.perf_counter(), asdict(await asyncio.to_thread(self.engine.stats)))
+        )
 
     def first_preemption_time(self) -> float | None:
-        """The last sample time before the engine's preemption count first rose (None: no preemption)."""
+        """The last sample time before the engine's preemption count first rose (None: no
+        preemption)."""
         base = self.samples[0][1]["num_preemptions"]
         for (t_prev, _), (_, s) in zip(self.samples, self.samples[1:]):
             if s["num_preemptions"] > base:
@@ -81,7 +97,8 @@ class StatsPoller:
             "engine_peak_used_blocks": last["peak_used_blocks"],
             "waste_frac_sampled": 1 - sampled_peak / total,
             "preemptions": last["num_preemptions"] - first["num_preemptions"],
-            "prefix_cache_hit_tokens": last["prefix_cache_hit_tokens"] - first["prefix_cache_hit_tokens"],
+            "prefix_cache_hit_tokens": last["prefix_cache_hit_tokens"]
+            - first["prefix_cache_hit_tokens"],
         }
 
 
@@ -101,7 +118,10 @@ async def run_offline(engine: AsyncLLM, requests: list[BenchRequest], tag: str):
         start = time.perf_counter()
         records = [RequestRecord(r.prompt_len, r.output_len, start) for r in requests]
         await asyncio.gather(
-            *(stream_request(engine, f"{tag}-{i}", r, rec) for i, (r, rec) in enumerate(zip(requests, records)))
+            *(
+                stream_request(engine, f"{tag}-{i}", r, rec)
+                for i, (r, rec) in enumerate(zip(requests, records))
+            )
         )
         end = max((r.last_token_time for r in records if r.chunks), default=start)
     await wait_idle(engine)
@@ -109,13 +129,19 @@ async def run_offline(engine: AsyncLLM, requests: list[BenchRequest], tag: str):
 
 
 async def run_online(
-    engine: AsyncLLM, make_request: Callable[[int], BenchRequest], concurrency: int, warmup_s: float,
-    duration_s: float, tag: str, counter: Iterator[int],
+    engine: AsyncLLM,
+    make_request: Callable[[int], BenchRequest],
+    concurrency: int,
+    warmup_s: float,
+    duration_s: float,
+    tag: str,
+    counter: Iterator[int],
 ):
-    """`concurrency` clients, each sending its next request when the last one ends, for warmup_s + duration_s.
-    Request k is make_request(k) for k from counter (share one across levels, so no prompt repeats and hits the
-    prefix cache). Requests still open at the end are aborted once they have their first token (so no TTFT is cut
-    off). Returns (records, window start, window end, poller): the window excludes the warm-up."""
+    """`concurrency` clients, each sending its next request when the last one ends, for
+    warmup_s + duration_s. Request k is make_request(k) for k from counter (share one across
+    levels, so no prompt repeats and hits the prefix cache). Requests still open at the end are
+    aborted once they have their first token (so no TTFT is cut off). Returns (records, window
+    start, window end, poller): the window excludes the warm-up."""
     records: list[RequestRecord] = []
     async with StatsPoller(engine) as poller:
         start = time.perf_counter()
@@ -134,17 +160,24 @@ async def run_online(
     return records, window[0], window[1], poller
 
 
-async def decode_step_times(engine: AsyncLLM, prompt_len: int, new_tokens: int, vocab: int, repeats: int, seed: int):
-    """Seconds per decode step of one request alone, from the engine's own first-token and finish times."""
+async def decode_step_times(
+    engine: AsyncLLM, prompt_len: int, new_tokens: int, vocab: int, repeats: int, seed: int
+):
+    """Seconds per decode step of one request alone, from the engine's own first-token and finish
+    times."""
     times = []
     for i in range(repeats):
         req = BenchRequest(random_prompt(prompt_len, vocab, seed + i), new_tokens)
         final = None
-        async with aclosing(engine.generate(f"decode-{seed}-{i}", req.prompt_token_ids, forced_params(new_tokens))) as s:
+        async with aclosing(
+            engine.generate(f"decode-{seed}-{i}", req.prompt_token_ids, forced_params(new_tokens))
+        ) as s:
             async for out in s:
                 final = out
         m = final.metrics
         if len(final.outputs[0].token_ids) != new_tokens:
-            raise RuntimeError(f"decode: got {len(final.outputs[0].token_ids)} tokens, asked for {new_tokens}")
+            raise RuntimeError(
+                f"decode: got {len(final.outputs[0].token_ids)} tokens, asked for {new_tokens}"
+            )
         times.append((m.finished_time - m.first_token_time) / (new_tokens - 1))
     return statistics.median(times), times

@@ -24,8 +24,13 @@ import time
 
 import numpy as np
 
-from bench.grammar_schemas import FEATURE_CASES, NESTED_20_FIELDS, FeatureCase, nested_instance
-from bench.grammar_schemas import pydantic_case
+from bench.grammar_schemas import (
+    FEATURE_CASES,
+    NESTED_20_FIELDS,
+    FeatureCase,
+    nested_instance,
+    pydantic_case,
+)
 from bench.grammar_tokenizer import load_bench_tokenizer
 
 ENGINES = ("llguidance", "xgrammar")

@@ -1,6 +1,7 @@
-"""The serving benchmark's results file: merge the parts of a split run, derive ratios, print the summary table and
-draw the concurrency plot (output tok/s and TTFT p99 vs concurrency).
+"""The serving benchmark's results file: merge the parts of a split run, derive ratios, print the
+summary table and draw the concurrency plot (output tok/s and TTFT p99 vs concurrency).
 """
+
 from __future__ import annotations
 
 import json
@@ -10,14 +11,19 @@ SECTIONS = ("decode", "offline", "online", "hf")
 
 
 def merge(base: dict, new: dict) -> dict:
-    """new's sections replace base's; the meta of every call is kept; KV figures are kept per part."""
+    """new's sections replace base's; the meta of every call is kept; KV figures are kept per
+    part."""
     out = {k: v for k, v in base.items()}
     for key in SECTIONS:
         if key in new:
-            out[key] = new[key] if key != "offline" else {**base.get("offline", {}), **new["offline"]}
+            out[key] = (
+                new[key] if key != "offline" else {**base.get("offline", {}), **new["offline"]}
+            )
     out["kv"] = {**base.get("kv", {}), **new.get("kv", {})}
     meta = dict(new.get("meta") or base.get("meta") or {})
-    meta["calls"] = list((base.get("meta") or {}).get("calls", [])) + list((new.get("meta") or {}).get("calls", []))
+    meta["calls"] = list((base.get("meta") or {}).get("calls", [])) + list(
+        (new.get("meta") or {}).get("calls", [])
+    )
     out["meta"] = meta
     out["ratios"] = ratios(out)
     return out
@@ -27,7 +33,11 @@ def ratios(res: dict) -> dict:
     """Ours / HF's best mode on matching workloads (the same conv-trace subset; batch-1 decode)."""
     out: dict = {}
     hf = res.get("hf") or {}
-    modes = {k: hf[k]["output_tok_s"] for k in ("generate", "generate_batch") if isinstance(hf.get(k), dict)}
+    modes = {
+        k: hf[k]["output_tok_s"]
+        for k in ("generate", "generate_batch")
+        if isinstance(hf.get(k), dict)
+    }
     if modes and isinstance(hf.get("ours"), dict):
         best = max(modes, key=modes.get)
         out["hf_best_mode"] = best
@@ -65,14 +75,16 @@ def table(res: dict) -> str:
     calls = meta.get("calls", [])
     bw = ", ".join(f"{c['bandwidth_GBps']:.0f}" for c in calls if c.get("bandwidth_GBps"))
     lines = [
-        f"coldbrew serving benchmark: {meta.get('device', '?')}, {meta.get('config', '?')}, {meta.get('dtype', '?')}, "
-        f"copy bandwidth {bw or '?'} GB/s (per call)",
-        f"{'workload':<30} {'out tok/s':>10} {'total tok/s':>12} {'TTFT p50/p99 ms':>18} {'ITL p50/p99 ms':>16}",
+        f"coldbrew serving benchmark: {meta.get('device', '?')}, {meta.get('config', '?')}, "
+        f"{meta.get('dtype', '?')}, copy bandwidth {bw or '?'} GB/s (per call)",
+        f"{'workload':<30} {'out tok/s':>10} {'total tok/s':>12} {'TTFT p50/p99 ms':>18} "
+        f"{'ITL p50/p99 ms':>16}",
     ]
 
     def row(name: str, d: dict, total: bool = True) -> None:
         lines.append(
-            f"{name:<30} {_f(d.get('output_tok_s')):>10} {_f(d.get('total_tok_s')) if total else '-':>12} "
+            f"{name:<30} {_f(d.get('output_tok_s')):>10} "
+            f"{_f(d.get('total_tok_s')) if total else '-':>12} "
             f"{_lat(d.get('ttft_ms', {})):>18} {_lat(d.get('itl_ms', {})):>16}"
         )
 
@@ -80,11 +92,16 @@ def table(res: dict) -> str:
     for key, label in (("conv", "offline conv"), ("fixed", "offline fixed")):
         if key in off:
             d = off[key]
-            row(f"{label} x{d['num_requests']} ({d['prompt_tokens'] // max(d['num_requests'], 1)} in avg)", d)
+            mean_prompt = d["prompt_tokens"] // max(d["num_requests"], 1)
+            row(f"{label} x{d['num_requests']} ({mean_prompt} in avg)", d)
     for lvl in (res.get("online") or {}).get("levels", []):
         row(f"online c={lvl['concurrency']} ({lvl['requests_finished']} done)", lvl, total=False)
     hf = res.get("hf") or {}
-    for key, label in (("ours", "ours, HF subset"), ("generate", "HF generate"), ("generate_batch", "HF generate_batch")):
+    for key, label in (
+        ("ours", "ours, HF subset"),
+        ("generate", "HF generate"),
+        ("generate_batch", "HF generate_batch"),
+    ):
         if isinstance(hf.get(key), dict):
             row(f"{label} x{hf[key]['num_requests']}", hf[key])
         elif isinstance(hf.get(key), str):
@@ -100,9 +117,10 @@ def table(res: dict) -> str:
     if win:
         if win.get("valid"):
             lines.append(
-                f"offline fixed, decode steps: {win['step_ms']:.2f} ms at batch {win['mean_batch']:.0f}, floor "
-                f"{win['floor_ms']:.2f} ms (weights {win['weights_GB_per_step']:.1f} GB + KV "
-                f"{win['kv_GB_per_step']:.1f} GB per step): {win['roofline_frac']:.0%} of the roofline"
+                f"offline fixed, decode steps: {win['step_ms']:.2f} ms at batch "
+                f"{win['mean_batch']:.0f}, floor {win['floor_ms']:.2f} ms "
+                f"(weights {win['weights_GB_per_step']:.1f} GB + KV {win['kv_GB_per_step']:.1f} GB "
+                f"per step): {win['roofline_frac']:.0%} of the roofline"
             )
         else:
             lines.append(f"offline fixed, decode steps: {win.get('reason')}")
@@ -112,7 +130,8 @@ def table(res: dict) -> str:
         lines.append(f"ours / HF ({rat.get('hf_best_mode', '-')} best): " + ", ".join(parts))
     for part, kv in (res.get("kv") or {}).items():
         lines.append(
-            f"KV ({part}): {kv['num_kv_blocks']} blocks allocated, peak used {kv['peak_used_blocks']} "
+            f"KV ({part}): {kv['num_kv_blocks']} blocks allocated, "
+            f"peak used {kv['peak_used_blocks']} "
             f"({kv['waste_frac']:.0%} never used), {kv['preemptions']} preemptions"
         )
     return "\n".join(lines)
@@ -131,7 +150,9 @@ def plot(res: dict, path: str) -> bool:
     conc = [lvl["concurrency"] for lvl in levels]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     ax1.plot(conc, [lvl["output_tok_s"] for lvl in levels], "o-")
-    ax1.set(xscale="log", xlabel="concurrent clients", ylabel="output tokens / s", title="throughput")
+    ax1.set(
+        xscale="log", xlabel="concurrent clients", ylabel="output tokens / s", title="throughput"
+    )
     ax2.plot(conc, [lvl["ttft_ms"]["p99"] or float("nan") for lvl in levels], "o-", color="tab:red")
     ax2.set(xscale="log", xlabel="concurrent clients", ylabel="ms", title="TTFT p99")
     for ax in (ax1, ax2):

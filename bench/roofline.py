@@ -1,6 +1,7 @@
-"""Memory-bandwidth rooflines: the copy bandwidth measured in the run, bytes a decode step must read, and the
-steady decode window of a batch reconstructed from client-side token timestamps.
+"""Memory-bandwidth rooflines: the copy bandwidth measured in the run, bytes a decode step must
+read, and the steady decode window of a batch reconstructed from client-side token timestamps.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -17,7 +18,8 @@ EMBEDDING = "model.embed_tokens.weight"
 
 
 def copy_bandwidth(device: str, nbytes: int, repeats: int = 10) -> float:
-    """Bytes read + written per second by a device-to-device copy (the ceiling weights stream from memory at)."""
+    """Bytes read + written per second by a device-to-device copy (the ceiling weights stream from
+    memory at)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -41,7 +43,8 @@ def copy_bandwidth(device: str, nbytes: int, repeats: int = 10) -> float:
 @dataclass(frozen=True)
 class ModelBytes:
     weights: int  # every parameter
-    decode_weights: int  # read once per decode step: all but an untied embedding table (only gathered)
+    # read once per decode step: all but an untied embedding table (only gathered)
+    decode_weights: int
     kv_per_token: int  # K and V of one token in every layer
 
     def step_floor_s(self, kv_tokens: float, bandwidth: float) -> float:
@@ -55,7 +58,8 @@ def model_bytes(config: dict, dtype: torch.dtype) -> ModelBytes:
     numel = {name: _numel(shape) for name, shape in shapes.items()}
     weights = sum(numel.values()) * size
     tied = bool(config.get("tie_word_embeddings", False))
-    decode = weights - (0 if tied else numel[EMBEDDING] * size)  # tied: the table is the lm_head, read whole
+    # tied: the table is the lm_head, read whole
+    decode = weights - (0 if tied else numel[EMBEDDING] * size)
     m = ModelConfig.from_dict(config)
     return ModelBytes(weights, decode, 2 * m.num_layers * m.num_kv_heads * m.head_dim * size)
 
@@ -68,16 +72,21 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def decode_window(
-    records: list[RequestRecord], end_limit: float | None, mb: ModelBytes, bandwidth: float, min_steps: int = 4
+    records: list[RequestRecord],
+    end_limit: float | None,
+    mb: ModelBytes,
+    bandwidth: float,
+    min_steps: int = 4,
 ) -> dict:
-    """Mean decode step time of the window where every request has its first token and none has finished
-    (cut at end_limit, e.g. the first preemption), against the floor of weights + KV read per step.
+    """Mean decode step time of the window where every request has its first token and none has
+    finished (cut at end_limit, e.g. the first preemption), against the floor of weights + KV read
+    per step.
 
     Derivation: a request running through the window emits one token per step, so the window holds
-    steps = max over requests of its tokens in the window; step time = window / steps. A token at output index j
-    of a request with prompt length P was produced by a step that read P + j tokens of its KV, so the KV tokens
-    read per step = sum of (P + j) over the window's tokens / steps, and the floor = (decode weights + that x KV
-    bytes per token) / copy bandwidth."""
+    steps = max over requests of its tokens in the window; step time = window / steps. A token at
+    output index j of a request with prompt length P was produced by a step that read P + j tokens
+    of its KV, so the KV tokens read per step = sum of (P + j) over the window's tokens / steps, and
+    the floor = (decode weights + that x KV bytes per token) / copy bandwidth."""
     done = [r for r in records if r.chunks]
     if not done:
         return {"valid": False, "reason": "no tokens"}
@@ -93,8 +102,11 @@ def decode_window(
         kv_tokens += sum(r.prompt_len + j for j, _ in inside)
     steps = max(per_request) if per_request else 0
     if t1 <= t0 or steps < min_steps:
-        return {"valid": False, "reason": f"no steady decode window ({steps} steps between the last first token "
-                                          f"and the first finish or preemption)"}
+        return {
+            "valid": False,
+            "reason": f"no steady decode window ({steps} steps between the last first token "
+            f"and the first finish or preemption)",
+        }
     step_s = (t1 - t0) / steps
     kv_per_step = kv_tokens / steps
     floor_s = mb.step_floor_s(kv_per_step, bandwidth)

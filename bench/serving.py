@@ -1,10 +1,13 @@
-"""The serving benchmark (`make bench`, `python -m bench.serving`): decode at batch 1, offline and online serving
-through AsyncLLM, and HF transformers side by side, on a random-weight checkpoint synthesized from an HF config.
+"""The serving benchmark (`make bench`, `python -m bench.serving`): decode at batch 1, offline and
+online serving through AsyncLLM, and HF transformers side by side, on a random-weight checkpoint
+synthesized from an HF config.
 
-Parts (`--parts decode,offline,online,hf`) can run in separate calls with the same `--out`: each call merges its
-sections into OUT/serving.json, then the table is printed and OUT/serving.png redrawn. `--merge A.json B.json`
-combines results written elsewhere. Sizes scale with `--scale` for smoke runs.
+Parts (`--parts decode,offline,online,hf`) can run in separate calls with the same `--out`: each
+call merges its sections into OUT/serving.json, then the table is printed and OUT/serving.png
+redrawn. `--merge A.json B.json` combines results written elsewhere. Sizes scale with `--scale` for
+smoke runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,26 +28,54 @@ from bench.checkpoint import CONFIGS, synthesize
 from bench.drivers import decode_step_times, run_offline, run_online, wait_idle
 from bench.roofline import copy_bandwidth, decode_window, model_bytes
 from bench.timing import summarize, summarize_window
-from bench.trace import BenchRequest, conv_requests, fixed_requests, make_requests, random_prompt, sample_lengths
+from bench.trace import (
+    BenchRequest,
+    conv_requests,
+    fixed_requests,
+    make_requests,
+    random_prompt,
+    sample_lengths,
+)
 from engine import AsyncLLM, EngineArgs
 from engine.config import ModelConfig
 from warmup.artifacts import prepare
 
-PARTS = ("hf", "decode", "conv", "fixed", "online")  # the order they run in; "offline" means conv,fixed
+PARTS = ("hf", "decode", "conv", "fixed", "online")  # the order they run in; "offline": conv,fixed
 SEEDS = {"conv": 1, "fixed": 2, "online": 3, "hf": 4, "warmup": 5, "decode": 6}
 log = logging.getLogger("bench.serving")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="llama-3.1-8b.json", help="a bench/configs name or a path to an HF config")
-    ap.add_argument("--model-dir", default=None, help="checkpoint dir (default: synthesized under /tmp/coldbrew-bench)")
-    ap.add_argument("--out", default=None, help="output dir (default bench/results/<date>-serving-<config>)")
-    ap.add_argument("--parts", default="decode,offline,online,hf", help=f"any of {','.join(PARTS)},offline")
-    ap.add_argument("--merge", nargs="+", metavar="JSON", help="merge these results into OUT and report; run nothing")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--config",
+        default="llama-3.1-8b.json",
+        help="a bench/configs name or a path to an HF config",
+    )
+    ap.add_argument(
+        "--model-dir",
+        default=None,
+        help="checkpoint dir (default: synthesized under /tmp/coldbrew-bench)",
+    )
+    ap.add_argument(
+        "--out", default=None, help="output dir (default bench/results/<date>-serving-<config>)"
+    )
+    ap.add_argument(
+        "--parts", default="decode,offline,online,hf", help=f"any of {','.join(PARTS)},offline"
+    )
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="merge these results into OUT and report; run nothing",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--scale", type=float, default=1.0, help="multiplies request counts and online durations")
+    ap.add_argument(
+        "--scale", type=float, default=1.0, help="multiplies request counts and online durations"
+    )
     ap.add_argument("--num-requests", type=int, default=1000, help="offline conv-trace requests")
     ap.add_argument("--max-prompt", type=int, default=4096)
     ap.add_argument("--max-output", type=int, default=1024)
@@ -52,23 +83,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--fixed-prompt", type=int, default=1024)
     ap.add_argument("--fixed-output", type=int, default=1024)
     ap.add_argument("--concurrency", default="1,8,32,64,128")
-    ap.add_argument("--online-seconds", type=float, default=30.0, help="measured window per concurrency level")
-    ap.add_argument("--online-warmup", type=float, default=5.0, help="seconds per level before the window opens")
+    ap.add_argument(
+        "--online-seconds", type=float, default=30.0, help="measured window per concurrency level"
+    )
+    ap.add_argument(
+        "--online-warmup", type=float, default=5.0, help="seconds per level before the window opens"
+    )
     ap.add_argument("--decode-prompt", type=int, default=128)
     ap.add_argument("--decode-tokens", type=int, default=128)
-    ap.add_argument("--hf-requests", type=int, default=64, help="conv-trace subset run by HF and by us")
-    ap.add_argument("--hf-batch-size", type=int, default=32, help="static batch size of HF generate")
-    ap.add_argument("--warmup-requests", type=int, default=256, help="mixed requests run before any timing")
+    ap.add_argument(
+        "--hf-requests", type=int, default=64, help="conv-trace subset run by HF and by us"
+    )
+    ap.add_argument(
+        "--hf-batch-size", type=int, default=32, help="static batch size of HF generate"
+    )
+    ap.add_argument(
+        "--warmup-requests", type=int, default=256, help="mixed requests run before any timing"
+    )
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--engine-mode", default="jit", choices=["jit", "compiled", "auto"],
-                    help="ENGINE_MODE (compiled needs `python -m warmup build` with the same limits first)")
-    ap.add_argument("--bandwidth-bytes", type=int, default=None, help="buffer of the copy-bandwidth test")
+    ap.add_argument(
+        "--engine-mode",
+        default="jit",
+        choices=["jit", "compiled", "auto"],
+        help="ENGINE_MODE (compiled needs `python -m warmup build` with the same limits first)",
+    )
+    ap.add_argument(
+        "--bandwidth-bytes", type=int, default=None, help="buffer of the copy-bandwidth test"
+    )
     args = ap.parse_args(argv)
-    args.parts = [p.strip() for p in args.parts.replace("offline", "conv,fixed").split(",") if p.strip()]
+    args.parts = [
+        p.strip() for p in args.parts.replace("offline", "conv,fixed").split(",") if p.strip()
+    ]
     bad = [p for p in args.parts if p not in PARTS]
     if bad:
         ap.error(f"--parts: unknown {bad}; choose from {','.join(PARTS)}")
@@ -77,7 +126,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     name = Path(args.config).stem
     if args.out is None:
-        args.out = str(Path(__file__).parent / "results" / f"{datetime.date.today()}-serving-{name}")
+        args.out = str(
+            Path(__file__).parent / "results" / f"{datetime.date.today()}-serving-{name}"
+        )
     if args.model_dir is None:
         args.model_dir = f"/tmp/coldbrew-bench/model/{name}"
     return args
@@ -97,7 +148,8 @@ def load_config(name: str) -> dict:
 
 
 class Bench:
-    """One call: the checkpoint, the byte counts and bandwidth, one engine shared by the parts that need it."""
+    """One call: the checkpoint, the byte counts and bandwidth, one engine shared by the parts that
+    need it."""
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
@@ -105,19 +157,27 @@ class Bench:
         self.mc = ModelConfig.from_dict(self.config)
         self.dtype = getattr(torch, args.dtype)
         t0 = time.perf_counter()
-        self.model_dir = synthesize(str(config_path(args.config)), args.model_dir, device=args.device)
+        self.model_dir = synthesize(
+            str(config_path(args.config)), args.model_dir, device=args.device
+        )
         self.synthesize_s = time.perf_counter() - t0
         self.bytes = model_bytes(self.config, self.dtype)
-        nbytes = args.bandwidth_bytes or ((2 << 30) if args.device.startswith("cuda") else (64 << 20))
+        nbytes = args.bandwidth_bytes or (
+            (2 << 30) if args.device.startswith("cuda") else (64 << 20)
+        )
         self.bandwidth = copy_bandwidth(args.device, nbytes)
         self.engine: AsyncLLM | None = None
         self.engine_init_s: float | None = None
         self.results: dict = {"kv": {}}
 
-    # ---- the engine ------------------------------------------------------------------------------------------
+    # ---- the engine ------------------------------------------------------------------------------
     def max_model_len(self) -> int:
         a = self.args
-        need = max(a.max_prompt + a.max_output, a.fixed_prompt + a.fixed_output, a.decode_prompt + a.decode_tokens)
+        need = max(
+            a.max_prompt + a.max_output,
+            a.fixed_prompt + a.fixed_output,
+            a.decode_prompt + a.decode_tokens,
+        )
         return min(need, self.mc.max_position_embeddings)
 
     async def start_engine(self) -> AsyncLLM:
@@ -127,66 +187,112 @@ class Bench:
             if a.device.startswith("cuda"):
                 torch.cuda.empty_cache()
             t0 = time.perf_counter()
-            engine_args, self.engine_selection = prepare(a.engine_mode, EngineArgs(
-                model=self.model_dir, dtype=a.dtype, device=a.device, max_model_len=self.max_model_len(),
-                block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
-                gpu_memory_utilization=a.gpu_memory_utilization, max_num_seqs=a.max_num_seqs,
-                max_num_batched_tokens=a.max_num_batched_tokens, seed=0,
-            ))
-            self.results["engine_mode"] = {"mode": self.engine_selection.mode,
-                                           "reason": self.engine_selection.reason}
+            engine_args, self.engine_selection = prepare(
+                a.engine_mode,
+                EngineArgs(
+                    model=self.model_dir,
+                    dtype=a.dtype,
+                    device=a.device,
+                    max_model_len=self.max_model_len(),
+                    block_size=a.block_size,
+                    num_kv_blocks=a.num_kv_blocks,
+                    gpu_memory_utilization=a.gpu_memory_utilization,
+                    max_num_seqs=a.max_num_seqs,
+                    max_num_batched_tokens=a.max_num_batched_tokens,
+                    seed=0,
+                ),
+            )
+            self.results["engine_mode"] = {
+                "mode": self.engine_selection.mode,
+                "reason": self.engine_selection.reason,
+            }
             self.engine = AsyncLLM(**vars(engine_args))
             self.engine_init_s = time.perf_counter() - t0
             await self.warm_up()
         return self.engine
 
     async def warm_up(self) -> None:
-        """Mixed prompt lengths and outputs of 1..64 tokens, so kernels compile and the decode batch passes through
-        many sizes before anything is timed."""
+        """Mixed prompt lengths and outputs of 1..64 tokens, so kernels compile and the decode batch
+        passes through many sizes before anything is timed."""
         a = self.args
         n = scaled(a.warmup_requests, a.scale)
         top = min(512, a.max_prompt)
         lengths = [(1 + (16 + i * 37) % top, 1 + i % min(64, a.max_output)) for i in range(n)]
         t0 = time.perf_counter()
-        await run_offline(self.engine, make_requests(lengths, self.mc.vocab_size, SEEDS["warmup"]), "warmup")
-        # Decode graphs are captured lazily: take the sizes the warm-up did not reach now, not inside a timed part.
+        await run_offline(
+            self.engine, make_requests(lengths, self.mc.vocab_size, SEEDS["warmup"]), "warmup"
+        )
+        # Decode graphs are captured lazily: take the sizes the warm-up did not reach now, not
+        # inside a timed part.
         self.graph_capture_s = await self.engine.capture_cuda_graphs()
         self.warmup_s = time.perf_counter() - t0
 
-    # ---- parts -----------------------------------------------------------------------------------------------
+    # ---- parts -----------------------------------------------------------------------------------
     async def decode(self) -> None:
         a = self.args
         engine = await self.start_engine()
         step_s, all_s = await decode_step_times(
-            engine, a.decode_prompt, a.decode_tokens, self.mc.vocab_size, repeats=3, seed=SEEDS["decode"] * 1000
+            engine,
+            a.decode_prompt,
+            a.decode_tokens,
+            self.mc.vocab_size,
+            repeats=3,
+            seed=SEEDS["decode"] * 1000,
         )
         floor_s = self.bytes.decode_weights / self.bandwidth
         self.results["decode"] = {
-            "prompt_len": a.decode_prompt, "new_tokens": a.decode_tokens, "ms_per_token": step_s * 1e3,
-            "tok_s": 1 / step_s, "floor_ms": floor_s * 1e3, "roofline_frac": floor_s / step_s,
-            "decode_weights_GB": self.bytes.decode_weights / 1e9, "bandwidth_GBps": self.bandwidth / 1e9,
+            "prompt_len": a.decode_prompt,
+            "new_tokens": a.decode_tokens,
+            "ms_per_token": step_s * 1e3,
+            "tok_s": 1 / step_s,
+            "floor_ms": floor_s * 1e3,
+            "roofline_frac": floor_s / step_s,
+            "decode_weights_GB": self.bytes.decode_weights / 1e9,
+            "bandwidth_GBps": self.bandwidth / 1e9,
             "repeats_ms": [s * 1e3 for s in all_s],
-            "how": "(engine finish time - first token time) / (tokens - 1), median of 3; floor = weights less the "
-                   "embedding table / copy bandwidth",
+            "how": (
+                "(engine finish time - first token time) / (tokens - 1), median of 3; "
+                "floor = weights less the embedding table / copy bandwidth"
+            ),
         }
 
     async def conv(self) -> None:
         """Offline (a): conv-trace lengths, all requests at once."""
         a = self.args
-        reqs = conv_requests(scaled(a.num_requests, a.scale), self.mc.vocab_size, SEEDS["conv"], a.max_prompt,
-                             a.max_output)
-        records, start, end, poller = await run_offline(await self.start_engine(), reqs, "offline-conv")
-        self.results.setdefault("offline", {})["conv"] = {**summarize(records, start, end), "kv": poller.kv()}
+        reqs = conv_requests(
+            scaled(a.num_requests, a.scale),
+            self.mc.vocab_size,
+            SEEDS["conv"],
+            a.max_prompt,
+            a.max_output,
+        )
+        records, start, end, poller = await run_offline(
+            await self.start_engine(), reqs, "offline-conv"
+        )
+        self.results.setdefault("offline", {})["conv"] = {
+            **summarize(records, start, end),
+            "kv": poller.kv(),
+        }
         log.info("offline conv: %.0f output tok/s", self.results["offline"]["conv"]["output_tok_s"])
 
     async def fixed(self) -> None:
-        """Offline (b): fixed lengths, all requests at once, with the steady decode window against its roofline."""
+        """Offline (b): fixed lengths, all requests at once, with the steady decode window against
+        its roofline."""
         a = self.args
-        reqs = fixed_requests(scaled(a.fixed_requests, a.scale), a.fixed_prompt, a.fixed_output,
-                              self.mc.vocab_size, SEEDS["fixed"])
-        records, start, end, poller = await run_offline(await self.start_engine(), reqs, "offline-fixed")
+        reqs = fixed_requests(
+            scaled(a.fixed_requests, a.scale),
+            a.fixed_prompt,
+            a.fixed_output,
+            self.mc.vocab_size,
+            SEEDS["fixed"],
+        )
+        records, start, end, poller = await run_offline(
+            await self.start_engine(), reqs, "offline-fixed"
+        )
         out = {**summarize(records, start, end), "kv": poller.kv()}
-        out["decode_window"] = decode_window(records, poller.first_preemption_time(), self.bytes, self.bandwidth)
+        out["decode_window"] = decode_window(
+            records, poller.first_preemption_time(), self.bytes, self.bandwidth
+        )
         self.results.setdefault("offline", {})["fixed"] = out
         log.info("offline fixed: %.0f output tok/s", out["output_tok_s"])
 
@@ -197,40 +303,59 @@ class Bench:
 
         def make_request(k: int) -> BenchRequest:
             p, o = lengths[k % len(lengths)]
-            return BenchRequest(random_prompt(p, self.mc.vocab_size, SEEDS["online"] * 1_000_003 + k), o)
+            return BenchRequest(
+                random_prompt(p, self.mc.vocab_size, SEEDS["online"] * 1_000_003 + k), o
+            )
 
         levels, counter = [], itertools.count()
         for c in a.concurrency:
             records, w0, w1, poller = await run_online(
-                engine, make_request, c, a.online_warmup * a.scale, a.online_seconds * a.scale, f"online-c{c}",
+                engine,
+                make_request,
+                c,
+                a.online_warmup * a.scale,
+                a.online_seconds * a.scale,
+                f"online-c{c}",
                 counter,
             )
-            levels.append({"concurrency": c, **summarize_window(records, w0, w1), "kv": poller.kv()})
+            levels.append(
+                {"concurrency": c, **summarize_window(records, w0, w1), "kv": poller.kv()}
+            )
             log.info("online c=%d: %.0f output tok/s", c, levels[-1]["output_tok_s"])
         self.results["online"] = {
             "levels": levels,
-            "how": "closed loop: each client sends its next conv-trace request when the last ends; statistics over "
-                   "the window after the warm-up; requests open at the end are aborted after their first token",
+            "how": (
+                "closed loop: each client sends its next conv-trace request when the last ends; "
+                "statistics over the window after the warm-up; requests open at the end are "
+                "aborted after their first token"
+            ),
         }
 
     async def hf(self) -> None:
-        """HF first (its model and ours do not share the GPU), then our engine on the very same requests."""
+        """HF first (its model and ours do not share the GPU), then our engine on the very same
+        requests."""
         from bench import hf_baseline
 
         a = self.args
         n = scaled(a.hf_requests, a.scale)
-        lengths = sample_lengths(scaled(a.num_requests, a.scale), SEEDS["conv"], a.max_prompt, a.max_output)[:n]
+        lengths = sample_lengths(
+            scaled(a.num_requests, a.scale), SEEDS["conv"], a.max_prompt, a.max_output
+        )[:n]
         reqs = make_requests(lengths, self.mc.vocab_size, SEEDS["hf"])
         out: dict = {}
         if self.engine is None:
             t0 = time.perf_counter()
             model = hf_baseline.load_hf_model(self.model_dir, self.dtype, a.device)
             out["load_s"] = time.perf_counter() - t0
-            dec = BenchRequest(random_prompt(a.decode_prompt, self.mc.vocab_size, SEEDS["decode"]), a.decode_tokens)
+            dec = BenchRequest(
+                random_prompt(a.decode_prompt, self.mc.vocab_size, SEEDS["decode"]), a.decode_tokens
+            )
             step = hf_baseline.decode_step_time(model, dec, a.device)
             out["decode_b1"] = {"ms_per_token": step * 1e3, "tok_s": 1 / step}
             try:  # a baseline that fails (out of memory, an API change) is reported, not fatal
-                records, start, end = hf_baseline.run_generate(model, reqs, a.hf_batch_size, a.device)
+                records, start, end = hf_baseline.run_generate(
+                    model, reqs, a.hf_batch_size, a.device
+                )
                 out["generate"] = {**summarize(records, start, end), "batch_size": a.hf_batch_size}
             except Exception as exc:
                 log.exception("HF generate failed")
@@ -248,9 +373,11 @@ class Bench:
         engine = await self.start_engine()
         records, start, end, poller = await run_offline(engine, reqs, "hf-subset")
         out["ours"] = {**summarize(records, start, end), "kv": poller.kv()}
-        out["how"] = ("same requests for all three (random ids, conv-trace lengths); HF generate in static batches in "
-                      "trace order, left-padded, every row run to the batch's longest output; HF continuous batching "
-                      "through its manager with per-request max_new_tokens, EOS off")
+        out["how"] = (
+            "same requests for all three (random ids, conv-trace lengths); HF generate in static "
+            "batches in trace order, left-padded, every row run to the batch's longest output; "
+            "HF continuous batching through its manager with per-request max_new_tokens, EOS off"
+        )
         self.results["hf"] = out
 
     async def run(self) -> dict:
@@ -260,13 +387,16 @@ class Bench:
             for part in order:
                 await getattr(self, part)()
                 section = "offline" if part in ("conv", "fixed") else part
-                write(self.args.out, {section: self.results[section]})  # a call cut short keeps what it measured
+                # a call cut short keeps what it measured
+                write(self.args.out, {section: self.results[section]})
             if self.engine is not None:
                 await wait_idle(self.engine)
                 s = await asyncio.to_thread(self.engine.stats)
                 self.results["kv"]["+".join(order)] = {
-                    "num_kv_blocks": s.num_kv_blocks, "peak_used_blocks": s.peak_used_blocks,
-                    "waste_frac": 1 - s.peak_used_blocks / s.num_kv_blocks, "preemptions": s.num_preemptions,
+                    "num_kv_blocks": s.num_kv_blocks,
+                    "peak_used_blocks": s.peak_used_blocks,
+                    "waste_frac": 1 - s.peak_used_blocks / s.num_kv_blocks,
+                    "preemptions": s.num_preemptions,
                     "kv_GB": s.num_kv_blocks * self.args.block_size * self.bytes.kv_per_token / 1e9,
                 }
         finally:
@@ -274,20 +404,34 @@ class Bench:
                 self.engine.shutdown()
         a = self.args
         self.results["meta"] = {
-            "config": a.config, "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
-            "torch": torch.__version__, "dtype": a.dtype, "weights_GB": self.bytes.weights / 1e9,
+            "config": a.config,
+            "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
+            "torch": torch.__version__,
+            "dtype": a.dtype,
+            "weights_GB": self.bytes.weights / 1e9,
             "kv_bytes_per_token": self.bytes.kv_per_token,
-            "timing": "every AsyncLLM stream output is timestamped on arrival in the client (asyncio, same process); "
-                      "TTFT from submission (offline: all at once); a chunk of k new tokens dt after the previous "
-                      "one counts k inter-token gaps of dt / k; prompts are random ids, outputs forced (ignore_eos)",
-            "calls": [{
-                "parts": order, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "bandwidth_GBps": self.bandwidth / 1e9, "synthesize_s": self.synthesize_s,
-                "engine_init_s": self.engine_init_s, "warmup_s": getattr(self, "warmup_s", None),
-                "graph_capture_after_warmup_s": getattr(self, "graph_capture_s", None),
-                "wall_s": time.perf_counter() - t0, "scale": a.scale,
-                "args": {k: v for k, v in vars(a).items() if k not in ("merge",)},
-            }],
+            "timing": (
+                "every AsyncLLM stream output is timestamped on arrival in the client (asyncio, "
+                "same process); TTFT from submission (offline: all at once); a chunk of k new "
+                "tokens dt after the previous one counts k inter-token gaps of dt / k; prompts are "
+                "random ids, outputs forced (ignore_eos)"
+            ),
+            "calls": [
+                {
+                    "parts": order,
+                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                        timespec="seconds"
+                    ),
+                    "bandwidth_GBps": self.bandwidth / 1e9,
+                    "synthesize_s": self.synthesize_s,
+                    "engine_init_s": self.engine_init_s,
+                    "warmup_s": getattr(self, "warmup_s", None),
+                    "graph_capture_after_warmup_s": getattr(self, "graph_capture_s", None),
+                    "wall_s": time.perf_counter() - t0,
+                    "scale": a.scale,
+                    "args": {k: v for k, v in vars(a).items() if k not in ("merge",)},
+                }
+            ],
         }
         return self.results
 

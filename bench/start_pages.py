@@ -1,9 +1,12 @@
-"""What the start path reads from disk: drop the page cache, run one command, then count the resident pages of
-every file under the Python roots it imports from (torch, the nvidia wheels, triton, the stdlib, ...).
+"""What the start path reads from disk: drop the page cache, run one command, then count the
+resident pages of every file under the Python roots it imports from (torch, the nvidia wheels,
+triton, the stdlib, ...).
 
-`python -m bench.start_pages [--json OUT] -- python -c "import torch; ..."`: prints the command's wall time and the
-bytes per file (largest first). Needs permission to write /proc/sys/vm/drop_caches (the GPU machine has it).
+`python -m bench.start_pages [--json OUT] -- python -c "import torch; ..."`: prints the command's
+wall time and the bytes per file (largest first). Needs permission to write /proc/sys/vm/drop_caches
+(the GPU machine has it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,13 +54,17 @@ def main() -> None:
     wall = time.perf_counter() - t0
     files = resident_files(roots())
     total = sum(files.values())
-    print(f"{' '.join(cmd)[:100]}: {wall:.2f} s with caches dropped ({method}); "
-          f"{total / 1e6:.0f} MB resident in {len(files)} files under {roots()}")
+    print(
+        f"{' '.join(cmd)[:100]}: {wall:.2f} s with caches dropped ({method}); "
+        f"{total / 1e6:.0f} MB resident in {len(files)} files under {roots()}"
+    )
     for p, n in sorted(files.items(), key=lambda kv: -kv[1])[:25]:
         print(f"{n / 1e6:10.1f} MB  {p}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cmd": cmd, "wall_s": wall, "total_bytes": total, "files": files}, f, indent=1)
+            json.dump(
+                {"cmd": cmd, "wall_s": wall, "total_bytes": total, "files": files}, f, indent=1
+            )
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
-"""A candidate measured against cuBLAS by bench.gemm_micro: a tiled Triton GEMM for M ~ 64-256, optionally split-K.
+"""A candidate measured against cuBLAS by bench.gemm_micro: a tiled Triton GEMM for M ~ 64-256,
+optionally split-K.
 
-Programs sharing a weight tile run side by side, split-K partials add atomically in fp32. On the H100 cuBLAS won at
-M=256 for every Llama-3.1-8B projection (bench/results/2026-11-22-h100-gemm-micro.json), so the engine does not use it.
+Programs sharing a weight tile run side by side, split-K partials add atomically in fp32. On the
+H100 cuBLAS won at M=256 for every Llama-3.1-8B projection
+(bench/results/2026-11-22-h100-gemm-micro.json), so the engine does not use it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -13,18 +16,31 @@ try:  # a CPU-only install may have no triton; the torch layers never need it
 except ImportError:  # pragma: no cover - exercised only on installs without triton
     triton = None
 
-TiledConfig = tuple[int, int, int, int, int, int]  # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
+# (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
+TiledConfig = tuple[int, int, int, int, int, int]
 
 
 if triton is not None:
 
     @triton.jit
     def _tiled_gemm_kernel(
-        x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        x_ptr,
+        w_ptr,
+        y_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_ym,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr,
     ):
-        """Program p: split p % SPLIT_K, row tile (p // SPLIT_K) % num_m, column tile the rest (row tiles and splits
-        of one weight tile run side by side, so the weight comes from HBM once). SPLIT_K > 1 adds into fp32 y."""
+        """Program p: split p % SPLIT_K, row tile (p // SPLIT_K) % num_m, column tile the rest (row
+        tiles and splits of one weight tile run side by side, so the weight comes from HBM once).
+        SPLIT_K > 1 adds into fp32 y."""
         pid = tl.program_id(0)
         num_m = tl.cdiv(M, BLOCK_M)
         split = pid % SPLIT_K
@@ -56,7 +72,8 @@ if triton is not None:
 
 
 def tiled_gemm(x: torch.Tensor, weight: torch.Tensor, config: TiledConfig) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype (through an fp32 buffer when the config splits K)."""
+    """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype (through an fp32 buffer when the config
+    splits K)."""
     block_m, block_n, block_k, split_k, num_warps, num_stages = config
     m, k = x.shape
     n = weight.shape[0]
@@ -66,8 +83,20 @@ def tiled_gemm(x: torch.Tensor, weight: torch.Tensor, config: TiledConfig) -> to
         y = torch.zeros((m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n) * split_k,)
     _tiled_gemm_kernel[grid](
-        x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-        num_warps=num_warps, num_stages=num_stages,
+        x,
+        weight,
+        y,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        SPLIT_K=split_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return y if split_k == 1 else y.to(x.dtype)

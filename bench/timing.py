@@ -1,8 +1,11 @@
-"""Per-request token timing as a client sees it, and the serving statistics drawn from it (throughput, TTFT, ITL).
+"""Per-request token timing as a client sees it, and the serving statistics drawn from it
+(throughput, TTFT, ITL).
 
-A stream may deliver several tokens in one chunk (a slow reader skips to the newest cumulative output): a chunk of
-k new tokens arriving dt after the previous one counts as k inter-token gaps of dt / k.
+A stream may deliver several tokens in one chunk (a slow reader skips to the newest cumulative
+output): a chunk of k new tokens arriving dt after the previous one counts as k inter-token gaps of
+dt / k.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,7 +18,8 @@ class RequestRecord:
     prompt_len: int
     requested_output: int
     submit_time: float
-    chunks: list[tuple[float, int]] = field(default_factory=list)  # (arrival time, cumulative output tokens)
+    # (arrival time, cumulative output tokens)
+    chunks: list[tuple[float, int]] = field(default_factory=list)
     finish_reason: str | None = None
 
     def add(self, t: float, num_tokens: int) -> None:
@@ -35,7 +39,8 @@ class RequestRecord:
         return self.chunks[-1][0] if self.chunks else None
 
     def token_times(self) -> list[tuple[int, float]]:
-        """(output index, arrival time) of every token: the tokens of a chunk share its arrival time."""
+        """(output index, arrival time) of every token: the tokens of a chunk share its arrival
+        time."""
         out, prev = [], 0
         for t, n in self.chunks:
             out.extend((i, t) for i in range(prev, n))
@@ -43,7 +48,8 @@ class RequestRecord:
         return out
 
     def itl_gaps(self, start: float = float("-inf"), end: float = float("inf")) -> list[float]:
-        """Inter-token gaps of chunks after the first that arrived within [start, end], each split over its tokens."""
+        """Inter-token gaps of chunks after the first that arrived within [start, end], each split
+        over its tokens."""
         gaps: list[float] = []
         for (t0, n0), (t1, n1) in zip(self.chunks, self.chunks[1:]):
             if start <= t0 and t1 <= end:
@@ -63,14 +69,17 @@ def _ms(stats: dict[str, float | None]) -> dict[str, float | None]:
 
 
 def summarize(records: list[RequestRecord], wall_start: float, wall_end: float) -> dict:
-    """Offline statistics of requests that all arrived at wall_start: throughput over the whole wall time."""
+    """Offline statistics of requests that all arrived at wall_start: throughput over the whole wall
+    time."""
     wall = max(wall_end - wall_start, 1e-9)
     out_tokens = sum(r.num_output for r in records)
     prompt_tokens = sum(r.prompt_len for r in records)
     ttft = [r.first_token_time - r.submit_time for r in records if r.first_token_time is not None]
     itl = [g for r in records for g in r.itl_gaps()]
     tpot = [
-        (r.last_token_time - r.first_token_time) / (r.num_output - 1) for r in records if r.num_output > 1
+        (r.last_token_time - r.first_token_time) / (r.num_output - 1)
+        for r in records
+        if r.num_output > 1
     ]
     chunks = sum(len(r.chunks) for r in records)
     return {
@@ -91,14 +100,16 @@ def summarize(records: list[RequestRecord], wall_start: float, wall_end: float) 
 
 
 def summarize_window(records: list[RequestRecord], start: float, end: float) -> dict:
-    """Steady-state statistics over [start, end]: tokens that arrived in it, TTFT of requests submitted in it,
-    inter-token gaps wholly inside it."""
+    """Steady-state statistics over [start, end]: tokens that arrived in it, TTFT of requests
+    submitted in it, inter-token gaps wholly inside it."""
     span = max(end - start, 1e-9)
     out_tokens = sum(1 for r in records for _, t in r.token_times() if start <= t <= end)
     submitted = [r for r in records if start <= r.submit_time <= end]
     ttft = [r.first_token_time - r.submit_time for r in submitted if r.first_token_time is not None]
     itl = [g for r in records for g in r.itl_gaps(start, end)]
-    finished = [r for r in records if r.finish_reason in ("length", "stop") and r.last_token_time <= end]
+    finished = [
+        r for r in records if r.finish_reason in ("length", "stop") and r.last_token_time <= end
+    ]
     return {
         "window_s": span,
         "requests_submitted": len(submitted),

@@ -14,6 +14,7 @@ Parts (`python -m bench.tp PART --out DIR`), each writing DIR/tp-<part>.json as 
   report     one table of whatever the parts wrote
 `--device cpu` runs the code paths on CPU (gloo, tiny configs) as a smoke test.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,10 +37,12 @@ HIDDEN = 8192
 MESSAGE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)  # messages of [tokens, HIDDEN]
 GRAPH_SIZES = [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 128]
 SEEDS = {"parity": 11, "warmup": 5, "decode": 6, "online": 3}
-ONLINE_HOW = ("closed loop: 64 clients each send their next conv-trace request (prompt <= 4096, "
-              "output <= 1024, random ids, output forced) when the last ends; window after the "
-              "warm-up; total tok/s counts the prompt tokens of requests whose first token came in "
-              "the window")
+ONLINE_HOW = (
+    "closed loop: 64 clients each send their next conv-trace request (prompt <= 4096, "
+    "output <= 1024, random ids, output forced) when the last ends; window after the "
+    "warm-up; total tok/s counts the prompt tokens of requests whose first token came in "
+    "the window"
+)
 
 
 def write(out: str, part: str, data: dict) -> None:
@@ -85,14 +88,19 @@ def env(opts) -> None:
 
     count = torch.cuda.device_count()
     switches = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
-    write(opts.out, "env", {
-        "gpus": [torch.cuda.get_device_name(i) for i in range(count)],
-        "torch": torch.__version__, "cuda": torch.version.cuda,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if count else None,
-        "p2p": torch.cuda.can_device_access_peer(0, 1) if count > 1 else None,
-        "topology": sh(["nvidia-smi", "topo", "-m"]),
-        "multicast_off": {k: os.environ.get(k) for k in switches},
-    })
+    write(
+        opts.out,
+        "env",
+        {
+            "gpus": [torch.cuda.get_device_name(i) for i in range(count)],
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if count else None,
+            "p2p": torch.cuda.can_device_access_peer(0, 1) if count > 1 else None,
+            "topology": sh(["nvidia-smi", "topo", "-m"]),
+            "multicast_off": {k: os.environ.get(k) for k in switches},
+        },
+    )
 
 
 # ---- allreduce -----------------------------------------------------------------------------------
@@ -102,8 +110,20 @@ def allreduce(opts) -> None:
     from engine.distributed.comm import STORE_TIMEOUT
 
     store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=STORE_TIMEOUT, wait_for_workers=False)
-    peer = subprocess.Popen([sys.executable, "-m", "bench.tp", "allreduce-rank", "--port",
-                             str(store.port), "--out", opts.out, "--device", opts.device])
+    peer = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "bench.tp",
+            "allreduce-rank",
+            "--port",
+            str(store.port),
+            "--out",
+            opts.out,
+            "--device",
+            opts.device,
+        ]
+    )
     try:
         result = allreduce_rank(0, store, opts.device)
     finally:
@@ -194,18 +214,25 @@ def allreduce_rank(rank: int, store, device_type: str = "cuda") -> dict:
         rows.append(row)
         log.info("all-reduce %s", row)
     comm.min_int(0)
-    return {"hidden": HIDDEN, "dtype": "bfloat16", "rows": rows, "backends": list(backends),
-            "symm_mem_buffer_bytes": comm.symm.buffer.numel() * 2 if comm.symm else None,
-            "nccl_in_graph_ok": graph_ok.get("nccl", False),
-            "symm_mem_in_graph_ok": graph_ok.get("symm_mem"), "errors": errors,
-            "how": "each op copies the rank's [tokens, 8192] bf16 input into a work buffer and "
-                   "all-reduces it; bench.attention_micro.time_call: median of 7 runs of 20 ops "
-                   "back to back, eager or captured in one graph (CUDA events)"}
+    return {
+        "hidden": HIDDEN,
+        "dtype": "bfloat16",
+        "rows": rows,
+        "backends": list(backends),
+        "symm_mem_buffer_bytes": comm.symm.buffer.numel() * 2 if comm.symm else None,
+        "nccl_in_graph_ok": graph_ok.get("nccl", False),
+        "symm_mem_in_graph_ok": graph_ok.get("symm_mem"),
+        "errors": errors,
+        "how": "each op copies the rank's [tokens, 8192] bf16 input into a work buffer and "
+        "all-reduces it; bench.attention_micro.time_call: median of 7 runs of 20 ops "
+        "back to back, eager or captured in one graph (CUDA events)",
+    }
 
 
 # ---- parity --------------------------------------------------------------------------------------
-def decode_ms(llm, vocab: int, prompt_len: int = 128, new_tokens: int = 64, repeats: int = 3
-              ) -> float:
+def decode_ms(
+    llm, vocab: int, prompt_len: int = 128, new_tokens: int = 64, repeats: int = 3
+) -> float:
     """Median ms per decode step of one request alone (engine first-token and finish times)."""
     from bench.drivers import forced_params
     from bench.trace import random_prompt
@@ -236,9 +263,13 @@ def _compare(ref, got) -> dict:
         for pos, (pa, pb) in enumerate(zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])):
             tok = a.prompt_token_ids[pos + 1]
             prompt_diff.append(abs(pa[tok].logprob - pb[tok].logprob))
-    return {"sequences": len(ref), "identical": same, "first_divergence": first_diff,
-            "decode_logprob_absdiff": _spread(decode_diff),
-            "prompt_logprob_absdiff": _spread(prompt_diff)}
+    return {
+        "sequences": len(ref),
+        "identical": same,
+        "first_divergence": first_diff,
+        "decode_logprob_absdiff": _spread(decode_diff),
+        "prompt_logprob_absdiff": _spread(prompt_diff),
+    }
 
 
 def parity(opts) -> None:
@@ -249,20 +280,30 @@ def parity(opts) -> None:
 
     t0 = time.perf_counter()
     name = Path(opts.parity_config).stem
-    model_dir = synthesize(opts.parity_config, f"/tmp/coldbrew-bench/model/{name}",
-                           device=opts.device)
+    model_dir = synthesize(
+        opts.parity_config, f"/tmp/coldbrew-bench/model/{name}", device=opts.device
+    )
     vocab = ModelConfig.from_dir(model_dir).vocab_size
-    prompts = [random_prompt(16 + (37 * i) % 300, vocab, SEEDS["parity"] * 1000 + i)
-               for i in range(16)]
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=1,
-                            prompt_logprobs=1)
+    prompts = [
+        random_prompt(16 + (37 * i) % 300, vocab, SEEDS["parity"] * 1000 + i) for i in range(16)
+    ]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=1, prompt_logprobs=1
+    )
     eager = not graphs_work(opts.out)
-    result: dict = {"model": f"{name} (random weights)", "prompts": len(prompts), "new_tokens": 64,
-                    "synthesize_s": time.perf_counter() - t0, "cases": {}}
-    cases = [("bfloat16 graphs", "bfloat16", eager, "nccl"),
-             ("float32 eager", "float32", True, "nccl"),
-             ("bfloat16 graphs symm_mem", "bfloat16", eager, "symm_mem"),
-             ("float32 graphs", "float32", eager, "nccl")]
+    result: dict = {
+        "model": f"{name} (random weights)",
+        "prompts": len(prompts),
+        "new_tokens": 64,
+        "synthesize_s": time.perf_counter() - t0,
+        "cases": {},
+    }
+    cases = [
+        ("bfloat16 graphs", "bfloat16", eager, "nccl"),
+        ("float32 eager", "float32", True, "nccl"),
+        ("bfloat16 graphs symm_mem", "bfloat16", eager, "symm_mem"),
+        ("float32 graphs", "float32", eager, "nccl"),
+    ]
     cases = [c for c in cases if c[0] in opts.cases.split(",")]
     reference: dict = {}  # dtype -> TP=1 outputs and decode ms
     for label, dtype, enforce_eager, all_reduce in cases:
@@ -273,10 +314,18 @@ def parity(opts) -> None:
                 outs[1], case["tp1_decode_ms"] = reference[dtype]
                 continue
             t1 = time.perf_counter()
-            llm = LLM(model=model_dir, dtype=dtype, tensor_parallel_size=tp,
-                      enforce_eager=enforce_eager, all_reduce_backend=all_reduce,
-                      num_kv_blocks=4096, max_model_len=1024, max_num_seqs=32,
-                      load_format="safetensors", device=opts.device)
+            llm = LLM(
+                model=model_dir,
+                dtype=dtype,
+                tensor_parallel_size=tp,
+                enforce_eager=enforce_eager,
+                all_reduce_backend=all_reduce,
+                num_kv_blocks=4096,
+                max_model_len=1024,
+                max_num_seqs=32,
+                load_format="safetensors",
+                device=opts.device,
+            )
             case[f"tp{tp}_start_s"] = time.perf_counter() - t1
             outs[tp] = llm.generate(prompts, params)
             case[f"tp{tp}_decode_ms"] = decode_ms(llm, vocab)
@@ -312,12 +361,21 @@ async def _online_c64(engine, vocab: int, opts) -> dict:
         p, o = trace[k % len(trace)]
         return BenchRequest(random_prompt(p, vocab, SEEDS["online"] * 1_000_003 + k), o)
 
-    records, w0, w1, poller = await run_online(engine, make_request, 64, opts.online_warmup,
-                                               opts.online_seconds, "online-c64",
-                                               iter(range(10**9)))
+    records, w0, w1, poller = await run_online(
+        engine,
+        make_request,
+        64,
+        opts.online_warmup,
+        opts.online_seconds,
+        "online-c64",
+        iter(range(10**9)),
+    )
     level = summarize_window(records, w0, w1)
-    prefilled = sum(r.prompt_len for r in records
-                    if r.first_token_time is not None and w0 <= r.first_token_time <= w1)
+    prefilled = sum(
+        r.prompt_len
+        for r in records
+        if r.first_token_time is not None and w0 <= r.first_token_time <= w1
+    )
     level["total_tok_s"] = (level["output_tokens"] + prefilled) / (w1 - w0)
     return {**level, "kv": poller.kv(), "concurrency": 64, "how": ONLINE_HOW}
 
@@ -340,14 +398,27 @@ def serve70b(opts, all_reduce: str = "nccl", online: bool = True) -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
     nbytes = model_bytes(config, dtype)
     graphs = graphs_work(opts.out)
-    args = EngineArgs(model=_config_only_dir(config, name), dtype=str(dtype).removeprefix("torch."),
-                      tensor_parallel_size=2, load_format="dummy", max_model_len=4096 + 1024,
-                      max_num_seqs=128, max_num_batched_tokens=8192, gpu_memory_utilization=0.9,
-                      enforce_eager=not graphs, cuda_graph_sizes=GRAPH_SIZES,
-                      all_reduce_backend=all_reduce, device=opts.device)
-    result: dict = {"model": f"{name} shape, {dtype}, random weights", "tensor_parallel_size": 2,
-                    "enforce_eager": not graphs, "bandwidth_GBps_per_gpu": bandwidth / 1e9,
-                    "weights_GB": nbytes.weights / 1e9}
+    args = EngineArgs(
+        model=_config_only_dir(config, name),
+        dtype=str(dtype).removeprefix("torch."),
+        tensor_parallel_size=2,
+        load_format="dummy",
+        max_model_len=4096 + 1024,
+        max_num_seqs=128,
+        max_num_batched_tokens=8192,
+        gpu_memory_utilization=0.9,
+        enforce_eager=not graphs,
+        cuda_graph_sizes=GRAPH_SIZES,
+        all_reduce_backend=all_reduce,
+        device=opts.device,
+    )
+    result: dict = {
+        "model": f"{name} shape, {dtype}, random weights",
+        "tensor_parallel_size": 2,
+        "enforce_eager": not graphs,
+        "bandwidth_GBps_per_gpu": bandwidth / 1e9,
+        "weights_GB": nbytes.weights / 1e9,
+    }
     t0 = time.perf_counter()
     engine = AsyncLLM(engine_args=args)
     result["engine_init_s"] = time.perf_counter() - t0
@@ -362,21 +433,26 @@ def serve70b(opts, all_reduce: str = "nccl", online: bool = True) -> None:
         if online:  # the serving part meets every batch size; decode alone needs size 1 only
             result["graph_capture_s"] = await engine.capture_cuda_graphs()
         result["warmup_s"] = time.perf_counter() - t1
-        step_s, all_s = await decode_step_times(engine, 128, 128, vocab, repeats=3,
-                                                seed=SEEDS["decode"] * 1000)
+        step_s, all_s = await decode_step_times(
+            engine, 128, 128, vocab, repeats=3, seed=SEEDS["decode"] * 1000
+        )
         floor_s = nbytes.decode_weights / 2 / bandwidth
         ar = read(opts.out, "allreduce").get("rows") or [{}]
         ar_us = (ar[0].get(all_reduce) or {}).get("graph_us" if graphs else "eager_us")
         per_step = 2 * config["num_hidden_layers"] + 1  # two a layer and the embedding's
         result["decode_b1"] = {
-            "prompt_len": 128, "new_tokens": 128, "ms_per_token": step_s * 1e3,
-            "tok_s": 1 / step_s, "repeats_ms": [s * 1e3 for s in all_s],
-            "floor_ms": floor_s * 1e3, "roofline_frac": floor_s / step_s,
+            "prompt_len": 128,
+            "new_tokens": 128,
+            "ms_per_token": step_s * 1e3,
+            "tok_s": 1 / step_s,
+            "repeats_ms": [s * 1e3 for s in all_s],
+            "floor_ms": floor_s * 1e3,
+            "roofline_frac": floor_s / step_s,
             "all_reduces_per_step": per_step,
             "all_reduce_ms_per_step": ar_us * per_step / 1e3 if ar_us else None,
             "how": "(finish - first token) / (tokens - 1), median of 3; floor: each GPU reads half "
-                   "the weights (all but the embedding table) at its measured copy bandwidth; "
-                   "all-reduces: their count times the allreduce part's 1-token latency",
+            "the weights (all but the embedding table) at its measured copy bandwidth; "
+            "all-reduces: their count times the allreduce part's 1-token latency",
         }
         write(opts.out, part, result)
         if online:
@@ -395,13 +471,16 @@ def _f(value, spec: str = ".1f") -> str:
 
 
 def _report_allreduce(ar: dict) -> list[str]:
-    lines = [f"all-reduce, us (NCCL in a graph: {ar.get('nccl_in_graph_ok')}, symm_mem in a "
-             f"graph: {ar.get('symm_mem_in_graph_ok')})",
-             f"{'tokens':>7} {'nccl eager':>11} {'nccl graph':>11} {'symm eager':>11} "
-             f"{'symm graph':>11}"]
+    lines = [
+        f"all-reduce, us (NCCL in a graph: {ar.get('nccl_in_graph_ok')}, symm_mem in a "
+        f"graph: {ar.get('symm_mem_in_graph_ok')})",
+        f"{'tokens':>7} {'nccl eager':>11} {'nccl graph':>11} {'symm eager':>11} "
+        f"{'symm graph':>11}",
+    ]
     for row in ar.get("rows", []):
-        cells = [row.get(b, {}).get(k) for b in ("nccl", "symm_mem")
-                 for k in ("eager_us", "graph_us")]
+        cells = [
+            row.get(b, {}).get(k) for b in ("nccl", "symm_mem") for k in ("eager_us", "graph_us")
+        ]
         lines.append(f"{row['tokens']:>7} " + " ".join(f"{_f(c):>11}" for c in cells))
     return lines
 
@@ -410,19 +489,23 @@ def _report_serving(part: str, res: dict) -> list[str]:
     lines = []
     d = res.get("decode_b1")
     if d:
-        lines.append(f"{part} ({res.get('all_reduce_used')}): decode b1 "
-                     f"{_f(d['ms_per_token'], '.2f')} ms/token, floor "
-                     f"{_f(d['floor_ms'], '.2f')} ms "
-                     f"({_f(100 * d['roofline_frac'], '.0f')}% of roofline), all-reduces "
-                     f"{_f(d.get('all_reduce_ms_per_step'), '.2f')} ms/step, engine init "
-                     f"{_f(res.get('engine_init_s'), '.0f')} s")
+        lines.append(
+            f"{part} ({res.get('all_reduce_used')}): decode b1 "
+            f"{_f(d['ms_per_token'], '.2f')} ms/token, floor "
+            f"{_f(d['floor_ms'], '.2f')} ms "
+            f"({_f(100 * d['roofline_frac'], '.0f')}% of roofline), all-reduces "
+            f"{_f(d.get('all_reduce_ms_per_step'), '.2f')} ms/step, engine init "
+            f"{_f(res.get('engine_init_s'), '.0f')} s"
+        )
     o = res.get("online_c64")
     if o:
-        lines.append(f"{part} online c=64: {_f(o['output_tok_s'], '.0f')} output tok/s, "
-                     f"{_f(o['total_tok_s'], '.0f')} total tok/s, TTFT p50/p99 "
-                     f"{_f(o['ttft_ms']['p50'], '.0f')}/{_f(o['ttft_ms']['p99'], '.0f')} ms, "
-                     f"ITL p50/p99 {_f(o['itl_ms']['p50'])}/{_f(o['itl_ms']['p99'])} ms, "
-                     f"{o['requests_finished']} requests finished")
+        lines.append(
+            f"{part} online c=64: {_f(o['output_tok_s'], '.0f')} output tok/s, "
+            f"{_f(o['total_tok_s'], '.0f')} total tok/s, TTFT p50/p99 "
+            f"{_f(o['ttft_ms']['p50'], '.0f')}/{_f(o['ttft_ms']['p99'], '.0f')} ms, "
+            f"ITL p50/p99 {_f(o['itl_ms']['p50'])}/{_f(o['itl_ms']['p99'])} ms, "
+            f"{o['requests_finished']} requests finished"
+        )
     return lines
 
 
@@ -430,39 +513,54 @@ def report(opts) -> None:
     lines = []
     e = read(opts.out, "env")
     if e:
-        lines.append(f"GPUs {e.get('gpus')} torch {e.get('torch')} NCCL {e.get('nccl')} "
-                     f"p2p {e.get('p2p')}")
+        lines.append(
+            f"GPUs {e.get('gpus')} torch {e.get('torch')} NCCL {e.get('nccl')} p2p {e.get('p2p')}"
+        )
     ar = read(opts.out, "allreduce")
     if ar:
         lines += _report_allreduce(ar)
     for label, case in read(opts.out, "parity").get("cases", {}).items():
         prompt = case.get("prompt_logprob_absdiff", {}).get("max")
-        lines.append(f"parity {label}: {case.get('identical')}/{case.get('sequences')} identical, "
-                     f"prompt logprob |diff| max {_f(prompt, '.1e')}, decode ms TP1 "
-                     f"{_f(case.get('tp1_decode_ms'), '.2f')} TP2 "
-                     f"{_f(case.get('tp2_decode_ms'), '.2f')} ({case.get('all_reduce_used')})")
+        lines.append(
+            f"parity {label}: {case.get('identical')}/{case.get('sequences')} identical, "
+            f"prompt logprob |diff| max {_f(prompt, '.1e')}, decode ms TP1 "
+            f"{_f(case.get('tp1_decode_ms'), '.2f')} TP2 "
+            f"{_f(case.get('tp2_decode_ms'), '.2f')} ({case.get('all_reduce_used')})"
+        )
     for part in ("serve70b", "symm70b"):
         lines += _report_serving(part, read(opts.out, part))
     print("\n".join(lines) if lines else "no results")
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("part", choices=["env", "allreduce", "allreduce-rank", "parity", "serve70b",
-                                     "symm70b", "report"])
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "part",
+        choices=["env", "allreduce", "allreduce-rank", "parity", "serve70b", "symm70b", "report"],
+    )
     ap.add_argument("--out", required=True)
     ap.add_argument("--port", type=int, help="allreduce-rank: rank 0's store")
     ap.add_argument("--online-seconds", type=float, default=45.0)
     ap.add_argument("--online-warmup", type=float, default=10.0)
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                    help="cpu: a smoke run of the code paths")
-    ap.add_argument("--cases", default="bfloat16 graphs,float32 eager,bfloat16 graphs symm_mem",
-                    help="parity: the cases to run, comma-separated (also: float32 graphs)")
-    ap.add_argument("--parity-config", default="llama-3.2-1b.json",
-                    help="a bench/configs name or a path")
-    ap.add_argument("--serve-config", default="llama-3.1-70b.json",
-                    help="a bench/configs name or a path")
+    ap.add_argument(
+        "--device",
+        default="cuda",
+        choices=["cuda", "cpu"],
+        help="cpu: a smoke run of the code paths",
+    )
+    ap.add_argument(
+        "--cases",
+        default="bfloat16 graphs,float32 eager,bfloat16 graphs symm_mem",
+        help="parity: the cases to run, comma-separated (also: float32 graphs)",
+    )
+    ap.add_argument(
+        "--parity-config", default="llama-3.2-1b.json", help="a bench/configs name or a path"
+    )
+    ap.add_argument(
+        "--serve-config", default="llama-3.1-70b.json", help="a bench/configs name or a path"
+    )
     opts = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if opts.part == "allreduce-rank":

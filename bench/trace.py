@@ -1,7 +1,10 @@
-"""Benchmark workloads: prompt/output lengths drawn from the Azure conversation trace, and random-token prompts.
+"""Benchmark workloads: prompt/output lengths drawn from the Azure conversation trace, and
+random-token prompts.
 
-Everything is seeded, so the same arguments give the same requests on every machine and in every part of a run.
+Everything is seeded, so the same arguments give the same requests on every machine and in every
+part of a run.
 """
+
 from __future__ import annotations
 
 import csv
@@ -17,7 +20,8 @@ CONV_TRACE = Path(__file__).resolve().parent / "data" / "AzureLLMInferenceTrace_
 @dataclass(frozen=True)
 class BenchRequest:
     prompt_token_ids: list[int]
-    output_len: int  # forced: the request runs with max_tokens = min_tokens = output_len and ignore_eos
+    # forced: the request runs with max_tokens = min_tokens = output_len and ignore_eos
+    output_len: int
 
     @property
     def prompt_len(self) -> int:
@@ -25,16 +29,19 @@ class BenchRequest:
 
 
 def load_trace(path: str | Path = CONV_TRACE) -> list[tuple[int, int]]:
-    """(ContextTokens, GeneratedTokens) of every row of an Azure LLM inference trace CSV, in file order."""
+    """(ContextTokens, GeneratedTokens) of every row of an Azure LLM inference trace CSV, in file
+    order."""
     with open(path, newline="") as f:
-        return [(int(row["ContextTokens"]), int(row["GeneratedTokens"])) for row in csv.DictReader(f)]
+        return [
+            (int(row["ContextTokens"]), int(row["GeneratedTokens"])) for row in csv.DictReader(f)
+        ]
 
 
 def sample_lengths(
     n: int, seed: int, max_prompt: int, max_output: int, trace: list[tuple[int, int]] | None = None
 ) -> list[tuple[int, int]]:
-    """n (prompt_len, output_len) pairs drawn from the trace without replacement (with it past the trace's size),
-    each clamped to [1, max_prompt] and [1, max_output]."""
+    """n (prompt_len, output_len) pairs drawn from the trace without replacement (with it past the
+    trace's size), each clamped to [1, max_prompt] and [1, max_output]."""
     if max_prompt < 1 or max_output < 1:
         raise ValueError(f"max_prompt/max_output: must be >= 1, got {max_prompt}/{max_output}")
     rows = load_trace() if trace is None else trace
@@ -44,7 +51,8 @@ def sample_lengths(
 
 
 def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
-    """length token ids uniform in [0, vocab_size), fixed by the seed (random ids never share a cached prefix)."""
+    """length token ids uniform in [0, vocab_size), fixed by the seed (random ids never share a
+    cached prefix)."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (length,), generator=gen).tolist()
 
@@ -52,13 +60,18 @@ def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
 def make_requests(lengths: list[tuple[int, int]], vocab_size: int, seed: int) -> list[BenchRequest]:
     """One request per (prompt_len, output_len), prompt i seeded by (seed, i)."""
     return [
-        BenchRequest(random_prompt(p, vocab_size, seed * 1_000_003 + i), o) for i, (p, o) in enumerate(lengths)
+        BenchRequest(random_prompt(p, vocab_size, seed * 1_000_003 + i), o)
+        for i, (p, o) in enumerate(lengths)
     ]
 
 
-def conv_requests(n: int, vocab_size: int, seed: int, max_prompt: int, max_output: int) -> list[BenchRequest]:
+def conv_requests(
+    n: int, vocab_size: int, seed: int, max_prompt: int, max_output: int
+) -> list[BenchRequest]:
     return make_requests(sample_lengths(n, seed, max_prompt, max_output), vocab_size, seed)
 
 
-def fixed_requests(n: int, prompt_len: int, output_len: int, vocab_size: int, seed: int) -> list[BenchRequest]:
+def fixed_requests(
+    n: int, prompt_len: int, output_len: int, vocab_size: int, seed: int
+) -> list[BenchRequest]:
     return make_requests([(prompt_len, output_len)] * n, vocab_size, seed)

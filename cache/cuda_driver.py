@@ -1,8 +1,11 @@
-"""The few CUDA driver calls the device stream needs, through ctypes: no torch, so a process can use them at once.
+"""The few CUDA driver calls the device stream needs, through ctypes: no torch, so a process can use
+them at once.
 
-Contexts, pinned host memory, async host-to-device copies, events, and virtual-memory allocations that another
-process can map (exported as a POSIX file descriptor). Every failing call raises CudaError naming the call.
+Contexts, pinned host memory, async host-to-device copies, events, and virtual-memory allocations
+that another process can map (exported as a POSIX file descriptor). Every failing call raises
+CudaError naming the call.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -28,13 +31,22 @@ class _Location(ctypes.Structure):
 
 
 class _AllocFlags(ctypes.Structure):
-    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
-                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+    _fields_ = [
+        ("compressionType", ctypes.c_ubyte),
+        ("gpuDirectRDMACapable", ctypes.c_ubyte),
+        ("usage", ctypes.c_ushort),
+        ("reserved", ctypes.c_ubyte * 4),
+    ]
 
 
 class _AllocationProp(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", _Location),
-                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", _AllocFlags)]
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("requestedHandleTypes", ctypes.c_int),
+        ("location", _Location),
+        ("win32HandleMetaData", ctypes.c_void_p),
+        ("allocFlags", _AllocFlags),
+    ]
 
 
 class _AccessDesc(ctypes.Structure):
@@ -55,7 +67,8 @@ def _lib():
 
 
 def _call(name: str, *args) -> None:
-    # ctypes releases the GIL for the call: a thread waiting on the driver never holds up the interpreter
+    # ctypes releases the GIL for the call: a thread waiting on the driver never holds up the
+    # interpreter
     rc = getattr(_lib(), name)(*args)
     if rc != 0:
         raise CudaError(f"{name} failed: {_error_string(rc)}")
@@ -78,22 +91,26 @@ _ATTRIBUTE_COMPUTE_MODE = 20
 _COMPUTE_MODE_DEFAULT = 0
 
 
-# ---- context -------------------------------------------------------------------------------------------------
+# ---- context -------------------------------------------------------------------------------------
 def check_shared_compute_mode(ordinal: int) -> None:
-    """Raise CudaError unless the GPU lets several processes hold contexts at once (compute mode "default"): in
-    exclusive-process mode a second process's context would keep the worker itself off the GPU."""
+    """Raise CudaError unless the GPU lets several processes hold contexts at once (compute mode
+    "default"): in exclusive-process mode a second process's context would keep the worker itself
+    off the GPU."""
     _call("cuInit", 0)
     dev = ctypes.c_int()
     _call("cuDeviceGet", ctypes.byref(dev), ordinal)
     mode = ctypes.c_int()
     _call("cuDeviceGetAttribute", ctypes.byref(mode), _ATTRIBUTE_COMPUTE_MODE, dev)
     if mode.value != _COMPUTE_MODE_DEFAULT:
-        raise CudaError(f"GPU {ordinal} is in compute mode {mode.value}, not the default shared mode: a second "
-                        f"process may not hold a context beside the worker")
+        raise CudaError(
+            f"GPU {ordinal} is in compute mode {mode.value}, not the default shared mode: a second "
+            f"process may not hold a context beside the worker"
+        )
 
 
 def primary_context(ordinal: int) -> ctypes.c_void_p:
-    """Initialise the driver and make `ordinal`'s primary context (the one torch uses) current on this thread."""
+    """Initialise the driver and make `ordinal`'s primary context (the one torch uses) current on
+    this thread."""
     _call("cuInit", 0)
     dev = ctypes.c_int()
     _call("cuDeviceGet", ctypes.byref(dev), ordinal)
@@ -108,7 +125,8 @@ def set_current(ctx: ctypes.c_void_p) -> None:
 
 
 def pci_bus_id(ordinal: int) -> str:
-    """The device's PCI bus id: two processes name the same GPU by it whatever their device numbering."""
+    """The device's PCI bus id: two processes name the same GPU by it whatever their device
+    numbering."""
     dev = ctypes.c_int()
     _call("cuDeviceGet", ctypes.byref(dev), ordinal)
     buf = ctypes.create_string_buffer(32)
@@ -116,7 +134,7 @@ def pci_bus_id(ordinal: int) -> str:
     return buf.value.decode().lower()
 
 
-# ---- pinned host memory, streams, events, copies -------------------------------------------------------------
+# ---- pinned host memory, streams, events, copies -------------------------------------------------
 def host_alloc(nbytes: int) -> int:
     ptr = ctypes.c_void_p()
     _call("cuMemHostAlloc", ctypes.byref(ptr), ctypes.c_size_t(nbytes), 0)
@@ -151,7 +169,7 @@ def copy_to_device_async(dst: int, src: int, nbytes: int, stream: ctypes.c_void_
     _call("cuMemcpyHtoDAsync_v2", _u64(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes), stream)
 
 
-# ---- shareable device memory (virtual memory management) ---------------------------------------------------------
+# ---- shareable device memory (virtual memory management) -----------------------------------------
 def _prop(ordinal: int) -> _AllocationProp:
     prop = _AllocationProp()
     prop.type = _ALLOCATION_TYPE_PINNED
@@ -163,18 +181,26 @@ def _prop(ordinal: int) -> _AllocationProp:
 def granularity(ordinal: int) -> int:
     g = ctypes.c_size_t()
     prop = _prop(ordinal)
-    _call("cuMemGetAllocationGranularity", ctypes.byref(g), ctypes.byref(prop), _GRANULARITY_RECOMMENDED)
+    _call(
+        "cuMemGetAllocationGranularity",
+        ctypes.byref(g),
+        ctypes.byref(prop),
+        _GRANULARITY_RECOMMENDED,
+    )
     return g.value
 
 
 def create_shareable(ordinal: int, size: int) -> tuple[int, int]:
-    """Device memory of `size` bytes (a multiple of granularity()) -> (allocation handle, POSIX fd exporting it)."""
+    """Device memory of `size` bytes (a multiple of granularity()) -> (allocation handle, POSIX fd
+    exporting it)."""
     handle = ctypes.c_uint64()
     prop = _prop(ordinal)
     _call("cuMemCreate", ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(prop), _u64(0))
     fd = ctypes.c_int(-1)
     try:
-        _call("cuMemExportToShareableHandle", ctypes.byref(fd), handle, _HANDLE_TYPE_POSIX_FD, _u64(0))
+        _call(
+            "cuMemExportToShareableHandle", ctypes.byref(fd), handle, _HANDLE_TYPE_POSIX_FD, _u64(0)
+        )
     except CudaError:
         release(handle.value)
         raise
@@ -182,16 +208,30 @@ def create_shareable(ordinal: int, size: int) -> tuple[int, int]:
 
 
 def import_shareable(fd: int) -> int:
-    """The allocation another process exported as `fd` -> a handle of this process (the fd may be closed after)."""
+    """The allocation another process exported as `fd` -> a handle of this process (the fd may be
+    closed after)."""
     handle = ctypes.c_uint64()
-    _call("cuMemImportFromShareableHandle", ctypes.byref(handle), ctypes.c_void_p(fd), _HANDLE_TYPE_POSIX_FD)
+    _call(
+        "cuMemImportFromShareableHandle",
+        ctypes.byref(handle),
+        ctypes.c_void_p(fd),
+        _HANDLE_TYPE_POSIX_FD,
+    )
     return handle.value
 
 
 def map_handle(handle: int, size: int, ordinal: int) -> int:
-    """Reserve addresses, map the allocation there and give `ordinal` read/write access; returns the address."""
+    """Reserve addresses, map the allocation there and give `ordinal` read/write access; returns the
+    address."""
     ptr = ctypes.c_uint64()
-    _call("cuMemAddressReserve", ctypes.byref(ptr), ctypes.c_size_t(size), ctypes.c_size_t(0), _u64(0), _u64(0))
+    _call(
+        "cuMemAddressReserve",
+        ctypes.byref(ptr),
+        ctypes.c_size_t(size),
+        ctypes.c_size_t(0),
+        _u64(0),
+        _u64(0),
+    )
     try:
         _call("cuMemMap", ptr, ctypes.c_size_t(size), ctypes.c_size_t(0), _u64(handle), _u64(0))
     except CudaError:
@@ -207,7 +247,8 @@ def map_handle(handle: int, size: int, ordinal: int) -> int:
 
 
 def unmap(ptr: int, size: int) -> None:
-    """Unmap and free the addresses (the memory itself lives while any handle or mapping of it remains)."""
+    """Unmap and free the addresses (the memory itself lives while any handle or mapping of it
+    remains)."""
     try:
         _call("cuMemUnmap", _u64(ptr), ctypes.c_size_t(size))
     finally:

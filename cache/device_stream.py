@@ -1,4 +1,5 @@
-"""The worker's side of the device stream: weights reach the GPU while the worker is still importing torch.
+"""The worker's side of the device stream: weights reach the GPU while the worker is still importing
+torch.
 
 `start_weights(model_dir, device)` (stdlib only; the start sequence calls it before `import torch`)
 starts the device stream, else the page-cache prefetch. `start(model_dir)` spawns
@@ -7,9 +8,10 @@ engine's load_pack of that pack takes it over: the allocation is mapped into tor
 few ms) and becomes one device buffer whose views are the parameters, exactly as the in-process
 loader's. Each layer is ready once the process reports its bytes copied.
 
-Anything that goes wrong (no driver, no virtual-memory support, the process dies) logs one line and the engine
-loads the pack in-process instead.
+Anything that goes wrong (no driver, no virtual-memory support, the process dies) logs one line and
+the engine loads the pack in-process instead.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,7 +31,8 @@ from cache.prefetch import prefetch
 log = logging.getLogger(__name__)
 
 STREAM_THREADS = 16
-HEADER_TIMEOUT_S = 120.0  # the process has the allocation within a second or two; this only bounds a hung driver
+# the process has the allocation within a second or two; this only bounds a hung driver
+HEADER_TIMEOUT_S = 120.0
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -40,17 +43,38 @@ class DeviceStreamError(RuntimeError):
 class DeviceStream:
     """A running stream process and what it has reported (under `cond`)."""
 
-    def __init__(self, path: str, ordinal: int, threads: int, chunk_bytes: int, start_pages: str | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        path: str,
+        ordinal: int,
+        threads: int,
+        chunk_bytes: int,
+        start_pages: str | None = None,
+    ) -> None:
         self.path = path
         self.ordinal = ordinal
         self.started = time.perf_counter()
         self.sock, child = socket.socketpair()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")])))
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")])),
+        )
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cache.stream_process", path, str(ordinal), str(child.fileno()), str(threads),
-             str(chunk_bytes)] + ([start_pages] if start_pages else []), pass_fds=(child.fileno(),),
-            stdin=subprocess.DEVNULL, env=env)
+            [
+                sys.executable,
+                "-m",
+                "cache.stream_process",
+                path,
+                str(ordinal),
+                str(child.fileno()),
+                str(threads),
+                str(chunk_bytes),
+            ]
+            + ([start_pages] if start_pages else []),
+            pass_fds=(child.fileno(),),
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
         child.close()
         self.cond = threading.Condition()
         self.header: dict | None = None
@@ -67,7 +91,8 @@ class DeviceStream:
                 data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 1)
             except OSError:
                 data, fds = b"", []
-            exit_code = self.proc.wait() if not data else None  # end of file: the process is exiting
+            # end of file: the process is exiting
+            exit_code = self.proc.wait() if not data else None
             with self.cond:
                 if fds and self.fd is None:
                     self.fd = fds[0]
@@ -91,7 +116,8 @@ class DeviceStream:
                 self.cond.notify_all()
 
     def wait_for(self, ready, timeout: float | None = None) -> None:
-        """Block until ready() (called under the lock) or an error; raises DeviceStreamError on error or timeout."""
+        """Block until ready() (called under the lock) or an error; raises DeviceStreamError on
+        error or timeout."""
         with self.cond:
             if not self.cond.wait_for(lambda: self.error is not None or ready(), timeout):
                 raise DeviceStreamError(f"the stream process said nothing for {timeout:.0f} s")
@@ -123,21 +149,30 @@ class DeviceStream:
 
     # what loader.load_pack calls on a pending stream
     def claim(self, device):
-        """Map the allocation into this process (torch is up) -> a DeviceStreamLoad, or None to load in-process."""
+        """Map the allocation into this process (torch is up) -> a DeviceStreamLoad, or None to load
+        in-process."""
         try:
             return DeviceStreamLoad(self, device)
         except (cu.CudaError, DeviceStreamError, OSError) as e:
-            log.info("weights: the device stream could not be used (%s); loading in this process", e)
+            log.info(
+                "weights: the device stream could not be used (%s); loading in this process", e
+            )
             self.cancel()
             return None
 
 
 class _DeviceMemory:
-    """The mapped allocation, seen by torch through the CUDA array interface; unmapped when torch lets it go."""
+    """The mapped allocation, seen by torch through the CUDA array interface; unmapped when torch
+    lets it go."""
 
     def __init__(self, ptr: int, size: int) -> None:
         self.ptr, self.size = ptr, size
-        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+        self.__cuda_array_interface__ = {
+            "shape": (size,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+        }
 
     def __del__(self) -> None:
         try:
@@ -147,7 +182,8 @@ class _DeviceMemory:
 
 
 class DeviceStreamLoad:
-    """The StreamingLoad interface (tensors, wait_group, group_ready, wait, cancel, stats) over a stream process."""
+    """The StreamingLoad interface (tensors, wait_group, group_ready, wait, cancel, stats) over a
+    stream process."""
 
     def __init__(self, stream: DeviceStream, device) -> None:
         import torch
@@ -159,16 +195,23 @@ class DeviceStreamLoad:
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.cuda = True
-        stream.wait_for(lambda: stream.header is not None and stream.fd is not None, HEADER_TIMEOUT_S)
+        stream.wait_for(
+            lambda: stream.header is not None and stream.fd is not None, HEADER_TIMEOUT_S
+        )
         header = stream.header
         if header["nbytes"] != self.pack.data_nbytes:
-            raise DeviceStreamError(f"the process streams {header['nbytes']} bytes, the pack has "
-                                    f"{self.pack.data_nbytes}")
+            raise DeviceStreamError(
+                f"the process streams {header['nbytes']} bytes, the pack has "
+                f"{self.pack.data_nbytes}"
+            )
         torch.cuda.init()
-        cu.primary_context(self.device.index)  # torch's context, current on this thread for the calls below
+        # torch's context, current on this thread for the calls below
+        cu.primary_context(self.device.index)
         bus = cu.pci_bus_id(self.device.index)
         if bus != header["bus_id"]:
-            raise DeviceStreamError(f"the process streams to GPU {header['bus_id']}, the engine runs on {bus}")
+            raise DeviceStreamError(
+                f"the process streams to GPU {header['bus_id']}, the engine runs on {bus}"
+            )
         handle = cu.import_shareable(stream.fd)
         try:
             ptr = cu.map_handle(handle, header["size"], self.device.index)
@@ -178,7 +221,9 @@ class DeviceStreamLoad:
                 os.close(stream.fd)
                 stream.fd = None
         stream.tell("mapped")
-        self.buffer = torch.as_tensor(_DeviceMemory(ptr, header["size"]), device=self.device)[:self.pack.data_nbytes]
+        self.buffer = torch.as_tensor(_DeviceMemory(ptr, header["size"]), device=self.device)[
+            : self.pack.data_nbytes
+        ]
         self.tensors = tensor_views(self.pack, self.buffer)
         self._spans = group_spans(self.pack)
         self._alloc_seconds = time.perf_counter() - t0
@@ -191,7 +236,8 @@ class DeviceStreamLoad:
             return self.stream.error is None and self._has(group)
 
     def wait_group(self, group: int, stream=None) -> None:
-        """Block until the group's bytes are on the device (the process has seen its copies complete)."""
+        """Block until the group's bytes are on the device (the process has seen its copies
+        complete)."""
         self.stream.wait_for(lambda: self._has(group))
 
     def wait(self) -> LoadStats:
@@ -206,15 +252,28 @@ class DeviceStreamLoad:
     @property
     def stats(self) -> LoadStats:
         f = self.stream.finished or {}
-        return LoadStats(self.pack.data_nbytes, f.get("seconds", time.perf_counter() - self.stream.started),
-                         self._alloc_seconds, f.get("pin_seconds", 0.0), f"process-{f.get('mode', 'unknown')}",
-                         f.get("threads", 0), f.get("chunk_bytes", 0))
+        return LoadStats(
+            self.pack.data_nbytes,
+            f.get("seconds", time.perf_counter() - self.stream.started),
+            self._alloc_seconds,
+            f.get("pin_seconds", 0.0),
+            f"process-{f.get('mode', 'unknown')}",
+            f.get("threads", 0),
+            f.get("chunk_bytes", 0),
+        )
 
 
-def start(path: str, device: str = "cuda", threads: int = STREAM_THREADS, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-          start_pages: str | None = None, shard: tuple[int, int] = (0, 1)) -> DeviceStream | None:
-    """Start streaming a pack (or a model directory's newest pack) to the GPU in a separate process; None when
-    there is no pack or no NVIDIA driver. load_pack of that pack to that device takes the stream over.
+def start(
+    path: str,
+    device: str = "cuda",
+    threads: int = STREAM_THREADS,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    start_pages: str | None = None,
+    shard: tuple[int, int] = (0, 1),
+) -> DeviceStream | None:
+    """Start streaming a pack (or a model directory's newest pack) to the GPU in a separate process;
+    None when there is no pack or no NVIDIA driver. load_pack of that pack to that device takes the
+    stream over.
     start_pages: a cache.start_pages record, read first when the pack is not in the page cache.
     shard: (rank, size) of a pack split over GPUs: the directory's newest pack of that shard."""
     if not os.path.exists("/dev/nvidiactl"):
@@ -227,13 +286,19 @@ def start(path: str, device: str = "cuda", threads: int = STREAM_THREADS, chunk_
     _, _, index = device.partition(":")
     if start_pages and not os.path.isfile(start_pages):
         start_pages = None
-    stream = DeviceStream(os.path.realpath(path), int(index or 0), threads, chunk_bytes, start_pages)
+    stream = DeviceStream(
+        os.path.realpath(path), int(index or 0), threads, chunk_bytes, start_pages
+    )
     register_pending(path, stream)
     return stream
 
 
-def start_weights(model_dir: str, device: str = "auto", start_pages: str | None = None,
-                  shard: tuple[int, int] = (0, 1)) -> str:
+def start_weights(
+    model_dir: str,
+    device: str = "auto",
+    start_pages: str | None = None,
+    shard: tuple[int, int] = (0, 1),
+) -> str:
     """Set a model's weights moving, before torch is imported: its pack straight to the GPU from a
     separate process (after the start path's recorded pages, `start_pages`, when the disk is cold),
     else its files into the page cache by stdlib threads (on CPU, without a pack or a driver).

@@ -373,9 +373,8 @@ def write_hf_dir(gguf_path: str, out_dir: str | os.PathLike, dtype: str = "float
             f"{', '.join(sorted(ARCHITECTURES))}"
         )
     config = hf_config(meta, {t.name for t in reader.tensors}, dtype)
-    tokenizer = build_tokenizer(
-        meta
-    )  # before the weights: a refused vocabulary costs no dequantizing
+    # before the weights: a refused vocabulary costs no dequantizing
+    tokenizer = build_tokenizer(meta)
     write_tensors(reader, meta, config, out, dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer.save(str(out / "tokenizer.json"))

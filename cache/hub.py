@@ -5,6 +5,7 @@ resume metadata). Each is hashed once, in chunks, right after it arrives, and co
 hub's listing: the LFS sha256 for an LFS file, the git blob id otherwise. config.json (and the
 weight index) come first, so check_config can refuse the model before a weight byte moves.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -16,16 +17,28 @@ from typing import Any, Callable
 
 from cache.redact import hide_secrets, mask, secret_value
 from cache.snapshot import hash_file, list_files
-from cache.sources import (CONFIG_FILE, INDEX_FILE, SourceError, check_first_files, is_commit,
-                           small_files, weight_files)
+from cache.sources import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    SourceError,
+    check_first_files,
+    is_commit,
+    small_files,
+    weight_files,
+)
 
 log = logging.getLogger(__name__)
 
 DOWNLOAD_WORKERS = 8  # files in flight at once, as huggingface_hub's snapshot_download
 
 
-def hub_error(repo_id: str, revision: str | None, endpoint: str | None, err: Exception,
-              name: str | None = None) -> SourceError:
+def hub_error(
+    repo_id: str,
+    revision: str | None,
+    endpoint: str | None,
+    err: Exception,
+    name: str | None = None,
+) -> SourceError:
     """One line naming the repo, the revision (and file) and what the hub said, from the client's
     own error classes (huggingface_hub.errors: the same names in the oldest client we admit and the
     newest)."""
@@ -36,8 +49,10 @@ def hub_error(repo_id: str, revision: str | None, endpoint: str | None, err: Exc
     status = getattr(getattr(err, "response", None), "status_code", None)
     if isinstance(err, errors.GatedRepoError):
         who = "the token given has no access to it" if status == 403 else "no token was given"
-        reason = (f"a gated repo and {who}: accept its conditions at {where}/{repo_id} and set "
-                  "HF_TOKEN to a token of that account")
+        reason = (
+            f"a gated repo and {who}: accept its conditions at {where}/{repo_id} and set "
+            "HF_TOKEN to a token of that account"
+        )
     elif isinstance(err, errors.RepositoryNotFoundError):
         reason = "repository not found (a private repo needs HF_TOKEN with read access to it)"
     elif isinstance(err, errors.RevisionNotFoundError):
@@ -54,8 +69,9 @@ def hub_error(repo_id: str, revision: str | None, endpoint: str | None, err: Exc
     return SourceError(mask(f"{what} at {where}: {reason}{suffix}"))
 
 
-def hub_commit(repo_id: str, revision: str | None, *, token: Any = None,
-               endpoint: str | None = None) -> str:
+def hub_commit(
+    repo_id: str, revision: str | None, *, token: Any = None, endpoint: str | None = None
+) -> str:
     """The commit hash a hub revision (branch, tag or commit) points at now."""
     from huggingface_hub import HfApi, get_token
 
@@ -68,13 +84,15 @@ def hub_commit(repo_id: str, revision: str | None, *, token: Any = None,
     except Exception as e:  # HTTP, connection, not-found, gated: all become one clear error
         raise hub_error(repo_id, revision, endpoint, e) from None
     if not info.sha:
-        raise SourceError(f"hub {repo_id} revision {revision or 'main'}: the hub gave no commit "
-                          "hash")
+        raise SourceError(
+            f"hub {repo_id} revision {revision or 'main'}: the hub gave no commit hash"
+        )
     return info.sha
 
 
-def list_repo(repo_id: str, commit: str, *, token: str | None = None,
-              endpoint: str | None = None) -> dict:
+def list_repo(
+    repo_id: str, commit: str, *, token: str | None = None, endpoint: str | None = None
+) -> dict:
     """{path: RepoFile} of every file of the repo at commit (the hub's recursive tree listing, all
     its pages): size, git blob id and, for LFS files, `lfs.sha256`."""
     from huggingface_hub import HfApi
@@ -120,16 +138,25 @@ def verify_file(path: Path, entry, where: str) -> dict:
         kind, want, have, size = "git blob id", entry.blob_id, got["git_sha1"], entry.size
     if have != want or got["size"] != size:
         path.unlink(missing_ok=True)
-        raise SourceError(f"{where}: {entry.path} does not match the hub's listing "
-                          f"({got['size']} bytes, {kind} {have[:12]}...; the hub lists {size} "
-                          f"bytes, {want[:12]}...): corrupted on the way; removed it and published "
-                          "nothing, fetch again")
+        raise SourceError(
+            f"{where}: {entry.path} does not match the hub's listing "
+            f"({got['size']} bytes, {kind} {have[:12]}...; the hub lists {size} "
+            f"bytes, {want[:12]}...): corrupted on the way; removed it and published "
+            "nothing, fetch again"
+        )
     return {"size": got["size"], "sha256": got["sha256"]}
 
 
-def fetch_hub(repo_id: str, commit: str, dest: Path, *, token: Any = None,
-              endpoint: str | None = None, progress: bool = True,
-              check_config: Callable[[dict], Any] | None = None) -> dict[str, dict]:
+def fetch_hub(
+    repo_id: str,
+    commit: str,
+    dest: Path,
+    *,
+    token: Any = None,
+    endpoint: str | None = None,
+    progress: bool = True,
+    check_config: Callable[[dict], Any] | None = None,
+) -> dict[str, dict]:
     """Download the engine's files of repo_id at commit into dest (keeping what a killed fetch there
     completed): config.json and the weight index first (check_config(config) raises ValueError to
     refuse the model), then the tokenizer and chat-template files and exactly the shards the index
@@ -141,14 +168,22 @@ def fetch_hub(repo_id: str, commit: str, dest: Path, *, token: Any = None,
     where = f"hub {repo_id}@{commit}"
     tree = list_repo(repo_id, commit, token=token, endpoint=endpoint)
     if CONFIG_FILE not in tree:
-        raise SourceError(f"{where}: no {CONFIG_FILE} in the repo (an HF-format checkpoint is "
-                          "needed)")
+        raise SourceError(
+            f"{where}: no {CONFIG_FILE} in the repo (an HF-format checkpoint is needed)"
+        )
     options = _download_options(progress)
 
     def one(name: str) -> dict:
         try:
-            path = hf.hf_hub_download(repo_id, name, revision=commit, local_dir=str(dest),
-                                      token=token, endpoint=endpoint, **options)
+            path = hf.hf_hub_download(
+                repo_id,
+                name,
+                revision=commit,
+                local_dir=str(dest),
+                token=token,
+                endpoint=endpoint,
+                **options,
+            )
         except Exception as e:
             raise hub_error(repo_id, commit, endpoint, e, name) from None
         return verify_file(Path(path), tree[name], where)

@@ -1,9 +1,12 @@
-"""The streaming loader: a pack -> one device buffer holding every tensor, each tensor a view into it.
+"""The streaming loader: a pack -> one device buffer holding every tensor, each tensor a view into
+it.
 
-Reader threads (O_DIRECT when the file is not in the page cache) fill pinned buffers; copies run on their own
-CUDA stream; each group (layer) gets a ready event. Stdlib at import (torch only inside), so prefetch runs first;
-preload() starts the stream as soon as CUDA is up, and the engine's load_pack of the same file takes it over.
+Reader threads (O_DIRECT when the file is not in the page cache) fill pinned buffers; copies run on
+their own CUDA stream; each group (layer) gets a ready event. Stdlib at import (torch only inside),
+so prefetch runs first; preload() starts the stream as soon as CUDA is up, and the engine's
+load_pack of the same file takes it over.
 """
+
 from __future__ import annotations
 
 import errno
@@ -16,21 +19,39 @@ from dataclasses import dataclass
 from cache.pack import ALIGNMENT, Pack, PackError, PackWriter, find_packs, read_pack, shard_name
 from cache.prefetch import _ACTIVE, Prefetch, prefetch, resident_fraction
 
-# The engine imports cache.loader only: the pack's writer, reader and error, and prefetch, come from here too.
-__all__ = ["LoadStats", "Pack", "PackError", "PackWriter", "Prefetch", "StreamingLoad", "discard_preloads",
-           "group_spans", "load_pack", "prefetch", "preload", "read_pack", "read_span", "register_pending",
-           "resident_fraction", "shard_name", "tensor_views"]
+# The engine imports cache.loader only: the pack's writer, reader and error, and prefetch, come from
+# here too.
+__all__ = [
+    "LoadStats",
+    "Pack",
+    "PackError",
+    "PackWriter",
+    "Prefetch",
+    "StreamingLoad",
+    "discard_preloads",
+    "group_spans",
+    "load_pack",
+    "prefetch",
+    "preload",
+    "read_pack",
+    "read_span",
+    "register_pending",
+    "resident_fraction",
+    "shard_name",
+    "tensor_views",
+]
 
 log = logging.getLogger(__name__)
 
-# Loader: pinning host memory costs ~2-4 s/GiB (thread-seconds) in a fresh process on the H100, so the ring is
-# kept small: 16 threads x 2 x 16 MiB = 512 MiB, pinned lazily by the threads themselves. Each chunk takes the GIL
-# a few times, and a main thread importing or building the engine meanwhile holds it: fewer, bigger chunks stream
-# faster beside it (H100, page cache warm, pins cached: 25-31 GB/s with 8 MiB chunks, 38 GB/s with 16 MiB).
+# Loader: pinning host memory costs seconds of thread time per GiB in a fresh process, so the ring
+# is kept small: 16 threads x 2 x 16 MiB = 512 MiB, pinned lazily by the threads themselves. Each
+# chunk takes the GIL a few times, and a main thread importing or building the engine meanwhile
+# holds it: fewer, bigger chunks stream faster beside it (docs/performance.md, "The start sequence
+# inside one process", from bench/results/2026-11-22-h100-cold-start-variants.json).
 DEFAULT_CHUNK_BYTES = 16 << 20
 
 
-# ---- the streaming load ----------------------------------------------------------------------------------
+# ---- the streaming load --------------------------------------------------------------------------
 def tensor_views(pack: Pack, buffer) -> dict:
     """name -> the tensor as a view into `buffer`, a uint8 tensor holding the pack's data span."""
     import torch
@@ -38,7 +59,7 @@ def tensor_views(pack: Pack, buffer) -> dict:
     out = {}
     for e in pack.entries:
         lo = e.offset - pack.data_offset
-        out[e.name] = buffer[lo: lo + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape)
+        out[e.name] = buffer[lo : lo + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape)
     return out
 
 
@@ -51,17 +72,22 @@ def group_spans(pack: Pack) -> dict[int, tuple[int, int]]:
     return spans
 
 
-def read_span(path: str, fds: dict[bool, int], view: memoryview, offset: int, n: int, direct: bool) -> bool:
-    """Fill view[:n] from `path` at offset, opening it once per mode (fds: O_DIRECT or not -> fd, the caller's to
-    close). O_DIRECT reads whole aligned pages, as far as the view has room; where it is refused (EINVAL,
-    EOPNOTSUPP: tmpfs, odd alignment) the reads go on buffered. Returns whether O_DIRECT is still in use."""
+def read_span(
+    path: str, fds: dict[bool, int], view: memoryview, offset: int, n: int, direct: bool
+) -> bool:
+    """Fill view[:n] from `path` at offset, opening it once per mode (fds: O_DIRECT or not -> fd,
+    the caller's to close). O_DIRECT reads whole aligned pages, as far as the view has room; where
+    it is refused (EINVAL, EOPNOTSUPP: tmpfs, odd alignment) the reads go on buffered. Returns
+    whether O_DIRECT is still in use."""
     done = 0
     while done < n:
         want = min(len(view), -(-n // ALIGNMENT) * ALIGNMENT) if direct else n
         try:
             fd = fds.get(direct)
             if fd is None:
-                fd = fds[direct] = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0))
+                fd = fds[direct] = os.open(
+                    path, os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
+                )
             got = os.preadv(fd, [view[done:want]], offset + done)
         except OSError as e:
             if direct and e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
@@ -79,7 +105,8 @@ class LoadStats:
     nbytes: int
     seconds: float  # first read -> last byte on the device
     alloc_seconds: float  # the device buffer and the views
-    pin_seconds: float  # pinned ring allocation summed over threads (they overlap each other and the reads)
+    # pinned ring allocation summed over threads (they overlap each other and the reads)
+    pin_seconds: float
     mode: str  # "direct" (O_DIRECT) or "buffered"
     threads: int
     chunk_bytes: int
@@ -90,14 +117,24 @@ class LoadStats:
 
 
 class StreamingLoad:
-    """One pack streaming into one device buffer. `tensors` are views, valid once their group is ready."""
+    """One pack streaming into one device buffer. `tensors` are views, valid once their group is
+    ready."""
 
-    def __init__(self, pack: Pack, device, threads: int, chunk_bytes: int, direct: str | bool,
-                 ring_per_thread: int = 2) -> None:
+    def __init__(
+        self,
+        pack: Pack,
+        device,
+        threads: int,
+        chunk_bytes: int,
+        direct: str | bool,
+        ring_per_thread: int = 2,
+    ) -> None:
         import torch
 
         if chunk_bytes <= 0 or chunk_bytes % ALIGNMENT:
-            raise ValueError(f"chunk_bytes: must be a positive multiple of {ALIGNMENT}, got {chunk_bytes}")
+            raise ValueError(
+                f"chunk_bytes: must be a positive multiple of {ALIGNMENT}, got {chunk_bytes}"
+            )
         if threads < 1:
             raise ValueError(f"threads: must be at least 1, got {threads}")
         t0 = time.perf_counter()
@@ -112,19 +149,28 @@ class StreamingLoad:
         else:  # over-allocate so the buffer starts page-aligned, as O_DIRECT wants
             raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8)
             skip = (-raw.data_ptr()) % ALIGNMENT
-            self.buffer = raw[skip: skip + nbytes]
+            self.buffer = raw[skip : skip + nbytes]
         self.tensors = tensor_views(pack, self.buffer)
         self.mode = self._choose_mode(direct)
-        # A prefetch still reading this file: the readers follow it instead of queueing disk reads of their own.
-        self._prefetch = _ACTIVE.get(os.path.realpath(pack.path)) if self.mode == "buffered" else None
+        # A prefetch still reading this file: the readers follow it instead of queueing disk reads
+        # of their own.
+        self._prefetch = (
+            _ACTIVE.get(os.path.realpath(pack.path)) if self.mode == "buffered" else None
+        )
         self.chunk_bytes = chunk_bytes
-        self._chunks = [(off, min(chunk_bytes, pack.data_end - off))
-                        for off in range(pack.data_offset, pack.data_end, chunk_bytes)]
+        self._chunks = [
+            (off, min(chunk_bytes, pack.data_end - off))
+            for off in range(pack.data_offset, pack.data_end, chunk_bytes)
+        ]
         self._group_span = group_spans(pack)
-        self._pending = {g: sum(1 for off, n in self._chunks if off < hi and off + n > lo) or 0
-                         for g, (lo, hi) in self._group_span.items()}
-        self._groups_of_chunk = [[g for g, (lo, hi) in self._group_span.items() if off < hi and off + n > lo]
-                                 for off, n in self._chunks]
+        self._pending = {
+            g: sum(1 for off, n in self._chunks if off < hi and off + n > lo) or 0
+            for g, (lo, hi) in self._group_span.items()
+        }
+        self._groups_of_chunk = [
+            [g for g, (lo, hi) in self._group_span.items() if off < hi and off + n > lo]
+            for off, n in self._chunks
+        ]
         self._ready = {g: threading.Event() for g in self._group_span}
         self._cuda_events = {g: torch.cuda.Event() for g in self._group_span} if self.cuda else {}
         self._lock = threading.Lock()
@@ -139,8 +185,12 @@ class StreamingLoad:
         self._started = time.perf_counter()
         self._finished: float | None = None
         self._pin_seconds = 0.0
-        self._threads = [threading.Thread(target=self._worker, args=(ring_per_thread,), daemon=True,
-                                          name=f"pack-loader-{i}") for i in range(n_threads)]
+        self._threads = [
+            threading.Thread(
+                target=self._worker, args=(ring_per_thread,), daemon=True, name=f"pack-loader-{i}"
+            )
+            for i in range(n_threads)
+        ]
         self._stats_threads = n_threads
         for t in self._threads:
             t.start()
@@ -150,14 +200,18 @@ class StreamingLoad:
             return "direct"
         if direct is False or direct == "buffered":
             return "buffered"
-        if os.path.realpath(self.pack.path) in _ACTIVE:  # a prefetch is pulling it into the page cache
+        # a prefetch is pulling it into the page cache
+        if os.path.realpath(self.pack.path) in _ACTIVE:
             return "buffered"
-        resident = resident_fraction(self.pack.path, self.pack.data_offset, self.pack.data_nbytes, samples=256)
+        resident = resident_fraction(
+            self.pack.path, self.pack.data_offset, self.pack.data_nbytes, samples=256
+        )
         return "buffered" if resident is None or resident >= 0.5 else "direct"
 
     # -- workers --
     def _read(self, fds: dict[bool, int], dest: memoryview, offset: int) -> None:
-        """Fill dest from the file at offset; a refused O_DIRECT switches this load to buffered reads."""
+        """Fill dest from the file at offset; a refused O_DIRECT switches this load to buffered
+        reads."""
         if not read_span(self.pack.path, fds, dest, offset, len(dest), self.mode == "direct"):
             self.mode = "buffered"
 
@@ -165,11 +219,14 @@ class StreamingLoad:
         import torch
 
         fds: dict[bool, int] = {}
-        slots: list[tuple] = []  # (pinned buffer, its numpy memoryview, the event of the last copy out of it)
+        slots: list[
+            tuple
+        ] = []  # (pinned buffer, its numpy memoryview, the event of the last copy out of it)
         try:
             if self.cuda:
                 torch.cuda.set_device(self.device)
-                torch.cuda.set_stream(self.copy_stream)  # this thread's current stream: every copy goes there
+                # this thread's current stream: every copy goes there
+                torch.cuda.set_stream(self.copy_stream)
             turn = 0
             while self._error is None:
                 with self._lock:
@@ -182,10 +239,11 @@ class StreamingLoad:
                 if self._prefetch is not None:
                     self._prefetch.wait_covered(self.pack.path, off + n)
                 if not self.cuda:
-                    self._read(fds, memoryview(self.buffer[lo: lo + n].numpy()), off)
+                    self._read(fds, memoryview(self.buffer[lo : lo + n].numpy()), off)
                     self._issued(i)
                     continue
-                if len(slots) < ring:  # pinned lazily: the first read starts after one buffer, not the whole ring
+                # pinned lazily: the first read starts after one buffer, not the whole ring
+                if len(slots) < ring:
                     t0 = time.perf_counter()
                     host = torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True)
                     slots.append((host, memoryview(host.numpy()), torch.cuda.Event()))
@@ -193,10 +251,12 @@ class StreamingLoad:
                         self._pin_seconds += time.perf_counter() - t0
                 host, view, copied = slots[turn % ring]
                 turn += 1
-                if not copied.query():  # the previous copy out of this pinned buffer has not finished yet
-                    copied.synchronize()  # (asked first: a wait gives up the GIL, and getting it back costs)
+                # The previous copy out of this pinned buffer may not have finished yet; ask first,
+                # as a wait gives up the GIL, and getting it back costs.
+                if not copied.query():
+                    copied.synchronize()
                 self._read(fds, view[:n], off)
-                self.buffer[lo: lo + n].copy_(host[:n], non_blocking=True)
+                self.buffer[lo : lo + n].copy_(host[:n], non_blocking=True)
                 copied.record(self.copy_stream)
                 self._issued(i)
             for _, _, copied in slots:
@@ -212,7 +272,8 @@ class StreamingLoad:
                 os.close(fd)
 
     def _issued(self, chunk: int) -> None:
-        """Chunk read (CPU) or its copy enqueued (CUDA): groups whose every chunk is in are ready."""
+        """Chunk read (CPU) or its copy enqueued (CUDA): groups whose every chunk is in are
+        ready."""
         with self._lock:  # the record below must follow every copy of the group on the copy stream
             for g in self._groups_of_chunk[chunk]:
                 self._pending[g] -= 1
@@ -232,7 +293,8 @@ class StreamingLoad:
         return self._cuda_events[group].query() if self.cuda else True
 
     def wait_group(self, group: int, stream=None) -> None:
-        """Block until the group's copies are enqueued; on CUDA, make `stream` (default: current) wait for them."""
+        """Block until the group's copies are enqueued; on CUDA, make `stream` (default: current)
+        wait for them."""
         self._ready[group].wait()
         self._raise()
         if self.cuda:
@@ -264,7 +326,8 @@ class StreamingLoad:
         self.buffer = None
 
     def _raise(self) -> None:
-        """A read error means the pack is bad (PackError: rebuild it); anything else is the machine's (RuntimeError)."""
+        """A read error means the pack is bad (PackError: rebuild it); anything else is the
+        machine's (RuntimeError)."""
         if self._error is None:
             return
         kind = PackError if isinstance(self._error, OSError) else RuntimeError
@@ -273,20 +336,35 @@ class StreamingLoad:
     @property
     def stats(self) -> LoadStats:
         end = self._finished or time.perf_counter()
-        return LoadStats(self.pack.data_nbytes, end - self._started, self._alloc_seconds, self._pin_seconds,
-                         self.mode, self._stats_threads, self.chunk_bytes)
+        return LoadStats(
+            self.pack.data_nbytes,
+            end - self._started,
+            self._alloc_seconds,
+            self._pin_seconds,
+            self.mode,
+            self._stats_threads,
+            self.chunk_bytes,
+        )
 
 
 class _Cancelled(Exception):
     pass
 
 
-def load_pack(pack: Pack | str, device="cpu", *, threads: int | None = None, chunk_bytes: int | None = None,
-              direct: str | bool = "auto") -> StreamingLoad:
-    """Start streaming a pack into one buffer on `device` and return at once; call wait() or wait_group(g).
+def load_pack(
+    pack: Pack | str,
+    device="cpu",
+    *,
+    threads: int | None = None,
+    chunk_bytes: int | None = None,
+    direct: str | bool = "auto",
+) -> StreamingLoad:
+    """Start streaming a pack into one buffer on `device` and return at once; call wait() or
+    wait_group(g).
 
-    direct: "auto" (O_DIRECT unless most of the file is in the page cache or a prefetch is running), True, False.
-    A preload() of the same file to the same device is taken over (whatever its options) instead of a new load.
+    direct: "auto" (O_DIRECT unless most of the file is in the page cache or a prefetch is running),
+    True, False. A preload() of the same file to the same device is taken over (whatever its
+    options) instead of a new load.
     """
     path = pack if isinstance(pack, str) else pack.path
     claimed = _claim_preload(path, device)
@@ -301,16 +379,18 @@ def load_pack(pack: Pack | str, device="cpu", *, threads: int | None = None, chu
     return StreamingLoad(pack, device, threads, chunk_bytes, direct)
 
 
-# ---- preload: the stream starts before the engine asks for it ---------------------------------------------
+# ---- preload: the stream starts before the engine asks for it ------------------------------------
 _PRELOADS: dict[tuple[str, str], StreamingLoad] = {}
 _PRELOADS_LOCK = threading.Lock()
 
 
 def preload(path: str, device="cuda", **options) -> StreamingLoad | None:
-    """Start streaming a pack to `device` now (right after `import torch`, while the engine still imports).
+    """Start streaming a pack to `device` now (right after `import torch`, while the engine still
+    imports).
 
-    `path` is a pack, or a model directory (its newest pack under `packs/`); None when there is none. The engine's
-    load_pack of the same file and device takes this load over; discard_preloads() frees one nobody took.
+    `path` is a pack, or a model directory (its newest pack under `packs/`); None when there is
+    none. The engine's load_pack of the same file and device takes this load over;
+    discard_preloads() frees one nobody took.
     """
     if os.path.isdir(path):
         packs = find_packs(os.path.join(path, "packs"))
@@ -328,13 +408,14 @@ def preload(path: str, device="cuda", **options) -> StreamingLoad | None:
     return load
 
 
-# A load started before torch could be imported (cache.device_stream): realpath -> an object with claim(device)
-# (the load, or None to load in-process) and cancel().
+# A load started before torch could be imported (cache.device_stream): realpath -> an object with
+# claim(device) (the load, or None to load in-process) and cancel().
 _PENDING: dict[str, object] = {}
 
 
 def register_pending(path: str, pending) -> None:
-    """The next load_pack of `path` to a CUDA device asks pending.claim(device) first; discard_preloads cancels it."""
+    """The next load_pack of `path` to a CUDA device asks pending.claim(device) first;
+    discard_preloads cancels it."""
     with _PRELOADS_LOCK:
         old = _PENDING.pop(os.path.realpath(path), None)
         _PENDING[os.path.realpath(path)] = pending
@@ -364,7 +445,8 @@ def _claim_preload(path: str, device):
 
 
 def discard_preloads(keep: str | None = None) -> int:
-    """Cancel every preload (except one of the file `keep`) and free its device memory; returns how many."""
+    """Cancel every preload (except one of the file `keep`) and free its device memory; returns how
+    many."""
     real = os.path.realpath(keep) if keep else None
     with _PRELOADS_LOCK:
         dropped = [k for k in _PRELOADS if k[0] != real]
@@ -375,7 +457,9 @@ def discard_preloads(keep: str | None = None) -> int:
         log.info("weights: stopped the device stream of %s (the engine loads another file)", p.path)
     for load in loads:
         load.cancel()
-        log.info("weights: dropped the preload of %s (the engine loads another file)", load.pack.path)
+        log.info(
+            "weights: dropped the preload of %s (the engine loads another file)", load.pack.path
+        )
     if loads and any(load.cuda for load in loads):
         import torch
 

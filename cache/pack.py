@@ -1,7 +1,10 @@
-"""The packed weight format: one file of named tensors, each aligned for direct I/O, plus a JSON index and a header.
+"""The packed weight format: one file of named tensors, each aligned for direct I/O, plus a JSON
+index and a header.
 
-Model-agnostic (names, dtypes, shapes, bytes); written atomically, validated on read (a torn or truncated pack is a PackError).
+Model-agnostic (names, dtypes, shapes, bytes); written atomically, validated on read (a torn or
+truncated pack is a PackError).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -13,20 +16,33 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-ALIGNMENT = 4096  # every tensor (and the index) starts on a 4 KiB boundary, so O_DIRECT can read any of them
+# Every tensor (and the index) starts on a 4 KiB boundary, so O_DIRECT can read any of them.
+ALIGNMENT = 4096
 MAGIC = b"CBPACK\x00\x01"
 FORMAT_VERSION = 1
 SUFFIX = ".cbpack"
-# magic, format version, reserved, index offset, index bytes, file size, sha256 of the index; then a crc32 of these
+# magic, format version, reserved, index offset, index bytes, file size, sha256 of the index; then a
+# crc32 of these
 _HEADER = struct.Struct("<8sIIQQQ32s")
 _HEADER_CRC = struct.Struct("<I")
 
 # dtype name (as torch spells it) -> bytes per element
 DTYPE_SIZES = {
-    "bool": 1, "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
-    "int32": 4, "uint32": 4, "float32": 4,
-    "int64": 8, "uint64": 8, "float64": 8,
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int16": 2,
+    "uint16": 2,
+    "float16": 2,
+    "bfloat16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "float32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float64": 8,
 }
 
 
@@ -46,7 +62,8 @@ class PackEntry:
 
 @dataclass(frozen=True)
 class Pack:
-    """A validated pack's index: where each tensor lies. data_offset..data_end is the aligned span of all tensors."""
+    """A validated pack's index: where each tensor lies. data_offset..data_end is the aligned span
+    of all tensors."""
 
     path: str
     entries: list[PackEntry]
@@ -78,12 +95,16 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _check_entry(name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> None:
     if dtype not in DTYPE_SIZES:
-        raise ValueError(f"dtype: {dtype!r} of tensor {name!r} is not one of {', '.join(DTYPE_SIZES)}")
+        raise ValueError(
+            f"dtype: {dtype!r} of tensor {name!r} is not one of {', '.join(DTYPE_SIZES)}"
+        )
     if any(not isinstance(d, int) or d < 0 for d in shape):
         raise ValueError(f"shape: {shape!r} of tensor {name!r} must be non-negative integers")
     expected = _numel(shape) * DTYPE_SIZES[dtype]
     if nbytes != expected:
-        raise ValueError(f"nbytes: tensor {name!r} has {nbytes} bytes but {dtype}{list(shape)} needs {expected}")
+        raise ValueError(
+            f"nbytes: tensor {name!r} has {nbytes} bytes but {dtype}{list(shape)} needs {expected}"
+        )
 
 
 class PackWriter:
@@ -98,23 +119,36 @@ class PackWriter:
         directory, base = os.path.split(self.path)
         os.makedirs(directory, exist_ok=True)
         _remove_stale_temps(directory, base)
-        self.tmp_path = os.path.join(directory, f".{base}.tmp-{_host()}-{os.getpid()}-{secrets.token_hex(4)}")
+        self.tmp_path = os.path.join(
+            directory, f".{base}.tmp-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+        )
         self._file = open(self.tmp_path, "wb")
         self._file.write(b"\0" * ALIGNMENT)  # the header, written last
         self._pos = ALIGNMENT
         self._entries: list[dict[str, Any]] = []
         self._names: set[str] = set()
 
-    def add(self, name: str, dtype: str, shape: tuple[int, ...] | list[int], data, group: int = 0) -> None:
-        """Append one tensor: `data` is any buffer (bytes, memoryview, numpy array) of its raw bytes."""
+    def add(
+        self, name: str, dtype: str, shape: tuple[int, ...] | list[int], data, group: int = 0
+    ) -> None:
+        """Append one tensor: `data` is any buffer (bytes, memoryview, numpy array) of its raw
+        bytes."""
         shape = tuple(int(d) for d in shape)
         view = memoryview(data).cast("B")
         if name in self._names:
             raise ValueError(f"name: tensor {name!r} was already added to the pack")
         _check_entry(name, dtype, shape, view.nbytes)
         self._file.write(view)
-        self._entries.append({"name": name, "dtype": dtype, "shape": list(shape), "offset": self._pos,
-                              "nbytes": view.nbytes, "group": int(group)})
+        self._entries.append(
+            {
+                "name": name,
+                "dtype": dtype,
+                "shape": list(shape),
+                "offset": self._pos,
+                "nbytes": view.nbytes,
+                "group": int(group),
+            }
+        )
         self._names.add(name)
         self._pos += view.nbytes
         self._pad()
@@ -126,16 +160,31 @@ class PackWriter:
             self._pos += pad
 
     def commit(self) -> str:
-        """Write the index and the header, fsync, rename into place, fsync the directory. Returns the path."""
-        index = json.dumps({
-            "format_version": FORMAT_VERSION, "alignment": ALIGNMENT, "data_offset": ALIGNMENT,
-            "data_end": self._pos, "metadata": self.metadata, "tensors": self._entries,
-        }, separators=(",", ":")).encode()
+        """Write the index and the header, fsync, rename into place, fsync the directory. Returns
+        the path."""
+        index = json.dumps(
+            {
+                "format_version": FORMAT_VERSION,
+                "alignment": ALIGNMENT,
+                "data_offset": ALIGNMENT,
+                "data_end": self._pos,
+                "metadata": self.metadata,
+                "tensors": self._entries,
+            },
+            separators=(",", ":"),
+        ).encode()
         index_offset = self._pos
         self._file.write(index)
         file_size = index_offset + len(index)
-        header = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, index_offset, len(index), file_size,
-                              hashlib.sha256(index).digest())
+        header = _HEADER.pack(
+            MAGIC,
+            FORMAT_VERSION,
+            0,
+            index_offset,
+            len(index),
+            file_size,
+            hashlib.sha256(index).digest(),
+        )
         self._file.seek(0)
         self._file.write(header + _HEADER_CRC.pack(zlib.crc32(header)))
         self._file.flush()
@@ -168,15 +217,17 @@ class PackWriter:
 
 
 def _remove_stale_temps(directory: str, base: str) -> None:
-    """Temp files of writers that died (SIGKILL, power loss) are never valid packs: remove those of dead pids.
+    """Temp files of writers that died (SIGKILL, power loss) are never valid packs: remove those of
+    dead pids.
 
-    Only this host's temps are judged (the directory may be a network volume shared with other machines)."""
+    Only this host's temps are judged (the directory may be a network volume shared with other
+    machines)."""
     prefix = f".{base}.tmp-{_host()}-"
     for name in os.listdir(directory):
         if not name.startswith(prefix):
             continue
         try:
-            os.kill(int(name[len(prefix):].split("-")[0]), 0)  # raises if no such process
+            os.kill(int(name[len(prefix) :].split("-")[0]), 0)  # raises if no such process
         except ProcessLookupError:
             try:
                 os.unlink(os.path.join(directory, name))
@@ -191,25 +242,35 @@ def _host() -> str:
 
 
 def read_pack(path: str) -> Pack:
-    """Validate the header, the index and the file size; FileNotFoundError if absent, PackError if invalid."""
+    """Validate the header, the index and the file size; FileNotFoundError if absent, PackError if
+    invalid."""
     path = os.path.abspath(path)
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         head = f.read(_HEADER.size + _HEADER_CRC.size)
         if len(head) < _HEADER.size + _HEADER_CRC.size:
             raise PackError(f"pack {path}: truncated ({size} bytes, shorter than its header)")
-        header, (crc,) = head[: _HEADER.size], _HEADER_CRC.unpack(head[_HEADER.size:])
+        header, (crc,) = head[: _HEADER.size], _HEADER_CRC.unpack(head[_HEADER.size :])
         magic, version, _, index_offset, index_nbytes, file_size, index_sha = _HEADER.unpack(header)
         if magic != MAGIC:
-            raise PackError(f"pack {path}: not a coldbrew pack (bad magic; an unfinished write leaves zeros)")
+            raise PackError(
+                f"pack {path}: not a coldbrew pack (bad magic; an unfinished write leaves zeros)"
+            )
         if zlib.crc32(header) != crc:
             raise PackError(f"pack {path}: header checksum mismatch")
         if version != FORMAT_VERSION:
-            raise PackError(f"pack {path}: format version {version}, this reader knows {FORMAT_VERSION}")
+            raise PackError(
+                f"pack {path}: format version {version}, this reader knows {FORMAT_VERSION}"
+            )
         if size != file_size:
-            raise PackError(f"pack {path}: truncated or extended: {size} bytes on disk, the header says {file_size}")
+            raise PackError(
+                f"pack {path}: truncated or extended: {size} bytes on disk, "
+                f"the header says {file_size}"
+            )
         if index_offset + index_nbytes != file_size or index_offset % ALIGNMENT:
-            raise PackError(f"pack {path}: index span {index_offset}+{index_nbytes} does not end the file")
+            raise PackError(
+                f"pack {path}: index span {index_offset}+{index_nbytes} does not end the file"
+            )
         f.seek(index_offset)
         raw = f.read(index_nbytes)
     if hashlib.sha256(raw).digest() != index_sha:
@@ -217,14 +278,23 @@ def read_pack(path: str) -> Pack:
     try:
         index = json.loads(raw)
         entries = [
-            PackEntry(t["name"], t["dtype"], tuple(t["shape"]), int(t["offset"]), int(t["nbytes"]), int(t["group"]))
+            PackEntry(
+                t["name"],
+                t["dtype"],
+                tuple(t["shape"]),
+                int(t["offset"]),
+                int(t["nbytes"]),
+                int(t["group"]),
+            )
             for t in index["tensors"]
         ]
         data_offset, data_end = int(index["data_offset"]), int(index["data_end"])
     except (ValueError, KeyError, TypeError) as e:
         raise PackError(f"pack {path}: malformed index ({e})") from None
     if data_end != index_offset or data_offset % ALIGNMENT or data_offset < _HEADER.size:
-        raise PackError(f"pack {path}: data span {data_offset}..{data_end} disagrees with the header")
+        raise PackError(
+            f"pack {path}: data span {data_offset}..{data_end} disagrees with the header"
+        )
     by_name: dict[str, PackEntry] = {}
     end = data_offset
     for e in entries:
@@ -232,11 +302,21 @@ def read_pack(path: str) -> Pack:
             _check_entry(e.name, e.dtype, e.shape, e.nbytes)
         except ValueError as err:
             raise PackError(f"pack {path}: {err}") from None
-        if e.offset % ALIGNMENT or e.offset < end or e.offset + e.nbytes > data_end or e.name in by_name:
-            raise PackError(f"pack {path}: tensor {e.name!r} at {e.offset}+{e.nbytes} overlaps or leaves the data")
+        if (
+            e.offset % ALIGNMENT
+            or e.offset < end
+            or e.offset + e.nbytes > data_end
+            or e.name in by_name
+        ):
+            raise PackError(
+                f"pack {path}: tensor {e.name!r} at {e.offset}+{e.nbytes} "
+                "overlaps or leaves the data"
+            )
         end = e.offset + e.nbytes
         by_name[e.name] = e
-    return Pack(path, entries, dict(index.get("metadata") or {}), data_offset, data_end, file_size, by_name)
+    return Pack(
+        path, entries, dict(index.get("metadata") or {}), data_offset, data_end, file_size, by_name
+    )
 
 
 def shard_name(name: str, rank: int, size: int) -> str:
@@ -263,6 +343,9 @@ def find_packs(directory: str, rank: int = 0, size: int = 1) -> list[str]:
     with size > 1 shard `rank` of `size` of split ones."""
     if not os.path.isdir(directory):
         return []
-    paths = [os.path.join(directory, n) for n in os.listdir(directory)
-             if n.endswith(SUFFIX) and not n.startswith(".") and _shard_of(n) == (rank, size)]
+    paths = [
+        os.path.join(directory, n)
+        for n in os.listdir(directory)
+        if n.endswith(SUFFIX) and not n.startswith(".") and _shard_of(n) == (rank, size)
+    ]
     return sorted(paths, key=lambda p: os.stat(p).st_mtime_ns, reverse=True)

@@ -1,15 +1,27 @@
-"""Keeps credentials out of log lines: a filter on the loggers of our cache and of the clients it drives.
+"""Keeps credentials out of log lines: a filter on the loggers of our cache and of the clients it
+drives.
 
-`hide_secrets(...)` registers values (tokens, keys); any record whose text holds one is rewritten with it masked.
+`hide_secrets(...)` registers values (tokens, keys); any record whose text holds one is rewritten
+with it masked.
 """
+
 from __future__ import annotations
 
 import logging
 from typing import Any
 
 # Loggers whose records may carry request headers or URLs (botocore logs signed headers at DEBUG).
-_WATCHED_PREFIXES = ("cache", "botocore", "boto3", "s3transfer", "urllib3", "huggingface_hub", "httpx", "httpcore",
-                     "filelock")
+_WATCHED_PREFIXES = (
+    "cache",
+    "botocore",
+    "boto3",
+    "s3transfer",
+    "urllib3",
+    "huggingface_hub",
+    "httpx",
+    "httpcore",
+    "filelock",
+)
 _MASK = "***"
 
 
@@ -53,20 +65,24 @@ _REDACTOR = _Redactor()
 
 
 def mask(text: str) -> str:
-    """text with every registered secret masked (for error messages built from third-party exceptions)."""
+    """text with every registered secret masked (for error messages built from third-party
+    exceptions)."""
     return _REDACTOR.mask(text)
 
 
 def hide_secrets(*values: Any) -> None:
-    """Register secrets (empty and very short values are ignored) and attach the filter to every watched logger
-    that exists now; call it again after importing a client library so its new loggers are covered."""
+    """Register secrets (empty and very short values are ignored) and attach the filter to every
+    watched logger that exists now; call it again after importing a client library so its new
+    loggers are covered."""
     for value in values:
         text = secret_value(value)
         if text and len(text) >= 6:
             _REDACTOR.secrets.add(text)
     if not _REDACTOR.secrets:
         return
-    names = [n for n in list(logging.root.manager.loggerDict) if n.split(".")[0] in _WATCHED_PREFIXES]
+    names = [
+        n for n in list(logging.root.manager.loggerDict) if n.split(".")[0] in _WATCHED_PREFIXES
+    ]
     for name in names + list(_WATCHED_PREFIXES):
         logger = logging.getLogger(name)
         if _REDACTOR not in logger.filters:

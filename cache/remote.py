@@ -1,7 +1,10 @@
-"""S3 (and S3-compatible) transfer of whole directories: push a directory, pull one, list one, small text objects.
+"""S3 (and S3-compatible) transfer of whole directories: push a directory, pull one, list one, small
+text objects.
 
-Generic over directories (snapshots, packs, engine artifacts); bounded timeouts and retries, errors without secrets.
+Generic over directories (snapshots, packs, engine artifacts); bounded timeouts and retries, errors
+without secrets.
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,13 +20,14 @@ log = logging.getLogger(__name__)
 
 
 class RemoteError(RuntimeError):
-    """An S3 operation failed: the message names the endpoint, the object and the reason, never a credential."""
+    """An S3 operation failed: the message names the endpoint, the object and the reason, never a
+    credential."""
 
 
 @dataclass(frozen=True)
 class S3Options:
-    """How to reach the store. None means boto3's own default chain (AWS_* variables, ~/.aws, instance role);
-    timeouts and attempts bound how long an unreachable store can hold a start."""
+    """How to reach the store. None means boto3's own default chain (AWS_* variables, ~/.aws,
+    instance role); timeouts and attempts bound how long an unreachable store can hold a start."""
 
     endpoint_url: str | None = None
     access_key_id: Any = None  # str or pydantic SecretStr
@@ -54,21 +58,29 @@ def client(opts: S3Options | None = None):
 
     opts = opts or S3Options()
     key_id, secret = secret_value(opts.access_key_id), secret_value(opts.secret_access_key)
-    config = Config(connect_timeout=opts.connect_timeout, read_timeout=opts.read_timeout,
-                    retries={"max_attempts": opts.max_attempts, "mode": "standard"},
-                    max_pool_connections=max(10, opts.workers * 2))
-    session = boto3.session.Session(aws_access_key_id=key_id, aws_secret_access_key=secret, region_name=opts.region)
+    config = Config(
+        connect_timeout=opts.connect_timeout,
+        read_timeout=opts.read_timeout,
+        retries={"max_attempts": opts.max_attempts, "mode": "standard"},
+        max_pool_connections=max(10, opts.workers * 2),
+    )
+    session = boto3.session.Session(
+        aws_access_key_id=key_id, aws_secret_access_key=secret, region_name=opts.region
+    )
     s3 = session.client("s3", endpoint_url=opts.endpoint_url, config=config)
-    creds = session.get_credentials()  # the chain's result, so keys taken from the environment are hidden too
+    # the chain's result, so keys taken from the environment are hidden too
+    creds = session.get_credentials()
     frozen = creds.get_frozen_credentials() if creds is not None else None
-    hide_secrets(key_id, secret, *((frozen.access_key, frozen.secret_key, frozen.token) if frozen else ()))
+    hide_secrets(
+        key_id, secret, *((frozen.access_key, frozen.secret_key, frozen.token) if frozen else ())
+    )
     return s3
 
 
 def _error(op: str, uri: str, err: Exception, opts: S3Options | None) -> RemoteError:
     from botocore.exceptions import ClientError
 
-    where = (opts.endpoint_url if opts and opts.endpoint_url else "AWS S3")
+    where = opts.endpoint_url if opts and opts.endpoint_url else "AWS S3"
     if isinstance(err, ClientError):
         code = err.response.get("Error", {}).get("Code", "?")
         reason = f"{code}: {err.response.get('Error', {}).get('Message', '')}".rstrip(": ")
@@ -80,8 +92,11 @@ def _error(op: str, uri: str, err: Exception, opts: S3Options | None) -> RemoteE
 def _is_missing(err: Exception) -> bool:
     from botocore.exceptions import ClientError
 
-    return isinstance(err, ClientError) and err.response.get("Error", {}).get("Code") in ("404", "NoSuchKey",
-                                                                                           "NotFound")
+    return isinstance(err, ClientError) and err.response.get("Error", {}).get("Code") in (
+        "404",
+        "NoSuchKey",
+        "NotFound",
+    )
 
 
 def read_text(uri: str, opts: S3Options | None = None, s3=None) -> str | None:
@@ -115,9 +130,13 @@ def list_dir(uri: str, opts: S3Options | None = None, s3=None) -> dict[str, int]
     base = prefix + "/" if prefix else ""
     out: dict[str, int] = {}
     try:
-        for page in (s3 or client(opts)).get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=base):
+        for page in (
+            (s3 or client(opts))
+            .get_paginator("list_objects_v2")
+            .paginate(Bucket=bucket, Prefix=base)
+        ):
             for obj in page.get("Contents", []):
-                rel = obj["Key"][len(base):]
+                rel = obj["Key"][len(base) :]
                 if rel and not rel.endswith("/"):
                     out[rel] = obj["Size"]
     except (BotoCoreError, ClientError) as e:
@@ -131,9 +150,16 @@ def _progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not enabled)
 
 
-def download_dir(uri: str, dest: str | os.PathLike, names: dict[str, int], opts: S3Options | None = None,
-                 s3=None, progress: bool = True) -> None:
-    """Download the objects uri/<name> into dest/<name>, checking each one's size; several at a time."""
+def download_dir(
+    uri: str,
+    dest: str | os.PathLike,
+    names: dict[str, int],
+    opts: S3Options | None = None,
+    s3=None,
+    progress: bool = True,
+) -> None:
+    """Download the objects uri/<name> into dest/<name>, checking each one's size; several at a
+    time."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     s3 = s3 or client(opts)
@@ -152,8 +178,10 @@ def download_dir(uri: str, dest: str | os.PathLike, names: dict[str, int], opts:
         except (BotoCoreError, ClientError) as e:
             raise _error("get", join_uri(uri, name), e, opts) from None
         if path.stat().st_size != names[name]:
-            raise RemoteError(f"S3 get {join_uri(uri, name)}: {path.stat().st_size} bytes arrived, "
-                              f"{names[name]} expected")
+            raise RemoteError(
+                f"S3 get {join_uri(uri, name)}: {path.stat().st_size} bytes arrived, "
+                f"{names[name]} expected"
+            )
 
     try:
         with ThreadPoolExecutor(max_workers=(opts or S3Options()).workers) as pool:
@@ -162,16 +190,25 @@ def download_dir(uri: str, dest: str | os.PathLike, names: dict[str, int], opts:
         bar.close()
 
 
-def upload_dir(src: str | os.PathLike, uri: str, names: list[str], opts: S3Options | None = None, s3=None,
-               progress: bool = True, last: str | None = None) -> None:
-    """Upload src/<name> to uri/<name> for every name, several at a time; `last` goes up after all the others
-    (the manifest: its presence marks the remote copy complete)."""
+def upload_dir(
+    src: str | os.PathLike,
+    uri: str,
+    names: list[str],
+    opts: S3Options | None = None,
+    s3=None,
+    progress: bool = True,
+    last: str | None = None,
+) -> None:
+    """Upload src/<name> to uri/<name> for every name, several at a time; `last` goes up after all
+    the others (the manifest: its presence marks the remote copy complete)."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     s3 = s3 or client(opts)
     bucket, prefix = split_uri(uri)
     src = Path(src)
-    bar = _progress(sum((src / n).stat().st_size for n in names), f"s3 push {len(names)} files", progress)
+    bar = _progress(
+        sum((src / n).stat().st_size for n in names), f"s3 push {len(names)} files", progress
+    )
 
     def one(name: str) -> None:
         key = f"{prefix}/{name}" if prefix else name
@@ -189,10 +226,17 @@ def upload_dir(src: str | os.PathLike, uri: str, names: list[str], opts: S3Optio
         bar.close()
 
 
-def push_dir(src: str | os.PathLike, uri: str, opts: S3Options | None = None, *, manifest: dict | None = None,
-             progress: bool = True) -> dict:
-    """Upload a directory to uri/ with its manifest going up last, so a reader never takes a half-pushed copy as
-    complete. The manifest is the directory's own (coldbrew-manifest.json) or one computed now."""
+def push_dir(
+    src: str | os.PathLike,
+    uri: str,
+    opts: S3Options | None = None,
+    *,
+    manifest: dict | None = None,
+    progress: bool = True,
+) -> dict:
+    """Upload a directory to uri/ with its manifest going up last, so a reader never takes a
+    half-pushed copy as complete. The manifest is the directory's own (coldbrew-manifest.json) or
+    one computed now."""
     import json
 
     from cache.snapshot import MANIFEST, build_manifest, read_manifest
@@ -202,7 +246,9 @@ def push_dir(src: str | os.PathLike, uri: str, opts: S3Options | None = None, *,
         try:
             manifest = read_manifest(src)
         except ValueError:
-            manifest = build_manifest(src, source=str(src.resolve()), kind="local", key=src.name, revision="local")
+            manifest = build_manifest(
+                src, source=str(src.resolve()), kind="local", key=src.name, revision="local"
+            )
     s3 = client(opts)
     upload_dir(src, uri, sorted(manifest["files"]), opts, s3, progress)
     write_text(join_uri(uri, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True), opts, s3)
@@ -227,10 +273,19 @@ def read_manifest_at(uri: str, opts: S3Options | None = None, s3=None) -> dict |
     return manifest
 
 
-def pull_dir(uri: str, dest: str | os.PathLike, opts: S3Options | None = None, *, verify: str = "size",
-             progress: bool = True, manifest: dict | None = None, s3=None) -> dict | None:
-    """Download a directory pushed with push_dir into dest (files, then its manifest), checking sizes and, with
-    verify="full", every sha256. Returns the manifest, or None when uri holds no complete push."""
+def pull_dir(
+    uri: str,
+    dest: str | os.PathLike,
+    opts: S3Options | None = None,
+    *,
+    verify: str = "size",
+    progress: bool = True,
+    manifest: dict | None = None,
+    s3=None,
+) -> dict | None:
+    """Download a directory pushed with push_dir into dest (files, then its manifest), checking
+    sizes and, with verify="full", every sha256. Returns the manifest, or None when uri holds no
+    complete push."""
     import json
 
     from cache.snapshot import MANIFEST, hash_files
@@ -240,10 +295,14 @@ def pull_dir(uri: str, dest: str | os.PathLike, opts: S3Options | None = None, *
     if manifest is None:
         return None
     files = manifest["files"]
-    download_dir(uri, dest, {name: entry["size"] for name, entry in files.items()}, opts, s3, progress)
+    download_dir(
+        uri, dest, {name: entry["size"] for name, entry in files.items()}, opts, s3, progress
+    )
     if verify == "full":
         for name, entry in hash_files(Path(dest), sorted(files)).items():
             if entry["sha256"] != files[name]["sha256"]:
-                raise RemoteError(f"S3 get {join_uri(uri, name)}: sha256 does not match the manifest")
+                raise RemoteError(
+                    f"S3 get {join_uri(uri, name)}: sha256 does not match the manifest"
+                )
     (Path(dest) / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     return manifest

@@ -1,7 +1,10 @@
-"""Immutable local snapshots: the manifest (sizes, sha256), verification, quarantine, and atomic publishing.
+"""Immutable local snapshots: the manifest (sizes, sha256), verification, quarantine, and atomic
+publishing.
 
-A cache root holds `snapshots/<key>/<revision>/`; builds happen in `.staging/` under a cross-process lock.
+A cache root holds `snapshots/<key>/<revision>/`; builds happen in `.staging/` under a cross-process
+lock.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,14 +32,19 @@ _HASH_CHUNK = 8 << 20
 
 
 def coldbrew_version() -> str:
-    """The installed coldbrew version (pyproject's, read from the source tree when not installed)."""
+    """The installed coldbrew version (pyproject's, read from the source tree when not
+    installed)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version("coldbrew")
     except PackageNotFoundError:
         pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
-        found = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(), re.M) if pyproject.exists() else None
+        found = (
+            re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(), re.M)
+            if pyproject.exists()
+            else None
+        )
         return found.group(1) if found else "unknown"
 
 
@@ -58,7 +66,8 @@ def hash_file(path: Path, git_blob: bool = False) -> dict:
 
 
 def list_files(root: Path) -> list[str]:
-    """Relative POSIX paths of the regular files under root, sorted, leaving out the manifest and dot-dirs."""
+    """Relative POSIX paths of the regular files under root, sorted, leaving out the manifest and
+    dot-dirs."""
     out = []
     for path in root.rglob("*"):
         rel = path.relative_to(root)
@@ -70,7 +79,9 @@ def list_files(root: Path) -> list[str]:
 
 
 def hash_files(root: Path, names: list[str], workers: int = 8) -> dict[str, dict]:
-    """{name: {"size", "sha256"}} of files under root, hashed on several threads (hashlib releases the GIL)."""
+    """{name: {"size", "sha256"}} of files under root, hashed on several threads (hashlib releases
+    the GIL)."""
+
     def one(name: str) -> tuple[str, dict]:
         return name, hash_file(root / name)
 
@@ -78,8 +89,16 @@ def hash_files(root: Path, names: list[str], workers: int = 8) -> dict[str, dict
         return dict(pool.map(one, names))
 
 
-def build_manifest(root: Path, *, source: str, kind: str, key: str, revision: str,
-                   requested_revision: str | None = None, files: dict[str, dict] | None = None) -> dict:
+def build_manifest(
+    root: Path,
+    *,
+    source: str,
+    kind: str,
+    key: str,
+    revision: str,
+    requested_revision: str | None = None,
+    files: dict[str, dict] | None = None,
+) -> dict:
     """The manifest of the directory root as it is now (every file's size and sha256)."""
     return {
         "format": MANIFEST_FORMAT,
@@ -95,7 +114,8 @@ def build_manifest(root: Path, *, source: str, kind: str, key: str, revision: st
 
 
 def read_manifest(root: Path) -> dict:
-    """The manifest of a snapshot directory; ValueError saying what is wrong when missing or malformed."""
+    """The manifest of a snapshot directory; ValueError saying what is wrong when missing or
+    malformed."""
     path = Path(root) / MANIFEST
     try:
         data = json.loads(path.read_text())
@@ -107,8 +127,13 @@ def read_manifest(root: Path) -> dict:
     if not isinstance(files, dict) or not files or data.get("format") != MANIFEST_FORMAT:
         raise ValueError(f"malformed {MANIFEST}")
     for name, entry in files.items():
-        if (not isinstance(entry, dict) or not isinstance(entry.get("size"), int)
-                or not isinstance(entry.get("sha256"), str) or ".." in Path(name).parts or name.startswith("/")):
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("size"), int)
+            or not isinstance(entry.get("sha256"), str)
+            or ".." in Path(name).parts
+            or name.startswith("/")
+        ):
             raise ValueError(f"malformed {MANIFEST} entry {name!r}")
     return data
 
@@ -136,7 +161,10 @@ def check_snapshot(root: Path, verify: str = "size") -> str | None:
     if verify == "full":
         for name, entry in hash_files(root, sorted(files)).items():
             if entry["sha256"] != files[name]["sha256"]:
-                return f"{name} sha256 {entry['sha256'][:12]}... != manifest {files[name]['sha256'][:12]}..."
+                return (
+                    f"{name} sha256 {entry['sha256'][:12]}... "
+                    f"!= manifest {files[name]['sha256'][:12]}..."
+                )
     return None
 
 
@@ -176,7 +204,8 @@ def ref_relpath(key: str, name: str) -> str:
 
 
 class SnapshotStore:
-    """A cache root: published snapshots, revision refs, locks, staging and quarantine directories."""
+    """A cache root: published snapshots, revision refs, locks, staging and quarantine
+    directories."""
 
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root).expanduser()
@@ -184,7 +213,7 @@ class SnapshotStore:
     def path(self, key: str, revision: str) -> Path:
         return self.root / snapshot_relpath(key, revision)
 
-    # ---- refs: a branch or tag name -> the pinned revision it was fetched at ----------------------------------
+    # ---- refs: a branch or tag name -> the pinned revision it was fetched at ---------------------
     def read_ref(self, key: str, name: str) -> str | None:
         try:
             return (self.root / ref_relpath(key, name)).read_text().strip() or None
@@ -199,7 +228,8 @@ class SnapshotStore:
         os.replace(tmp, path)
 
     def find(self, key: str, revision: str, verify: str = "size") -> Path | None:
-        """The published snapshot of (key, revision or a ref naming it) when it is intact, else None."""
+        """The published snapshot of (key, revision or a ref naming it) when it is intact, else
+        None."""
         for rev in dict.fromkeys([revision, self.read_ref(key, revision)]):
             if rev and check_snapshot(self.path(key, rev), verify) is None:
                 return self.path(key, rev)
@@ -211,7 +241,8 @@ class SnapshotStore:
         return FileLock(str(path))
 
     def quarantine(self, path: Path, reason: str) -> Path:
-        """Move a bad snapshot aside (never deleted, for a post-mortem) and say so in one log line."""
+        """Move a bad snapshot aside (never deleted, for a post-mortem) and say so in one log
+        line."""
         stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         dest = self.root / ".quarantine" / f"{path.parent.name}@{path.name}-{stamp}"
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -219,14 +250,23 @@ class SnapshotStore:
         log.warning("snapshot %s is corrupt (%s): moved to %s; rebuilding it", path, reason, dest)
         return dest
 
-    def publish(self, key: str, revision: str, build: Callable[[Path], dict], *, verify: str = "size",
-                resume: bool = False) -> Path:
-        """The intact snapshot of (key, revision), building it with `build(staging_dir) -> manifest` when needed.
+    def publish(
+        self,
+        key: str,
+        revision: str,
+        build: Callable[[Path], dict],
+        *,
+        verify: str = "size",
+        resume: bool = False,
+    ) -> Path:
+        """The intact snapshot of (key, revision), building it with `build(staging_dir) -> manifest`
+        when needed.
 
-        Only one process builds at a time (a file lock); the others wait and then find it published. The build
-        writes into a staging directory on the same filesystem, which is fsynced and renamed into place, so a
-        process killed mid-build leaves nothing that looks published. `resume` keeps a killed build's staging
-        files (the hub client keeps what a killed download completed)."""
+        Only one process builds at a time (a file lock); the others wait and then find it published.
+        The build writes into a staging directory on the same filesystem, which is fsynced and
+        renamed into place, so a process killed mid-build leaves nothing that looks published.
+        `resume` keeps a killed build's staging files (the hub client keeps what a killed download
+        completed)."""
         final = self.path(key, revision)
         if check_snapshot(final, verify) is None:
             return final
@@ -241,8 +281,15 @@ class SnapshotStore:
         finally:
             lock.release()
 
-    def _build_locked(self, key: str, revision: str, final: Path, build: Callable[[Path], dict], verify: str,
-                      resume: bool) -> Path:
+    def _build_locked(
+        self,
+        key: str,
+        revision: str,
+        final: Path,
+        build: Callable[[Path], dict],
+        verify: str,
+        resume: bool,
+    ) -> Path:
         reason = check_snapshot(final, verify)
         if reason is None:
             return final
@@ -258,8 +305,12 @@ class SnapshotStore:
         final.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging, final)
         _fsync_dir(final.parent)
-        log.info("published snapshot %s (%d files, %.1f MB)", final, len(manifest["files"]),
-                 sum(f["size"] for f in manifest["files"].values()) / 1e6)
+        log.info(
+            "published snapshot %s (%d files, %.1f MB)",
+            final,
+            len(manifest["files"]),
+            sum(f["size"] for f in manifest["files"].values()) / 1e6,
+        )
         return final
 
     def entries(self) -> list[tuple[Path, dict | None]]:

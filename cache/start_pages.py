@@ -1,12 +1,14 @@
-"""The start path's own files: which pages of the libraries and modules a worker's start used, recorded once, so a
-cold start reads them in a few large reads before the weights instead of `import torch` faulting them in one small
-read at a time behind the weight stream (on the H100's disk a cold import beside the stream took 13.9 s, alone 4.5).
+"""The start path's own files: which pages of the libraries and modules a worker's start used,
+recorded once, so a cold start reads them in a few large reads before the weights instead of `import
+torch` faulting them in one small read at a time behind the weight stream (on the H100's disk a cold
+import beside the stream took 13.9 s, alone 4.5).
 
-record(path): the files this process maps (/proc/self/maps: torch's and CUDA's shared libraries), imported
-(sys.modules) and opened for reading since watch_opens() (package metadata, version and data files), each with its
-pages now in the page cache (mincore), merged into ranges. read(path): those ranges
-into the page cache, in order. Stdlib only.
+record(path): the files this process maps (/proc/self/maps: torch's and CUDA's shared libraries),
+imported (sys.modules) and opened for reading since watch_opens() (package metadata, version and
+data files), each with its pages now in the page cache (mincore), merged into ranges. read(path):
+those ranges into the page cache, in order. Stdlib only.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,7 +24,9 @@ from cache.prefetch import page_residency
 
 log = logging.getLogger(__name__)
 
-GAP_BYTES = 1 << 20  # resident runs closer than this are read as one range (a read is cheaper than a seek)
+GAP_BYTES = (
+    1 << 20
+)  # resident runs closer than this are read as one range (a read is cheaper than a seek)
 READ_BYTES = 8 << 20
 FORMAT = 1
 WEIGHT_SUFFIXES = (".safetensors", ".cbpack", ".gguf", ".bin", ".pt", ".pth")  # never start pages
@@ -118,7 +122,8 @@ def _ranges(vec: bytes, page: int) -> list[list[int]]:
 
 
 def record(path: str) -> int:
-    """Write the start path's resident ranges to `path` (atomically); returns the bytes they cover."""
+    """Write the start path's resident ranges to `path` (atomically); returns the bytes they
+    cover."""
     page = os.sysconf("SC_PAGE_SIZE")
     files = []
     total = 0
@@ -167,7 +172,9 @@ def load(path: str) -> list[tuple[str, int, int]]:
     out = []
     for name, ranges in data.get("files", []):
         for off, n in ranges:
-            out += [(name, o, min(READ_BYTES, off + n - o)) for o in range(off, off + n, READ_BYTES)]
+            out += [
+                (name, o, min(READ_BYTES, off + n - o)) for o in range(off, off + n, READ_BYTES)
+            ]
     return out
 
 
@@ -177,8 +184,9 @@ def _in_threads(fn, items: list, threads: int) -> list:
 
 
 def _walk_metadata(names: list[str], threads: int) -> None:
-    """List every directory on the way to the files and stat each file: with caches dropped, the imports' directory
-    listings and inode lookups are small reads of their own, which would otherwise wait behind the weight stream."""
+    """List every directory on the way to the files and stat each file: with caches dropped, the
+    imports' directory listings and inode lookups are small reads of their own, which would
+    otherwise wait behind the weight stream."""
     dirs: dict[str, None] = {}
     for name in names:
         d = os.path.dirname(name)
@@ -197,8 +205,9 @@ def _walk_metadata(names: list[str], threads: int) -> None:
 
 
 def read(path: str, threads: int = 8) -> int:
-    """Read a record's directories, inodes and ranges into the kernel's caches (several reads in flight, in record
-    order); returns the bytes read. A file gone or changed since is skipped: this is only a head start."""
+    """Read a record's directories, inodes and ranges into the kernel's caches (several reads in
+    flight, in record order); returns the bytes read. A file gone or changed since is skipped: this
+    is only a head start."""
     work = load(path)
     _walk_metadata(list(dict.fromkeys(name for name, _, _ in work)), threads * 2)
     local = threading.local()

@@ -1,7 +1,9 @@
 """coldbrew's paged-KV inference engine: continuous batching, chunked prefill, prefix caching.
 
-Knows nothing about RunPod, environment variables or S3. Public API: LLM, AsyncLLM, EngineArgs, SamplingParams.
+Knows nothing about RunPod, environment variables or S3. Public API: LLM, AsyncLLM, EngineArgs,
+SamplingParams.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -19,11 +21,15 @@ _EXPORTS = {
 }
 __all__ = list(_EXPORTS)
 
-if TYPE_CHECKING:
-    from engine.config import EngineArgs
-    from engine.llm import LLM, AsyncLLM
-    from engine.outputs import CompletionOutput, Logprob, RequestOutput
-    from engine.sampling_params import SamplingParams
+if TYPE_CHECKING:  # the same names for type checkers ("X as X": a re-export)
+    from engine.config import EngineArgs as EngineArgs
+    from engine.llm import LLM as LLM, AsyncLLM as AsyncLLM
+    from engine.outputs import (
+        CompletionOutput as CompletionOutput,
+        Logprob as Logprob,
+        RequestOutput as RequestOutput,
+    )
+    from engine.sampling_params import SamplingParams as SamplingParams
 
 
 def __getattr__(name: str):

@@ -1,7 +1,10 @@
-"""Chat templates: find a model's templates and render them with sandboxed jinja2, as transformers does.
+"""Chat templates: find a model's templates and render them with sandboxed jinja2, as transformers
+does.
 
-Byte-identical to transformers' apply_chat_template(tokenize=False) without importing it (15 s on the GPU machine).
+Byte-identical to transformers' apply_chat_template(tokenize=False) without importing it (its
+import would cost a start more than everything else the engine imports).
 """
+
 from __future__ import annotations
 
 import json
@@ -17,9 +20,9 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
-# Names a message's reasoning arrives under; templates read `reasoning_content` (Qwen3), gpt-oss reads `thinking`.
+# Names a message's reasoning arrives under; templates read `reasoning_content` (Qwen3), gpt-oss
+# reads `thinking`.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-
 
 
 def _raise_exception(message: str) -> None:
@@ -27,10 +30,18 @@ def _raise_exception(message: str) -> None:
     raise ValueError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    """json.dumps as HF chat templates expect it: no HTML escaping (unlike jinja's own tojson), non-ASCII kept."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """json.dumps as HF chat templates expect it: no HTML escaping (unlike jinja's own tojson),
+    non-ASCII kept."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -39,11 +50,14 @@ def _strftime_now(fmt: str) -> str:
 
 def _check_namespace_name(name: Any) -> None:
     if isinstance(name, str) and name.startswith("_"):
-        raise jinja2.exceptions.SecurityError(f"chat templates may not set underscore attributes: {name!r}")
+        raise jinja2.exceptions.SecurityError(
+            f"chat templates may not set underscore attributes: {name!r}"
+        )
 
 
 class _GuardedNamespace(Namespace):
-    """jinja's namespace() without underscore-prefixed attributes, the way into interpreter internals."""
+    """jinja's namespace() without underscore-prefixed attributes, the way into interpreter
+    internals."""
 
     def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - jinja's Namespace takes self this way too
         self, rest = args[0], args[1:]
@@ -64,8 +78,11 @@ def _plain_dict(*args: Any, **kwargs: Any) -> dict:
 
 @lru_cache(maxsize=1)
 def _environment() -> ImmutableSandboxedEnvironment:
-    # Same settings as transformers: HF templates are written against trim_blocks/lstrip_blocks and loop controls.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    # Same settings as transformers: HF templates are written against trim_blocks/lstrip_blocks and
+    # loop controls.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -76,7 +93,8 @@ def _environment() -> ImmutableSandboxedEnvironment:
 
 @lru_cache(maxsize=64)
 def _compile(source: str) -> jinja2.Template:
-    """Compile a chat template once; a per-request template is compiled on first use and kept (LRU)."""
+    """Compile a chat template once; a per-request template is compiled on first use and kept
+    (LRU)."""
     try:
         return _environment().from_string(source)
     except jinja2.TemplateSyntaxError as e:
@@ -84,7 +102,8 @@ def _compile(source: str) -> jinja2.Template:
 
 
 def _is_content_access(node: jinja2.nodes.Node) -> bool:
-    """True for `x['content']` or `x.content`, looking through filters such as `x['content'] | selectattr(...)`."""
+    """True for `x['content']` or `x.content`, looking through filters such as
+    `x['content'] | selectattr(...)`."""
     while isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)) and node.node is not None:
         node = node.node
     if isinstance(node, jinja2.nodes.Getattr):
@@ -98,7 +117,8 @@ def _is_content_access(node: jinja2.nodes.Node) -> bool:
 def _template_iterates_content(source: str) -> bool:
     """Whether a template loops over a message's content, i.e. reads OpenAI-style content parts.
 
-    Looks for `{% for part in message['content'] %}`, also through a variable set from the content first.
+    Looks for `{% for part in message['content'] %}`, also through a variable set from the content
+    first.
     """
     ast = _environment().parse(source)
     content_vars = {
@@ -110,15 +130,19 @@ def _template_iterates_content(source: str) -> bool:
         it = loop.iter
         while isinstance(it, jinja2.nodes.Filter) and it.node is not None:
             it = it.node
-        if _is_content_access(it) or (isinstance(it, jinja2.nodes.Name) and it.name in content_vars):
+        if _is_content_access(it) or (
+            isinstance(it, jinja2.nodes.Name) and it.name in content_vars
+        ):
             return True
     return False
 
 
 def _plain(value: Any) -> Any:
-    """A copy of template input made of JSON types only, so a template never sees (or mutates) caller objects.
+    """A copy of template input made of JSON types only, so a template never sees (or mutates)
+    caller objects.
 
-    Pydantic models are dumped; anything else that is not JSON-like becomes an inert "<TypeName>" placeholder.
+    Pydantic models are dumped; anything else that is not JSON-like becomes an inert "<TypeName>"
+    placeholder.
     """
     if value is None or type(value) in (str, int, float, bool):
         return value
@@ -140,9 +164,15 @@ def _plain(value: Any) -> Any:
 def _text_of_parts(parts: list, index: int) -> str:
     texts = []
     for part in parts:
-        if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        if (
+            not isinstance(part, Mapping)
+            or part.get("type") != "text"
+            or not isinstance(part.get("text"), str)
+        ):
             kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-            raise ValueError(f"messages[{index}]: only text content parts are supported, got {kind!r}")
+            raise ValueError(
+                f"messages[{index}]: only text content parts are supported, got {kind!r}"
+            )
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -150,11 +180,12 @@ def _text_of_parts(parts: list, index: int) -> str:
 def _prepare_messages(messages: Any, content_as_parts: bool) -> list[dict]:
     """Validate messages lightly and shape them the way transformers hands them to a template.
 
-    Like transformers: keys whose value is None are dropped (OpenAI clients send content=None next to tool_calls)
-    and reasoning given as `reasoning`/`thinking` is also exposed as `reasoning_content` (and vice versa).
-    Unlike transformers, which passes content parts through untouched: when the template treats content as a string,
-    a list of text parts is joined with "\\n" into one string (as vLLM does), so text-only templates accept
-    OpenAI-style content; templates that loop over content get the parts list as is.
+    Like transformers: keys whose value is None are dropped (OpenAI clients send content=None next
+    to tool_calls) and reasoning given as `reasoning`/`thinking` is also exposed as
+    `reasoning_content` (and vice versa). Unlike transformers, which passes content parts through
+    untouched: when the template treats content as a string, a list of text parts is joined with
+    "\\n" into one string (as vLLM does), so text-only templates accept OpenAI-style content;
+    templates that loop over content get the parts list as is.
     """
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
@@ -179,25 +210,42 @@ def _prepare_messages(messages: Any, content_as_parts: bool) -> list[dict]:
     return prepared
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Loading
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
-def render_chat(source: str, messages: list[dict], *, add_generation_prompt: bool, tools: list[dict] | None,
-                documents: list[dict] | None, variables: dict[str, Any]) -> str:
-    """Render one conversation with template `source`; variables hold the special tokens and template kwargs.
+
+def render_chat(
+    source: str,
+    messages: list[dict],
+    *,
+    add_generation_prompt: bool,
+    tools: list[dict] | None,
+    documents: list[dict] | None,
+    variables: dict[str, Any],
+) -> str:
+    """Render one conversation with template `source`; variables hold the special tokens and
+    template kwargs.
 
     Template errors, raise_exception(...) included, raise ValueError."""
     template = _compile(source)
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, Mapping) for t in tools)):
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(t, Mapping) for t in tools)
+    ):
         raise ValueError("tools must be a list of JSON-schema dicts")
-    if documents is not None and not (isinstance(documents, list)
-                                      and all(isinstance(d, Mapping) for d in documents)):
+    if documents is not None and not (
+        isinstance(documents, list) and all(isinstance(d, Mapping) for d in documents)
+    ):
         raise ValueError("documents must be a list of dicts (e.g. with 'title' and 'text')")
     chat = _prepare_messages(messages, _template_iterates_content(source))
     try:
-        return template.render(messages=chat, tools=_plain(tools), documents=_plain(documents),
-                               add_generation_prompt=add_generation_prompt, **_plain(variables))
+        return template.render(
+            messages=chat,
+            tools=_plain(tools),
+            documents=_plain(documents),
+            add_generation_prompt=add_generation_prompt,
+            **_plain(variables),
+        )
     except ValueError:
         raise
     except (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError) as e:
@@ -213,11 +261,16 @@ def read_json(path: str) -> dict:
 
 
 def _templates_from_value(value: Any) -> dict[str, str]:
-    """A config's chat_template: one string, or a list of {"name", "template"} dicts (named templates)."""
+    """A config's chat_template: one string, or a list of {"name", "template"} dicts (named
+    templates)."""
     if isinstance(value, str):
         return {"default": value}
     if isinstance(value, list):
-        return {t["name"]: t["template"] for t in value if isinstance(t, Mapping) and "name" in t and "template" in t}
+        return {
+            t["name"]: t["template"]
+            for t in value
+            if isinstance(t, Mapping) and "name" in t and "template" in t
+        }
     if isinstance(value, Mapping):
         return {str(k): v for k, v in value.items() if isinstance(v, str)}
     return {}
@@ -226,8 +279,9 @@ def _templates_from_value(value: Any) -> dict[str, str]:
 def load_templates(path: str, config: dict) -> dict[str, str]:
     """The model's chat templates by name, in transformers 5's order of precedence.
 
-    chat_template.jinja (plus additional_chat_templates/*.jinja, named by file) wins over tokenizer_config.json's
-    "chat_template"; chat_template.json (the older processor file, {"chat_template": ...}) is the last resort.
+    chat_template.jinja (plus additional_chat_templates/*.jinja, named by file) wins over
+    tokenizer_config.json's "chat_template"; chat_template.json (the older processor file,
+    {"chat_template": ...}) is the last resort.
     """
     templates: dict[str, str] = {}
     jinja_file = os.path.join(path, "chat_template.jinja")
@@ -245,7 +299,9 @@ def load_templates(path: str, config: dict) -> dict[str, str]:
     templates = _templates_from_value(config.get("chat_template"))
     if templates:
         return templates
-    return _templates_from_value(read_json(os.path.join(path, "chat_template.json")).get("chat_template"))
+    return _templates_from_value(
+        read_json(os.path.join(path, "chat_template.json")).get("chat_template")
+    )
 
 
 def template_from_argument(value: str) -> str:

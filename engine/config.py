@@ -1,8 +1,10 @@
-"""Engine configuration: EngineArgs (what the caller asks for) and ModelConfig (an HF config.json normalised).
+"""Engine configuration: EngineArgs (what the caller asks for) and ModelConfig (an HF config.json
+normalised).
 
 ModelConfig reads both spellings transformers has used for rope settings; engine.model_support
 refuses what the engine cannot run.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,8 +14,7 @@ from typing import Any
 
 import torch
 
-from engine.model_support import (SUPPORTED_ARCHITECTURES,  # noqa: F401 (decoder.py reads it here)
-                                  check_model_config, rope_settings)
+from engine.model_support import SUPPORTED_ARCHITECTURES, check_model_config, rope_settings  # noqa: F401 (decoder.py reads it here)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -66,7 +67,8 @@ class ModelConfig:
         head_dim = cfg.get("head_dim") or hidden // num_heads
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        # Mistral's default window is 4096 when the key is absent; Qwen applies a window only when asked to.
+        # Mistral's default window is 4096 when the key is absent; Qwen applies a window only when
+        # asked to.
         sliding = cfg.get("sliding_window", 4096 if family == "mistral" else None)
         if family in ("qwen2", "qwen3"):
             sliding = None
@@ -102,7 +104,8 @@ class ModelConfig:
 
 
 def _read_rope(cfg: dict[str, Any]) -> RopeConfig:
-    """Rope settings live in `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (before)."""
+    """Rope settings live in `rope_parameters` (transformers 5), or before that in `rope_theta`
+    and `rope_scaling`."""
     merged = rope_settings(cfg)
     theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
     return RopeConfig(
@@ -115,7 +118,9 @@ def _read_rope(cfg: dict[str, Any]) -> RopeConfig:
     )
 
 
-def resolve_dtype(dtype: str | torch.dtype, model: ModelConfig, device: torch.device) -> torch.dtype:
+def resolve_dtype(
+    dtype: str | torch.dtype, model: ModelConfig, device: torch.device
+) -> torch.dtype:
     """'auto' takes the checkpoint's dtype on a GPU and float32 on CPU."""
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -128,7 +133,8 @@ def resolve_dtype(dtype: str | torch.dtype, model: ModelConfig, device: torch.de
     return _DTYPES[dtype]
 
 
-# Decode batches are padded up to the next of these sizes and replayed from a CUDA graph; bigger ones run eager.
+# Decode batches are padded up to the next of these sizes and replayed from a CUDA graph; bigger
+# ones run eager.
 DEFAULT_CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 MAX_CUDA_GRAPH_SIZE = 1024
 
@@ -144,7 +150,8 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 @dataclass
 class EngineArgs:
-    """Everything the engine is built from. The handler turns env vars into these; the engine reads no env."""
+    """Everything the engine is built from. The handler turns env vars into these; the engine reads
+    no env."""
 
     model: str
     tokenizer: str | None = None
@@ -161,25 +168,29 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     seed: int = 0
     chat_template: str | None = None
-    # Weights: "auto" loads the engine-ready pack when one matches, else safetensors and writes the pack (under
-    # pack_dir, default <model>/packs); "pack" fails if the pack can't be written; "safetensors" never uses packs.
+    # Weights: "auto" loads the engine-ready pack when one matches, else safetensors and writes the
+    # pack (under pack_dir, default <model>/packs); "pack" fails if the pack can't be written;
+    # "safetensors" never uses packs.
     load_format: str = "auto"
     pack_dir: str | None = None
-    # CUDA graphs for decode steps (GPU only): off when True, as vLLM's flag. The batch sizes captured, padded to:
-    # None takes DEFAULT_CUDA_GRAPH_SIZES up to max_num_seqs.
+    # CUDA graphs for decode steps (GPU only): off when True, as vLLM's flag. The batch sizes
+    # captured, padded to: None takes DEFAULT_CUDA_GRAPH_SIZES up to max_num_seqs.
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None
-    # GPU start-up: "lazy" captures a decode graph on the first step of its padded size (the start skips ~1 s of
-    # capture), "start" captures every size before the engine is ready. Graph memory is budgeted either way.
+    # GPU start-up: "lazy" captures a decode graph on the first step of its padded size (the start
+    # skips the capture), "start" captures every size before the engine is ready. Graph memory is
+    # budgeted either way.
     cuda_graph_capture: str = "lazy"
-    # GPU KV sizing: "analytic" subtracts an upper bound of the largest step's activations computed from the model's
-    # shapes (engine/memory_budget.py); "profile" runs that step once at start and measures its peak.
+    # GPU KV sizing: "analytic" subtracts an upper bound of the largest step's activations computed
+    # from the model's shapes (engine/memory_budget.py); "profile" runs that step once at start and
+    # measures its peak.
     kv_sizing: str = "analytic"
-    # The largest step's peak bytes as measured by a profiled start on this GPU (a compiled engine's KV-sizing
-    # record): used, with the analytic bound's margins, instead of that bound; no profiled step. None: as kv_sizing.
+    # The largest step's peak bytes as measured by a profiled start on this GPU (a compiled engine's
+    # KV-sizing record): used, with the analytic bound's margins, instead of that bound; no profiled
+    # step. None: as kv_sizing.
     kv_step_bytes: int | None = None
-    # Schedule and launch step N+1 before step N's sampled tokens are read back (as vLLM's async scheduling):
-    # None turns it on for a GPU and off for CPU.
+    # Schedule and launch step N+1 before step N's sampled tokens are read back (as vLLM's async
+    # scheduling): None turns it on for a GPU and off for CPU.
     async_scheduling: bool | None = None
     # Tensor parallelism: the model split over this many GPUs of one host (one process each, started
     # by the engine; on CPU, processes over gloo). all_reduce_backend: "nccl", or "symm_mem"
@@ -206,32 +217,49 @@ class EngineArgs:
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager: must be a bool, got {self.enforce_eager!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
-            raise ValueError(f"async_scheduling: must be a bool or None, got {self.async_scheduling!r}")
+            raise ValueError(
+                f"async_scheduling: must be a bool or None, got {self.async_scheduling!r}"
+            )
         if self.cuda_graph_sizes is not None:
             if not isinstance(self.cuda_graph_sizes, (list, tuple)) or not self.cuda_graph_sizes:
-                raise ValueError(f"cuda_graph_sizes: must be a non-empty list of ints, got {self.cuda_graph_sizes!r}")
+                raise ValueError(
+                    "cuda_graph_sizes: must be a non-empty list of ints, "
+                    f"got {self.cuda_graph_sizes!r}"
+                )
             for size in self.cuda_graph_sizes:
                 _check_int("cuda_graph_sizes", size, 1, MAX_CUDA_GRAPH_SIZE)
         if self.cuda_graph_capture not in CUDA_GRAPH_CAPTURE_MODES:
-            raise ValueError(f"cuda_graph_capture: must be one of {', '.join(CUDA_GRAPH_CAPTURE_MODES)}, "
-                             f"got {self.cuda_graph_capture!r}")
+            raise ValueError(
+                f"cuda_graph_capture: must be one of {', '.join(CUDA_GRAPH_CAPTURE_MODES)}, "
+                f"got {self.cuda_graph_capture!r}"
+            )
         if self.kv_step_bytes is not None:
             _check_int("kv_step_bytes", self.kv_step_bytes, 0, 1 << 50)
         if self.kv_sizing not in KV_SIZING_MODES:
-            raise ValueError(f"kv_sizing: must be one of {', '.join(KV_SIZING_MODES)}, got {self.kv_sizing!r}")
+            raise ValueError(
+                f"kv_sizing: must be one of {', '.join(KV_SIZING_MODES)}, got {self.kv_sizing!r}"
+            )
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, MAX_TENSOR_PARALLEL_SIZE)
         if self.all_reduce_backend not in ALL_REDUCE_BACKENDS:
             choices = ", ".join(ALL_REDUCE_BACKENDS)
-            raise ValueError(f"all_reduce_backend: must be one of {choices}, "
-                             f"got {self.all_reduce_backend!r}")
+            raise ValueError(
+                f"all_reduce_backend: must be one of {choices}, got {self.all_reduce_backend!r}"
+            )
         if self.tensor_parallel_size > 1 and ":" in self.device:
-            raise ValueError(f"device: {self.device!r} names one GPU, but tensor_parallel_size "
-                             f"{self.tensor_parallel_size} runs rank i on cuda:i; use cuda or auto")
+            raise ValueError(
+                f"device: {self.device!r} names one GPU, but tensor_parallel_size "
+                f"{self.tensor_parallel_size} runs rank i on cuda:i; use cuda or auto"
+            )
 
     def graph_sizes(self) -> list[int]:
         """The decode batch sizes to capture, ascending, none above max_num_seqs."""
-        sizes = self.cuda_graph_sizes if self.cuda_graph_sizes is not None else DEFAULT_CUDA_GRAPH_SIZES
-        return sorted({s for s in sizes if s <= self.max_num_seqs} or {min(self.max_num_seqs, MAX_CUDA_GRAPH_SIZE)})
+        sizes = (
+            self.cuda_graph_sizes if self.cuda_graph_sizes is not None else DEFAULT_CUDA_GRAPH_SIZES
+        )
+        return sorted(
+            {s for s in sizes if s <= self.max_num_seqs}
+            or {min(self.max_num_seqs, MAX_CUDA_GRAPH_SIZE)}
+        )
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

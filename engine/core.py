@@ -1,8 +1,10 @@
 """The engine core: requests in, one scheduled model step at a time, cumulative outputs back.
 
-It validates requests, turns each into n sequences, runs scheduler -> runner -> sampler, applies the stop rules
-and detokenizes. The sync LLM and the AsyncLLM fronts (engine/llm.py) drive it; it knows no threads or asyncio.
+It validates requests, turns each into n sequences, runs scheduler -> runner -> sampler, applies the
+stop rules and detokenizes. The sync LLM and the AsyncLLM fronts (engine/llm.py) drive it; it knows
+no threads or asyncio.
 """
+
 from __future__ import annotations
 
 import gc
@@ -16,6 +18,7 @@ from typing import Any, Union
 import torch
 
 from engine.config import EngineArgs, ModelConfig, resolve_dtype
+from engine.detokenizer import IncrementalDetokenizer
 from engine.kv import KVCacheManager
 from engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from engine.runner import LaunchedStep, ModelRunner
@@ -23,7 +26,6 @@ from engine.sampling import SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Request, Sequence, SequenceStatus
-from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -88,21 +90,35 @@ class EngineCore:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.requests: dict[str, Request] = {}
-        # Async scheduling (default on a GPU): step N+1 is scheduled and launched before step N's tokens are read.
+        # Async scheduling (default on a GPU): step N+1 is scheduled and launched before step N's
+        # tokens are read.
         self.async_scheduling = (
-            args.async_scheduling if args.async_scheduling is not None else self.device.type == "cuda")
+            args.async_scheduling
+            if args.async_scheduling is not None
+            else self.device.type == "cuda"
+        )
         self._in_flight: LaunchedStep | None = None  # launched, its tokens not read yet
-        self._undelivered: list[RequestOutput] = []  # outputs of a step read back when the next launch failed
+        self._undelivered: list[
+            RequestOutput
+        ] = []  # outputs of a step read back when the next launch failed
         self._rng = random.Random(args.seed)
         self._next_seq_id = 0
         self._next_arrival = 0
         log.info(
-            "engine ready: %s (%s) dtype=%s device=%s weights %.2fs, KV %d blocks x %d tokens, context limit %d",
-            args.model, m.architecture, self.dtype, self.device, self.runner.load_seconds, self.num_kv_blocks,
-            args.block_size, self.context_limit,
+            "engine ready: %s (%s) dtype=%s device=%s weights %.2fs, KV %d blocks x %d tokens, "
+            "context limit %d",
+            args.model,
+            m.architecture,
+            self.dtype,
+            self.device,
+            self.runner.load_seconds,
+            self.num_kv_blocks,
+            args.block_size,
+            self.context_limit,
         )
-        # What start-up built (modules, the model, tokenizer tables) lives as long as the process: moved out of the
-        # cyclic GC's reach, a collection during serving walks only what serving allocates (fewer step stalls).
+        # What start-up built (modules, the model, tokenizer tables) lives as long as the process:
+        # moved out of the cyclic GC's reach, a collection during serving walks only what serving
+        # allocates (fewer step stalls).
         gc.freeze()
 
     def _connect_ranks(self):
@@ -117,8 +133,10 @@ class EngineCore:
         Shard(0, n).check(self.model_config)
         if self.device.type == "cuda":
             if torch.cuda.device_count() < n:
-                raise ValueError(f"tensor_parallel_size: {n} needs {n} GPUs, this process sees "
-                                 f"{torch.cuda.device_count()}")
+                raise ValueError(
+                    f"tensor_parallel_size: {n} needs {n} GPUs, this process sees "
+                    f"{torch.cuda.device_count()}"
+                )
             self.device = torch.device("cuda", 0)
         self.ranks = attach_ranks(n, self.device.type)
         tp = self.ranks.connect(self.args, self.device, self.dtype)
@@ -152,13 +170,17 @@ class EngineCore:
     def _load_tokenizer(self) -> Tokenizer | None:
         path = self.args.tokenizer or self.args.model
         if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-            log.warning("no tokenizer.json in %s: prompts must be token ids and outputs carry no text", path)
+            log.warning(
+                "no tokenizer.json in %s: prompts must be token ids and outputs carry no text", path
+            )
             return None
         return Tokenizer.from_dir(path, chat_template=self.args.chat_template)
 
-    # ---- requests ------------------------------------------------------------------------------------------
+    # ---- requests
+    # ------------------------------------------------------------------------------------------
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """A prompt in any accepted form -> (text or None, token ids), validated against the vocabulary."""
+        """A prompt in any accepted form -> (text or None, token ids), validated against the
+        vocabulary."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
@@ -173,33 +195,51 @@ class EngineCore:
         elif isinstance(prompt, (list, tuple)):
             text, ids = None, list(prompt)
             vocab = self.model_config.vocab_size
-            bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+            bad = next(
+                (
+                    t
+                    for t in ids
+                    if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
+                ),
+                None,
+            )
             if bad is not None:
-                raise ValueError(f"prompt_token_ids: every id must be an integer in [0, {vocab}), got {bad!r}")
+                raise ValueError(
+                    f"prompt_token_ids: every id must be an integer in [0, {vocab}), got {bad!r}"
+                )
         else:
-            raise ValueError(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise ValueError(
+                f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}"
+            )
         if not ids:
             raise ValueError("prompt: must not be empty")
         return text, ids
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> Request:
-        """Validate and queue a request. Raises ValueError naming the field for anything the engine can't serve."""
+    def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams | None = None
+    ) -> Request:
+        """Validate and queue a request. Raises ValueError naming the field for anything the engine
+        can't serve."""
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         params = params if params is not None else SamplingParams()
         params.validate()
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop: stop strings need a tokenizer and this model has none; use stop_token_ids")
+            raise ValueError(
+                "stop: stop strings need a tokenizer and this model has none; use stop_token_ids"
+            )
         text, ids = self.tokenize(prompt)
         if len(ids) + 1 > self.max_model_len:
             raise ValueError(
-                f"prompt: {len(ids)} tokens leave no room to generate within max_model_len={self.max_model_len} "
+                f"prompt: {len(ids)} tokens leave no room to generate within "
+                f"max_model_len={self.max_model_len} "
                 f"(the prompt must be at most {self.max_model_len - 1} tokens)"
             )
         if len(ids) + 1 > self.context_limit:
             raise ValueError(
-                f"prompt: {len(ids)} tokens need {self.kv.blocks_for(len(ids) + 1)} KV blocks but the whole cache has "
-                f"{self.num_kv_blocks} (of {self.args.block_size} tokens); at most {self.context_limit - 1} tokens fit"
+                f"prompt: {len(ids)} tokens need {self.kv.blocks_for(len(ids) + 1)} KV blocks "
+                f"but the whole cache has {self.num_kv_blocks} (of {self.args.block_size} tokens); "
+                f"at most {self.context_limit - 1} tokens fit"
             )
         req = Request(
             request_id=request_id,
@@ -233,7 +273,8 @@ class EngineCore:
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         if params.is_greedy:
             return None
-        # Seeded: sample i of a request uses seed + i. Unseeded: a seed drawn from the engine's own seeded RNG.
+        # Seeded: sample i of a request uses seed + i. Unseeded: a seed drawn from the engine's own
+        # seeded RNG.
         seed = params.seed + index if params.seed is not None else self._rng.getrandbits(63)
         return torch.Generator(device=self.device).manual_seed(seed & ((1 << 63) - 1))
 
@@ -259,12 +300,15 @@ class EngineCore:
         return self._output(req)
 
     def _fail_for_memory(self, scheduled) -> "RequestFailed":
-        """A step ran out of device memory: abort the request that asked most of it (the largest chunk of new
-        tokens, else the longest context) so the others go on; nothing was computed, so they just run again."""
+        """A step ran out of device memory: abort the request that asked most of it (the largest
+        chunk of new tokens, else the longest context) so the others go on; nothing was computed, so
+        they just run again."""
         seq = max(scheduled, key=lambda s: (s.num_new_tokens, s.seq.num_computed_tokens)).seq
         victim = seq.request
-        message = (f"out of device memory running this request ({seq.num_prompt_tokens} prompt tokens); "
-                   f"it was aborted and the engine goes on")
+        message = (
+            f"out of device memory running this request ({seq.num_prompt_tokens} prompt tokens); "
+            f"it was aborted and the engine goes on"
+        )
         log.warning("request %s: %s", victim.request_id, message)
         self.abort(victim.request_id)
         if torch.cuda.is_available():
@@ -272,20 +316,27 @@ class EngineCore:
         return RequestFailed(victim.request_id, message)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._undelivered)
+        return (
+            self.scheduler.has_unfinished()
+            or self._in_flight is not None
+            or bool(self._undelivered)
+        )
 
-    # ---- the step ------------------------------------------------------------------------------------------
+    # ---- the step
+    # ------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule and launch one step; return the outputs of the step whose tokens just became known.
+        """Schedule and launch one step; return the outputs of the step whose tokens just became
+        known.
 
-        With async scheduling the step launched here is read back on the next call: its host work (scheduling,
-        inputs) ran while the previous step was on the device, and that step's tokens are detokenized and
-        checked for stops while this one is. A sequence that stops is found one step late; the token its extra
-        step samples is dropped."""
+        With async scheduling the step launched here is read back on the next call: its host work
+        (scheduling, inputs) ran while the previous step was on the device, and that step's tokens
+        are detokenized and checked for stops while this one is. A sequence that stops is found one
+        step late; the token its extra step samples is dropped."""
         outputs, self._undelivered = self._undelivered, []
         in_flight = self._in_flight
         if in_flight is not None and in_flight.needs_host_tokens:
-            # Penalties need every generated id on the host: finish the step in flight before scheduling.
+            # Penalties need every generated id on the host: finish the step in flight before
+            # scheduling.
             self._in_flight = None
             outputs += self._finish_step(in_flight)
             in_flight = None
@@ -293,7 +344,9 @@ class EngineCore:
         try:
             launched = self._launch(sched) if sched else None
         except RequestFailed:
-            self._undelivered = outputs  # one request failed; the others' outputs go out with the next step
+            self._undelivered = (
+                outputs  # one request failed; the others' outputs go out with the next step
+            )
             raise
         if in_flight is not None:
             self._in_flight = None
@@ -309,8 +362,9 @@ class EngineCore:
         return outputs
 
     def _launch(self, sched) -> LaunchedStep:
-        """Run the runner on a scheduled step (without waiting for the device) and advance the sequences' counters;
-        a sequence that samples counts one pending token until the step's result is read."""
+        """Run the runner on a scheduled step (without waiting for the device) and advance the
+        sequences' counters; a sequence that samples counts one pending token until the step's
+        result is read."""
         rows: dict[int, SamplingRow] = {}
         needs_host_tokens = False
         for s in sched.scheduled:
@@ -318,7 +372,11 @@ class EngineCore:
                 seq = s.seq
                 row = rows[seq.seq_id] = self._sampling_row(seq)
                 p = row.params
-                if p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0:
+                if (
+                    p.repetition_penalty != 1.0
+                    or p.presence_penalty != 0
+                    or p.frequency_penalty != 0
+                ):
                     needs_host_tokens = True
         if self.ranks is not None and self.ranks.dead is not None:
             raise self.ranks.dead
@@ -326,15 +384,18 @@ class EngineCore:
             launched = self.runner.execute(sched.scheduled, rows, self._in_flight)
         except torch.OutOfMemoryError as exc:
             if self.ranks is not None:  # the other ranks are in this step's collectives: no way out
-                raise RuntimeError("out of device memory in a tensor-parallel step; the engine "
-                                   "stops") from exc
+                raise RuntimeError(
+                    "out of device memory in a tensor-parallel step; the engine stops"
+                ) from exc
             raise self._fail_for_memory(sched.scheduled) from exc
         launched.needs_host_tokens = needs_host_tokens
         now = time.time()
         for s in sched.scheduled:
             seq = s.seq
             req = seq.request
-            if req.metrics.first_scheduled_time is None:  # first admission: what the prefix cache served
+            if (
+                req.metrics.first_scheduled_time is None
+            ):  # first admission: what the prefix cache served
                 req.metrics.first_scheduled_time = now
                 req.num_cached_tokens = seq.num_computed_tokens
             seq.num_computed_tokens += s.num_new_tokens
@@ -346,7 +407,8 @@ class EngineCore:
         return launched
 
     def _finish_step(self, launched: LaunchedStep) -> list[RequestOutput]:
-        """Read a launched step's tokens back, append them, apply the stop rules and build the outputs."""
+        """Read a launched step's tokens back, append them, apply the stop rules and build the
+        outputs."""
         sampled = launched.result()
         touched: dict[str, Request] = {}
         for seq, token, logprobs in zip(launched.seqs, sampled.token_ids, sampled.logprobs):
@@ -375,9 +437,11 @@ class EngineCore:
         return SamplingRow(
             params=p,
             generator=seq.generator,
-            prompt_token_ids=seq.request.prompt_token_ids,  # shared by the request's samples: no copy
-            output_token_ids=seq.output_token_ids if p.presence_penalty or p.frequency_penalty or (
-                p.repetition_penalty != 1.0) else [],  # read only by the penalties
+            # shared by the request's samples: no copy
+            prompt_token_ids=seq.request.prompt_token_ids,
+            output_token_ids=seq.output_token_ids
+            if p.presence_penalty or p.frequency_penalty or (p.repetition_penalty != 1.0)
+            else [],  # read only by the penalties
             banned_token_ids=banned,
         )
 
@@ -399,9 +463,7 @@ class EngineCore:
             self.scheduler.finish(seq, "stop")
         elif p.stop_token_ids and token in p.stop_token_ids:
             self.scheduler.finish(seq, "stop", token)
-        elif p.max_tokens is not None and len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens:
-            self.scheduler.finish(seq, "length")
-        elif len(seq.token_ids) >= seq.max_total_tokens:
+        elif seq.at_length_limit(len(seq.token_ids)):
             self.scheduler.finish(seq, "length")
 
     def _decoded(self, positions: list[PositionLogprobs | None]) -> list[PositionLogprobs | None]:
@@ -419,7 +481,9 @@ class EngineCore:
                 CompletionOutput(
                     index=seq.index,
                     text=seq.detokenizer.output_text(done) if seq.detokenizer is not None else "",
-                    token_ids=seq.token_ids[seq.num_prompt_tokens:],  # a new list: later tokens never show up in it
+                    token_ids=seq.token_ids[
+                        seq.num_prompt_tokens :
+                    ],  # a new list: later tokens never show up in it
                     cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
                     logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
                     finish_reason=seq.finish_reason,
@@ -438,8 +502,9 @@ class EngineCore:
         )
 
     def capture_cuda_graphs(self) -> float:
-        """Capture every decode graph size not captured yet (lazy capture otherwise takes each on its first step);
-        the seconds it took, 0 without graphs. Benchmarks call it before timing anything."""
+        """Capture every decode graph size not captured yet (lazy capture otherwise takes each on
+        its first step); the seconds it took, 0 without graphs. Benchmarks call it before timing
+        anything."""
         if self.runner.graphs is None:
             return 0.0
         t0 = time.perf_counter()

@@ -1,8 +1,9 @@
-"""CUDA graphs of the decode step (model forward + logits) at a few batch sizes, in one shared pool, captured at start
-or lazily (a size on its first step).
+"""CUDA graphs of the decode step (model forward + logits) at a few batch sizes, in one shared pool,
+captured at start or lazily (a size on its first step).
 
-A decode batch is padded up to the next captured size; its inputs are copied into the graph's static buffer, then
-the graph replays. Padded rows have seq_len 0 and slot -1: attention writes nothing for them and returns zeros.
+A decode batch is padded up to the next captured size; its inputs are copied into the graph's static
+buffer, then the graph replays. Padded rows have seq_len 0 and slot -1: attention writes nothing for
+them and returns zeros.
 
 Lazy capture in the background (`background` on, once `prepare_size` can load a size's kernels off
 the step loop):
@@ -10,6 +11,7 @@ a step whose size has no graph yet is replayed from a larger captured graph, or 
 another thread
 captures that size (capture records, it runs nothing), so no step waits for a capture.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -47,9 +49,13 @@ class DecodeGraphs:
         self.stager = stager
         self.sizes = sorted(set(sizes))
         self.max_model_len = max_model_len
-        self.table_width = -(-max_model_len // block_size)  # a sequence can hold at most this many blocks
+        self.table_width = -(
+            -max_model_len // block_size
+        )  # a sequence can hold at most this many blocks
         self.device = kv_cache.device
-        self.logits = torch.empty(self.sizes[-1], vocab_size, dtype=torch.float32, device=self.device)
+        self.logits = torch.empty(
+            self.sizes[-1], vocab_size, dtype=torch.float32, device=self.device
+        )
         self.pool = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.inputs: dict[int, torch.Tensor] = {}  # size -> the graph's static packed input buffer
@@ -73,19 +79,29 @@ class DecodeGraphs:
         return self.sizes[-1]
 
     def padded_size(self, batch: int) -> int | None:
-        """The smallest captured size >= batch, or None when the batch is bigger than every graph."""
+        """The smallest captured size >= batch, or None when the batch is bigger than every
+        graph."""
         i = bisect.bisect_left(self.sizes, batch)
         return self.sizes[i] if i < len(self.sizes) else None
 
     def _stage_padding(self, size: int, dest: torch.Tensor | None) -> StepTensors:
         """Inputs of `size` padded rows only (used to warm up and capture)."""
-        return self.stager.stage([], [], [], [], [], table_width=self.table_width, pad_to=size, dest=dest,
-                                 max_seq_len=self.max_model_len)
+        return self.stager.stage(
+            [],
+            [],
+            [],
+            [],
+            [],
+            table_width=self.table_width,
+            pad_to=size,
+            dest=dest,
+            max_seq_len=self.max_model_len,
+        )
 
     @torch.inference_mode()
     def capture(self, sizes: Sequence[int] | None = None) -> None:
-        """Capture every size (or only `sizes`: run() captures a size lazily on its first step), largest first,
-        so the smaller graphs reuse the pool's blocks."""
+        """Capture every size (or only `sizes`: run() captures a size lazily on its first step),
+        largest first, so the smaller graphs reuse the pool's blocks."""
         with self._capturing:
             self._capture_inline(sizes)
 
@@ -95,17 +111,22 @@ class DecodeGraphs:
         before = torch.cuda.memory_allocated(self.device)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)  # capture needs a side stream; torch.cuda.graph's also runs a full
-        todo = sorted({s for s in (self.sizes if sizes is None else sizes) if s not in self.graphs}, reverse=True)
-        for size in todo:                       # gc.collect() + empty_cache() per graph, which we skip
+        stream = torch.cuda.Stream(
+            self.device
+        )  # capture needs a side stream; torch.cuda.graph's also runs a full
+        todo = sorted(
+            {s for s in (self.sizes if sizes is None else sizes) if s not in self.graphs},
+            reverse=True,
+        )
+        for size in todo:  # gc.collect() + empty_cache() per graph, which we skip
             _, nbytes = StepLayout(size, size, self.table_width).offsets()
             dest = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
             step = self._stage_padding(size, dest)
             graph = torch.cuda.CUDAGraph()
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                # Warm-up on the capture stream, outside the graph: compiles the Triton kernels for these shapes
-                # and sets up cuBLAS (and its workspace) for this stream.
+                # Warm-up on the capture stream, outside the graph: compiles the Triton kernels for
+                # these shapes and sets up cuBLAS (and its workspace) for this stream.
                 self._forward(step, size)
                 stream.synchronize()
                 graph.capture_begin(pool=self.pool, capture_error_mode=self.capture_error_mode)
@@ -121,8 +142,12 @@ class DecodeGraphs:
         self.pool_bytes += torch.cuda.memory_allocated(self.device) - before
         self.capture_seconds += time.perf_counter() - t0
         log.info(
-            "CUDA graphs: captured decode batch sizes %s in %.2f s (%.0f MiB of graph memory and static buffers "
-            "in all)", ",".join(map(str, todo)), time.perf_counter() - t0, self.pool_bytes / (1 << 20),
+            "CUDA graphs: captured decode batch sizes %s in %.2f s "
+            "(%.0f MiB of graph memory and static buffers "
+            "in all)",
+            ",".join(map(str, todo)),
+            time.perf_counter() - t0,
+            self.pool_bytes / (1 << 20),
         )
 
     def _forward(self, step: StepTensors, size: int) -> None:
@@ -137,32 +162,49 @@ class DecodeGraphs:
         block_tables: Sequence[Sequence[int]],
         fill_input_ids: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
-        """One decode step of len(token_ids) one-token sequences -> their logits [B, vocab] (a view of the static
-        buffer, valid until the next replay). fill_input_ids, when given, is called with the graph's static input
-        ids (on the device, after the step's inputs are copied in) to write ids that are only on the device."""
+        """One decode step of len(token_ids) one-token sequences -> their logits [B, vocab] (a view
+        of the static buffer, valid until the next replay). fill_input_ids, when given, is called
+        with the graph's static input ids (on the device, after the step's inputs are copied in) to
+        write ids that are only on the device."""
         batch = len(token_ids)
         size = self.padded_size(batch)
         if size is None:
-            raise ValueError(f"batch: {batch} sequences exceed the largest captured CUDA graph ({self.max_size})")
+            raise ValueError(
+                f"batch: {batch} sequences exceed the largest captured CUDA graph ({self.max_size})"
+            )
         if size not in self.graphs:
             if not self.background:
                 self.capture([size])
             else:
                 self._request(size)
-                larger = self.sizes[self.sizes.index(size):]
+                larger = self.sizes[self.sizes.index(size) :]
                 size = next((s for s in larger if s in self.graphs), None)
                 if size is None:  # no larger graph yet either: this step runs eagerly
-                    return self._run_eager(batch, token_ids, positions, starts, block_tables,
-                                           fill_input_ids)
-        self.stager.stage(token_ids, positions, starts, [1] * batch, block_tables, table_width=self.table_width,
-                          pad_to=size, dest=self.inputs[size], max_seq_len=self.max_model_len, want_views=False)
+                    return self._run_eager(
+                        batch, token_ids, positions, starts, block_tables, fill_input_ids
+                    )
+        self.stager.stage(
+            token_ids,
+            positions,
+            starts,
+            [1] * batch,
+            block_tables,
+            table_width=self.table_width,
+            pad_to=size,
+            dest=self.inputs[size],
+            max_seq_len=self.max_model_len,
+            want_views=False,
+        )
         if fill_input_ids is not None:
-            fill_input_ids(input_ids_view(self.inputs[size], StepLayout(size, size, self.table_width)))
+            fill_input_ids(
+                input_ids_view(self.inputs[size], StepLayout(size, size, self.table_width))
+            )
         self.graphs[size].replay()
         return self.logits[:batch]
 
-    def _run_eager(self, batch, token_ids, positions, starts, block_tables,
-                   fill_input_ids) -> torch.Tensor:
+    def _run_eager(
+        self, batch, token_ids, positions, starts, block_tables, fill_input_ids
+    ) -> torch.Tensor:
         """One decode step without a graph, padded to its size as the graph would be (the same
         kernels)."""
         size = self.padded_size(batch)
@@ -171,9 +213,17 @@ class DecodeGraphs:
             _, nbytes = StepLayout(size, size, self.table_width).offsets()
             dest = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self._eager_inputs[size] = dest
-        step = self.stager.stage(token_ids, positions, starts, [1] * batch, block_tables,
-                                 table_width=self.table_width, pad_to=size, dest=dest,
-                                 max_seq_len=self.max_model_len)
+        step = self.stager.stage(
+            token_ids,
+            positions,
+            starts,
+            [1] * batch,
+            block_tables,
+            table_width=self.table_width,
+            pad_to=size,
+            dest=dest,
+            max_seq_len=self.max_model_len,
+        )
         if fill_input_ids is not None:
             fill_input_ids(step.input_ids)
         self._forward(step, size)
@@ -188,8 +238,9 @@ class DecodeGraphs:
                 return
             self._queue.append(size)
             if self._worker is None:
-                self._worker = threading.Thread(target=self._capture_queued,
-                                                name="coldbrew-graph-capture", daemon=True)
+                self._worker = threading.Thread(
+                    target=self._capture_queued, name="coldbrew-graph-capture", daemon=True
+                )
                 self._worker.start()
 
     def _capture_queued(self) -> None:
@@ -208,9 +259,13 @@ class DecodeGraphs:
                         self._capture_background(size)
             except Exception as exc:  # steps go on eager or from larger graphs; later sizes inline
                 self.background = False
-                log.warning("CUDA graphs: capturing batch size %d in the background failed "
-                            "(%s: %s); sizes not captured yet are captured in their first step",
-                            size, type(exc).__name__, exc)
+                log.warning(
+                    "CUDA graphs: capturing batch size %d in the background failed "
+                    "(%s: %s); sizes not captured yet are captured in their first step",
+                    size,
+                    type(exc).__name__,
+                    exc,
+                )
             finally:
                 with self._lock:
                     self._queue.remove(size)
@@ -251,12 +306,17 @@ class DecodeGraphs:
             self.graphs[size] = graph
         seconds = time.perf_counter() - t0
         self.capture_seconds += seconds
-        log.info("CUDA graphs: captured decode batch size %d in the background in %.3f s", size,
-                 seconds)
+        log.info(
+            "CUDA graphs: captured decode batch size %d in the background in %.3f s", size, seconds
+        )
 
     def _padding_meta(self, size: int) -> dict:
         """The host half of the metadata the stager gives `size` padding rows (what a capture's
         launches read)."""
-        return dict(max_query_len=1, max_seq_len=self.max_model_len,
-                    query_start_loc_cpu=list(range(size + 1)), seq_lens_cpu=[0] * size,
-                    block_size=self.stager.block_size)
+        return dict(
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            query_start_loc_cpu=list(range(size + 1)),
+            seq_lens_cpu=[0] * size,
+            block_size=self.stager.block_size,
+        )

@@ -1,9 +1,11 @@
-"""The paged KV cache's bookkeeping: a block pool with reference counts, block tables, and the prefix cache.
+"""The paged KV cache's bookkeeping: a block pool with reference counts, block tables, and the
+prefix cache.
 
-Full blocks are published under a chained hash of their tokens (each hash covers the whole prefix). A lookup checks
-the block's own tokens and its parent hash, so a hash collision can never serve wrong K/V. Freed blocks stay
-cached until evicted, least recently used first.
+Full blocks are published under a chained hash of their tokens (each hash covers the whole prefix).
+A lookup checks the block's own tokens and its parent hash, so a hash collision can never serve
+wrong K/V. Freed blocks stay cached until evicted, least recently used first.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -48,14 +50,15 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        # Free blocks, least recently used first. Cached blocks are evicted from the front when handed out again.
+        # Free blocks, least recently used first. Cached blocks are evicted from the front when
+        # handed out again.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}
         self.queried_tokens = 0
         self.hit_tokens = 0
         self.peak_used = 0
 
-    # ---- queries -------------------------------------------------------------------------------------------
+    # ---- queries ---------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_queue)
@@ -80,8 +83,8 @@ class KVCacheManager:
             seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Blocks of the prefix cache holding the longest cached prefix of seq, leaving at least one token to
-        compute (its logits are needed for sampling)."""
+        """Blocks of the prefix cache holding the longest cached prefix of seq, leaving at least one
+        token to compute (its logits are needed for sampling)."""
         if not self.enable_prefix_caching:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
@@ -94,23 +97,33 @@ class KVCacheManager:
                 break
             block = self.blocks[block_id]
             parent = seq.block_hashes[i - 1] if i else None
-            if block.parent_hash != parent or block.tokens != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
+            if block.parent_hash != parent or block.tokens != tuple(
+                seq.token_ids[i * bs : (i + 1) * bs]
+            ):
                 break  # a hash collision: treat as a miss
             hits.append(block_id)
         self.queried_tokens += seq.num_tokens
         return hits
 
-    # ---- allocation ----------------------------------------------------------------------------------------
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+    # ---- allocation ------------------------------------------------------------------------------
+    def can_allocate(
+        self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()
+    ) -> bool:
         computed = seq.num_computed_tokens + len(cached_blocks) * self.block_size
-        need = self.blocks_for(computed + num_new_tokens) - len(seq.block_table) - len(cached_blocks)
-        # Cached hits that sit in the free queue are taken out of it, so they are not free for new blocks.
+        need = (
+            self.blocks_for(computed + num_new_tokens) - len(seq.block_table) - len(cached_blocks)
+        )
+        # Cached hits that sit in the free queue are taken out of it, so they are not free for new
+        # blocks.
         reserved = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
         return need <= self.num_free_blocks - reserved
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
-        """Give seq the blocks for num_new_tokens more tokens (after adopting cached_blocks). False if it can't."""
-        if not cached_blocks and (seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size):
+        """Give seq the blocks for num_new_tokens more tokens (after adopting cached_blocks). False
+        if it can't."""
+        if not cached_blocks and (
+            seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size
+        ):
             return True  # its blocks already hold them (most decode steps)
         if not self.can_allocate(seq, num_new_tokens, cached_blocks):
             return False
@@ -136,7 +149,8 @@ class KVCacheManager:
         return True
 
     def share_prefix(self, child: Sequence, parent: Sequence, num_blocks: int) -> None:
-        """The n > 1 samples of one request reference the prompt blocks of sample 0 instead of recomputing them."""
+        """The n > 1 samples of one request reference the prompt blocks of sample 0 instead of
+        recomputing them."""
         assert not child.block_table
         for block_id in parent.block_table[:num_blocks]:
             self._take(block_id)
@@ -152,7 +166,8 @@ class KVCacheManager:
         block.ref_count += 1
 
     def free(self, seq: Sequence) -> None:
-        """Release seq's blocks. Tail blocks go to the free queue first, so they are evicted before the prefix."""
+        """Release seq's blocks. Tail blocks go to the free queue first, so they are evicted before
+        the prefix."""
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -165,7 +180,8 @@ class KVCacheManager:
         seq.num_hashed_blocks = 0
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Publish seq's newly completed full blocks (all tokens computed and known on the host) in the prefix cache."""
+        """Publish seq's newly completed full blocks (all tokens computed and known on the host) in
+        the prefix cache."""
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size

@@ -1,9 +1,12 @@
-"""The engine's two fronts: LLM (blocking, batch in -> outputs out) and AsyncLLM (per-request async streams, abort).
+"""The engine's two fronts: LLM (blocking, batch in -> outputs out) and AsyncLLM (per-request async
+streams, abort).
 
-AsyncLLM runs the engine core's step loop on one background thread, the only one that touches the core and the
-table of open streams: adds, aborts and closes are queued to it and run between steps, so an abort that returns has
-already freed the request's blocks, and a request id reused after a close never receives the old request's output.
+AsyncLLM runs the engine core's step loop on one background thread, the only one that touches the
+core and the table of open streams: adds, aborts and closes are queued to it and run between steps,
+so an abort that returns has already freed the request's blocks, and a request id reused after a
+close never receives the old request's output.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -36,7 +39,9 @@ def _engine_args(model: str | None, engine_args: EngineArgs | None, kwargs: dict
 class LLM:
     """Offline inference: `LLM(model=dir).generate(prompts, SamplingParams(...))`."""
 
-    def __init__(self, model: str | None = None, *, engine_args: EngineArgs | None = None, **kwargs):
+    def __init__(
+        self, model: str | None = None, *, engine_args: EngineArgs | None = None, **kwargs
+    ):
         self.engine = EngineCore(_engine_args(model, engine_args, kwargs))
         self._ids = itertools.count()
 
@@ -51,7 +56,8 @@ class LLM:
         return self.engine.stats()
 
     def capture_cuda_graphs(self) -> float:
-        """Capture every decode graph size not captured yet; the seconds it took (0 without graphs)."""
+        """Capture every decode graph size not captured yet; the seconds it took (0 without
+        graphs)."""
         return self.engine.capture_cuda_graphs()
 
     def shutdown(self) -> None:
@@ -66,7 +72,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion and return their outputs in input order.
 
-        A prompt the engine can't serve raises ValueError before anything runs; the engine stays usable."""
+        A prompt the engine can't serve raises ValueError before anything runs; the engine stays
+        usable."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts))
@@ -88,7 +95,10 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
             tok.encode_chat(
-                conv, add_generation_prompt=add_generation_prompt, tools=tools, chat_template=chat_template,
+                conv,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                chat_template=chat_template,
                 **template_kwargs,
             )
             for conv in conversations
@@ -114,13 +124,16 @@ class LLM:
                     if out.finished:
                         final[out.request_id] = out
                         pending.discard(out.request_id)
-        finally:  # interrupted (Ctrl-C, an engine error): leave nothing running behind the caller's back
+        # interrupted (Ctrl-C, an engine error): leave nothing running behind the caller's back
+        finally:
             for rid in pending:
                 self.engine.abort(rid)
         return [final[rid] for rid in ids]
 
 
-def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+def _per_prompt(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
     if params is None:
         params = SamplingParams()
     if isinstance(params, SamplingParams):
@@ -131,10 +144,13 @@ def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int
 
 
 class AsyncLLM:
-    """Online inference: `async for out in engine.generate(request_id, prompt, params)` streams cumulative
-    outputs; `await engine.abort(request_id)` ends a request and frees its KV blocks before it returns."""
+    """Online inference: `async for out in engine.generate(request_id, prompt, params)` streams
+    cumulative outputs; `await engine.abort(request_id)` ends a request and frees its KV blocks
+    before it returns."""
 
-    def __init__(self, model: str | None = None, *, engine_args: EngineArgs | None = None, **kwargs):
+    def __init__(
+        self, model: str | None = None, *, engine_args: EngineArgs | None = None, **kwargs
+    ):
         self.engine = EngineCore(_engine_args(model, engine_args, kwargs))
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -157,20 +173,24 @@ class AsyncLLM:
         return self._call(self.engine.stats).result()
 
     async def capture_cuda_graphs(self) -> float:
-        """Capture every decode graph size not captured yet, on the engine thread between steps; the seconds it took."""
+        """Capture every decode graph size not captured yet, on the engine thread between steps; the
+        seconds it took."""
         return await asyncio.wrap_future(self._call(self.engine.capture_cuda_graphs))
 
     def stats_nowait(self) -> EngineStats:
-        """The counters read on the caller's thread without waiting for a step (admission control, /metrics).
+        """The counters read on the caller's thread without waiting for a step (admission control,
+        /metrics).
 
-        Each is one plain read of an int or a length, so a snapshot may straddle a step; never use it for accounting."""
+        Each is one plain read of an int or a length, so a snapshot may straddle a step; never use
+        it for accounting."""
         return self.engine.stats()
 
     @property
     def errored(self) -> BaseException | None:
         return self._error
 
-    # ---- the engine thread: the only one that touches the engine core and the stream table -----------------
+    # ---- the engine thread: the only one that touches the engine core and the stream table
+    # -----------------
     def _call(self, fn: Callable, *args) -> Future:
         """Run fn(*args) on the engine thread between two steps."""
         if self._error is not None:
@@ -178,8 +198,8 @@ class AsyncLLM:
         if self._stopped:
             raise RuntimeError("engine is shut down")
         fut: Future = Future()
-        # Running: an awaiting task that is cancelled can't cancel the command (it still runs, in order), so the
-        # engine thread never finds a cancelled future it can't complete.
+        # Running: an awaiting task that is cancelled can't cancel the command (it still runs, in
+        # order), so the engine thread never finds a cancelled future it can't complete.
         fut.set_running_or_notify_cancel()
         self._commands.put((fn, args, fut))
         self._wakeup.set()
@@ -206,7 +226,9 @@ class AsyncLLM:
                     continue
                 try:
                     outputs = self.engine.step()
-                except RequestFailed as failed:  # that request alone ends, with its error; the others go on
+                except (
+                    RequestFailed
+                ) as failed:  # that request alone ends, with its error; the others go on
                     self._deliver(failed.request_id, failed)
                     continue
                 self._deliver_all([(out.request_id, out) for out in outputs])
@@ -232,7 +254,8 @@ class AsyncLLM:
         self._deliver_all([(request_id, item)])
 
     def _deliver_all(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
-        """Hand items to their streams: one wake-up per event loop for all of them, not one per request."""
+        """Hand items to their streams: one wake-up per event loop for all of them, not one per
+        request."""
         by_loop: dict = {}
         for request_id, item in items:
             stream = self._streams.get(request_id)
@@ -245,12 +268,15 @@ class AsyncLLM:
                 for request_id, _, _ in queued:
                     self._streams.pop(request_id, None)
 
-    def _open(self, request_id: str, prompt: PromptType, params: SamplingParams | None, stream) -> None:
+    def _open(
+        self, request_id: str, prompt: PromptType, params: SamplingParams | None, stream
+    ) -> None:
         self.engine.add_request(request_id, prompt, params)  # raises for a request_id still in use
         self._streams[request_id] = stream
 
     def _close(self, request_id: str, stream) -> None:
-        """The reader left: drop its stream and abort what is left of its request (not a newer one's)."""
+        """The reader left: drop its stream and abort what is left of its request (not a newer
+        one's)."""
         if self._streams.get(request_id) is stream:
             del self._streams[request_id]
             self.engine.abort(request_id)
@@ -260,7 +286,8 @@ class AsyncLLM:
         if out is not None:
             self._deliver(request_id, out)
 
-    # ---- the public API ------------------------------------------------------------------------------------
+    # ---- the public API
+    # ------------------------------------------------------------------------------------
     async def generate(
         self, request_id: str, prompt: PromptType, params: SamplingParams | None = None
     ) -> AsyncIterator[RequestOutput]:
@@ -269,12 +296,15 @@ class AsyncLLM:
         opened = self._call(self._open, request_id, prompt, params, stream)
         finished = False
         try:
-            # Inside the try: a caller cancelled while the open is queued still gets its request closed after it.
+            # Inside the try: a caller cancelled while the open is queued still gets its request
+            # closed after it.
             await asyncio.wrap_future(opened)
             while not finished:
                 item = await queue_.get()
                 while not queue_.empty() and not isinstance(item, BaseException):
-                    item = queue_.get_nowait()  # outputs are cumulative: a slow reader skips to the newest
+                    item = (
+                        queue_.get_nowait()
+                    )  # outputs are cumulative: a slow reader skips to the newest
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -284,7 +314,11 @@ class AsyncLLM:
                 await asyncio.wrap_future(self._call(self._close, request_id, stream))
 
     async def chat(
-        self, request_id: str, messages: Messages, params: SamplingParams | None = None, **template_kwargs
+        self,
+        request_id: str,
+        messages: Messages,
+        params: SamplingParams | None = None,
+        **template_kwargs,
     ) -> AsyncIterator[RequestOutput]:
         if self.tokenizer is None:
             raise ValueError("messages: this model has no tokenizer, so it has no chat template")
@@ -293,7 +327,8 @@ class AsyncLLM:
             yield out
 
     async def abort(self, request_id: str) -> None:
-        """End the request (its stream gets a final output with finish_reason "abort"); blocks are free on return."""
+        """End the request (its stream gets a final output with finish_reason "abort"); blocks are
+        free on return."""
         await asyncio.wrap_future(self._call(self._abort, request_id))
 
     def shutdown(self) -> None:

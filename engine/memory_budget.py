@@ -1,47 +1,69 @@
-"""Upper bounds, from the model's shapes alone, of the GPU memory one engine step takes beside weights and KV cache.
+"""Upper bounds, from the model's shapes alone, of the GPU memory one engine step takes beside
+weights and KV cache.
 
-They size the KV cache at start without a profiled step (tests/test_cold_start_gpu.py checks them against one).
+They size the KV cache at start without a profiled step (tests/test_cold_start_gpu.py checks them
+against one).
 """
+
 from __future__ import annotations
 
 from engine.config import ModelConfig
 
-# cuBLAS workspaces, Triton launch buffers, the step's input staging and allocator rounding: a fixed allowance.
+# cuBLAS workspaces, Triton launch buffers, the step's input staging and allocator rounding: a fixed
+# allowance.
 FIXED_SLACK_BYTES = 256 << 20
-# The caching allocator keeps freed blocks for reuse; fragmentation can make a step reserve more than it uses.
+# The caching allocator keeps freed blocks for reuse; fragmentation can make a step reserve more
+# than it uses.
 FRAGMENTATION = 1.10
-# Split-K decode attention keeps fp32 partial outputs per (token, head, split); the Triton backend caps splits here.
+# Split-K decode attention keeps fp32 partial outputs per (token, head, split); the Triton backend
+# caps splits here.
 MAX_DECODE_SPLITS = 64
 
 
 def layer_activation_bytes(cfg: ModelConfig, itemsize: int, num_tokens: int) -> int:
-    """Tensors of one decoder layer alive at once for `num_tokens` tokens (earlier layers' are freed by then)."""
-    q, kv, h, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, \
-        cfg.intermediate_size
-    attention_half = (q + 2 * kv) + (q + kv) + q + h  # qkv, rotated q and k, attention output, o_proj output
+    """Tensors of one decoder layer alive at once for `num_tokens` tokens (earlier layers' are freed
+    by then)."""
+    q, kv, h, inter = (
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.hidden_size,
+        cfg.intermediate_size,
+    )
+    # qkv, rotated q and k, attention output, o_proj output
+    attention_half = (q + 2 * kv) + (q + kv) + q + h
     mlp_half = 2 * inter + inter + h  # gate_up, silu(gate) * up, down_proj output
     stream = 3 * h  # the residual stream in and out, and its normed copy
     return num_tokens * (stream + max(attention_half, mlp_half)) * itemsize
 
 
-def attention_scratch_bytes(cfg: ModelConfig, itemsize: int, num_tokens: int, num_seqs: int, backend: str) -> int:
-    """The attention backend's own temporaries: the torch reference materialises one sequence's scores (fp32
-    scores, their masked copy and softmax, the probabilities in the model dtype, the mask); Triton keeps only the
-    split-K partials of a decode batch."""
+def attention_scratch_bytes(
+    cfg: ModelConfig, itemsize: int, num_tokens: int, num_seqs: int, backend: str
+) -> int:
+    """The attention backend's own temporaries: the torch reference materialises one sequence's
+    scores (fp32 scores, their masked copy and softmax, the probabilities in the model dtype, the
+    mask); Triton keeps only the split-K partials of a decode batch."""
     if backend == "torch":
-        return cfg.num_heads * num_tokens * num_tokens * (3 * 4 + itemsize) + num_tokens * num_tokens
+        return (
+            cfg.num_heads * num_tokens * num_tokens * (3 * 4 + itemsize) + num_tokens * num_tokens
+        )
     return num_seqs * cfg.num_heads * MAX_DECODE_SPLITS * (cfg.head_dim + 1) * 4
 
 
 def logits_bytes(cfg: ModelConfig, itemsize: int, num_rows: int) -> int:
-    """Logits of `num_rows` rows in the model dtype and float32, and the sampler's working copies of them (top-k/p
-    sort values and int64 order, softmax, cumulative sum, masks, the exponential draws): 8 float32 equivalents."""
+    """Logits of `num_rows` rows in the model dtype and float32, and the sampler's working copies of
+    them (top-k/p sort values and int64 order, softmax, cumulative sum, masks, the exponential
+    draws): 8 float32 equivalents."""
     return num_rows * cfg.vocab_size * (itemsize + 4 + 8 * 4)
 
 
-def step_peak_bytes(cfg: ModelConfig, itemsize: int, num_tokens: int, num_rows: int, backend: str) -> int:
-    """Bytes the largest step (num_tokens tokens, logits and sampling for num_rows rows) may add on the GPU."""
-    activations = layer_activation_bytes(cfg, itemsize, num_tokens) + num_tokens * cfg.hidden_size * itemsize
+def step_peak_bytes(
+    cfg: ModelConfig, itemsize: int, num_tokens: int, num_rows: int, backend: str
+) -> int:
+    """Bytes the largest step (num_tokens tokens, logits and sampling for num_rows rows) may add on
+    the GPU."""
+    activations = (
+        layer_activation_bytes(cfg, itemsize, num_tokens) + num_tokens * cfg.hidden_size * itemsize
+    )
     scratch = attention_scratch_bytes(cfg, itemsize, num_tokens, num_rows, backend)
     total = activations + scratch + logits_bytes(cfg, itemsize, num_rows)
     return int(total * FRAGMENTATION) + FIXED_SLACK_BYTES

@@ -3,6 +3,7 @@
 The cache asks it before a single weight is downloaded and ModelConfig asks it at load: one answer
 for both.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -24,8 +25,10 @@ def rope_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     merged = {**dict(cfg.get("rope_scaling") or {}), **dict(cfg.get("rope_parameters") or {})}
     rope_type = merged.get("rope_type") or merged.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope type {rope_type!r} is not supported: "
-                         f"supported are {', '.join(SUPPORTED_ROPE_TYPES)}")
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported: "
+            f"supported are {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
     return {**merged, "rope_type": rope_type}
 
 
@@ -37,19 +40,24 @@ def check_model_config(cfg: dict[str, Any]) -> tuple[str, str]:
     quant = cfg.get("quantization_config")
     if quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-        raise ValueError(f"quantization_config: quantized checkpoints ({method!r}) are not "
-                         f"supported: supported are {SUPPORTED_WEIGHTS}")
+        raise ValueError(
+            f"quantization_config: quantized checkpoints ({method!r}) are not "
+            f"supported: supported are {SUPPORTED_WEIGHTS}"
+        )
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
-        raise ValueError(f"unsupported architecture {archs or cfg.get('model_type')!r}: "
-                         f"supported are {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+        raise ValueError(
+            f"unsupported architecture {archs or cfg.get('model_type')!r}: "
+            f"supported are {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
     family = SUPPORTED_ARCHITECTURES[arch]
     if cfg.get("mlp_bias"):
         raise ValueError(f"mlp_bias: {arch} checkpoints with MLP biases are not supported")
     if family in ("qwen2", "qwen3") and cfg.get("use_sliding_window", False):
         # HF windows only the layers past max_window_layers
-        raise ValueError(f"use_sliding_window: per-layer sliding windows of {arch} are not "
-                         "supported")
+        raise ValueError(
+            f"use_sliding_window: per-layer sliding windows of {arch} are not supported"
+        )
     rope_settings(cfg)
     return arch, family

@@ -1,7 +1,10 @@
-"""What the engine hands back: plain data objects shaped like vLLM's, so callers of either read them the same way.
+"""What the engine hands back: plain data objects shaped like vLLM's, so callers of either read them
+the same way.
 
-RequestOutput is cumulative: each streamed update carries the whole text and token ids generated so far.
+RequestOutput is cumulative: each streamed update carries the whole text and token ids generated so
+far.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

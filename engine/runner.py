@@ -1,10 +1,12 @@
-"""The model runner: owns the weights and the KV cache tensor, turns a scheduled step into tensors, runs the model
-(decode steps from CUDA graphs on a GPU) and samples. The only engine module that touches the device.
+"""The model runner: owns the weights and the KV cache tensor, turns a scheduled step into tensors,
+runs the model (decode steps from CUDA graphs on a GPU) and samples. The only engine module that
+touches the device.
 
 Under tensor parallelism every rank has a runner over its shard: rank 0's plans each step and
 broadcasts the plan, the others run the same plans (engine/distributed/follower.py); only rank 0
 samples.
 """
+
 from __future__ import annotations
 
 import functools
@@ -33,8 +35,13 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(
-        self, args: EngineArgs, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
-        max_model_len: int, tp=None,
+        self,
+        args: EngineArgs,
+        model_config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+        tp=None,
     ):
         """tp: an engine.distributed.comm.TensorParallel (this rank's shard, its collectives, the
         plan channel)."""
@@ -49,9 +56,16 @@ class ModelRunner:
         self.device = device
         self.block_size = args.block_size
         t0 = time.perf_counter()
-        self.model = load_model(args.model, model_config, dtype, device, pack_dir=args.pack_dir,
-                                load_format=args.load_format, shard=self.shard,
-                                comm=tp.comm if tp is not None else None)
+        self.model = load_model(
+            args.model,
+            model_config,
+            dtype,
+            device,
+            pack_dir=args.pack_dir,
+            load_format=args.load_format,
+            shard=self.shard,
+            comm=tp.comm if tp is not None else None,
+        )
         self.load_seconds = time.perf_counter() - t0
         self.stager = InputStager(device, self.block_size)
         self.sampler = Sampler()
@@ -61,45 +75,68 @@ class ModelRunner:
         if tp is not None:  # one scheduler for all ranks: each holds as many blocks as the tightest
             self.num_blocks = tp.comm.min_int(self.num_blocks)
         shape = kv_cache_shape(
-            model_config.num_layers, self.num_blocks, self.block_size,
-            self.local_config.num_kv_heads, model_config.head_dim,
+            model_config.num_layers,
+            self.num_blocks,
+            self.block_size,
+            self.local_config.num_kv_heads,
+            model_config.head_dim,
         )
         self.kv_cache = torch.empty(shape, dtype=dtype, device=device)
-        log.info("KV cache: %d blocks of %d tokens, %.2f GiB in one allocation", self.num_blocks, self.block_size,
-                 self.num_blocks * self.bytes_per_block / (1 << 30))
+        log.info(
+            "KV cache: %d blocks of %d tokens, %.2f GiB in one allocation",
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * self.bytes_per_block / (1 << 30),
+        )
         self.graphs: DecodeGraphs | None = None
         if self.use_graphs:
             self.graphs = DecodeGraphs(
-                self.model, self.kv_cache, self.stager, args.graph_sizes(), max_model_len, self.block_size,
-                model_config.vocab_size, "thread_local" if tp is not None else "global",
+                self.model,
+                self.kv_cache,
+                self.stager,
+                args.graph_sizes(),
+                max_model_len,
+                self.block_size,
+                model_config.vocab_size,
+                "thread_local" if tp is not None else "global",
             )
-            if args.cuda_graph_capture == "start":  # "lazy": each size is captured by its first decode step
+            if (
+                args.cuda_graph_capture == "start"
+            ):  # "lazy": each size is captured by its first decode step
                 self.graphs.capture()
 
     def _use_cuda_graphs(self) -> bool:
-        """Graphs need a GPU, enforce_eager off, and an attention backend whose decode launch is graph-safe."""
+        """Graphs need a GPU, enforce_eager off, and an attention backend whose decode launch is
+        graph-safe."""
         if self.device.type != "cuda" or self.args.enforce_eager:
             return False
         backend = self._attention_backend()
         safe = getattr(backend, "supports_cuda_graphs", False)
         if not safe:
-            log.info("CUDA graphs off: attention backend %r has no graph-safe decode", getattr(backend, "name", None))
+            log.info(
+                "CUDA graphs off: attention backend %r has no graph-safe decode",
+                getattr(backend, "name", None),
+            )
         return bool(safe)
 
     def _attention_backend(self):
         """The attention backend the model's layers share (None for a model without layers)."""
         return self.model.layers[0].self_attn.backend if len(self.model.layers) else None
 
-    # ---- KV sizing -----------------------------------------------------------------------------------------
+    # ---- KV sizing
+    # -----------------------------------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
         m = self.local_config
-        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+        return (
+            2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+        )
 
     def _size_kv_cache(self) -> int:
-        """CPU: a fixed byte budget. GPU: what gpu_memory_utilization leaves after what this process holds (the
-        weights), the largest step's activations (kv_sizing "analytic": an upper bound from the model's shapes;
-        "profile": the peak of that step, run once), the CUDA graphs and whatever other processes hold."""
+        """CPU: a fixed byte budget. GPU: what gpu_memory_utilization leaves after what this process
+        holds (the weights), the largest step's activations (kv_sizing "analytic": an upper bound
+        from the model's shapes; "profile": the peak of that step, run once), the CUDA graphs and
+        whatever other processes hold."""
         if self.device.type != "cuda":
             blocks = self.args.cpu_kv_cache_bytes // self.bytes_per_block
         else:
@@ -107,28 +144,54 @@ class ModelRunner:
             num_tokens = min(self.args.max_num_batched_tokens, self.max_model_len)
             num_rows = min(self.args.max_num_seqs, num_tokens)
             torch.cuda.synchronize(self.device)
-            held = torch.cuda.memory_allocated(self.device)  # the weights' buffer is allocated even while streaming
-            if self.args.kv_step_bytes is not None:  # one step's measured peak: fragmentation and slack on top,
-                step = int(self.args.kv_step_bytes * FRAGMENTATION) + FIXED_SLACK_BYTES  # as the analytic bound has
+            held = torch.cuda.memory_allocated(
+                self.device
+            )  # the weights' buffer is allocated even while streaming
+            if (
+                self.args.kv_step_bytes is not None
+            ):  # one step's measured peak: fragmentation and slack on top,
+                step = (
+                    int(self.args.kv_step_bytes * FRAGMENTATION) + FIXED_SLACK_BYTES
+                )  # as the analytic bound has
                 how = "recorded peak (with margins) of a"
             elif self.args.kv_sizing == "profile":
                 step = self._profile_gpu_blocks(num_tokens, num_rows) - held
                 how = "peak of a profiled"
             else:
-                step = step_peak_bytes(self.local_config, self.dtype.itemsize, num_tokens, num_rows,
-                                       getattr(self._attention_backend(), "name", "triton"))
+                step = step_peak_bytes(
+                    self.local_config,
+                    self.dtype.itemsize,
+                    num_tokens,
+                    num_rows,
+                    getattr(self._attention_backend(), "name", "triton"),
+                )
                 how = "bound of a"
             free, total = torch.cuda.mem_get_info(self.device)
             used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-            # The decode graphs (captured after the KV cache, at start or lazily) keep a static fp32 logits buffer
-            # (and a bf16 one in their pool) for the largest batch; their other activations are small next to it.
-            graphs = self.args.graph_sizes()[-1] * m.vocab_size * 6 + (64 << 20) if self.use_graphs else 0
-            budget = total * self.args.gpu_memory_utilization - used_by_others - held - step - graphs
+            # The decode graphs (captured after the KV cache, at start or lazily) keep a static fp32
+            # logits buffer (and a bf16 one in their pool) for the largest batch; their other
+            # activations are small next to it.
+            graphs = (
+                self.args.graph_sizes()[-1] * m.vocab_size * 6 + (64 << 20)
+                if self.use_graphs
+                else 0
+            )
+            budget = (
+                total * self.args.gpu_memory_utilization - used_by_others - held - step - graphs
+            )
             log.info(
-                "KV sizing: %.2f GiB total, %.2f GiB held (weights), %.2f GiB %s %d-token step, %.2f GiB held by "
+                "KV sizing: %.2f GiB total, %.2f GiB held (weights), %.2f GiB %s %d-token step, "
+                "%.2f GiB held by "
                 "others, %.2f GiB kept for CUDA graphs, %.2f GiB left for the KV cache at "
-                "gpu_memory_utilization=%.2f", total / (1 << 30), held / (1 << 30), step / (1 << 30), how,
-                num_tokens, used_by_others / (1 << 30), graphs / (1 << 30), budget / (1 << 30),
+                "gpu_memory_utilization=%.2f",
+                total / (1 << 30),
+                held / (1 << 30),
+                step / (1 << 30),
+                how,
+                num_tokens,
+                used_by_others / (1 << 30),
+                graphs / (1 << 30),
+                budget / (1 << 30),
                 self.args.gpu_memory_utilization,
             )
             self.kv_step_bytes = step  # what a compiled engine's build records
@@ -141,16 +204,18 @@ class ModelRunner:
         return int(blocks)
 
     def _profile_gpu_blocks(self, num_tokens: int, num_rows: int) -> int:
-        """Run the largest step the scheduler can make (one num_tokens prefill through the selected attention
-        backend) and a sampler pass over num_rows rows with top-p; returns the peak bytes allocated meanwhile
-        (what was allocated before included). Also loads the step's Triton kernels."""
+        """Run the largest step the scheduler can make (one num_tokens prefill through the selected
+        attention backend) and a sampler pass over num_rows rows with top-p; returns the peak bytes
+        allocated meanwhile (what was allocated before included). Also loads the step's Triton
+        kernels."""
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         blocks = -(-num_tokens // self.block_size)
         m = self.local_config
         scratch = torch.empty(
             kv_cache_shape(m.num_layers, blocks, self.block_size, m.num_kv_heads, m.head_dim),
-            dtype=self.dtype, device=self.device,
+            dtype=self.dtype,
+            device=self.device,
         )
         step = self.stager.stage(
             [0] * num_tokens, range(num_tokens), [0], [num_tokens], [list(range(blocks))]
@@ -163,21 +228,28 @@ class ModelRunner:
             self.sampler(logits, [SamplingRow(params, None, [], [], []) for _ in range(num_rows)])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        # The scratch KV cache is not part of a real step's activations: it stands in for the KV cache.
+        # The scratch KV cache is not part of a real step's activations: it stands in for the KV
+        # cache.
         peak -= scratch.numel() * scratch.element_size()
         del scratch, logits, step
-        torch.cuda.empty_cache()  # the profiled step's cached blocks would otherwise sit beside the KV cache
+        # the profiled step's cached blocks would otherwise sit beside the KV cache
+        torch.cuda.empty_cache()
         return peak
 
-    # ---- one step ------------------------------------------------------------------------------------------
+    # ---- one step
+    # ------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(
-        self, scheduled: list[ScheduledSeq], rows: dict[int, SamplingRow], previous: LaunchedStep | None = None
+        self,
+        scheduled: list[ScheduledSeq],
+        rows: dict[int, SamplingRow],
+        previous: LaunchedStep | None = None,
     ) -> LaunchedStep:
-        """Queue one step on the device (inputs, model, sampling, the copy of the sampled ids to the host) and return
-        without waiting for it; LaunchedStep.result() waits. rows holds a SamplingRow for each sequence that samples
-        this step, by seq_id. A sequence's last token may still be pending (sampled by `previous`, whose result is
-        not read yet): its id is taken from previous's tokens on the device."""
+        """Queue one step on the device (inputs, model, sampling, the copy of the sampled ids to the
+        host) and return without waiting for it; LaunchedStep.result() waits. rows holds a
+        SamplingRow for each sequence that samples this step, by seq_id. A sequence's last token may
+        still be pending (sampled by `previous`, whose result is not read yet): its id is taken from
+        previous's tokens on the device."""
         plan, sampled_seqs, sample_at, prompt_spans = self._plan(scheduled, previous)
         if self.tp is not None:
             self.tp.channel.send(STEP, plan.encode())
@@ -191,11 +263,15 @@ class ModelRunner:
                 logits[row : row + count], targets, seq.params.prompt_logprobs
             )
         if sampled_seqs:
-            if len(sample_at) == logits.shape[0]:  # every logits row samples (no prompt-logprob rows)
+            if (
+                len(sample_at) == logits.shape[0]
+            ):  # every logits row samples (no prompt-logprob rows)
                 sample_logits = logits
             else:
                 sample_logits = logits[sample_at]
-            result.sample = self.sampler.sample(sample_logits, [rows[seq.seq_id] for seq in sampled_seqs])
+            result.sample = self.sampler.sample(
+                sample_logits, [rows[seq.seq_id] for seq in sampled_seqs]
+            )
             result.sample.start_copy()
         return result
 
@@ -223,7 +299,9 @@ class ModelRunner:
             missing = start + n - len(token_ids)  # tokens of this chunk not known on the host
             if missing > 0:
                 if missing > 1 or previous is None or seq.seq_id not in previous.row_of:
-                    raise RuntimeError(f"sequence {seq.seq_id}: {missing} token(s) of its step are not known")
+                    raise RuntimeError(
+                        f"sequence {seq.seq_id}: {missing} token(s) of its step are not known"
+                    )
                 fill_dst.append(base + n - 1)
                 fill_src.append(previous.row_of[seq.seq_id])
             if n == 1:
@@ -241,13 +319,24 @@ class ModelRunner:
                 if last > first:
                     prompt_spans.append((seq, len(logit_rows), last - first, first))
                     logit_rows.extend(range(base + first - start, base + last - start))
-            if start + n == len(token_ids) + seq.num_pending:  # s.completes: this step samples its next token
+            if (
+                start + n == len(token_ids) + seq.num_pending
+            ):  # s.completes: this step samples its next token
                 sampled_seqs.append(seq)
                 sample_at.append(len(logit_rows))
                 logit_rows.append(base + n - 1)
         lens = [s.num_new_tokens for s in scheduled]
-        plan = StepPlan(ids, starts, lens, tables, logit_rows, fill_dst, fill_src,
-                        len(previous.seqs) if fill_dst else 0, positions)
+        plan = StepPlan(
+            ids,
+            starts,
+            lens,
+            tables,
+            logit_rows,
+            fill_dst,
+            fill_src,
+            len(previous.seqs) if fill_dst else 0,
+            positions,
+        )
         return plan, sampled_seqs, sample_at, prompt_spans
 
     def _forward(self, plan: StepPlan, previous_ids: torch.Tensor | None) -> torch.Tensor | None:
@@ -264,10 +353,13 @@ class ModelRunner:
 
             def fill(input_ids: torch.Tensor) -> None:
                 _write_pending(input_ids, plan.fill_dst, plan.fill_src, tokens)
+
         ids, positions, starts, tables = plan.ids, plan.positions, plan.starts, plan.tables
         logit_rows = plan.logit_rows
         num_rows = len(ids)
-        all_rows = len(logit_rows) == num_rows and (not logit_rows or logit_rows[-1] == num_rows - 1)
+        all_rows = len(logit_rows) == num_rows and (
+            not logit_rows or logit_rows[-1] == num_rows - 1
+        )
         if self.graphs is not None and num_rows == len(starts) and num_rows <= self.graphs.max_size:
             # Pure decode: the graph computes every row's logits; pick the ones this step needs.
             all_logits = self.graphs.run(ids, positions, starts, tables, fill_input_ids=fill)
@@ -317,28 +409,45 @@ class ModelRunner:
             self.tp.channel.send(STOP)
 
 
-def _write_pending(input_ids: torch.Tensor, dst: list[int], src: list[int], tokens: torch.Tensor) -> None:
-    """input_ids[dst] = tokens[src] on the device: the ids the previous step sampled, never read back for it."""
+def _write_pending(
+    input_ids: torch.Tensor, dst: list[int], src: list[int], tokens: torch.Tensor
+) -> None:
+    """input_ids[dst] = tokens[src] on the device: the ids the previous step sampled, never read
+    back for it."""
     k = len(dst)
-    if dst[-1] - dst[0] == k - 1 and src[-1] - src[0] == k - 1 and src == list(range(src[0], src[0] + k)):
-        input_ids[dst[0] : dst[0] + k].copy_(tokens[src[0] : src[0] + k])  # dst rises by one each: a range too
+    if (
+        dst[-1] - dst[0] == k - 1
+        and src[-1] - src[0] == k - 1
+        and src == list(range(src[0], src[0] + k))
+    ):
+        input_ids[dst[0] : dst[0] + k].copy_(
+            tokens[src[0] : src[0] + k]
+        )  # dst rises by one each: a range too
         return
     pin = input_ids.is_cuda
-    index = torch.tensor([dst, src], dtype=torch.int64, pin_memory=pin).to(input_ids.device, non_blocking=True)
+    index = torch.tensor([dst, src], dtype=torch.int64, pin_memory=pin).to(
+        input_ids.device, non_blocking=True
+    )
     input_ids[index[0]] = tokens[index[1]]
 
 
 class LaunchedStep:
-    """A step queued on the device. seqs: the sequences it samples a token for, in row order; sample: their tokens
-    still on the device (None when none samples); prompt_logprobs: seq_id -> the logprobs of the prompt tokens
-    it computed (read back already)."""
+    """A step queued on the device. seqs: the sequences it samples a token for, in row order;
+    sample: their tokens still on the device (None when none samples); prompt_logprobs: seq_id ->
+    the logprobs of the prompt tokens it computed (read back already)."""
 
-    def __init__(self, seqs: list[Sequence], sample: DeviceSample | None,
-                 prompt_logprobs: dict[int, list[PositionLogprobs]]):
+    def __init__(
+        self,
+        seqs: list[Sequence],
+        sample: DeviceSample | None,
+        prompt_logprobs: dict[int, list[PositionLogprobs]],
+    ):
         self.seqs = seqs
         self.sample = sample
         self.prompt_logprobs = prompt_logprobs
-        self.needs_host_tokens = False  # set by the core: a row has penalties, so the next step waits for these ids
+        self.needs_host_tokens = (
+            False  # set by the core: a row has penalties, so the next step waits for these ids
+        )
 
     @functools.cached_property
     def row_of(self) -> dict[int, int]:
@@ -346,7 +455,8 @@ class LaunchedStep:
         return {seq.seq_id: i for i, seq in enumerate(self.seqs)}
 
     def result(self) -> SamplerOutput:
-        """The sampled tokens (and logprobs) on the host, in the order of seqs: waits for their copy only."""
+        """The sampled tokens (and logprobs) on the host, in the order of seqs: waits for their copy
+        only."""
         if self.sample is None:
             return SamplerOutput([], [])
         return self.sample.result()

@@ -4,6 +4,7 @@ Penalties, temperature, top-k/top-p/min-p and the random draw all run on the log
 vectorised over rows; a step reads back one tensor (token ids with any requested logprobs). The
 parameters themselves (torch-free) are in engine.sampling_params.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -27,25 +28,32 @@ class SamplingRow:
 
     params: SamplingParams
     generator: torch.Generator | None  # when set, this row's random draw uses only it
-    prompt_token_ids: list[int]  # or an int64 numpy array, which skips a per-step conversion of a long prompt
+    # or an int64 numpy array, which skips a per-step conversion of a long prompt
+    prompt_token_ids: list[int]
     output_token_ids: list[int]
-    banned_token_ids: list[int] = field(default_factory=list)  # masked to -inf this step (e.g. EOS under min_tokens)
+    # masked to -inf this step (e.g. EOS under min_tokens)
+    banned_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    # Per row: top-k (params.logprobs) plus the sampled token, from the raw model distribution; None when not asked.
+    # Per row: top-k (params.logprobs) plus the sampled token, from the raw model distribution; None
+    # when not asked.
     logprobs: list[PositionLogprobs | None]
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The transformations. Each works on a float32 [N, V] tensor in place and returns it; per-row values come as Python
-# sequences so deciding which rows need work never reads the device.
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# The transformations. Each works on a float32 [N, V] tensor in place and returns it; per-row values
+# come as Python sequences so deciding which rows need work never reads the device.
+# --------------------------------------------------------------------------------------------------
 
-def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
-    """Set logits[i, t] = -inf for every t in banned_token_ids[i] (ids outside the vocabulary are ignored)."""
+
+def apply_banned_tokens(
+    logits: torch.Tensor, banned_token_ids: Sequence[Sequence[int]]
+) -> torch.Tensor:
+    """Set logits[i, t] = -inf for every t in banned_token_ids[i] (ids outside the vocabulary are
+    ignored)."""
     vocab = logits.shape[-1]
     rows: list[int] = []
     cols: list[int] = []
@@ -60,21 +68,28 @@ def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: Sequence[Sequenc
     return logits
 
 
-def _token_counts(seqs: Sequence[Sequence[Sequence[int]]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[len(seqs), vocab] float32 counts of the token ids in each row's lists (ids >= vocab are dropped)."""
+def _token_counts(
+    seqs: Sequence[Sequence[Sequence[int]]], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """[len(seqs), vocab] float32 counts of the token ids in each row's lists (ids >= vocab are
+    dropped)."""
     counts = torch.zeros(len(seqs), vocab + 1, dtype=torch.float32, device=device)
-    # numpy builds the flat id array several times faster than torch.tensor(list) does; an int64 array passed in
-    # (a prompt the caller keeps converted) costs nothing here.
+    # numpy builds the flat id array several times faster than torch.tensor(list) does; an int64
+    # array passed in (a prompt the caller keeps converted) costs nothing here.
     parts = [np.asarray(ids, dtype=np.int64) for lists in seqs for ids in lists]
     lengths = [sum(len(ids) for ids in lists) for lists in seqs]
     total = sum(lengths)
     if total:
         flat = torch.from_numpy(np.concatenate(parts)).to(device, non_blocking=True)
         row = torch.repeat_interleave(
-            torch.arange(len(seqs), device=device), torch.tensor(lengths).to(device, non_blocking=True),
-            output_size=total)
+            torch.arange(len(seqs), device=device),
+            torch.tensor(lengths).to(device, non_blocking=True),
+            output_size=total,
+        )
         flat_index = row * (vocab + 1) + flat.clamp(max=vocab)
-        counts.view(-1).scatter_add_(0, flat_index, torch.ones(total, dtype=torch.float32, device=device))
+        counts.view(-1).scatter_add_(
+            0, flat_index, torch.ones(total, dtype=torch.float32, device=device)
+        )
     return counts[:, :vocab]
 
 
@@ -86,25 +101,41 @@ def apply_penalties(
     presence_penalty: Sequence[float],
     frequency_penalty: Sequence[float],
 ) -> torch.Tensor:
-    """Repetition penalty over prompt+output tokens (a positive logit is divided by p, any other multiplied), then
-    presence/frequency penalties over output tokens only (logit -= frequency * count + presence * [count > 0])."""
+    """Repetition penalty over prompt+output tokens (a positive logit is divided by p, any other
+    multiplied), then presence/frequency penalties over output tokens only
+    (logit -= frequency * count + presence * [count > 0])."""
     vocab, device = logits.shape[-1], logits.device
 
     rep_rows = [i for i, p in enumerate(repetition_penalty) if p != 1.0]
     if rep_rows:
-        seen = _token_counts([(prompt_token_ids[i], output_token_ids[i]) for i in rep_rows], vocab, device) > 0
+        seen = (
+            _token_counts(
+                [(prompt_token_ids[i], output_token_ids[i]) for i in rep_rows], vocab, device
+            )
+            > 0
+        )
         index = torch.tensor(rep_rows).to(device, non_blocking=True)
-        penalty = torch.tensor([repetition_penalty[i] for i in rep_rows]).to(device, non_blocking=True)[:, None]
+        penalty = torch.tensor([repetition_penalty[i] for i in rep_rows]).to(
+            device, non_blocking=True
+        )[:, None]
         sub = logits[index]
         penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
         logits[index] = torch.where(seen, penalised, sub)
 
-    pf_rows = [i for i in range(len(presence_penalty)) if presence_penalty[i] != 0 or frequency_penalty[i] != 0]
+    pf_rows = [
+        i
+        for i in range(len(presence_penalty))
+        if presence_penalty[i] != 0 or frequency_penalty[i] != 0
+    ]
     if pf_rows:
         counts = _token_counts([(output_token_ids[i],) for i in pf_rows], vocab, device)
         index = torch.tensor(pf_rows).to(device, non_blocking=True)
-        pres = torch.tensor([presence_penalty[i] for i in pf_rows]).to(device, non_blocking=True)[:, None]
-        freq = torch.tensor([frequency_penalty[i] for i in pf_rows]).to(device, non_blocking=True)[:, None]
+        pres = torch.tensor([presence_penalty[i] for i in pf_rows]).to(device, non_blocking=True)[
+            :, None
+        ]
+        freq = torch.tensor([frequency_penalty[i] for i in pf_rows]).to(device, non_blocking=True)[
+            :, None
+        ]
         logits[index] -= freq * counts + pres * (counts > 0).float()
     return logits
 
@@ -123,33 +154,43 @@ def apply_top_k_top_p_min_p(
     top_p: Sequence[float] | None = None,
     min_p: Sequence[float] | None = None,
 ) -> torch.Tensor:
-    """Mask to -inf, in this order: tokens below the k-th largest logit (ties with it stay; k <= 0 disables), then
-    the tail outside the smallest set of most likely tokens whose mass reaches top_p (the top token always stays),
-    then tokens whose probability is below min_p times the largest probability."""
+    """Mask to -inf, in this order: tokens below the k-th largest logit (ties with it stay; k <= 0
+    disables), then the tail outside the smallest set of most likely tokens whose mass reaches top_p
+    (the top token always stays), then tokens whose probability is below min_p times the largest
+    probability."""
     vocab, device = logits.shape[-1], logits.device
     use_k = top_k is not None and any(0 < k < vocab for k in top_k)
     use_p = top_p is not None and any(p < 1.0 for p in top_p)
     use_min_p = min_p is not None and any(p > 0.0 for p in min_p)
 
     if use_k and not use_p:
-        # top-k alone: the k-th largest value comes from topk, much cheaper than sorting the whole vocabulary.
+        # top-k alone: the k-th largest value comes from topk, much cheaper than sorting the whole
+        # vocabulary.
         enabled = [0 < k < vocab for k in top_k]
         kmax = max(k for k, on in zip(top_k, enabled) if on)
         top_vals = logits.topk(kmax, dim=-1).values
-        index = torch.tensor([k - 1 if on else 0 for k, on in zip(top_k, enabled)]).to(device, non_blocking=True)
+        index = torch.tensor([k - 1 if on else 0 for k, on in zip(top_k, enabled)]).to(
+            device, non_blocking=True
+        )
         kth = top_vals.gather(1, index[:, None])
         on = torch.tensor(enabled).to(device, non_blocking=True)[:, None]
         logits.masked_fill_((logits < kth) & on, float("-inf"))
     elif use_k or use_p:
-        # Ascending order: the tail mass below a token is then summed smallest-first, the accurate way round.
+        # Ascending order: the tail mass below a token is then summed smallest-first, the accurate
+        # way round.
         sorted_logits, order = logits.sort(dim=-1)
         if use_k:
-            index = torch.tensor([vocab - k if 0 < k < vocab else 0 for k in top_k]).to(device, non_blocking=True)
+            index = torch.tensor([vocab - k if 0 < k < vocab else 0 for k in top_k]).to(
+                device, non_blocking=True
+            )
             kth = sorted_logits.gather(1, index[:, None])
             sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
         if use_p:
-            # A token goes when it and every less likely token together hold at most 1 - top_p of the mass.
-            tail_limit = torch.tensor([1.0 - p for p in top_p], dtype=torch.float32).to(device, non_blocking=True)
+            # A token goes when it and every less likely token together hold at most 1 - top_p of
+            # the mass.
+            tail_limit = torch.tensor([1.0 - p for p in top_p], dtype=torch.float32).to(
+                device, non_blocking=True
+            )
             tail_mass = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
             drop = (tail_mass <= tail_limit[:, None]) & (tail_limit[:, None] > 0)
             drop[:, -1] = False  # the most likely token always stays
@@ -163,11 +204,13 @@ def apply_top_k_top_p_min_p(
     return logits
 
 
-def random_sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+def random_sample(
+    probs: torch.Tensor, generators: Sequence[torch.Generator | None]
+) -> torch.Tensor:
     """argmax(probs / q) with q ~ Exponential(1): a draw from each row's distribution.
 
-    A row with a generator draws its q from that generator alone, so its token never depends on the other rows;
-    rows without one share a single draw from torch's default RNG.
+    A row with a generator draws its q from that generator alone, so its token never depends on the
+    other rows; rows without one share a single draw from torch's default RNG.
     """
     q = torch.empty_like(probs)
     default_rows = [i for i, g in enumerate(generators) if g is None]
@@ -179,19 +222,24 @@ def random_sample(probs: torch.Tensor, generators: Sequence[torch.Generator | No
                 q[i].exponential_(generator=g)
         if default_rows:
             index = torch.tensor(default_rows).to(probs.device, non_blocking=True)
-            q[index] = torch.empty(len(default_rows), probs.shape[-1], device=probs.device).exponential_()
+            q[index] = torch.empty(
+                len(default_rows), probs.shape[-1], device=probs.device
+            ).exponential_()
     # q == 0 would turn a masked token's 0 / 0 into NaN, which argmax would pick.
     q.clamp_min_(torch.finfo(q.dtype).tiny)
     return probs.div_(q).argmax(dim=-1)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Logprobs
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
-def _logprob_tensors(logprobs: torch.Tensor, token_ids: torch.Tensor, kmax: int) -> list[torch.Tensor]:
-    """On the device: the chosen tokens' logprobs [n] and ranks [n] (1 + #strictly greater), and the top-kmax ids,
-    logprobs and ranks [n, kmax]; nothing is read back here."""
+
+def _logprob_tensors(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, kmax: int
+) -> list[torch.Tensor]:
+    """On the device: the chosen tokens' logprobs [n] and ranks [n] (1 + #strictly greater), and the
+    top-kmax ids, logprobs and ranks [n, kmax]; nothing is read back here."""
     chosen = logprobs.gather(1, token_ids[:, None])
     chosen_rank = (logprobs > chosen).sum(dim=-1) + 1
     if kmax <= 0:
@@ -202,7 +250,8 @@ def _logprob_tensors(logprobs: torch.Tensor, token_ids: torch.Tensor, kmax: int)
 
 
 def _read_back(tensors: list[torch.Tensor]) -> list[np.ndarray]:
-    """Every tensor in one device->host transfer (as float64, exact for ids, ranks and float32 logprobs)."""
+    """Every tensor in one device->host transfer (as float64, exact for ids, ranks and float32
+    logprobs)."""
     if len(tensors) == 1:
         return [tensors[0].cpu().numpy()]
     flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).cpu().numpy()
@@ -214,7 +263,8 @@ def _read_back(tensors: list[torch.Tensor]) -> list[np.ndarray]:
 
 
 def _logprob_entries(host: list[np.ndarray], ks: Sequence[int]) -> list[PositionLogprobs]:
-    """Per row, from _logprob_tensors' arrays read back: the chosen token, then the top ks[i] tokens."""
+    """Per row, from _logprob_tensors' arrays read back: the chosen token, then the top ks[i]
+    tokens."""
     ints = [a.astype(np.int64).tolist() for a in host[0::3]]  # ids, top ids
     ranks = [a.astype(np.int64).tolist() for a in host[2::3]]  # chosen ranks, top ranks
     ids, chosen, chosen_rank = ints[0], host[1].tolist(), ranks[0]
@@ -232,33 +282,48 @@ def _logprob_entries(host: list[np.ndarray], ks: Sequence[int]) -> list[Position
     return out
 
 
-def prompt_logprobs(logits: torch.Tensor, next_token_ids: list[int], k: int) -> list[PositionLogprobs]:
-    """For prompt positions: logits [T, V] predict next_token_ids[t]; each entry has that token's logprob and rank
-    plus the top-k tokens of the position."""
+def prompt_logprobs(
+    logits: torch.Tensor, next_token_ids: list[int], k: int
+) -> list[PositionLogprobs]:
+    """For prompt positions: logits [T, V] predict next_token_ids[t]; each entry has that token's
+    logprob and rank plus the top-k tokens of the position."""
     if logits.shape[0] != len(next_token_ids):
         raise ValueError(
-            f"next_token_ids: expected {logits.shape[0]} ids (one per logits row), got {len(next_token_ids)}")
+            f"next_token_ids: expected {logits.shape[0]} ids (one per logits row), "
+            f"got {len(next_token_ids)}"
+        )
     if logits.shape[0] == 0:
         return []
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     ids = torch.tensor(next_token_ids, dtype=torch.long).to(logits.device, non_blocking=True)
     kmax = min(k, logprobs.shape[-1])
-    return _logprob_entries(_read_back(_logprob_tensors(logprobs, ids, kmax)), [kmax] * len(next_token_ids))
+    return _logprob_entries(
+        _read_back(_logprob_tensors(logprobs, ids, kmax)), [kmax] * len(next_token_ids)
+    )
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The sampler
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+
 
 class DeviceSample:
     """One step's sampled token ids, with any requested logprobs, still on the device.
 
-    start_copy() queues their copy to pinned host memory behind the sampling kernels and returns at once; result()
-    waits for that copy alone (not for later work on the stream) and builds the SamplerOutput.
+    start_copy() queues their copy to pinned host memory behind the sampling kernels and returns at
+    once; result() waits for that copy alone (not for later work on the stream) and builds the
+    SamplerOutput.
     """
 
-    def __init__(self, token_ids: torch.Tensor, lp_tensors: list[torch.Tensor], lp_rows: list[int], ks: list[int]):
-        self.token_ids = token_ids  # [N] int64 on the logits' device: the next step's inputs can read them there
+    def __init__(
+        self,
+        token_ids: torch.Tensor,
+        lp_tensors: list[torch.Tensor],
+        lp_rows: list[int],
+        ks: list[int],
+    ):
+        # [N] int64 on the logits' device: the next step's inputs can read them there
+        self.token_ids = token_ids
         self._tensors = [token_ids, *lp_tensors]
         self._lp_rows = lp_rows
         self._ks = ks
@@ -269,8 +334,13 @@ class DeviceSample:
         tensors = self._tensors
         if not tensors[0].is_cuda or self._host is not None:
             return self
-        # One transfer: ids alone as int64, or everything as float64 (exact for ids, ranks and float32 logprobs).
-        flat = tensors[0] if len(tensors) == 1 else torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+        # One transfer: ids alone as int64, or everything as float64 (exact for ids, ranks and
+        # float32 logprobs).
+        flat = (
+            tensors[0]
+            if len(tensors) == 1
+            else torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+        )
         self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
         self._host.copy_(flat, non_blocking=True)
         self._copied = torch.cuda.Event()
@@ -304,8 +374,9 @@ class DeviceSample:
 class Sampler:
     """Samples one token per row of a [N, V] logits batch, each row under its own SamplingParams.
 
-    Order: banned ids -> repetition penalty -> presence/frequency penalties -> greedy rows take the argmax ->
-    temperature -> top-k -> top-p -> min-p -> exponential-race draw. Logprobs come from the raw logits.
+    Order: banned ids -> repetition penalty -> presence/frequency penalties -> greedy rows take the
+    argmax -> temperature -> top-k -> top-p -> min-p -> exponential-race draw. Logprobs come from
+    the raw logits.
     """
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
@@ -315,7 +386,9 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSample:
         """Sample on the logits' device; nothing is read back (DeviceSample.result() does that)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
-            raise ValueError(f"logits: expected shape [{len(rows)}, vocab], got {list(logits.shape)}")
+            raise ValueError(
+                f"logits: expected shape [{len(rows)}, vocab], got {list(logits.shape)}"
+            )
         if not rows:
             return DeviceSample(torch.zeros(0, dtype=torch.int64, device=logits.device), [], [], [])
         params = [r.params for r in rows]
@@ -323,7 +396,12 @@ class Sampler:
         edits = False
         for r in rows:
             p = r.params
-            if r.banned_token_ids or p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0:
+            if (
+                r.banned_token_ids
+                or p.repetition_penalty != 1.0
+                or p.presence_penalty != 0
+                or p.frequency_penalty != 0
+            ):
                 edits = True
                 break
         work = raw.clone() if edits else raw  # raw may be the caller's tensor: edit only a copy
@@ -342,14 +420,18 @@ class Sampler:
         everyone = len(sampled_rows) == len(rows)
         token_ids = None if everyone else work.argmax(dim=-1)
         if sampled_rows:
-            index = None if everyone else torch.tensor(sampled_rows).to(work.device, non_blocking=True)
+            index = (
+                None if everyone else torch.tensor(sampled_rows).to(work.device, non_blocking=True)
+            )
             if index is not None:
                 sub = work[index]
             else:
                 sub = work if edits else raw.clone()
             sp = [params[i] for i in sampled_rows]
             apply_temperature(sub, [p.temperature for p in sp])
-            apply_top_k_top_p_min_p(sub, [p.top_k for p in sp], [p.top_p for p in sp], [p.min_p for p in sp])
+            apply_top_k_top_p_min_p(
+                sub, [p.top_k for p in sp], [p.top_p for p in sp], [p.min_p for p in sp]
+            )
             sampled = self._draw(sub, [rows[i].generator for i in sampled_rows])
             if index is None:
                 token_ids = sampled
@@ -367,10 +449,19 @@ class Sampler:
 
     @staticmethod
     def _draw(logits: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-        """One token per row of processed logits. On CUDA: one Triton kernel keyed per row by its generator (or the
-        device's default generator), no sync; elsewhere the exponential race of random_sample."""
-        if fused_kernels_available(logits) and all(g is None or g.device.type == "cuda" for g in generators):
-            default = torch.cuda.default_generators[logits.device.index or 0] if None in generators else None
+        """One token per row of processed logits. On CUDA: one Triton kernel keyed per row by its
+        generator (or the device's default generator), no sync; elsewhere the exponential race of
+        random_sample."""
+        if fused_kernels_available(logits) and all(
+            g is None or g.device.type == "cuda" for g in generators
+        ):
+            default = (
+                torch.cuda.default_generators[logits.device.index or 0]
+                if None in generators
+                else None
+            )
             keys = [draw_key(default if g is None else g) for g in generators]
-            return race_sample(logits, torch.tensor(keys, dtype=torch.int64).to(logits.device, non_blocking=True))
+            return race_sample(
+                logits, torch.tensor(keys, dtype=torch.int64).to(logits.device, non_blocking=True)
+            )
         return random_sample(logits.softmax(dim=-1), generators)

@@ -1,8 +1,10 @@
-"""Sampling parameters: SamplingParams, the validated per-request knobs (named and defaulted like vLLM's).
+"""Sampling parameters: SamplingParams, the validated per-request knobs (named and defaulted like
+vLLM's).
 
-Stdlib only (no torch), so request-facing code (the handler's job and route schemas) imports it at no cost;
-the batched sampler that applies them lives in engine.sampling.
+Stdlib only (no torch), so request-facing code (the handler's job and route schemas) imports it at
+no cost; the batched sampler that applies them lives in engine.sampling.
 """
+
 from __future__ import annotations
 
 import math
@@ -39,7 +41,8 @@ def _number(name: str, value: Any, requirement: str, ok: Callable[[float], bool]
 def _integer(
     name: str, value: Any, requirement: str, ok: Callable[[int], bool], optional: bool = False
 ) -> int | None:
-    """An int (not a bool) that passes ok, returned as a plain int; None passes through when optional."""
+    """An int (not a bool) that passes ok, returned as a plain int; None passes through when
+    optional."""
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -58,7 +61,8 @@ def _check_bool(name: str, value: Any) -> None:
 
 @dataclass
 class SamplingParams:
-    """Per-request sampling knobs, named and defaulted like vLLM's; invalid values raise ValueError naming the field."""
+    """Per-request sampling knobs, named and defaulted like vLLM's; invalid values raise ValueError
+    naming the field."""
 
     n: int = 1
     temperature: float = 1.0
@@ -87,31 +91,54 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
     def validate(self) -> None:
-        """Check every field, normalising stop lists, number types and the seed; the first bad one raises ValueError."""
+        """Check every field, normalising stop lists, number types and the seed; the first bad one
+        raises ValueError."""
         self.n = _integer("n", self.n, f"in [1, {MAX_N}]", lambda v: 1 <= v <= MAX_N)
         self.temperature = _number("temperature", self.temperature, ">= 0", lambda v: v >= 0)
         self.top_p = _number("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1)
-        self.top_k = _integer("top_k", self.top_k, "-1 or >= 0 (0 and -1 disable it)", lambda v: v >= -1)
+        self.top_k = _integer(
+            "top_k", self.top_k, "-1 or >= 0 (0 and -1 disable it)", lambda v: v >= -1
+        )
         self.min_p = _number("min_p", self.min_p, "in [0, 1]", lambda v: 0 <= v <= 1)
         self.repetition_penalty = _number(
-            "repetition_penalty", self.repetition_penalty, f">= {MIN_REPETITION_PENALTY}",
-            lambda v: v >= MIN_REPETITION_PENALTY)
-        self.presence_penalty = _number("presence_penalty", self.presence_penalty, "in [-2, 2]", lambda v: -2 <= v <= 2)
+            "repetition_penalty",
+            self.repetition_penalty,
+            f">= {MIN_REPETITION_PENALTY}",
+            lambda v: v >= MIN_REPETITION_PENALTY,
+        )
+        self.presence_penalty = _number(
+            "presence_penalty", self.presence_penalty, "in [-2, 2]", lambda v: -2 <= v <= 2
+        )
         self.frequency_penalty = _number(
-            "frequency_penalty", self.frequency_penalty, "in [-2, 2]", lambda v: -2 <= v <= 2)
+            "frequency_penalty", self.frequency_penalty, "in [-2, 2]", lambda v: -2 <= v <= 2
+        )
         if self.seed is not None:
-            # Any int is accepted; it is reduced into [0, 2**64) so torch.Generator.manual_seed takes it.
+            # Any int is accepted; it is reduced into [0, 2**64) so torch.Generator.manual_seed
+            # takes it.
             self.seed = _integer("seed", self.seed, "", lambda v: True) % _U64
         self._validate_stop()
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check_bool(name, getattr(self, name))
-        self.max_tokens = _integer("max_tokens", self.max_tokens, ">= 1", lambda v: v >= 1, optional=True)
+        self.max_tokens = _integer(
+            "max_tokens", self.max_tokens, ">= 1", lambda v: v >= 1, optional=True
+        )
         self.min_tokens = _integer("min_tokens", self.min_tokens, ">= 0", lambda v: v >= 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens: must be <= max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
+            raise ValueError(
+                f"min_tokens: must be <= max_tokens ({self.max_tokens}), got {self.min_tokens!r}"
+            )
         for name in ("logprobs", "prompt_logprobs"):
-            setattr(self, name, _integer(
-                name, getattr(self, name), f"in [0, {MAX_LOGPROBS}]", lambda v: 0 <= v <= MAX_LOGPROBS, optional=True))
+            setattr(
+                self,
+                name,
+                _integer(
+                    name,
+                    getattr(self, name),
+                    f"in [0, {MAX_LOGPROBS}]",
+                    lambda v: 0 <= v <= MAX_LOGPROBS,
+                    optional=True,
+                ),
+            )
 
     def _validate_stop(self) -> None:
         stop = self.stop
@@ -130,7 +157,9 @@ class SamplingParams:
                 raise ValueError(f"stop: each entry must be a str, got {_describe(s)}")
             if not 1 <= len(s) <= MAX_STOP_STRING_CHARS:
                 raise ValueError(
-                    f"stop: each string must have 1 to {MAX_STOP_STRING_CHARS} characters, got {len(s)}")
+                    f"stop: each string must have 1 to {MAX_STOP_STRING_CHARS} characters, "
+                    f"got {len(s)}"
+                )
         self.stop = stop
 
         ids = self.stop_token_ids
@@ -141,5 +170,9 @@ class SamplingParams:
         else:
             raise ValueError(f"stop_token_ids: must be a list of int or None, got {_describe(ids)}")
         if len(ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids: must hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
-        self.stop_token_ids = [_integer("stop_token_ids", t, ">= 0 (each id)", lambda v: v >= 0) for t in ids]
+            raise ValueError(
+                f"stop_token_ids: must hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}"
+            )
+        self.stop_token_ids = [
+            _integer("stop_token_ids", t, ">= 0 (each id)", lambda v: v >= 0) for t in ids
+        ]

@@ -1,9 +1,12 @@
-"""The scheduler: picks each step's sequences and how many tokens each computes, under the token budget.
+"""The scheduler: picks each step's sequences and how many tokens each computes, under the token
+budget.
 
-Continuous batching with chunked prefill: running sequences go first (oldest first), each taking a decode token or
-its next prefill chunk; waiting sequences fill what budget is left. When blocks run out, the youngest running
-sequence is preempted (its blocks freed, recomputed later), so the oldest requests are always served first.
+Continuous batching with chunked prefill: running sequences go first (oldest first), each taking a
+decode token or its next prefill chunk; waiting sequences fill what budget is left. When blocks run
+out, the youngest running sequence is preempted (its blocks freed, recomputed later), so the oldest
+requests are always served first.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -73,7 +76,8 @@ class Scheduler:
         kept: list[Sequence] = []
         queue = self.running
         self.running = []
-        # queue[head:end] are the running sequences not yet scheduled; victims are taken from the end.
+        # queue[head:end] are the running sequences not yet scheduled; victims are taken from the
+        # end.
         head, end = 0, len(queue)
         while head < end and budget > 0:
             seq = queue[head]
@@ -104,15 +108,20 @@ class Scheduler:
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
             if seq.num_pending:
-                break  # preempted while its last token is still on the device: admitted once that token is known
+                # preempted while its last token is still on the device: admitted once it is known
+                break
             parent = seq.parent
-            if parent is not None and parent.status is SequenceStatus.RUNNING and (
-                parent.num_computed_tokens < parent.num_prompt_tokens
+            if (
+                parent is not None
+                and parent.status is SequenceStatus.RUNNING
+                and (parent.num_computed_tokens < parent.num_prompt_tokens)
             ):
                 i += 1  # wait until sample 0 has computed the prompt, then share its blocks
                 continue
             cached = self._adopt_prefix(seq)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens - len(cached) * self.kv.block_size, budget)
+            num_new = min(
+                seq.num_tokens - seq.num_computed_tokens - len(cached) * self.kv.block_size, budget
+            )
             if not self.kv.allocate(seq, num_new, cached):
                 self.kv.free(seq)  # drop blocks shared from the parent, if any; retried next step
                 seq.num_computed_tokens = 0
@@ -128,7 +137,9 @@ class Scheduler:
         """Share sample 0's prompt blocks (n > 1), or look the prompt up in the prefix cache."""
         parent = seq.parent
         if parent is not None and parent.status is SequenceStatus.RUNNING and not seq.block_table:
-            shareable = min((seq.num_prompt_tokens - 1) // self.kv.block_size, len(parent.block_table))
+            shareable = min(
+                (seq.num_prompt_tokens - 1) // self.kv.block_size, len(parent.block_table)
+            )
             shareable = min(shareable, parent.num_computed_tokens // self.kv.block_size)
             if shareable > 0:
                 self.kv.share_prefix(seq, parent, shareable)

@@ -1,7 +1,10 @@
-"""Request and sequence state: the token lists, the KV block table and the progress counters the scheduler reads.
+"""Request and sequence state: the token lists, the KV block table and the progress counters the
+scheduler reads.
 
-A Request holds n Sequences (one per sample); each Sequence is scheduled, preempted and finished on its own.
+A Request holds n Sequences (one per sample); each Sequence is scheduled, preempted and finished on
+its own.
 """
+
 from __future__ import annotations
 
 import enum
@@ -35,11 +38,12 @@ class Sequence:
     detokenizer: "IncrementalDetokenizer | None" = None
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
-    # Sampled tokens whose ids are still on the device (async scheduling): they count in num_tokens, so the next
-    # step is scheduled as if they were known, but they are not in token_ids yet.
+    # Sampled tokens whose ids are still on the device (async scheduling): they count in num_tokens,
+    # so the next step is scheduled as if they were known, but they are not in token_ids yet.
     num_pending: int = 0
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full blocks of token_ids
+    # chained hashes of the full blocks of token_ids
+    block_hashes: list[bytes] = field(default_factory=list)
     num_hashed_blocks: int = 0  # how many of block_table are published in the prefix cache
     parent: "Sequence | None" = None  # sample 0, whose prompt blocks the other samples share
     logprobs: list[PositionLogprobs] | None = None
@@ -64,20 +68,26 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         """The generated tokens known on the host (a new list)."""
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
         """Generated tokens, pending ones included: the index of the next token to sample."""
         return len(self.token_ids) + self.num_pending - self.num_prompt_tokens
 
+    def at_length_limit(self, num_tokens: int) -> bool:
+        """The length rule: with `num_tokens` tokens (prompt included) the sequence has reached
+        max_tokens or the context limit, and finishes with "length"."""
+        max_tokens = self.request.params.max_tokens
+        return num_tokens >= self.max_total_tokens or (
+            max_tokens is not None and num_tokens - self.num_prompt_tokens >= max_tokens
+        )
+
     @property
     def reaches_length_limit(self) -> bool:
-        """Its tokens (pending ones included) already reach max_tokens or the context limit: once they are known it
-        finishes with "length", so there is nothing more to schedule for it."""
-        n = len(self.token_ids) + self.num_pending
-        max_tokens = self.request.params.max_tokens
-        return n >= self.max_total_tokens or (max_tokens is not None and n - self.num_prompt_tokens >= max_tokens)
+        """Its tokens (pending ones included) already reach the length limit: once they are known
+        it finishes with "length", so there is nothing more to schedule for it."""
+        return self.at_length_limit(len(self.token_ids) + self.num_pending)
 
     @property
     def is_finished(self) -> bool:
@@ -88,7 +98,8 @@ class Sequence:
         return self.index == 0 and self.params.prompt_logprobs is not None
 
     def reset_for_recompute(self) -> None:
-        """Preemption by recompute: drop the cached state, keep the tokens; the next admission prefills them all."""
+        """Preemption by recompute: drop the cached state, keep the tokens; the next admission
+        prefills them all."""
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table = []
@@ -107,7 +118,8 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     # Filled for positions 1..len(prompt)-1 as the prompt is computed; position 0 has none.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
-    num_cached_tokens: int = 0  # prompt tokens found in the KV cache at first admission (prefix cache, or sample 0)
+    # prompt tokens found in the KV cache at first admission (prefix cache, or sample 0)
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:

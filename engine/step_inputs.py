@@ -1,6 +1,8 @@
-"""One step's model inputs (token ids, positions) and AttentionMetadata, packed with numpy into one pinned host buffer
-and sent to the device in one copy; the CUDA-graph static buffers use the same layout.
+"""One step's model inputs (token ids, positions) and AttentionMetadata, packed with numpy into one
+pinned host buffer and sent to the device in one copy; the CUDA-graph static buffers use the same
+layout.
 """
+
 from __future__ import annotations
 
 import math
@@ -13,12 +15,14 @@ import torch
 
 from engine.attention import AttentionMetadata
 
-_ALIGN = 64  # bytes between sections: every view is aligned for any dtype and for vectorised kernel loads
+# Bytes between sections: every view is aligned for any dtype and for vectorised kernel loads.
+_ALIGN = 64
 
 
 @dataclass(frozen=True)
 class StepLayout:
-    """Byte offsets of each section in the packed buffer, for T tokens, B sequences and block tables B x W."""
+    """Byte offsets of each section in the packed buffer, for T tokens, B sequences and block tables
+    B x W."""
 
     num_tokens: int
     num_seqs: int
@@ -41,7 +45,9 @@ class StepLayout:
 
 
 @lru_cache(maxsize=4096)
-def _offsets(layout: StepLayout) -> tuple[dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]], int]:
+def _offsets(
+    layout: StepLayout,
+) -> tuple[dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]], int]:
     out, at = {}, 0
     for name, dtype, shape in layout.sections():
         nbytes = math.prod(shape) * dtype.itemsize
@@ -58,12 +64,19 @@ class StepTensors:
 
 
 def views(buf: torch.Tensor, layout: StepLayout, meta_host: dict) -> StepTensors:
-    """Typed views of a packed uint8 buffer (on any device) as the model's inputs and AttentionMetadata."""
+    """Typed views of a packed uint8 buffer (on any device) as the model's inputs and
+    AttentionMetadata."""
     offsets, _ = layout.offsets()
-    t = {name: buf[at : at + n].view(dtype).view(shape) for name, (at, n, dtype, shape) in offsets.items()}
+    t = {
+        name: buf[at : at + n].view(dtype).view(shape)
+        for name, (at, n, dtype, shape) in offsets.items()
+    }
     meta = AttentionMetadata(
-        slot_mapping=t["slot_mapping"], query_start_loc=t["query_start_loc"], seq_lens=t["seq_lens"],
-        block_tables=t["block_tables"], **meta_host,
+        slot_mapping=t["slot_mapping"],
+        query_start_loc=t["query_start_loc"],
+        seq_lens=t["seq_lens"],
+        block_tables=t["block_tables"],
+        **meta_host,
     )
     return StepTensors(t["input_ids"], t["positions"], meta)
 
@@ -75,27 +88,34 @@ def input_ids_view(buf: torch.Tensor, layout: StepLayout) -> torch.Tensor:
 
 
 class InputStager:
-    """Builds packed step inputs in a reusable pinned host buffer (CUDA) and copies them to the device at once."""
+    """Builds packed step inputs in a reusable pinned host buffer (CUDA) and copies them to the
+    device at once."""
 
     def __init__(self, device: torch.device, block_size: int) -> None:
         self.device = device
         self.block_size = block_size
-        # Two pinned buffers used in turn, each with the event of the last copy out of it: with steps queued ahead
-        # of the GPU, the buffer being rewritten is the one of two steps ago, whose copy has long left it.
+        # Two pinned buffers used in turn, each with the event of the last copy out of it: with
+        # steps queued ahead of the GPU, the buffer being rewritten is the one of two steps ago,
+        # whose copy has long left it.
         self._hosts: list[torch.Tensor | None] = [None, None]
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
 
     def _host_buffer(self, nbytes: int) -> torch.Tensor:
         if self.device.type != "cuda":
-            return torch.empty(nbytes, dtype=torch.uint8)  # the buffer is the step's input itself: a fresh one
+            # the buffer is the step's input itself: a fresh one
+            return torch.empty(nbytes, dtype=torch.uint8)
         self._turn ^= 1
         turn = self._turn
         if self._copied[turn] is not None:
-            self._copied[turn].synchronize()  # its last copy must have left the buffer before it is rewritten
+            self._copied[
+                turn
+            ].synchronize()  # its last copy must have left the buffer before it is rewritten
         host = self._hosts[turn]
         if host is None or host.numel() < nbytes:
-            host = self._hosts[turn] = torch.empty(max(nbytes, 1 << 16) * 2, dtype=torch.uint8, pin_memory=True)
+            host = self._hosts[turn] = torch.empty(
+                max(nbytes, 1 << 16) * 2, dtype=torch.uint8, pin_memory=True
+            )
         return host
 
     def stage(
@@ -113,17 +133,23 @@ class InputStager:
     ) -> StepTensors | None:
         """Pack one step and return its device tensors.
 
-        pad_to: add one-token rows up to this many sequences, with seq_len 0, slot -1 and query length 1 (the
-        decode graphs' padding). dest: a device uint8 buffer to copy into (a graph's static inputs); by default a
-        new one. max_seq_len: override (graphs pass an upper bound, their launch must not depend on it).
-        want_views: False skips building the returned tensors (a graph replay reads its own static views).
+        pad_to: add one-token rows up to this many sequences, with seq_len 0, slot -1 and query
+        length 1 (the decode graphs' padding). dest: a device uint8 buffer to copy into (a graph's
+        static inputs); by default a new one. max_seq_len: override (graphs pass an upper bound,
+        their launch must not depend on it).
+        want_views: False skips building the returned tensors (a graph replay reads its own static
+        views).
         """
         bs = self.block_size
         num_real = len(lens)
         num_seqs = pad_to if pad_to is not None else num_real
         lens_np = np.asarray(lens, dtype=np.int64)
         num_tokens = int(lens_np.sum()) + (num_seqs - num_real)
-        width = table_width if table_width is not None else max((len(t) for t in block_tables), default=1)
+        width = (
+            table_width
+            if table_width is not None
+            else max((len(t) for t in block_tables), default=1)
+        )
         layout = StepLayout(num_tokens, num_seqs, max(width, 1))
         offsets, nbytes = layout.offsets()
         host = self._host_buffer(nbytes)
@@ -147,7 +173,9 @@ class InputStager:
         seq_of_token = np.repeat(np.arange(num_real), lens_np)
         pos_real = pos[:real_tokens]
         slots = section("slot_mapping")
-        slots[:real_tokens] = tables[seq_of_token, pos_real // bs].astype(np.int64) * bs + pos_real % bs
+        slots[:real_tokens] = (
+            tables[seq_of_token, pos_real // bs].astype(np.int64) * bs + pos_real % bs
+        )
         slots[real_tokens:] = -1
         qsl = section("query_start_loc")
         qsl[0] = 0
@@ -172,7 +200,9 @@ class InputStager:
         meta_host = dict(
             max_query_len=int(lens_np.max(initial=1)) if num_real else 1,
             max_seq_len=max_seq_len if max_seq_len is not None else max(seq_lens_list, default=0),
-            query_start_loc_cpu=qsl_list, seq_lens_cpu=seq_lens_list, block_size=bs,
+            query_start_loc_cpu=qsl_list,
+            seq_lens_cpu=seq_lens_list,
+            block_size=bs,
         )
         return views(dest, layout, meta_host)
 

@@ -1,23 +1,34 @@
-"""Text in and out of the engine: encode/decode with `tokenizers` directly (never transformers, too slow to import)
-and the model's special tokens; chat prompts are rendered by engine/chat_template.py.
+"""Text in and out of the engine: encode/decode with `tokenizers` directly (never transformers, too
+slow to import) and the model's special tokens; chat prompts are rendered by
+engine/chat_template.py.
 """
+
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from tokenizers import AddedToken
-from tokenizers import Tokenizer as _RawTokenizer
+from tokenizers import AddedToken, Tokenizer as _RawTokenizer
 
 from engine.chat_template import load_templates, read_json, render_chat, template_from_argument
 
-# The named special tokens transformers passes to every chat template (its SPECIAL_TOKENS_ATTRIBUTES).
-NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# The named special tokens transformers passes to every chat template (its
+# SPECIAL_TOKENS_ATTRIBUTES).
+NAMED_SPECIAL_TOKENS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 def _token_content(value: Any) -> str | None:
-    """A special token from tokenizer_config.json: a string, or an AddedToken dict with "content"."""
+    """A special token from tokenizer_config.json: a string, or an AddedToken dict with
+    "content"."""
     if isinstance(value, str):
         return value
     if isinstance(value, Mapping) and isinstance(value.get("content"), str):
@@ -26,21 +37,30 @@ def _token_content(value: Any) -> str | None:
 
 
 class Tokenizer:
-    """A model's tokenizer: encode/decode through `tokenizers`, chat prompts through its jinja chat template.
+    """A model's tokenizer: encode/decode through `tokenizers`, chat prompts through its jinja chat
+    template.
 
-    Encoding follows tokenizer.json exactly (its post-processor decides whether add_special_tokens adds a BOS), as
-    transformers 5 does for tokenizers it loads from tokenizer.json. Decoding never applies transformers'
-    clean_up_tokenization_spaces (transformers itself skips it for BPE models, i.e. every model this engine runs).
+    Encoding follows tokenizer.json exactly (its post-processor decides whether add_special_tokens
+    adds a BOS), as transformers 5 does for tokenizers it loads from tokenizer.json. Decoding never
+    applies transformers' clean_up_tokenization_spaces (transformers itself skips it for BPE models,
+    i.e. every model this engine runs).
     """
 
-    def __init__(self, raw: _RawTokenizer, special_tokens: dict[str, str] | None = None,
-                 chat_templates: dict[str, str] | None = None, extra_special_tokens: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        raw: _RawTokenizer,
+        special_tokens: dict[str, str] | None = None,
+        chat_templates: dict[str, str] | None = None,
+        extra_special_tokens: Iterable[str] = (),
+    ) -> None:
         self._raw = raw
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
         self._templates: dict[str, str] = dict(chat_templates or {})
         self._ensure_special(list(self.special_tokens.values()) + list(extra_special_tokens))
         # The ids decode(skip_special_tokens=True) drops: the added tokens flagged special.
-        self._skipped_ids = frozenset(i for i, t in raw.get_added_tokens_decoder().items() if t.special)
+        self._skipped_ids = frozenset(
+            i for i, t in raw.get_added_tokens_decoder().items() if t.special
+        )
         named_ids = {self._raw.token_to_id(t) for t in self.special_tokens.values()}
         self._all_special_ids = frozenset(self._skipped_ids | (named_ids - {None}))
         self._token_text: dict[int, str] = {}
@@ -49,14 +69,18 @@ class Tokenizer:
     def from_dir(cls, path: str, chat_template: str | None = None) -> Tokenizer:
         """Load tokenizer.json, the special tokens and chat templates of an HF model directory.
 
-        `chat_template` (a template, or a path to a .jinja file) replaces whatever template the model ships.
+        `chat_template` (a template, or a path to a .jinja file) replaces whatever template the
+        model ships.
         """
         tokenizer_file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tokenizer_file):
-            raise FileNotFoundError(f"no tokenizer.json in {path} (only fast tokenizers are supported)")
+            raise FileNotFoundError(
+                f"no tokenizer.json in {path} (only fast tokenizers are supported)"
+            )
         raw = _RawTokenizer.from_file(tokenizer_file)
         config = read_json(os.path.join(path, "tokenizer_config.json"))
-        legacy_map = read_json(os.path.join(path, "special_tokens_map.json"))  # older repos keep them here only
+        # older repos keep them here only
+        legacy_map = read_json(os.path.join(path, "special_tokens_map.json"))
 
         special: dict[str, str] = {}
         for name in NAMED_SPECIAL_TOKENS:
@@ -65,14 +89,24 @@ class Tokenizer:
                 content = _token_content(legacy_map.get(name))
             if content is not None:
                 special[name] = content
-        if "pad_token" not in special and isinstance(raw.padding, dict) and raw.padding.get("pad_token"):
+        if (
+            "pad_token" not in special
+            and isinstance(raw.padding, dict)
+            and raw.padding.get("pad_token")
+        ):
             special["pad_token"] = raw.padding["pad_token"]
 
         extra: list[str] = []
         for key in ("extra_special_tokens", "additional_special_tokens"):
             for source in (config, legacy_map):
                 value = source.get(key)
-                values = value.values() if isinstance(value, Mapping) else value if isinstance(value, list) else ()
+                values = (
+                    value.values()
+                    if isinstance(value, Mapping)
+                    else value
+                    if isinstance(value, list)
+                    else ()
+                )
                 extra += [c for c in map(_token_content, values) if c is not None]
 
         templates = load_templates(path, config)
@@ -83,14 +117,19 @@ class Tokenizer:
     def _ensure_special(self, contents: list[str]) -> None:
         """Make every named special token an added special token, as transformers does on load.
 
-        Tokens tokenizer.json already lists as special are left untouched (with their lstrip/rstrip flags).
+        Tokens tokenizer.json already lists as special are left untouched (with their lstrip/rstrip
+        flags).
         """
         added = {t.content: t for t in self._raw.get_added_tokens_decoder().values()}
-        missing = [c for c in dict.fromkeys(contents) if c and not (c in added and added[c].special)]
+        missing = [
+            c for c in dict.fromkeys(contents) if c and not (c in added and added[c].special)
+        ]
         if missing:
-            self._raw.add_special_tokens([AddedToken(c, special=True, normalized=False) for c in missing])
+            self._raw.add_special_tokens(
+                [AddedToken(c, special=True, normalized=False) for c in missing]
+            )
 
-    # ---- vocabulary -------------------------------------------------------------------------------------------------
+    # ---- vocabulary ------------------------------------------------------------------------------
 
     @property
     def backend(self) -> _RawTokenizer:
@@ -130,32 +169,35 @@ class Tokenizer:
 
     @property
     def all_special_ids(self) -> set[int]:
-        """Every special token id: the named ones (bos, eos, ...) and all added tokens flagged special.
+        """Every special token id: the named ones (bos, eos, ...) and all added tokens flagged
+        special.
 
-        This is the set decode(skip_special_tokens=True) drops; transformers' all_special_ids lists only the named
-        and extra special tokens, a subset of it.
+        This is the set decode(skip_special_tokens=True) drops; transformers' all_special_ids lists
+        only the named and extra special tokens, a subset of it.
         """
         return set(self._all_special_ids)
 
-    # ---- encode / decode --------------------------------------------------------------------------------------------
+    # ---- encode / decode -------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; add_special_tokens applies tokenizer.json's post-processor (e.g. a leading BOS)."""
+        """Token ids of `text`; add_special_tokens applies tokenizer.json's post-processor (e.g. a
+        leading BOS)."""
         return self._raw.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._raw.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def decode_token(self, token_id: int) -> str:
-        """One token's own text, special tokens included (for Logprob.decoded_token). A token that is part of a
-        multi-byte character decodes to U+FFFD on its own. Cached: logprobs ask for the same ids again and again."""
+        """One token's own text, special tokens included (for Logprob.decoded_token). A token that
+        is part of a multi-byte character decodes to U+FFFD on its own. Cached: logprobs ask for the
+        same ids again and again."""
         text = self._token_text.get(token_id)
         if text is None:
             text = self._raw.decode([token_id], skip_special_tokens=False)
             self._token_text[token_id] = text
         return text
 
-    # ---- chat -------------------------------------------------------------------------------------------------------
+    # ---- chat ------------------------------------------------------------------------------------
 
     @property
     def has_chat_template(self) -> bool:
@@ -166,44 +208,78 @@ class Tokenizer:
         """The default chat template source, or None."""
         return self._templates.get("default") if "default" in self._templates else None
 
-    def get_chat_template(self, chat_template: str | None = None, tools: list[dict] | None = None) -> str:
-        """The template to render: `chat_template` (a template or the name of one of the model's), else the model's
-        "tool_use" template when tools are given and it has one, else its "default" template."""
+    def get_chat_template(
+        self, chat_template: str | None = None, tools: list[dict] | None = None
+    ) -> str:
+        """The template to render: `chat_template` (a template or the name of one of the model's),
+        else the model's "tool_use" template when tools are given and it has one, else its "default"
+        template."""
         if chat_template is not None:
             return self._templates.get(chat_template) or template_from_argument(chat_template)
         if not self._templates:
-            raise ValueError("model has no chat template; pass chat_template=... (a jinja template or a .jinja file)")
+            raise ValueError(
+                "model has no chat template; pass chat_template=... "
+                "(a jinja template or a .jinja file)"
+            )
         if tools is not None and "tool_use" in self._templates:
             return self._templates["tool_use"]
         if "default" in self._templates:
             return self._templates["default"]
-        raise ValueError(f"model has several chat templates and none is named 'default': {sorted(self._templates)}; "
-                         "pass chat_template=<name>")
+        raise ValueError(
+            "model has several chat templates and none is named 'default': "
+            f"{sorted(self._templates)}; pass chat_template=<name>"
+        )
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, documents: list[dict] | None = None,
-                            chat_template: str | None = None, **template_kwargs: Any) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
+        chat_template: str | None = None,
+        **template_kwargs: Any,
+    ) -> str:
         """Render a conversation to the prompt string, byte-identical to transformers'
         apply_chat_template(messages, tokenize=False, ...) for the same inputs.
 
-        The template sees: messages, add_generation_prompt, tools, documents, the named special tokens (bos_token,
-        eos_token, pad_token, unk_token, ...) and template_kwargs (e.g. enable_thinking=False for Qwen3), which may
-        override the special tokens. Template errors, raise_exception(...) included, raise ValueError.
-        Unlike transformers, add_generation_prompt defaults to True (the engine renders prompts to answer), tools
-        must be JSON-schema dicts (not Python functions), and text content parts are joined for string templates.
+        The template sees: messages, add_generation_prompt, tools, documents, the named special
+        tokens (bos_token, eos_token, pad_token, unk_token, ...) and template_kwargs (e.g.
+        enable_thinking=False for Qwen3), which may override the special tokens. Template errors,
+        raise_exception(...) included, raise ValueError. Unlike transformers, add_generation_prompt
+        defaults to True (the engine renders prompts to answer), tools must be JSON-schema dicts
+        (not Python functions), and text content parts are joined for string templates.
         """
         source = self.get_chat_template(chat_template, tools)
-        return render_chat(source, messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                           documents=documents, variables={**self.special_tokens, **template_kwargs})
+        return render_chat(
+            source,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            documents=documents,
+            variables={**self.special_tokens, **template_kwargs},
+        )
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
-                    documents: list[dict] | None = None, chat_template: str | None = None,
-                    **template_kwargs: Any) -> list[int]:
-        """Prompt token ids of a conversation: apply_chat_template, then encode(add_special_tokens=False).
+    def encode_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
+        chat_template: str | None = None,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """Prompt token ids of a conversation: apply_chat_template, then
+        encode(add_special_tokens=False).
 
-        Special tokens are not added again because the template already writes them (BOS included); the result
-        equals transformers' apply_chat_template(..., tokenize=True)["input_ids"].
+        Special tokens are not added again because the template already writes them (BOS included);
+        the result equals transformers' apply_chat_template(..., tokenize=True)["input_ids"].
         """
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                        documents=documents, chat_template=chat_template, **template_kwargs)
+        text = self.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            documents=documents,
+            chat_template=chat_template,
+            **template_kwargs,
+        )
         return self.encode(text, add_special_tokens=False)

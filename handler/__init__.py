@@ -1,4 +1,6 @@
-"""The serverless face: env config -> engine, the RunPod SDK loop, the OpenAI HTTP surface.
+"""The serverless face: the worker's settings (every environment variable, handler.config), the
+RunPod worker (`python -m handler`) and the OpenAI HTTP server (`python -m handler serve`), both
+serving one implementation of the OpenAI routes over the engine.
 
-Built in a later issue; see DESIGN.md.
+Imports engine, cache and warmup. docs/architecture.md lists its modules.
 """

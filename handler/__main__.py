@@ -1,10 +1,12 @@
-"""`python -m handler`: the RunPod worker; `python -m handler serve ...`: the OpenAI HTTP server; `chat`: a local chat.
+"""`python -m handler`: the RunPod worker; `python -m handler serve ...`: the OpenAI HTTP server;
+`chat`: a local chat.
 
-Worker flags are the runpod SDK's own (--rp_serve_api --rp_api_host H --rp_api_port N, --test_input JSON, ...).
-The worker and the server begin the same way: settings, then the engine's start (the weights
-moving), and only then their own imports (the SDK; FastAPI and uvicorn), made once `import torch`
-is done while the start waits for them.
+Worker flags are the runpod SDK's own (--rp_serve_api --rp_api_host H --rp_api_port N, --test_input
+JSON, ...). The worker and the server begin the same way: settings, then the engine's start (the
+weights moving), and only then their own imports (the SDK; FastAPI and uvicorn), made once `import
+torch` is done while the start waits for them.
 """
+
 from __future__ import annotations
 
 import argparse

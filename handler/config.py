@@ -1,9 +1,11 @@
-"""The worker's settings: every environment variable it reads, in one validated, documented pydantic-settings class.
+"""The worker's settings: every environment variable it reads, in one validated, documented
+pydantic-settings class.
 
 `load_settings()` reads them once at start (RunPod worker-vllm's variables as
 handler/worker_vllm_env.json says) and raises SettingsError with one line for each variable it
 cannot honour, naming it and what it allows.
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -15,29 +17,42 @@ from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
-from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from handler import worker_vllm_env
 
-# Where the demo model (and other local conversions) go when neither CACHE_DIR nor a network volume is there.
+# Where the demo model (and other local conversions) go when neither CACHE_DIR nor a network volume
+# is there.
 DEFAULT_LOCAL_CACHE = Path("~/.cache/coldbrew").expanduser()
 
-# load_settings(env=...) reads this mapping instead of os.environ (set only for the duration of that call).
-_ENV_OVERRIDE: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar("coldbrew_env", default=None)
+# load_settings(env=...) reads this mapping instead of os.environ (set only for the duration of that
+# call).
+_ENV_OVERRIDE: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
+    "coldbrew_env", default=None
+)
 
 
 class SettingsError(ValueError):
-    """An environment variable holds a value the worker can't use; the message names it and the allowed values."""
+    """An environment variable holds a value the worker can't use; the message names it and the
+    allowed values."""
 
 
 class _EnvSource(EnvSettingsSource):
-    """pydantic-settings' env source, reading a given mapping instead of os.environ when load_settings got one."""
+    """pydantic-settings' env source, reading a given mapping instead of os.environ when
+    load_settings got one."""
 
     def _load_env_vars(self) -> Mapping[str, str | None]:
         env = _ENV_OVERRIDE.get()
         if env is None:
             return super()._load_env_vars()
-        return {str(k).lower(): v for k, v in env.items() if not (self.env_ignore_empty and v == "")}
+        return {
+            str(k).lower(): v for k, v in env.items() if not (self.env_ignore_empty and v == "")
+        }
 
 
 _TOKEN_COUNT = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT])")
@@ -54,126 +69,294 @@ def parse_token_count(text: str) -> int | str:
     if suffix in _DECIMAL:
         return int(float(number) * _DECIMAL[suffix])
     if "." in number:
-        raise ValueError(f"{text.strip()!r}: a binary suffix ({suffix}) takes a whole number; "
-                         f"{number}{suffix.lower()} is decimal")
+        raise ValueError(
+            f"{text.strip()!r}: a binary suffix ({suffix}) takes a whole number; "
+            f"{number}{suffix.lower()} is decimal"
+        )
     return int(number) << (10 * "KMGT".index(suffix) + 10)
 
 
 class Settings(BaseSettings):
-    """Every variable the worker reads. Field `foo_bar` is the environment variable FOO_BAR (case-insensitive);
-    an empty value counts as unset, as RunPod templates often leave them."""
+    """Every variable the worker reads. Field `foo_bar` is the environment variable FOO_BAR
+    (case-insensitive); an empty value counts as unset, as RunPod templates often leave them."""
 
     model_config = SettingsConfigDict(env_ignore_empty=True, extra="ignore", validate_default=True)
 
-    # ---- the model ---------------------------------------------------------------------------------------------
-    model_name: str | None = Field(None, description=(
-        "Model to serve: an HF Hub repo id, s3://bucket/prefix, or a local directory. "
-        "Unset: the embedded SmolLM2-135M-Instruct demo model."))
-    model_revision: str | None = Field(None, description="Hub branch, tag or commit of MODEL_NAME (default: main).")
-    tokenizer_name: str | None = Field(None, description="Tokenizer to use instead of the model's own (same forms "
-                                                         "as MODEL_NAME).")
+    # ---- the model -------------------------------------------------------------------------------
+    model_name: str | None = Field(
+        None,
+        description=(
+            "Model to serve: an HF Hub repo id, s3://bucket/prefix, or a local directory. "
+            "Unset: the embedded SmolLM2-135M-Instruct demo model."
+        ),
+    )
+    model_revision: str | None = Field(
+        None, description="Hub branch, tag or commit of MODEL_NAME (default: main)."
+    )
+    tokenizer_name: str | None = Field(
+        None, description="Tokenizer to use instead of the model's own (same forms as MODEL_NAME)."
+    )
     tokenizer_revision: str | None = Field(None, description="Hub revision of TOKENIZER_NAME.")
-    hf_token: SecretStr | None = Field(None, description="Hugging Face token for gated or private models "
-                                                         "(never logged).")
-    custom_chat_template: str | None = Field(None, description="Jinja chat template (or path to a .jinja file) "
-                                                               "replacing the model's own.")
+    hf_token: SecretStr | None = Field(
+        None, description="Hugging Face token for gated or private models (never logged)."
+    )
+    custom_chat_template: str | None = Field(
+        None,
+        description="Jinja chat template (or path to a .jinja file) replacing the model's own.",
+    )
 
-    # ---- the engine --------------------------------------------------------------------------------------------
-    max_model_len: int | None = Field(None, ge=1, le=1 << 24, description=(
-        "Longest sequence (prompt + output) in tokens; 32k is 32000 and 32K 32768, as vLLM "
-        "reads them. Unset (or auto, 0, -1): the model's max_position_embeddings, capped by "
-        "what the KV cache holds."))
-    gpu_memory_utilization: float = Field(0.95, gt=0.0, le=1.0, description=(
-        "Fraction of GPU memory the engine may use (weights + KV cache), in (0, 1]."))
-    max_num_seqs: int = Field(256, ge=1, le=1 << 20, description="Most sequences decoded in one step.")
-    max_num_batched_tokens: int = Field(8192, ge=1, le=1 << 24, description=(
-        "Token budget of one engine step (chunked prefill splits longer prompts); "
-        "0 counts as unset."))
-    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache block; a power of two.")
-    enable_prefix_caching: bool = Field(True, description="Reuse the KV blocks of shared prompt prefixes.")
-    dtype: Literal["auto", "bfloat16", "float16", "half", "float32", "float"] = Field("auto", description=(
-        "Weight and activation dtype. auto: the checkpoint's dtype on GPU, float32 on CPU."))
-    device: Literal["auto", "cuda", "cpu"] = Field("auto", description="Where the engine runs. auto: CUDA if "
-                                                                       "present, else CPU.")
+    # ---- the engine ------------------------------------------------------------------------------
+    max_model_len: int | None = Field(
+        None,
+        ge=1,
+        le=1 << 24,
+        description=(
+            "Longest sequence (prompt + output) in tokens; 32k is 32000 and 32K 32768, as vLLM "
+            "reads them. Unset (or auto, 0, -1): the model's max_position_embeddings, capped by "
+            "what the KV cache holds."
+        ),
+    )
+    gpu_memory_utilization: float = Field(
+        0.95,
+        gt=0.0,
+        le=1.0,
+        description=("Fraction of GPU memory the engine may use (weights + KV cache), in (0, 1]."),
+    )
+    max_num_seqs: int = Field(
+        256, ge=1, le=1 << 20, description="Most sequences decoded in one step."
+    )
+    max_num_batched_tokens: int = Field(
+        8192,
+        ge=1,
+        le=1 << 24,
+        description=(
+            "Token budget of one engine step (chunked prefill splits longer prompts); "
+            "0 counts as unset."
+        ),
+    )
+    block_size: int = Field(
+        16, ge=1, le=1024, description="Tokens per KV-cache block; a power of two."
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse the KV blocks of shared prompt prefixes."
+    )
+    dtype: Literal["auto", "bfloat16", "float16", "half", "float32", "float"] = Field(
+        "auto",
+        description=(
+            "Weight and activation dtype. auto: the checkpoint's dtype on GPU, float32 on CPU."
+        ),
+    )
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="Where the engine runs. auto: CUDA if present, else CPU."
+    )
     seed: int = Field(0, description="Engine seed for requests that give none.")
-    engine_mode: Literal["jit", "compiled", "auto"] = Field("auto", description=(
-        "jit: eager + Triton kernels compiled on first use; compiled: a prebuilt engine for this GPU; "
-        "auto: compiled when a matching artifact exists, else jit."))
+    engine_mode: Literal["jit", "compiled", "auto"] = Field(
+        "auto",
+        description=(
+            "jit: eager + Triton kernels compiled on first use; compiled: a prebuilt engine for "
+            "this GPU; auto: compiled when a matching artifact exists, else jit."
+        ),
+    )
 
-    enforce_eager: bool = Field(False, description="Run decode steps eagerly, without CUDA graphs (as vLLM's flag).")
-    async_scheduling: bool | None = Field(None, description=(
-        "Schedule and launch the next step before the last one's tokens are read back (as "
-        "vLLM's flag). Unset: on for a GPU, off on CPU."))
-    load_format: Literal["auto", "pack", "safetensors"] = Field("auto", description=(
-        "Weights: auto loads the engine-ready pack when one matches, else safetensors (and writes the pack); "
-        "pack: fail if the pack can't be used; safetensors: never use packs."))
-    tensor_parallel_size: int = Field(1, ge=1, le=8, description=(
-        "GPUs the model is split over (tensor parallelism, one process per GPU, all started by the "
-        "worker)."))
+    enforce_eager: bool = Field(
+        False, description="Run decode steps eagerly, without CUDA graphs (as vLLM's flag)."
+    )
+    async_scheduling: bool | None = Field(
+        None,
+        description=(
+            "Schedule and launch the next step before the last one's tokens are read back (as "
+            "vLLM's flag). Unset: on for a GPU, off on CPU."
+        ),
+    )
+    load_format: Literal["auto", "pack", "safetensors"] = Field(
+        "auto",
+        description=(
+            "Weights: auto loads the engine-ready pack when one matches, else safetensors (and "
+            "writes the pack); pack: fail if the pack can't be used; safetensors: never use packs."
+        ),
+    )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=8,
+        description=(
+            "GPUs the model is split over (tensor parallelism, one process per GPU, all started "
+            "by the worker)."
+        ),
+    )
 
-    # ---- the worker --------------------------------------------------------------------------------------------
-    max_concurrency: int = Field(300, ge=1, le=100_000, description=(
-        "Most jobs one worker takes at once (admission also waits for free KV capacity)."))
-    default_batch_size: int = Field(50, ge=1, le=1_000_000, description=(
-        "Tokens per streamed chunk of a non-OpenAI job, once grown to full size."))
-    default_min_batch_size: int = Field(1, ge=1, le=1_000_000, description=(
-        "Tokens in the first streamed chunk of a non-OpenAI job."))
-    default_batch_size_growth_factor: float = Field(3.0, ge=1.0, le=1000.0, description=(
-        "Each streamed chunk holds this many times the tokens of the previous one, up to DEFAULT_BATCH_SIZE."))
-    raw_openai_output: bool = Field(True, description=(
-        "Stream OpenAI-route jobs as raw SSE strings (data: {...}) instead of JSON objects."))
-    default_max_tokens: int | None = Field(None, ge=1, le=1 << 24, description=(
-        "max_tokens of requests that give none. Unset: whatever context remains after the prompt."))
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field("INFO", description=(
-        "Logging level of the worker."))
+    # ---- the worker ------------------------------------------------------------------------------
+    max_concurrency: int = Field(
+        300,
+        ge=1,
+        le=100_000,
+        description=(
+            "Most jobs one worker takes at once (admission also waits for free KV capacity)."
+        ),
+    )
+    default_batch_size: int = Field(
+        50,
+        ge=1,
+        le=1_000_000,
+        description=("Tokens per streamed chunk of a non-OpenAI job, once grown to full size."),
+    )
+    default_min_batch_size: int = Field(
+        1,
+        ge=1,
+        le=1_000_000,
+        description=("Tokens in the first streamed chunk of a non-OpenAI job."),
+    )
+    default_batch_size_growth_factor: float = Field(
+        3.0,
+        ge=1.0,
+        le=1000.0,
+        description=(
+            "Each streamed chunk holds this many times the tokens of the previous one, up to "
+            "DEFAULT_BATCH_SIZE."
+        ),
+    )
+    raw_openai_output: bool = Field(
+        True,
+        description=(
+            "Stream OpenAI-route jobs as raw SSE strings (data: {...}) instead of JSON objects."
+        ),
+    )
+    default_max_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=1 << 24,
+        description=(
+            "max_tokens of requests that give none. "
+            "Unset: whatever context remains after the prompt."
+        ),
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
+        "INFO", description=("Logging level of the worker.")
+    )
 
-    # ---- the OpenAI surface ------------------------------------------------------------------------------------
-    openai_served_model_name_override: str | None = Field(None, description=(
-        "Model name the OpenAI routes answer to and list, besides MODEL_NAME and the local path."))
-    openai_response_role: str = Field("assistant", min_length=1, max_length=64, description=(
-        "Role of the generated message in chat completions."))
-    max_request_bytes: int = Field(16 << 20, ge=1024, le=1 << 30, description=(
-        "Largest HTTP request body the OpenAI server accepts, in bytes (413 above)."))
-    port: int | None = Field(None, ge=1, le=65535, description=(
-        "Port of `python -m handler serve`, listening on 0.0.0.0 (RunPod load-balancing "
-        "endpoints set it). Unset: 127.0.0.1:8000. --host and --port win over it."))
-    port_health: int | None = Field(None, ge=1, le=65535, description=(
-        "Second port where `serve` answers the load balancer's /ping (204 loading, 200 ready, "
-        "503 failed). Unset: /ping on PORT only."))
-    health_check_path: Literal["/ping"] = Field("/ping", description=(
-        "Path RunPod's load balancer polls for health; coldbrew answers it at /ping."))
-    http_header_timeout_s: float = Field(10.0, gt=0, le=3600, description=(
-        "Seconds the OpenAI server waits for a request's line and headers, from the "
-        "connection's start or the request's first byte (408 and closed after)."))
-    http_body_timeout_s: float = Field(60.0, gt=0, le=3600, description=(
-        "Seconds the OpenAI server waits for a whole request body once the headers are in "
-        "(408 and closed after)."))
-    shutdown_grace_s: float = Field(30.0, ge=0, le=3600, description=(
-        "After SIGTERM, seconds in-flight requests and jobs get to finish; then streams end "
-        "with an error event, jobs with an error, and the process exits 0."))
+    # ---- the OpenAI surface ----------------------------------------------------------------------
+    openai_served_model_name_override: str | None = Field(
+        None,
+        description=(
+            "Model name the OpenAI routes answer to and list, "
+            "besides MODEL_NAME and the local path."
+        ),
+    )
+    openai_response_role: str = Field(
+        "assistant",
+        min_length=1,
+        max_length=64,
+        description=("Role of the generated message in chat completions."),
+    )
+    max_request_bytes: int = Field(
+        16 << 20,
+        ge=1024,
+        le=1 << 30,
+        description=("Largest HTTP request body the OpenAI server accepts, in bytes (413 above)."),
+    )
+    port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description=(
+            "Port of `python -m handler serve`, listening on 0.0.0.0 (RunPod load-balancing "
+            "endpoints set it). Unset: 127.0.0.1:8000. --host and --port win over it."
+        ),
+    )
+    port_health: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description=(
+            "Second port where `serve` answers the load balancer's /ping (204 loading, 200 ready, "
+            "503 failed). Unset: /ping on PORT only."
+        ),
+    )
+    health_check_path: Literal["/ping"] = Field(
+        "/ping",
+        description=("Path RunPod's load balancer polls for health; coldbrew answers it at /ping."),
+    )
+    http_header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description=(
+            "Seconds the OpenAI server waits for a request's line and headers, from the "
+            "connection's start or the request's first byte (408 and closed after)."
+        ),
+    )
+    http_body_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description=(
+            "Seconds the OpenAI server waits for a whole request body once the headers are in "
+            "(408 and closed after)."
+        ),
+    )
+    shutdown_grace_s: float = Field(
+        30.0,
+        ge=0,
+        le=3600,
+        description=(
+            "After SIGTERM, seconds in-flight requests and jobs get to finish; then streams end "
+            "with an error event, jobs with an error, and the process exits 0."
+        ),
+    )
 
-    # ---- the cache ---------------------------------------------------------------------------------------------
-    base_path: str = Field("/runpod-volume", description=(
-        "Network-volume mount; model snapshots are cached under it when it exists."))
-    cache_dir: str | None = Field(None, description=(
-        "Snapshot cache directory. Unset: BASE_PATH/coldbrew-cache if BASE_PATH exists, else ~/.cache/coldbrew."))
-    baked_model_dir: str | None = Field(None, description=(
-        "Snapshot (or cache root) baked into the image at build time; looked up before anything else."))
-    cache_verify: Literal["size", "full"] = Field("size", description=(
-        "How a cached snapshot is checked at start: size (every file's size, instant) or full (sha256 of every "
-        "file); a snapshot that fails is quarantined and fetched again."))
-    s3_cache_uri: str | None = Field(None, description="s3://bucket/prefix of a shared snapshot cache (optional).")
-    s3_cache_push: bool = Field(True, description=(
-        "Push snapshots fetched from the source to S3_CACHE_URI so other workers start from it."))
-    s3_endpoint_url: str | None = Field(None, description="Endpoint of an S3-compatible store (R2, MinIO, ...).")
-    aws_access_key_id: SecretStr | None = Field(None, description="S3 access key id (never logged).")
-    aws_secret_access_key: SecretStr | None = Field(None, description="S3 secret access key (never logged).")
+    # ---- the cache -------------------------------------------------------------------------------
+    base_path: str = Field(
+        "/runpod-volume",
+        description=("Network-volume mount; model snapshots are cached under it when it exists."),
+    )
+    cache_dir: str | None = Field(
+        None,
+        description=(
+            "Snapshot cache directory. "
+            "Unset: BASE_PATH/coldbrew-cache if BASE_PATH exists, else ~/.cache/coldbrew."
+        ),
+    )
+    baked_model_dir: str | None = Field(
+        None,
+        description=(
+            "Snapshot (or cache root) baked into the image at build time; "
+            "looked up before anything else."
+        ),
+    )
+    cache_verify: Literal["size", "full"] = Field(
+        "size",
+        description=(
+            "How a cached snapshot is checked at start: size (every file's size, instant) or full "
+            "(sha256 of every file); a snapshot that fails is quarantined and fetched again."
+        ),
+    )
+    s3_cache_uri: str | None = Field(
+        None, description="s3://bucket/prefix of a shared snapshot cache (optional)."
+    )
+    s3_cache_push: bool = Field(
+        True,
+        description=(
+            "Push snapshots fetched from the source to S3_CACHE_URI so other workers start from it."
+        ),
+    )
+    s3_endpoint_url: str | None = Field(
+        None, description="Endpoint of an S3-compatible store (R2, MinIO, ...)."
+    )
+    aws_access_key_id: SecretStr | None = Field(
+        None, description="S3 access key id (never logged)."
+    )
+    aws_secret_access_key: SecretStr | None = Field(
+        None, description="S3 secret access key (never logged)."
+    )
     aws_region: str | None = Field(None, description="Region of the S3 bucket (e.g. us-east-1).")
 
     @classmethod
     def settings_customise_sources(
-        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         """Keyword arguments, then the environment (no .env files, no secrets directory)."""
@@ -203,7 +386,7 @@ class Settings(BaseSettings):
             raise ValueError("must look like s3://bucket/prefix")
         return value
 
-    # ---- derived values ----------------------------------------------------------------------------------------
+    # ---- derived values --------------------------------------------------------------------------
     @classmethod
     def env_names(cls) -> list[str]:
         """Every environment variable the worker reads, in declaration order."""
@@ -216,12 +399,19 @@ class Settings(BaseSettings):
         rows = []
         for name, field in cls.model_fields.items():
             default = field.default
-            shown = "" if default is None else str(default).lower() if isinstance(default, bool) else str(default)
+            shown = (
+                ""
+                if default is None
+                else str(default).lower()
+                if isinstance(default, bool)
+                else str(default)
+            )
             rows.append((name.upper(), shown, field.description or ""))
         return rows
 
     def resolved_cache_dir(self) -> Path:
-        """CACHE_DIR, else BASE_PATH/coldbrew-cache when the volume is mounted, else ~/.cache/coldbrew."""
+        """CACHE_DIR, else BASE_PATH/coldbrew-cache when the volume is mounted, else
+        ~/.cache/coldbrew."""
         if self.cache_dir:
             return Path(self.cache_dir).expanduser()
         if os.path.isdir(self.base_path):
@@ -246,20 +436,29 @@ class Settings(BaseSettings):
             tensor_parallel_size=self.tensor_parallel_size,
         )
 
-    def engine_args(self, model_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None):
+    def engine_args(
+        self, model_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None
+    ):
         """The engine's arguments for a model already resolved to a local directory."""
         from engine import EngineArgs
 
         tokenizer = str(tokenizer_dir) if tokenizer_dir is not None else None
         # ENGINE_MODE is applied by the start sequence (warmup.artifacts.prepare)
-        return EngineArgs(model=str(model_dir), tokenizer=tokenizer, device=self.device,
-                          **self.engine_options())
+        return EngineArgs(
+            model=str(model_dir), tokenizer=tokenizer, device=self.device, **self.engine_options()
+        )
 
 
-_ALLOWED_TEXT = {"block_size": "a power of two in [1, 1024]", "s3_cache_uri": "s3://bucket/prefix",
-                 "max_model_len": ("an integer in [1, 16777216] (or 32k, 32K), or auto/0/-1 for "
-                                   "the model's length")}
-_SECRET_FIELDS = {name for name, f in Settings.model_fields.items() if "SecretStr" in str(f.annotation)}
+_ALLOWED_TEXT = {
+    "block_size": "a power of two in [1, 1024]",
+    "s3_cache_uri": "s3://bucket/prefix",
+    "max_model_len": (
+        "an integer in [1, 16777216] (or 32k, 32K), or auto/0/-1 for the model's length"
+    ),
+}
+_SECRET_FIELDS = {
+    name for name, f in Settings.model_fields.items() if "SecretStr" in str(f.annotation)
+}
 
 
 def _allowed(name: str) -> str:
@@ -283,8 +482,13 @@ def _allowed(name: str) -> str:
             hi = m.le
         if getattr(m, "max_length", None) is not None:
             return f"a string of at most {m.max_length} characters"
-    words = {int: "an integer", float: "a number", bool: "true or false (1/0, yes/no)", SecretStr: "a string",
-             str: "a string"}.get(kind, getattr(kind, "__name__", str(kind)))
+    words = {
+        int: "an integer",
+        float: "a number",
+        bool: "true or false (1/0, yes/no)",
+        SecretStr: "a string",
+        str: "a string",
+    }.get(kind, getattr(kind, "__name__", str(kind)))
     if lo is not None and hi is not None:
         return f"{words} in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
     if lo is not None:
@@ -297,7 +501,11 @@ def _describe_error(err: dict) -> str:
     msg = err["msg"].removeprefix("Value error, ")
     if name not in Settings.model_fields:
         return msg
-    got = "" if name in _SECRET_FIELDS or err.get("input") is None else f", got {str(err['input'])[:200]!r}"
+    got = (
+        ""
+        if name in _SECRET_FIELDS or err.get("input") is None
+        else f", got {str(err['input'])[:200]!r}"
+    )
     return f"{name.upper()}: {msg}{got}; allowed: {_allowed(name)}"
 
 

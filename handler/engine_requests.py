@@ -3,6 +3,7 @@ every shape, which handler.jobs turns into OpenAI bodies) is parsed by the same 
 normalised here once (nesting depth, messages, tools, sampling fields, the context limit) into an
 EngineRequest.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +13,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from handler.limits import MAX_CHOICES, MAX_JSON_DEPTH
-from handler.protocol import (UNSUPPORTED_EXTRAS, ApiError, ChatCompletionRequest,
-                              CompletionRequest, SamplingFields, describe_validation_error)
+from handler.protocol import (
+    UNSUPPORTED_EXTRAS,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    describe_validation_error,
+)
 
 MODELS_ROUTE = "/v1/models"
 CHAT_ROUTE = "/v1/chat/completions"
@@ -23,14 +30,33 @@ ROUTES = (MODELS_ROUTE, CHAT_ROUTE, COMPLETIONS_ROUTE)
 ROUTE_METHODS = {MODELS_ROUTE: "GET", CHAT_ROUTE: "POST", COMPLETIONS_ROUTE: "POST"}
 _SCHEMAS = {CHAT_ROUTE: ChatCompletionRequest, COMPLETIONS_ROUTE: CompletionRequest}
 # The request fields that become the engine's SamplingParams (a job's sampling_params may set them).
-SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                   "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
-                   "ignore_eos", "max_tokens", "min_tokens", "skip_special_tokens",
-                   "include_stop_str_in_output")
+SAMPLING_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "max_tokens",
+    "min_tokens",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+)
 # Keys of chat_template_kwargs that would change more than template variables (e.g. load a
 # template from a path).
-_RESERVED_TEMPLATE_KWARGS = {"messages", "chat_template", "tools", "documents",
-                             "add_generation_prompt"}
+_RESERVED_TEMPLATE_KWARGS = {
+    "messages",
+    "chat_template",
+    "tools",
+    "documents",
+    "add_generation_prompt",
+}
 _NO_TOOLS = "tool calls are not supported yet (the output is never parsed into tool_calls)"
 
 
@@ -41,7 +67,7 @@ def canonical_route(route: Any, param: str = "route") -> str:
         raise ApiError(400, f"{param}: must be a string, got {type(route).__name__}", param)
     path = "/" + route.strip().strip("/")
     if path.startswith("/openai/"):
-        path = path[len("/openai"):]
+        path = path[len("/openai") :]
     if not path.startswith("/v1/") and "/v1" + path in ROUTES:
         path = "/v1" + path
     return path
@@ -58,9 +84,13 @@ def check_depth(value: Any, where: str = "body", slack: int = 0) -> None:
         node, depth, top = stack.pop()
         if depth > MAX_JSON_DEPTH + slack:
             param = top if isinstance(top, str) else where
-            raise ApiError(400, f"{param}: objects and lists nested deeper than the limit of "
-                                f"{MAX_JSON_DEPTH} levels", param)
-        for key, child in (node.items() if isinstance(node, dict) else enumerate(node)):
+            raise ApiError(
+                400,
+                f"{param}: objects and lists nested deeper than the limit of "
+                f"{MAX_JSON_DEPTH} levels",
+                param,
+            )
+        for key, child in node.items() if isinstance(node, dict) else enumerate(node):
             if isinstance(child, (dict, list)):
                 stack.append((child, depth + 1, key if top is None else top))
 
@@ -101,17 +131,23 @@ def _refuse_unsupported(req: SamplingFields) -> None:
     _refuse_tool_fields({"tools": req.tools, "tool_choice": req.tool_choice})
     fmt = req.response_format
     if fmt is not None and fmt.type != "text":
-        raise ApiError(400, f"response_format: type {fmt.type!r} is not supported (this engine "
-                            "has no guided decoding); use {'type': 'text'}", "response_format")
+        raise ApiError(
+            400,
+            f"response_format: type {fmt.type!r} is not supported (this engine "
+            "has no guided decoding); use {'type': 'text'}",
+            "response_format",
+        )
     for name in UNSUPPORTED_EXTRAS:
         if getattr(req, name) is not None:
             raise ApiError(400, f"{name}: guided decoding is not supported by this engine", name)
     if req.use_beam_search:
-        raise ApiError(400, "use_beam_search: beam search is not supported by this engine",
-                       "use_beam_search")
+        raise ApiError(
+            400, "use_beam_search: beam search is not supported by this engine", "use_beam_search"
+        )
     if req.logit_bias:
-        raise ApiError(400, "logit_bias: not supported by this engine; leave it empty",
-                       "logit_bias")
+        raise ApiError(
+            400, "logit_bias: not supported by this engine; leave it empty", "logit_bias"
+        )
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options: only allowed when stream is true", "stream_options")
 
@@ -132,13 +168,19 @@ def _refuse_tools(req: ChatCompletionRequest) -> None:
     _refuse_tool_fields({"functions": req.functions, "function_call": req.function_call})
     for i, m in enumerate(req.messages):
         if m.role in ("tool", "function"):
-            raise ApiError(400, f"messages[{i}].role: {m.role!r} messages carry tool results, "
-                                f"and {_NO_TOOLS}", f"messages[{i}].role")
+            raise ApiError(
+                400,
+                f"messages[{i}].role: {m.role!r} messages carry tool results, and {_NO_TOOLS}",
+                f"messages[{i}].role",
+            )
         extra = m.model_extra or {}
         for name in ("tool_calls", "function_call"):
             if extra.get(name) not in (None, []):
-                raise ApiError(400, f"messages[{i}].{name}: {_NO_TOOLS}; send the conversation "
-                                    "without them", f"messages[{i}].{name}")
+                raise ApiError(
+                    400,
+                    f"messages[{i}].{name}: {_NO_TOOLS}; send the conversation without them",
+                    f"messages[{i}].{name}",
+                )
 
 
 def _texts(message) -> list[str]:
@@ -151,12 +193,16 @@ def _texts(message) -> list[str]:
 def _check_chat(req: ChatCompletionRequest) -> None:
     _refuse_tools(req)
     if req.continue_final_message:
-        raise ApiError(400, "continue_final_message: not supported; end the conversation with a "
-                            "user turn", "continue_final_message")
+        raise ApiError(
+            400,
+            "continue_final_message: not supported; end the conversation with a user turn",
+            "continue_final_message",
+        )
     reserved = sorted(_RESERVED_TEMPLATE_KWARGS & (req.chat_template_kwargs or {}).keys())
     if reserved:
-        raise ApiError(400, f"chat_template_kwargs: may not set {', '.join(reserved)}",
-                       "chat_template_kwargs")
+        raise ApiError(
+            400, f"chat_template_kwargs: may not set {', '.join(reserved)}", "chat_template_kwargs"
+        )
     for i, m in enumerate(req.messages):
         for text in _texts(m):
             _check_unicode(text, f"messages[{i}].content")
@@ -166,8 +212,11 @@ def _check_completion(req: CompletionRequest) -> None:
     if req.suffix:
         raise ApiError(400, "suffix: not supported (no fill-in-the-middle)", "suffix")
     if req.best_of is not None and req.best_of != req.n:
-        raise ApiError(400, f"best_of: only best_of == n is supported (got best_of={req.best_of}, "
-                            f"n={req.n})", "best_of")
+        raise ApiError(
+            400,
+            f"best_of: only best_of == n is supported (got best_of={req.best_of}, n={req.n})",
+            "best_of",
+        )
     if req.echo and req.logprobs is not None:
         raise ApiError(400, "echo: echo together with logprobs is not supported", "echo")
     prompt = req.prompt
@@ -183,8 +232,9 @@ def _check_unicode(text: str, param: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ApiError(400, f"{param}: invalid unicode (a lone surrogate) at character {e.start}",
-                       param) from None
+        raise ApiError(
+            400, f"{param}: invalid unicode (a lone surrogate) at character {e.start}", param
+        ) from None
 
 
 def engine_error(exc: ValueError, default_param: str) -> ApiError:
@@ -199,8 +249,14 @@ class RequestBuilder:
     """Parsed requests -> EngineRequests, with the checks that need the model: served names, the
     context limit, the vocabulary, the chat template."""
 
-    def __init__(self, tokenizer, context_limit: int, vocab_size: int, served_names: list[str],
-                 default_max_tokens: int | None):
+    def __init__(
+        self,
+        tokenizer,
+        context_limit: int,
+        vocab_size: int,
+        served_names: list[str],
+        default_max_tokens: int | None,
+    ):
         self.tokenizer = tokenizer
         self.context_limit = context_limit
         self.vocab_size = vocab_size
@@ -215,9 +271,13 @@ class RequestBuilder:
         if requested is None:
             return self.served_names[0]
         if requested not in self.served_names:
-            raise ApiError(404, f"model: {requested[:200]!r} does not exist; this worker serves "
-                                f"{', '.join(map(repr, self.served_names))}", "model",
-                           "not_found_error")
+            raise ApiError(
+                404,
+                f"model: {requested[:200]!r} does not exist; this worker serves "
+                f"{', '.join(map(repr, self.served_names))}",
+                "model",
+                "not_found_error",
+            )
         return requested
 
     async def build(self, route: str, req) -> EngineRequest:
@@ -228,23 +288,35 @@ class RequestBuilder:
     def _check_chars(self, chars: int, param: str) -> None:
         """Refuse a text that can't fit before spending time tokenizing it."""
         if chars > self.context_limit * self.max_token_chars:
-            raise ApiError(400, f"{param}: {chars} characters can't fit in the context limit of "
-                                f"{self.context_limit} tokens (a token here spans at most "
-                                f"{self.max_token_chars} characters)", param)
+            raise ApiError(
+                400,
+                f"{param}: {chars} characters can't fit in the context limit of "
+                f"{self.context_limit} tokens (a token here spans at most "
+                f"{self.max_token_chars} characters)",
+                param,
+            )
 
-    def _max_tokens(self, requested: int | None, param: str, prompt_lens: list[int],
-                    prompt_param: str) -> int | None:
+    def _max_tokens(
+        self, requested: int | None, param: str, prompt_lens: list[int], prompt_param: str
+    ) -> int | None:
         longest, limit = max(prompt_lens), self.context_limit
         if longest + 1 > limit:
-            raise ApiError(400, f"{prompt_param}: {longest} tokens exceed the context limit of "
-                                f"{limit} tokens (the prompt may have at most {limit - 1} tokens)",
-                           prompt_param)
+            raise ApiError(
+                400,
+                f"{prompt_param}: {longest} tokens exceed the context limit of "
+                f"{limit} tokens (the prompt may have at most {limit - 1} tokens)",
+                prompt_param,
+            )
         remaining = limit - longest
         if requested is not None:
             if requested > remaining:
-                raise ApiError(400, f"{param}: {requested} plus the prompt's {longest} tokens "
-                                    f"exceeds the context limit of {limit} tokens (at most "
-                                    f"{remaining} for this prompt)", param)
+                raise ApiError(
+                    400,
+                    f"{param}: {requested} plus the prompt's {longest} tokens "
+                    f"exceeds the context limit of {limit} tokens (at most "
+                    f"{remaining} for this prompt)",
+                    param,
+                )
             return requested
         default = self.default_max_tokens
         # None: until EOS or the context limit
@@ -254,8 +326,9 @@ class RequestBuilder:
     def _sampling(req: SamplingFields, max_tokens: int | None, logprobs: int | None):
         from engine import SamplingParams  # the engine (and torch) load once a request needs them
 
-        kwargs: dict[str, Any] = {name: getattr(req, name) for name in SAMPLING_FIELDS
-                                  if getattr(req, name) is not None}
+        kwargs: dict[str, Any] = {
+            name: getattr(req, name) for name in SAMPLING_FIELDS if getattr(req, name) is not None
+        }
         kwargs.update(max_tokens=max_tokens, logprobs=logprobs)
         try:
             return SamplingParams(**kwargs)
@@ -271,8 +344,11 @@ class RequestBuilder:
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         try:
             prompt_ids = await asyncio.to_thread(
-                self.tokenizer.encode_chat, messages,
-                add_generation_prompt=req.add_generation_prompt, **kwargs)
+                self.tokenizer.encode_chat,
+                messages,
+                add_generation_prompt=req.add_generation_prompt,
+                **kwargs,
+            )
         except (ValueError, TypeError) as e:
             raise ApiError(400, f"messages: {e}", "messages") from None
         if req.max_completion_tokens is not None:
@@ -303,14 +379,22 @@ class RequestBuilder:
             for ids in prompts:
                 bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
                 if bad is not None:
-                    raise ApiError(400, f"prompt: token ids must be in [0, {self.vocab_size}), got "
-                                        f"{bad}", "prompt")
+                    raise ApiError(
+                        400,
+                        f"prompt: token ids must be in [0, {self.vocab_size}), got {bad}",
+                        "prompt",
+                    )
         choices = len(prompts) * req.n
         if choices > MAX_CHOICES:
-            raise ApiError(400, f"n: {req.n} samples of {len(prompts)} prompts make {choices} "
-                                f"choices; at most {MAX_CHOICES} per request", "n")
+            raise ApiError(
+                400,
+                f"n: {req.n} samples of {len(prompts)} prompts make {choices} "
+                f"choices; at most {MAX_CHOICES} per request",
+                "n",
+            )
         lens = [len(p) for p in prompts]
         max_tokens = self._max_tokens(req.max_tokens, "max_tokens", lens, "prompt")
         params = self._sampling(req, max_tokens, req.logprobs)
-        return EngineRequest(COMPLETIONS_ROUTE, req, model, prompts, params, req.logprobs or 0,
-                             texts)
+        return EngineRequest(
+            COMPLETIONS_ROUTE, req, model, prompts, params, req.logprobs or 0, texts
+        )

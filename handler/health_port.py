@@ -5,6 +5,7 @@ server listens, 503 once it has stopped.
 The load balancer polls /ping on PORT_HEALTH and reads 200 as healthy, 204 as initializing and
 anything else as unhealthy (runpod/docs serverless/load-balancing/overview.mdx).
 """
+
 from __future__ import annotations
 
 import http.client
@@ -56,8 +57,9 @@ class HealthPort(ThreadingHTTPServer):
         return reply.status, body
 
     def start(self) -> "HealthPort":
-        threading.Thread(target=self.serve_forever, name="coldbrew-health-port",
-                         daemon=True).start()
+        threading.Thread(
+            target=self.serve_forever, name="coldbrew-health-port", daemon=True
+        ).start()
         return self
 
 
@@ -72,10 +74,20 @@ class _Handler(BaseHTTPRequestHandler):
             status, body = self.server.ask_server()
         else:
             status = 404
-            message = (f"route {self.path[:200]!r} does not exist on the health port; "
-                       f"the load balancer's health check is {HEALTH_PATH}")
-            body = _json({"error": {"message": message, "type": "not_found_error",
-                                    "param": None, "code": 404}})
+            message = (
+                f"route {self.path[:200]!r} does not exist on the health port; "
+                f"the load balancer's health check is {HEALTH_PATH}"
+            )
+            body = _json(
+                {
+                    "error": {
+                        "message": message,
+                        "type": "not_found_error",
+                        "param": None,
+                        "code": 404,
+                    }
+                }
+            )
         self.send_response(status)
         if status != 204:
             self.send_header("Content-Type", "application/json")

@@ -3,6 +3,7 @@ request line and headers (h11_max_incomplete_event_size), plus the read timeouts
 request whose headers or body arrive too slowly gets a 408 and its connection is closed, with one
 info line in the log.
 """
+
 from __future__ import annotations
 
 import json
@@ -71,8 +72,13 @@ class TimedH11Protocol(H11Protocol):
             return
         client = "%s:%d" % self.client if self.client else "a client"
         setting = "HTTP_HEADER_TIMEOUT_S" if phase == "headers" else "HTTP_BODY_TIMEOUT_S"
-        log.info("closed the connection from %s: the request %s did not arrive within %gs (%s)",
-                 client, phase, limit, setting)
+        log.info(
+            "closed the connection from %s: the request %s did not arrive within %gs (%s)",
+            client,
+            phase,
+            limit,
+            setting,
+        )
         cycle = self.cycle if phase == "body" else None
         if cycle is None or not cycle.response_started:
             self._send_408(f"request {phase}: not received within {limit:g} s ({setting})")
@@ -84,8 +90,11 @@ class TimedH11Protocol(H11Protocol):
 
     def _send_408(self, message: str) -> None:
         body = json.dumps(ApiError(408, message).to_dict()).encode()
-        headers = [(b"content-type", b"application/json"),
-                   (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
         try:
             response = h11.Response(status_code=408, headers=headers, reason=b"Request Timeout")
             out = self.conn.send(response)
@@ -99,11 +108,22 @@ def uvicorn_config(app, settings) -> uvicorn.Config:
     """uvicorn's settings for the server: h11 with the header cap and read deadlines, keep-alive,
     and a graceful shutdown that outlasts SHUTDOWN_GRACE_S (the app ends its own streams then;
     uvicorn cancels only stragglers)."""
-    protocol = type("SettingsTimedH11Protocol", (TimedH11Protocol,), {
-        "header_timeout_s": settings.http_header_timeout_s,
-        "body_timeout_s": settings.http_body_timeout_s})
+    protocol = type(
+        "SettingsTimedH11Protocol",
+        (TimedH11Protocol,),
+        {
+            "header_timeout_s": settings.http_header_timeout_s,
+            "body_timeout_s": settings.http_body_timeout_s,
+        },
+    )
     graceful_s = math.ceil(settings.shutdown_grace_s) + SHUTDOWN_FLUSH_S
-    return uvicorn.Config(app, http=protocol, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-                          timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=graceful_s,
-                          log_level=settings.log_level.lower(),
-                          access_log=settings.log_level == "DEBUG", lifespan="on")
+    return uvicorn.Config(
+        app,
+        http=protocol,
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        timeout_keep_alive=KEEP_ALIVE_S,
+        timeout_graceful_shutdown=graceful_s,
+        log_level=settings.log_level.lower(),
+        access_log=settings.log_level == "DEBUG",
+        lifespan="on",
+    )

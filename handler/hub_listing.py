@@ -8,8 +8,8 @@ and tests.json.
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 from types import UnionType
 from typing import Literal, Union, get_args, get_origin
@@ -103,8 +103,24 @@ def write_listing(repo: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    for path in write_listing(Path(argv[0] if argv else ".")):
+    parser = argparse.ArgumentParser(
+        prog="python -m handler.hub_listing",
+        description="Rewrite REPO/hub.json's config.env from the worker's settings, then write the "
+        "copies the RunPod Hub reads (.runpod/hub.json, .runpod/tests.json).",
+    )
+    parser.add_argument(
+        "repo",
+        nargs="?",
+        default=".",
+        metavar="REPO",
+        help="the repository root, holding hub.json and tests.json (default: .)",
+    )
+    args = parser.parse_args(argv)
+    repo = Path(args.repo)
+    for name in ("hub.json", "tests.json"):
+        if not (repo / name).is_file():
+            parser.error(f"REPO: {repo} has no {name} (give the repository root)")
+    for path in write_listing(repo):
         print(path)
 
 

@@ -3,6 +3,7 @@ route/body/method), each turned into the OpenAI request it stands for, so handle
 gives it the meaning the HTTP face gives that body; and their outputs: worker-vllm-shaped chunks
 streamed in batches whose token count grows from the min to the max.
 """
+
 from __future__ import annotations
 
 import re
@@ -11,20 +12,39 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
-from pydantic import ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    model_validator,
+)
 
-from handler.engine_requests import (CHAT_ROUTE, COMPLETIONS_ROUTE, ROUTE_METHODS, ROUTES,
-                                     SAMPLING_FIELDS, canonical_route, check_depth, parse_body)
+from handler.engine_requests import (
+    CHAT_ROUTE,
+    COMPLETIONS_ROUTE,
+    ROUTE_METHODS,
+    ROUTES,
+    SAMPLING_FIELDS,
+    canonical_route,
+    check_depth,
+    parse_body,
+)
 from handler.protocol import ApiError, describe_validation_error
 from handler.routes import SSE_DONE, sse
 
 # What a prompt/messages job's sampling_params may hold: the sampling fields, and the tool fields
 # (refused as on the OpenAI face). logprobs are refused: worker-vllm's output has no place for them.
 _JOB_SAMPLING_KEYS = (*SAMPLING_FIELDS, "tools", "tool_choice")
-_NO_LOGPROBS = ("worker-vllm's job output has no place for logprobs; send the request as "
-                '{"openai_route": "/v1/chat/completions" or "/v1/completions", '
-                '"openai_input": {...}}')
+_NO_LOGPROBS = (
+    "worker-vllm's job output has no place for logprobs; send the request as "
+    '{"openai_route": "/v1/chat/completions" or "/v1/completions", '
+    '"openai_input": {...}}'
+)
 
 
 class JobInputError(ValueError):
@@ -38,7 +58,8 @@ class JobInputError(ValueError):
 
 
 class JobAborted(RuntimeError):
-    """The job's engine request was ended from outside (drain deadline, cancel): the job fails with this message."""
+    """The job's engine request was ended from outside (drain deadline, cancel): the job fails with
+    this message."""
 
 
 class _Strict(BaseModel):
@@ -59,7 +80,9 @@ class _BatchOverrides(_Strict):
 class EngineJob(_BatchOverrides):
     """`{"prompt": str | [ids] | "messages": [...], "sampling_params": {...}, "stream": bool}`."""
 
-    prompt: StrictStr | Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)] | None = None
+    prompt: (
+        StrictStr | Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)] | None
+    ) = None
     # validated as the chat route's messages
     messages: Annotated[list[Any], Field(min_length=1)] | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
@@ -79,7 +102,8 @@ class EngineJob(_BatchOverrides):
 
 
 class OpenAIJob(_BatchOverrides):
-    """`{"openai_route": "/v1/chat/completions" | "/v1/completions" | "/v1/models", "openai_input": {...}}`."""
+    """`{"openai_route": ROUTE, "openai_input": {...}}`, ROUTE one of "/v1/chat/completions",
+    "/v1/completions", "/v1/models"."""
 
     openai_route: StrictStr
     openai_input: dict[str, Any] | None = None
@@ -132,7 +156,7 @@ class Job:
         if e.param is None:
             return e.message
         param = e.param
-        rest = e.message[len(param):] if e.message.startswith(param) else f": {e.message}"
+        rest = e.message[len(param) :] if e.message.startswith(param) else f": {e.message}"
         if isinstance(self.shape, OpenAIJob):
             where = "input.openai_input" if param == "body" else f"input.openai_input.{param}"
         else:
@@ -213,8 +237,14 @@ def _openai_job(shape: OpenAIJob | RouteJob) -> Job:
         raise JobInputError(message, job.error(ApiError(404, message, param)))
     if method in ("GET", "POST") and method != ROUTE_METHODS[path]:
         hint = "; send a body" if method == "GET" else ""
-        raise job.refusal(ApiError(405, f"method: {method} is not allowed on {path} (it answers "
-                                        f"{ROUTE_METHODS[path]}{hint})", "method"))
+        raise job.refusal(
+            ApiError(
+                405,
+                f"method: {method} is not allowed on {path} (it answers "
+                f"{ROUTE_METHODS[path]}{hint})",
+                "method",
+            )
+        )
     return job
 
 
@@ -226,8 +256,10 @@ def _engine_job(shape: EngineJob) -> Job:
         if key in ("logprobs", "prompt_logprobs"):
             raise JobInputError(f"input.sampling_params.{key}: {_NO_LOGPROBS}")
         if key not in _JOB_SAMPLING_KEYS:
-            raise JobInputError(f"input.sampling_params.{key}: unknown field; accepted: "
-                                f"{', '.join(SAMPLING_FIELDS)}")
+            raise JobInputError(
+                f"input.sampling_params.{key}: unknown field; accepted: "
+                f"{', '.join(SAMPLING_FIELDS)}"
+            )
     body = {k: v for k, v in given.items() if v is not None}
     for name in ("tools", "tool_choice"):
         if getattr(shape, name) is not None:
@@ -244,7 +276,8 @@ def _engine_job(shape: EngineJob) -> Job:
 
 @dataclass
 class BatchSizes:
-    """Stream chunk sizes: start at `minimum` tokens, multiply by `growth` after each chunk, cap at `maximum`."""
+    """Stream chunk sizes: start at `minimum` tokens, multiply by `growth` after each chunk, cap at
+    `maximum`."""
 
     minimum: int
     growth: float
@@ -254,7 +287,11 @@ class BatchSizes:
     def for_job(cls, job: _BatchOverrides, settings) -> "BatchSizes":
         maximum = job.max_batch_size or settings.default_batch_size
         minimum = min(job.min_batch_size or settings.default_min_batch_size, maximum)
-        return cls(minimum, float(job.batch_size_growth_factor or settings.default_batch_size_growth_factor), maximum)
+        return cls(
+            minimum,
+            float(job.batch_size_growth_factor or settings.default_batch_size_growth_factor),
+            maximum,
+        )
 
     def sizes(self):
         size = self.minimum
@@ -267,15 +304,17 @@ def _empty_batch(n: int) -> dict:
     return {"choices": [{"tokens": []} for _ in range(n)]}
 
 
-async def run_engine_job(engine, routes, job: Job, settings, request_id: str,
-                         on_finish=None) -> AsyncIterator[dict]:
-    """Generate for a prompt/messages job; yield worker-vllm batches `{"choices": [{"tokens": [...]}], "usage": ...}`.
+async def run_engine_job(
+    engine, routes, job: Job, settings, request_id: str, on_finish=None
+) -> AsyncIterator[dict]:
+    """Generate for a prompt/messages job; yield worker-vllm batches
+    `{"choices": [{"tokens": [...]}], "usage": ...}`.
 
     The engine request is the one the OpenAI route builds from the same body (routes.prepare).
     Streaming: each batch holds the text pieces of about `size` new tokens (sizes grow per
     BatchSizes); not streaming: one batch with the whole text per choice. The last batch carries
-    each choice's finish_reason.
-    on_finish(prompt_tokens, output_tokens) is called once the request is done (admission learns request sizes)."""
+    each choice's finish_reason. on_finish(prompt_tokens, output_tokens) is called once the request
+    is done (admission learns request sizes)."""
     request = await routes.prepare(job.route, job.body)
     stream = engine.generate(request_id, request.prompts[0], request.params)
     n = request.params.n
@@ -295,7 +334,7 @@ async def run_engine_job(engine, routes, job: Job, settings, request_id: str,
             for c in out.outputs:
                 new_tokens = len(c.token_ids) - counts[c.index]
                 if c.text != texts[c.index] or new_tokens:
-                    batch["choices"][c.index]["tokens"].append(c.text[len(texts[c.index]):])
+                    batch["choices"][c.index]["tokens"].append(c.text[len(texts[c.index]) :])
                     texts[c.index], counts[c.index] = c.text, len(c.token_ids)
                     in_batch += max(new_tokens, 0)
             if in_batch >= size and not out.finished:

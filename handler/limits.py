@@ -2,7 +2,35 @@
 lists them). Both faces (the HTTP server and RunPod jobs) enforce the same values; the engine checks
 its own again.
 """
+
 from __future__ import annotations
+
+from engine.sampling_params import (
+    MAX_LOGPROBS as MAX_TOP_LOGPROBS,  # chat top_logprobs, completions logprobs
+    MAX_N,  # samples per prompt
+    MAX_STOP_STRING_CHARS as MAX_STOP_CHARS,  # characters of one stop string
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MIN_REPETITION_PENALTY,  # vLLM asks only > 0; far below 1 the output degenerates
+)
+
+__all__ = [  # the engine's limits above are re-exported with the handler's own
+    "KEEP_ALIVE_S",
+    "MAX_BATCH_PROMPTS",
+    "MAX_CHOICES",
+    "MAX_HEADER_BYTES",
+    "MAX_JSON_DEPTH",
+    "MAX_MESSAGES",
+    "MAX_N",
+    "MAX_REPETITION_PENALTY",
+    "MAX_REQUEST_LINE_BYTES",
+    "MAX_STOP_CHARS",
+    "MAX_STOP_STRINGS",
+    "MAX_STOP_TOKEN_IDS",
+    "MAX_TOKENS_LIMIT",
+    "MAX_TOP_LOGPROBS",
+    "MIN_REPETITION_PENALTY",
+]
 
 # ---- the HTTP connection (python -m handler serve) ------------------------------------------
 # Request line plus headers, in bytes: the server's HTTP parser (h11) refuses a larger header block
@@ -21,17 +49,8 @@ KEEP_ALIVE_S = 5
 MAX_JSON_DEPTH = 64
 
 # ---- the fields -----------------------------------------------------------------------------
-# The engine's own limits on sampling fields (engine.sampling_params, torch-free), taken as they are
-# so the two can never disagree.
-from engine.sampling_params import (  # noqa: E402
-    MAX_LOGPROBS as MAX_TOP_LOGPROBS,  # chat top_logprobs, completions logprobs
-    MAX_N,  # samples per prompt
-    MAX_STOP_STRING_CHARS as MAX_STOP_CHARS,  # characters of one stop string
-    MAX_STOP_STRINGS,
-    MAX_STOP_TOKEN_IDS,
-    MIN_REPETITION_PENALTY,  # vLLM asks only > 0; far below 1 the output degenerates
-)
-
+# The engine's own limits on sampling fields (engine.sampling_params, torch-free, imported above),
+# taken as they are so the two can never disagree, and the handler's own:
 MAX_CHOICES = 1024  # prompts x n in one completions request
 MAX_MESSAGES = 4096
 MAX_BATCH_PROMPTS = 256  # prompts in one completions request

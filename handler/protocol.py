@@ -1,16 +1,37 @@
-"""OpenAI request schemas as pydantic models: what the OpenAI API, its official clients and worker-vllm users send.
+"""OpenAI request schemas as pydantic models: what the OpenAI API, its official clients and
+worker-vllm users send.
 
-Strict types (a string is never read as a number), bounds that name the field, and clear refusals for what we lack.
+Strict types (a string is never read as a number), bounds that name the field, and clear refusals
+for what we lack.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
 
-from handler.limits import (MAX_BATCH_PROMPTS, MAX_MESSAGES, MAX_N, MAX_REPETITION_PENALTY,
-                            MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKENS_LIMIT,
-                            MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY)
+from handler.limits import (
+    MAX_BATCH_PROMPTS,
+    MAX_MESSAGES,
+    MAX_N,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOKENS_LIMIT,
+    MAX_TOP_LOGPROBS,
+    MIN_REPETITION_PENALTY,
+)
 
 Number = StrictFloat | StrictInt
 RepetitionPenalty = Annotated[Number, Field(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)]
@@ -18,7 +39,8 @@ TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(max_length=M
 
 
 class _Model(BaseModel):
-    # Unknown fields are ignored (clients send vendor extras such as "user" or "store"), types are strict.
+    # Unknown fields are ignored (clients send vendor extras such as "user" or "store"), types are
+    # strict.
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
@@ -38,7 +60,9 @@ class TextPart(_Model):
 
 
 class OtherPart(_Model):
-    """Any non-text part (image_url, input_audio, file, ...): parsed only to refuse it with a clear message."""
+    """Any non-text part (image_url, input_audio, file, ...): parsed only to refuse it with a clear
+    message."""
+
     model_config = ConfigDict(extra="allow", strict=True)
     type: StrictStr
 
@@ -46,11 +70,14 @@ class OtherPart(_Model):
     def _refuse(self) -> "OtherPart":
         if self.type == "text":
             raise ValueError("a text part needs a string 'text'")
-        raise ValueError(f"content parts of type {self.type!r} are not supported (this model reads text only)")
+        raise ValueError(
+            f"content parts of type {self.type!r} are not supported (this model reads text only)"
+        )
 
 
 class ChatMessage(_Model):
-    model_config = ConfigDict(extra="allow", strict=True)  # tool_calls, tool_call_id, reasoning ... reach the template
+    # tool_calls, tool_call_id, reasoning ... reach the template
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: StrictStr | list[TextPart | OtherPart] | None = None
     name: StrictStr | None = None
@@ -62,9 +89,14 @@ class SamplingFields(_Model):
     model: StrictStr | None = None  # None: the served model
     max_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
-    stop: Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_CHARS)] | Annotated[
-        list[Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
-        Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: (
+        Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+        | Annotated[
+            list[Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
+            Field(max_length=MAX_STOP_STRINGS),
+        ]
+        | None
+    ) = None
     stop_token_ids: TokenIds | None = None
     seed: StrictInt | None = None
     temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
@@ -83,7 +115,8 @@ class SamplingFields(_Model):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     user: StrictStr | None = None
-    # vLLM extras worker-vllm users send that this engine lacks: refused by name rather than silently ignored.
+    # vLLM extras worker-vllm users send that this engine lacks: refused by name rather than
+    # silently ignored.
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -95,7 +128,13 @@ class SamplingFields(_Model):
     tool_choice: Any = None
 
 
-UNSUPPORTED_EXTRAS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+UNSUPPORTED_EXTRAS = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -111,9 +150,15 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: StrictStr | Annotated[list[StrictInt], Field(min_length=1)] | Annotated[
-        list[StrictStr], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)] | Annotated[
-        list[Annotated[list[StrictInt], Field(min_length=1)]], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]
+    prompt: (
+        StrictStr
+        | Annotated[list[StrictInt], Field(min_length=1)]
+        | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]
+        | Annotated[
+            list[Annotated[list[StrictInt], Field(min_length=1)]],
+            Field(min_length=1, max_length=MAX_BATCH_PROMPTS),
+        ]
+    )
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: StrictBool = False
     suffix: StrictStr | None = None
@@ -128,8 +173,9 @@ _ERROR_TYPES = {404: "not_found_error", 503: "service_unavailable"}
 class ApiError(Exception):
     """An error the caller caused (4xx) or one of ours (5xx), shaped like OpenAI's error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, type: str | None = None
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -138,30 +184,48 @@ class ApiError(Exception):
         self.type = type or _ERROR_TYPES.get(status, default)
 
     def to_dict(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.status}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
 
 
-# ---- validation errors -> one message naming the field ---------------------------------------------------------
+# ---- validation errors -> one message naming the field -------------------------------------------
 
-# Fields whose type is a union: what they accept, in words (pydantic would list each alternative's failure).
+# Fields whose type is a union: what they accept, in words (pydantic would list each alternative's
+# failure).
 _UNION_WORDS = {
     "stop": f"a string or a list of at most {MAX_STOP_STRINGS} strings",
     "prompt": "a string, a list of token ids, a list of strings or a list of token-id lists",
     "content": "a string, a list of text parts ({'type': 'text', 'text': ...}) or null",
 }
 _TYPE_WORDS = {
-    "string_type": "a string", "int_type": "an integer", "float_type": "a number", "bool_type": "a boolean",
-    "list_type": "a list", "dict_type": "an object", "model_type": "an object", "model_attributes_type": "an object",
-    "int_from_float": "an integer", "none_required": "null",
+    "string_type": "a string",
+    "int_type": "an integer",
+    "float_type": "a number",
+    "bool_type": "a boolean",
+    "list_type": "a list",
+    "dict_type": "an object",
+    "model_type": "an object",
+    "model_attributes_type": "an object",
+    "int_from_float": "an integer",
+    "none_required": "null",
 }
 _RANK = {"value_error": 0, "missing": 2}
 
 
 def _is_union_tag(part: Any) -> bool:
-    """pydantic names the alternative of a union it tried in the error location: 'str', 'list[int]', 'TextPart'..."""
-    return isinstance(part, str) and (any(c in part for c in "[]-(") or part in ("str", "int", "float", "bool")
-                                      or part[:1].isupper())
+    """pydantic names the alternative of a union it tried in the error location: 'str', 'list[int]',
+    'TextPart'..."""
+    return isinstance(part, str) and (
+        any(c in part for c in "[]-(")
+        or part in ("str", "int", "float", "bool")
+        or part[:1].isupper()
+    )
 
 
 def field_path(loc: tuple) -> str:
@@ -177,12 +241,19 @@ def field_path(loc: tuple) -> str:
 
 def _shown(value: Any) -> str:
     text = repr(value)
-    return text if len(text) <= 60 else f"a {type(value).__name__} of length {len(value)}" if hasattr(
-        value, "__len__") else type(value).__name__
+    return (
+        text
+        if len(text) <= 60
+        else f"a {type(value).__name__} of length {len(value)}"
+        if hasattr(value, "__len__")
+        else type(value).__name__
+    )
 
 
 def describe_validation_error(errors: list[dict]) -> tuple[str, str]:
-    """pydantic's error list -> (param, message): the most telling error, named by its field path."""
+    """pydantic's error list -> (param, message): the most telling error, named by its field
+    path."""
+
     def rank(err: dict) -> tuple:
         kind = err["type"]
         r = _RANK.get(kind, 3 if kind.endswith("_type") or kind in _TYPE_WORDS else 1)
@@ -207,7 +278,10 @@ def describe_validation_error(errors: list[dict]) -> tuple[str, str]:
                 kinds.remove("an integer")
             words = " or ".join(kinds)
         value = best.get("input")
-        return path, f"{path}: must be {words}, got {'null' if value is None else type(value).__name__}"
+        return (
+            path,
+            f"{path}: must be {words}, got {'null' if value is None else type(value).__name__}",
+        )
     msg = best["msg"].removeprefix("Value error, ")
     if kind == "missing":
         return path, f"{path}: field required"

@@ -52,9 +52,8 @@ class ReasoningStream:
         self._split = TagSplitter([THINK_OPEN, THINK_CLOSE])
         self._lead = ""  # "open": the whitespace seen before any text
         self._newlines = ""  # "reasoning": newlines held (they go if </think> comes next)
-        self._strip_leading = (
-            starts_in_reasoning  # drop newlines at the start of the reasoning / content
-        )
+        # drop newlines at the start of the reasoning / content
+        self._strip_leading = starts_in_reasoning
 
     def _lead_stripped(self, text: str) -> str:
         """text without the newlines that open the reasoning or the content."""
@@ -119,9 +118,8 @@ class ReasoningParser:
     """A REASONING_PARSER: for one request's rendered prompt, stream() splits its completion."""
 
     name = ""
-    opens_in_prompt = (
-        False  # the family's template opens <think> itself (the reply starts thinking)
-    )
+    # the family's template opens <think> itself (the reply starts thinking)
+    opens_in_prompt = False
 
     def stream(self, prompt: str = "") -> ReasoningStream:
         left_open = prompt_leaves_thinking_open(prompt)

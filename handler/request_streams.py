@@ -1,7 +1,8 @@
-"""The engine side of one OpenAI request: its AsyncLLM streams (one per prompt) merged into one view of the newest
-outputs, and the chunk stream a streaming response hands out, which aborts the engine work when it is closed early.
-Both can be interrupted (the drain deadline) wherever they wait.
+"""The engine side of one OpenAI request: its AsyncLLM streams (one per prompt) merged into one view
+of the newest outputs, and the chunk stream a streaming response hands out, which aborts the engine
+work when it is closed early. Both can be interrupted (the drain deadline) wherever they wait.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,14 +18,17 @@ class Interrupted(Exception):
 
 
 class RequestStreams:
-    """The engine streams of one API request (one per prompt), merged; the newest cumulative output per prompt.
+    """The engine streams of one API request (one per prompt), merged; the newest cumulative output
+    per prompt.
 
-    `start()` returns once every prompt was admitted (an engine refusal raises there, before any chunk is sent);
-    `close()` aborts whatever is still running (the engine frees its blocks)."""
+    `start()` returns once every prompt was admitted (an engine refusal raises there, before any
+    chunk is sent); `close()` aborts whatever is still running (the engine frees its blocks)."""
 
     def __init__(self, engine, request_id: str, prompts: list[list[int]], params):
         self.engine = engine
-        self.ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
+        self.ids = [
+            request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))
+        ]
         self.prompts = prompts
         self.params = params
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -43,7 +47,8 @@ class RequestStreams:
             await gen.aclose()
 
     async def _next(self) -> None:
-        """Wait for news, then take everything queued (a slow reader skips to the newest cumulative outputs)."""
+        """Wait for news, then take everything queued (a slow reader skips to the newest cumulative
+        outputs)."""
         items = [await self.queue.get()]
         while not self.queue.empty():
             items.append(self.queue.get_nowait())
@@ -64,7 +69,8 @@ class RequestStreams:
             raise
 
     async def updates(self) -> AsyncIterator[dict[int, Any]]:
-        """Yield the latest outputs after each batch of news, the first batch included, until all finished."""
+        """Yield the latest outputs after each batch of news, the first batch included, until all
+        finished."""
         yield self.latest
         while self.unfinished:
             await self._next()
@@ -81,14 +87,16 @@ class RequestStreams:
 
 
 class ChunkStream:
-    """The chunks of a streaming response: an async iterator of dicts. `aclose()` (also before the first chunk)
-    aborts what the engine still runs for it; callers must aclose it if they stop early (contextlib.aclosing)."""
+    """The chunks of a streaming response: an async iterator of dicts. `aclose()` (also before the
+    first chunk) aborts what the engine still runs for it; callers must aclose it if they stop early
+    (contextlib.aclosing)."""
 
     def __init__(self, chunks: AsyncIterator[dict], streams: RequestStreams):
         self._chunks = chunks
         self._streams = streams
         self._ended = False
-        self.on_end = None  # called once with the HTTP-like status: 200 done, 4xx/5xx failed, 499 left early
+        # called once with the HTTP-like status: 200 done, 4xx/5xx failed, 499 left early
+        self.on_end = None
 
     def __aiter__(self) -> "ChunkStream":
         return self
@@ -99,10 +107,13 @@ class ChunkStream:
         except StopAsyncIteration:
             await self._end(200)
             raise
-        except (asyncio.CancelledError, GeneratorExit):  # the consumer left (a closed connection, a cancelled job)
+        except (asyncio.CancelledError, GeneratorExit):
+            # the consumer left (a closed connection, a cancelled job)
             await self._end(499)
             raise
-        except BaseException as e:  # an ApiError carries its HTTP status; anything else is a server error
+        except (
+            BaseException
+        ) as e:  # an ApiError carries its HTTP status; anything else is a server error
             await self._end(getattr(e, "status", 500))
             raise
 
@@ -126,7 +137,8 @@ class ChunkStream:
 
 
 async def drain(streams: RequestStreams) -> float | None:
-    """Run a non-streaming request to its end (closing its streams whatever happens); when its first token came."""
+    """Run a non-streaming request to its end (closing its streams whatever happens); when its first
+    token came."""
     first_token = None
     try:
         async for latest in streams.updates():
@@ -135,4 +147,3 @@ async def drain(streams: RequestStreams) -> float | None:
     finally:
         await streams.close()
     return first_token
-

@@ -1,6 +1,8 @@
-"""The OpenAI routes (/v1/models, /v1/chat/completions, /v1/completions), one implementation for both faces:
-RunPod jobs (handler.jobs) and the HTTP server (handler.server) call `OpenAIRoutes.dispatch(route, body)`.
+"""The OpenAI routes (/v1/models, /v1/chat/completions, /v1/completions), one implementation for
+both faces: RunPod jobs (handler.jobs) and the HTTP server (handler.server) call
+`OpenAIRoutes.dispatch(route, body)`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +14,17 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from handler.config import Settings
-from handler.engine_requests import (CHAT_ROUTE, MODELS_ROUTE, ROUTE_METHODS, ROUTES, EngineRequest,
-                                     RequestBuilder, canonical_route, engine_error, parse_body)
+from handler.engine_requests import (
+    CHAT_ROUTE,
+    MODELS_ROUTE,
+    ROUTE_METHODS,
+    ROUTES,
+    EngineRequest,
+    RequestBuilder,
+    canonical_route,
+    engine_error,
+    parse_body,
+)
 from handler.metrics import Metrics
 from handler.protocol import ApiError
 from handler.request_streams import ChunkStream, RequestStreams, drain
@@ -39,12 +50,13 @@ class _ChoiceState:
         self.finished = False
 
     def advance(self, c) -> tuple[str, list[int], int, int] | None:
-        """What choice `c` (its cumulative output) adds since the last chunk, recorded as sent: (new text, new token
-        ids, tokens sent before, text length sent before); None when there is nothing new to send."""
+        """What choice `c` (its cumulative output) adds since the last chunk, recorded as sent: (new
+        text, new token ids, tokens sent before, text length sent before); None when there is
+        nothing new to send."""
         if self.finished:
             return None
-        delta_text = c.text[self.text_len:]
-        new_ids = c.token_ids[self.tokens:]
+        delta_text = c.text[self.text_len :]
+        new_ids = c.token_ids[self.tokens :]
         if not delta_text and not new_ids and c.finish_reason is None:
             return None
         tokens_before, text_before = self.tokens, self.text_len
@@ -54,10 +66,13 @@ class _ChoiceState:
 
 
 class OpenAIRoutes:
-    """`await routes.dispatch(route, body)` -> a response dict, or an async iterator of chunk dicts when
-    body["stream"] is true. Errors raise ApiError with the HTTP status and the field at fault."""
+    """`await routes.dispatch(route, body)` -> a response dict, or an async iterator of chunk dicts
+    when body["stream"] is true. Errors raise ApiError with the HTTP status and the field at
+    fault."""
 
-    def __init__(self, engine, settings: Settings, served_names: list[str], metrics: Metrics | None = None):
+    def __init__(
+        self, engine, settings: Settings, served_names: list[str], metrics: Metrics | None = None
+    ):
         if not served_names:
             raise ValueError("served_names: at least one model name is needed")
         self.engine = engine
@@ -69,23 +84,36 @@ class OpenAIRoutes:
             raise ValueError("model: the OpenAI routes need a model with a tokenizer")
         core = engine.engine
         self.max_model_len: int = core.max_model_len
-        self.requests = RequestBuilder(self.tokenizer, core.context_limit,
-                                       core.model_config.vocab_size, self.served_names,
-                                       settings.default_max_tokens)
+        self.requests = RequestBuilder(
+            self.tokenizer,
+            core.context_limit,
+            core.model_config.vocab_size,
+            self.served_names,
+            settings.default_max_tokens,
+        )
         self.created = int(time.time())
 
-    # ---- entry point -------------------------------------------------------------------------------------------
-    async def dispatch(self, route: str, body: Any,
-                       method: str | None = None) -> dict | AsyncIterator[dict]:
+    # ---- entry point -----------------------------------------------------------------------------
+    async def dispatch(
+        self, route: str, body: Any, method: str | None = None
+    ) -> dict | AsyncIterator[dict]:
         """Serve `body` on `route` ('/v1/...', also '/openai/v1/...'); `method`, when given, must
         be the route's."""
         path = canonical_route(route, "openai_route")
         if path not in ROUTES:
-            raise ApiError(404, f"route {str(route)[:200]!r} does not exist; the routes are "
-                                f"{', '.join(ROUTES)} (also under /openai/v1/...)", "route")
+            raise ApiError(
+                404,
+                f"route {str(route)[:200]!r} does not exist; the routes are "
+                f"{', '.join(ROUTES)} (also under /openai/v1/...)",
+                "route",
+            )
         if method is not None and method != ROUTE_METHODS[path]:
-            raise ApiError(405, f"method: {method[:20]} is not allowed on {path} (it answers "
-                                f"{ROUTE_METHODS[path]})", "method")
+            raise ApiError(
+                405,
+                f"method: {method[:20]} is not allowed on {path} (it answers "
+                f"{ROUTE_METHODS[path]})",
+                "method",
+            )
         if path == MODELS_ROUTE:
             return self.models()
         return await self._counted(path, self._serve(path, body))
@@ -116,9 +144,19 @@ class OpenAIRoutes:
         return result
 
     def models(self) -> dict:
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": self.created, "owned_by": "coldbrew",
-             "max_model_len": self.max_model_len} for name in self.served_names]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "coldbrew",
+                    "max_model_len": self.max_model_len,
+                }
+                for name in self.served_names
+            ],
+        }
 
     async def prepare(self, route: str, body: Any) -> EngineRequest:
         """The engine request a chat or completions body stands for (prompt/messages jobs run it
@@ -140,8 +178,9 @@ class OpenAIRoutes:
             return await self._chat_full(streams, head, req, lens, top_n, t0)
         echo = None
         if req.echo:
-            echo = request.texts or [self.tokenizer.decode(p, skip_special_tokens=False)
-                                     for p in request.prompts]
+            echo = request.texts or [
+                self.tokenizer.decode(p, skip_special_tokens=False) for p in request.prompts
+            ]
         if req.stream:
             chunks = self._completion_stream(streams, head, req, lens, top_n, echo, t0)
             return ChunkStream(chunks, streams)
@@ -158,7 +197,11 @@ class OpenAIRoutes:
     def _usage(self, prompt_lens: list[int], latest: dict[int, Any]) -> dict:
         prompt = sum(prompt_lens)
         completion = sum(len(c.token_ids) for out in latest.values() for c in out.outputs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
 
     def _record(self, t0: float, first_token: float | None, usage: dict) -> None:
         if self.metrics is None:
@@ -174,51 +217,85 @@ class OpenAIRoutes:
             return lp.decoded_token
         return self.tokenizer.decode_token(token_id)
 
-    # ---- logprobs formats --------------------------------------------------------------------------------------
+    # ---- logprobs formats ------------------------------------------------------------------------
     def _chat_logprobs(self, token_ids: list[int], positions: list, top_n: int) -> list[dict]:
         content = []
         for token_id, pos in zip(token_ids, positions):
             text = self._token_text(pos, token_id)
             chosen = pos.get(token_id) if pos else None
-            top = sorted(((tid, lp) for tid, lp in (pos or {}).items() if lp.rank <= top_n), key=lambda t: t[1].rank)
-            content.append({
-                "token": text, "logprob": _logprob(chosen.logprob) if chosen else MIN_LOGPROB,
-                "bytes": list(text.encode("utf-8")),
-                "top_logprobs": [{"token": (t := self._token_text(pos, tid)), "logprob": _logprob(lp.logprob),
-                                  "bytes": list(t.encode("utf-8"))} for tid, lp in top[:top_n]]})
+            top = sorted(
+                ((tid, lp) for tid, lp in (pos or {}).items() if lp.rank <= top_n),
+                key=lambda t: t[1].rank,
+            )
+            content.append(
+                {
+                    "token": text,
+                    "logprob": _logprob(chosen.logprob) if chosen else MIN_LOGPROB,
+                    "bytes": list(text.encode("utf-8")),
+                    "top_logprobs": [
+                        {
+                            "token": (t := self._token_text(pos, tid)),
+                            "logprob": _logprob(lp.logprob),
+                            "bytes": list(t.encode("utf-8")),
+                        }
+                        for tid, lp in top[:top_n]
+                    ],
+                }
+            )
         return content
 
-    def _completion_logprobs(self, token_ids: list[int], positions: list, top_n: int, offset: int) -> dict:
-        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    def _completion_logprobs(
+        self, token_ids: list[int], positions: list, top_n: int, offset: int
+    ) -> dict:
+        out: dict[str, list] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
         for token_id, pos in zip(token_ids, positions):
             text = self._token_text(pos, token_id)
             chosen = pos.get(token_id) if pos else None
             out["tokens"].append(text)
             out["token_logprobs"].append(_logprob(chosen.logprob) if chosen else None)
-            top = sorted(((tid, lp) for tid, lp in (pos or {}).items() if lp.rank <= top_n), key=lambda t: t[1].rank)
-            out["top_logprobs"].append({self._token_text(pos, tid): _logprob(lp.logprob) for tid, lp in top[:top_n]})
+            top = sorted(
+                ((tid, lp) for tid, lp in (pos or {}).items() if lp.rank <= top_n),
+                key=lambda t: t[1].rank,
+            )
+            out["top_logprobs"].append(
+                {self._token_text(pos, tid): _logprob(lp.logprob) for tid, lp in top[:top_n]}
+            )
             out["text_offset"].append(offset)
             offset += len(text)
         return out
 
-    # ---- /v1/chat/completions ----------------------------------------------------------------------------------
-    async def _chat_full(self, streams: RequestStreams, head: dict, req, prompt_lens, top_n, t0) -> dict:
+    # ---- /v1/chat/completions --------------------------------------------------------------------
+    async def _chat_full(
+        self, streams: RequestStreams, head: dict, req, prompt_lens, top_n, t0
+    ) -> dict:
         first_token = await drain(streams)
         out = streams.latest[0]
         choices = []
         for c in out.outputs:
-            choices.append({
-                "index": c.index,
-                "message": {"role": self.settings.openai_response_role, "content": c.text},
-                "logprobs": {"content": self._chat_logprobs(c.token_ids, c.logprobs or [], top_n)}
-                if req.logprobs else None,
-                "finish_reason": c.finish_reason,
-            })
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": {"role": self.settings.openai_response_role, "content": c.text},
+                    "logprobs": {
+                        "content": self._chat_logprobs(c.token_ids, c.logprobs or [], top_n)
+                    }
+                    if req.logprobs
+                    else None,
+                    "finish_reason": c.finish_reason,
+                }
+            )
         usage = self._usage(prompt_lens, streams.latest)
         self._record(t0, first_token, usage)
         return {**head, "object": "chat.completion", "choices": choices, "usage": usage}
 
-    async def _chat_stream(self, streams: RequestStreams, head: dict, req, prompt_lens, top_n, t0) -> AsyncIterator[dict]:
+    async def _chat_stream(
+        self, streams: RequestStreams, head: dict, req, prompt_lens, top_n, t0
+    ) -> AsyncIterator[dict]:
         head = {**head, "object": "chat.completion.chunk"}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
@@ -233,8 +310,18 @@ class OpenAIRoutes:
             return c
 
         try:
-            yield chunk([{"index": i, "delta": {"role": role, "content": ""}, "logprobs": None,
-                          "finish_reason": None} for i in range(req.n)], streams.latest)
+            yield chunk(
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": role, "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for i in range(req.n)
+                ],
+                streams.latest,
+            )
             async for latest in streams.updates():
                 choices = []
                 for c in latest[0].outputs:
@@ -243,11 +330,18 @@ class OpenAIRoutes:
                     if sent is None:
                         continue
                     delta_text, new_ids, tokens_before, _ = sent
-                    choice: dict[str, Any] = {"index": c.index, "delta": {"content": delta_text} if delta_text else {},
-                                              "logprobs": None, "finish_reason": c.finish_reason}
+                    choice: dict[str, Any] = {
+                        "index": c.index,
+                        "delta": {"content": delta_text} if delta_text else {},
+                        "logprobs": None,
+                        "finish_reason": c.finish_reason,
+                    }
                     if req.logprobs and new_ids:
-                        choice["logprobs"] = {"content": self._chat_logprobs(
-                            new_ids, (c.logprobs or [])[tokens_before:], top_n)}
+                        choice["logprobs"] = {
+                            "content": self._chat_logprobs(
+                                new_ids, (c.logprobs or [])[tokens_before:], top_n
+                            )
+                        }
                     if delta_text or st.finished or choice["logprobs"]:
                         choices.append(choice)
                 if first_token is None and any(st.tokens for st in states):
@@ -261,25 +355,34 @@ class OpenAIRoutes:
         finally:
             await streams.close()
 
-    # ---- /v1/completions ---------------------------------------------------------------------------------------
-    async def _completion_full(self, streams: RequestStreams, head: dict, req, prompt_lens, top_n, echo, t0) -> dict:
+    # ---- /v1/completions -------------------------------------------------------------------------
+    async def _completion_full(
+        self, streams: RequestStreams, head: dict, req, prompt_lens, top_n, echo, t0
+    ) -> dict:
         first_token = await drain(streams)
         choices = []
         for i in range(len(prompt_lens)):
             for c in streams.latest[i].outputs:
                 prefix = echo[i] if echo else ""
-                choices.append({
-                    "index": i * req.n + c.index, "text": prefix + c.text,
-                    "logprobs": self._completion_logprobs(c.token_ids, c.logprobs or [], top_n, len(prefix))
-                    if req.logprobs is not None else None,
-                    "finish_reason": c.finish_reason,
-                })
+                choices.append(
+                    {
+                        "index": i * req.n + c.index,
+                        "text": prefix + c.text,
+                        "logprobs": self._completion_logprobs(
+                            c.token_ids, c.logprobs or [], top_n, len(prefix)
+                        )
+                        if req.logprobs is not None
+                        else None,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
         usage = self._usage(prompt_lens, streams.latest)
         self._record(t0, first_token, usage)
         return {**head, "object": "text_completion", "choices": choices, "usage": usage}
 
-    async def _completion_stream(self, streams: RequestStreams, head: dict, req, prompt_lens, top_n, echo,
-                                 t0) -> AsyncIterator[dict]:
+    async def _completion_stream(
+        self, streams: RequestStreams, head: dict, req, prompt_lens, top_n, echo, t0
+    ) -> AsyncIterator[dict]:
         head = {**head, "object": "text_completion"}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
@@ -287,8 +390,16 @@ class OpenAIRoutes:
         first_token = None
         try:
             if echo:
-                first = [{"index": i * req.n + j, "text": echo[i], "logprobs": None, "finish_reason": None}
-                         for i in range(len(prompt_lens)) for j in range(req.n)]
+                first = [
+                    {
+                        "index": i * req.n + j,
+                        "text": echo[i],
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for i in range(len(prompt_lens))
+                    for j in range(req.n)
+                ]
                 yield {**head, "choices": first, **({"usage": None} if include_usage else {})}
             async for latest in streams.updates():
                 choices = []
@@ -300,11 +411,16 @@ class OpenAIRoutes:
                             continue
                         delta_text, new_ids, tokens_before, text_before = sent
                         offset = (len(echo[i]) if echo else 0) + text_before
-                        choice = {"index": i * req.n + c.index, "text": delta_text, "logprobs": None,
-                                  "finish_reason": c.finish_reason}
+                        choice = {
+                            "index": i * req.n + c.index,
+                            "text": delta_text,
+                            "logprobs": None,
+                            "finish_reason": c.finish_reason,
+                        }
                         if req.logprobs is not None and new_ids:
                             choice["logprobs"] = self._completion_logprobs(
-                                new_ids, (c.logprobs or [])[tokens_before:], top_n, offset)
+                                new_ids, (c.logprobs or [])[tokens_before:], top_n, offset
+                            )
                         if delta_text or st.finished or choice["logprobs"]:
                             choices.append(choice)
                 if first_token is None and any(st.tokens for st in states.values()):

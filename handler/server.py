@@ -1,8 +1,9 @@
-"""`python -m handler serve`: the OpenAI routes as a plain HTTP server (FastAPI + uvicorn), with SSE streaming,
-/health (503 until the engine is ready), /metrics (Prometheus text) and hard limits on what a request may send.
-How slowly it may send (handler.http_connection), and the drain on SIGTERM, which ends what is left
-with an error event, are set up here too.
+"""`python -m handler serve`: the OpenAI routes as a plain HTTP server (FastAPI + uvicorn), with SSE
+streaming, /health (503 until the engine is ready), /metrics (Prometheus text) and hard limits on
+what a request may send. How slowly it may send (handler.http_connection), and the drain on SIGTERM,
+which ends what is left with an error event, are set up here too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,15 +53,19 @@ async def read_json_body(request: Request, limit: int):
     first."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"body: {int(declared)} bytes exceeds the limit of {limit} bytes (MAX_REQUEST_BYTES)",
-                       "body")
+        raise ApiError(
+            413,
+            f"body: {int(declared)} bytes exceeds the limit of {limit} bytes (MAX_REQUEST_BYTES)",
+            "body",
+        )
     buf = bytearray()
     try:
         async for chunk in request.stream():
             buf += chunk
             if len(buf) > limit:
-                raise ApiError(413, f"body: more than the limit of {limit} bytes "
-                                    "(MAX_REQUEST_BYTES)", "body")
+                raise ApiError(
+                    413, f"body: more than the limit of {limit} bytes (MAX_REQUEST_BYTES)", "body"
+                )
     except ClientDisconnect:
         raise ClientLeft() from None
     if not buf:
@@ -72,12 +77,17 @@ async def read_json_body(request: Request, limit: int):
     try:
         body = json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as e:
-        raise ApiError(400, f"body: invalid JSON: {e.msg} at line {e.lineno} column {e.colno}", "body") from None
+        raise ApiError(
+            400, f"body: invalid JSON: {e.msg} at line {e.lineno} column {e.colno}", "body"
+        ) from None
     except ValueError as e:
         raise ApiError(400, f"body: invalid JSON: {e}", "body") from None
     except RecursionError:  # deeper than the parser's own guard: far deeper than the limit
-        raise ApiError(400, "body: objects and lists nested deeper than the limit of "
-                            f"{MAX_JSON_DEPTH} levels", "body") from None
+        raise ApiError(
+            400,
+            f"body: objects and lists nested deeper than the limit of {MAX_JSON_DEPTH} levels",
+            "body",
+        ) from None
     check_depth(body)
     return body
 
@@ -87,9 +97,12 @@ def _error_response(error: ApiError) -> JSONResponse:
 
 
 def _shutdown_error(grace_s: float) -> ApiError:
-    return ApiError(503, "the server is shutting down (SIGTERM) and the request did not finish "
-                         f"within {grace_s:g} s (SHUTDOWN_GRACE_S); retry it",
-                    type="service_unavailable")
+    return ApiError(
+        503,
+        "the server is shutting down (SIGTERM) and the request did not finish "
+        f"within {grace_s:g} s (SHUTDOWN_GRACE_S); retry it",
+        type="service_unavailable",
+    )
 
 
 async def _sse_body(stream: ChunkStream, grace_s: float, on_end=None) -> AsyncIterator[str]:
@@ -143,8 +156,12 @@ class OpenAIServer:
             except Exception as e:
                 raise ApiError(503, f"the model failed to load: {e}") from None
             if self._routes is None:
-                self._routes = OpenAIRoutes(TimedEngine(engine, on_queue_wait=self.metrics.observe_queue_wait),
-                                            self.settings, self.boot.served_names, self.metrics)
+                self._routes = OpenAIRoutes(
+                    TimedEngine(engine, on_queue_wait=self.metrics.observe_queue_wait),
+                    self.settings,
+                    self.boot.served_names,
+                    self.metrics,
+                )
         return self._routes
 
     def begin_drain(self) -> None:
@@ -153,8 +170,12 @@ class OpenAIServer:
             return
         self.draining = True
         grace = self.settings.shutdown_grace_s
-        log.info("shutting down: %d stream(s) and the requests in flight get %gs to finish "
-                 "(SHUTDOWN_GRACE_S)", len(self.streams), grace)
+        log.info(
+            "shutting down: %d stream(s) and the requests in flight get %gs to finish "
+            "(SHUTDOWN_GRACE_S)",
+            len(self.streams),
+            grace,
+        )
         asyncio.get_running_loop().call_later(grace, self._grace_over)
 
     def _grace_over(self) -> None:
@@ -163,9 +184,14 @@ class OpenAIServer:
             stream.interrupt()
 
     async def handle(self, request: Request, route: str) -> Response:
-        """One OpenAI request: parse, dispatch, answer JSON or SSE; a client that leaves aborts the work."""
+        """One OpenAI request: parse, dispatch, answer JSON or SSE; a client that leaves aborts the
+        work."""
         try:
-            body = await read_json_body(request, self.settings.max_request_bytes) if request.method == "POST" else {}
+            body = (
+                await read_json_body(request, self.settings.max_request_bytes)
+                if request.method == "POST"
+                else {}
+            )
             if self.drained.is_set():
                 raise _shutdown_error(self.settings.shutdown_grace_s)
             routes = await self.routes()
@@ -174,8 +200,9 @@ class OpenAIServer:
             from handler.http_connection import READ_TIMEOUT_KEY
 
             if not request.scope.get(READ_TIMEOUT_KEY):  # a read timeout was logged already
-                log.info("%s %s: the client left before its request body was in", request.method,
-                         route)
+                log.info(
+                    "%s %s: the client left before its request body was in", request.method, route
+                )
             return Response(status_code=499)
         except ApiError as e:
             return _error_response(e)
@@ -189,8 +216,11 @@ class OpenAIServer:
             if self.drained.is_set():
                 result.interrupt()
             body = _sse_body(result, self.settings.shutdown_grace_s, on_end=self.streams.discard)
-            return StreamingResponse(body, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                body,
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         return JSONResponse(result)
 
     async def _answer(self, request: Request, dispatch):
@@ -210,8 +240,10 @@ class OpenAIServer:
         work.cancel()
         await asyncio.gather(work, return_exceptions=True)
         if left:
-            log.info("%s: the client left before the answer; its request was aborted",
-                     request.url.path[:200])
+            log.info(
+                "%s: the client left before the answer; its request was aborted",
+                request.url.path[:200],
+            )
             return Response(status_code=499)
         raise _shutdown_error(self.settings.shutdown_grace_s)
 
@@ -223,8 +255,10 @@ class OpenAIServer:
         if engine is None:
             return JSONResponse({"status": "loading"}, status_code=503)
         if engine.errored is not None:
-            return JSONResponse({"status": "failed", "error": f"engine: {type(engine.errored).__name__}"},
-                                status_code=503)
+            return JSONResponse(
+                {"status": "failed", "error": f"engine: {type(engine.errored).__name__}"},
+                status_code=503,
+            )
         return JSONResponse({"status": "ok", "models": self.boot.served_names})
 
     async def metrics_text(self) -> Response:
@@ -232,7 +266,9 @@ class OpenAIServer:
         stats = None
         if engine is not None and engine.errored is None:
             stats = engine.stats_nowait()  # plain reads: /metrics never waits for an engine step
-        text = self.metrics.render(stats, ready=engine is not None, engine=engine, cold_start=self.boot.phases)
+        text = self.metrics.render(
+            stats, ready=engine is not None, engine=engine, cold_start=self.boot.phases
+        )
         return Response(text, media_type=PROMETHEUS_CONTENT_TYPE)
 
 
@@ -249,8 +285,14 @@ def build_app(settings: Settings, boot: EngineBoot, metrics: Metrics | None = No
 
     # No trailing-slash redirects (Starlette builds them from the Host header): _RequestTarget
     # answers the route.
-    app = FastAPI(title="coldbrew", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None, redirect_slashes=False)
+    app = FastAPI(
+        title="coldbrew",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        redirect_slashes=False,
+    )
     app.add_middleware(_RequestTarget)
     app.state.server = server
 
@@ -269,7 +311,8 @@ def build_app(settings: Settings, boot: EngineBoot, metrics: Metrics | None = No
 
     @app.get("/ping", include_in_schema=False)
     async def ping() -> Response:
-        """RunPod load-balancing endpoints probe /ping: 204 while loading, 200 when ready, 503 when dead."""
+        """RunPod load-balancing endpoints probe /ping: 204 while loading, 200 when ready, 503 when
+        dead."""
         response = server.health()
         return Response(status_code=204) if b'"loading"' in response.body else response
 
@@ -280,10 +323,15 @@ def build_app(settings: Settings, boot: EngineBoot, metrics: Metrics | None = No
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 404:
-            error = ApiError(404, f"route {request.url.path[:200]!r} does not exist; the routes are "
-                                  f"{', '.join(ROUTES)} (also under /openai), /health and /metrics")
+            error = ApiError(
+                404,
+                f"route {request.url.path[:200]!r} does not exist; the routes are "
+                f"{', '.join(ROUTES)} (also under /openai), /health and /metrics",
+            )
         elif exc.status_code == 405:
-            error = ApiError(405, f"method {request.method} is not allowed on {request.url.path[:200]!r}")
+            error = ApiError(
+                405, f"method {request.method} is not allowed on {request.url.path[:200]!r}"
+            )
         else:
             error = ApiError(exc.status_code, str(exc.detail))
         return _error_response(error)
@@ -304,8 +352,11 @@ class _RequestTarget:
             path_bytes = scope.get("raw_path") or scope["path"].encode()
             target = len(path_bytes) + len(scope.get("query_string", b""))
             if target > MAX_REQUEST_LINE_BYTES:
-                error = ApiError(414, f"request target: {target} bytes exceeds the limit of "
-                                      f"{MAX_REQUEST_LINE_BYTES} bytes")
+                error = ApiError(
+                    414,
+                    f"request target: {target} bytes exceeds the limit of "
+                    f"{MAX_REQUEST_LINE_BYTES} bytes",
+                )
                 await _error_response(error)(scope, receive, send)
                 return
             path = scope["path"]
@@ -331,8 +382,10 @@ async def _watch(boot: EngineBoot, server, app_server: OpenAIServer) -> None:
         await asyncio.sleep(WATCH_SECONDS)
         engine = boot.engine_now()
         if boot.failed is not None or (engine is not None and engine.errored is not None):
-            log.error("the engine is dead (%s): stopping the server",
-                      type(boot.failed or engine.errored).__name__)
+            log.error(
+                "the engine is dead (%s): stopping the server",
+                type(boot.failed or engine.errored).__name__,
+            )
             server.engine_dead = True
             server.should_exit = True
     app_server.begin_drain()
@@ -343,6 +396,7 @@ def _stop_on_signals(server) -> None:
     with these, the re-raised signal only asks for the stop already done, so the process exits with
     serve()'s status (0 after a clean drain) rather than by the signal (143). Before uvicorn runs,
     they stop it as soon as it starts."""
+
     def stop(signum, frame) -> None:
         server.should_exit = True
 
@@ -373,7 +427,10 @@ def serve(settings: Settings, host: str, port: int, boot: EngineBoot | None = No
         finally:
             watcher.cancel()
 
-    print(f"coldbrew: OpenAI server on http://{bound_host}:{bound_port}/v1 (health: /health)", flush=True)
+    print(
+        f"coldbrew: OpenAI server on http://{bound_host}:{bound_port}/v1 (health: /health)",
+        flush=True,
+    )
     asyncio.run(run())
     return 1 if server.engine_dead else 0
 
@@ -382,10 +439,12 @@ def main(argv: list[str] | None = None, boot: EngineBoot | None = None) -> None:
     """boot: the engine's start, already begun by the entry point before this module's imports (its
     settings are the server's); None: load the settings and begin it here."""
     ap = argparse.ArgumentParser(prog="python -m handler serve", description=__doc__)
-    ap.add_argument("--host", help="address to listen on (default: 0.0.0.0 if PORT is set, "
-                                   "else 127.0.0.1)")
-    ap.add_argument("--port", type=int, help="port to listen on; 0 picks a free one "
-                                             "(default: PORT, else 8000)")
+    ap.add_argument(
+        "--host", help="address to listen on (default: 0.0.0.0 if PORT is set, else 127.0.0.1)"
+    )
+    ap.add_argument(
+        "--port", type=int, help="port to listen on; 0 picks a free one (default: PORT, else 8000)"
+    )
     args = ap.parse_args(argv)
     if boot is None:
         try:

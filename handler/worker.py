@@ -1,11 +1,14 @@
-"""The RunPod serverless worker: an async-generator job handler run by `runpod.serverless.start`, the engine loading
-in the background from process start. Every job ends in one result: its output, or `{"error": ...}`.
+"""The RunPod serverless worker: an async-generator job handler run by `runpod.serverless.start`,
+the engine loading in the background from process start. Every job ends in one result: its output,
+or `{"error": ...}`.
 
-A job's final output carries a `metrics` block (handler.job_timing.job_metrics): its queue wait, measured from the
-moment the SDK hands the job to the handler (the SDK passes the job-take answer on as it came, `id`, `input` and
-`webhook` as documented, and stamps no time on it, so nothing dates the enqueue; RunPod's own queue time is the
-`delayTime` of /status), the worker's capacity and its cold-start phases.
+A job's final output carries a `metrics` block (handler.job_timing.job_metrics): its queue wait,
+measured from the moment the SDK hands the job to the handler (the SDK passes the job-take answer on
+as it came, `id`, `input` and `webhook` as documented, and stamps no time on it, so nothing dates
+the enqueue; RunPod's own queue time is the `delayTime` of /status), the worker's capacity and its
+cold-start phases.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,8 +26,15 @@ from handler.admission import Admission, Ticket
 from handler.config import Settings, SettingsError, load_settings
 from handler.engine_boot import EngineBoot, begin
 from handler.job_timing import JobTiming, TimedEngine, job_metrics
-from handler.jobs import (Job, JobAborted, JobInputError, parse_job, run_engine_job, run_openai_job,
-                          stream_error_batch)
+from handler.jobs import (
+    Job,
+    JobAborted,
+    JobInputError,
+    parse_job,
+    run_engine_job,
+    run_openai_job,
+    stream_error_batch,
+)
 from handler.protocol import ApiError
 
 log = logging.getLogger(__name__)
@@ -35,8 +45,9 @@ def _is_out_of_memory(exc: BaseException) -> bool:
 
 
 async def _abortable(stream: AsyncIterator, ticket: Ticket) -> AsyncIterator:
-    """Items of `stream` until it ends or the ticket's abort is set; an abort (or the job being cancelled) cancels the
-    pending read, which closes the engine request and frees its blocks. An abort raises JobAborted(reason)."""
+    """Items of `stream` until it ends or the ticket's abort is set; an abort (or the job being
+    cancelled) cancels the pending read, which closes the engine request and frees its blocks. An
+    abort raises JobAborted(reason)."""
     stop = asyncio.ensure_future(ticket.abort.wait())
     read = None
     try:
@@ -55,31 +66,39 @@ async def _abortable(stream: AsyncIterator, ticket: Ticket) -> AsyncIterator:
         if read is not None:
             if not read.done():
                 read.cancel()
-            # also retrieves a read that ended (StopAsyncIteration, an error) just as this job was cancelled
+            # also retrieves a read that ended (StopAsyncIteration, an error) just as this job was
+            # cancelled
             await asyncio.gather(read, return_exceptions=True)
         await stream.aclose()
 
 
 def _is_final_output(item: Any) -> bool:
-    """The chunk that ends a served job: worker-vllm's last batch (each choice has its finish_reason) or a whole
-    (not streamed) OpenAI completion. Streamed OpenAI chunks stay exactly as the OpenAI API sends them."""
+    """The chunk that ends a served job: worker-vllm's last batch (each choice has its
+    finish_reason) or a whole (not streamed) OpenAI completion. Streamed OpenAI chunks stay exactly
+    as the OpenAI API sends them."""
     if not isinstance(item, dict) or "error" in item:
         return False
     choices = item.get("choices")
     if item.get("object") in ("chat.completion", "text_completion"):
         return True
-    return (isinstance(choices, list) and bool(choices) and "object" not in item
-            and all(isinstance(c, dict) and "finish_reason" in c for c in choices))
+    return (
+        isinstance(choices, list)
+        and bool(choices)
+        and "object" not in item
+        and all(isinstance(c, dict) and "finish_reason" in c for c in choices)
+    )
 
 
 class Worker:
-    """The job handler and its collaborators: settings, the engine boot, admission, and the OpenAI routes."""
+    """The job handler and its collaborators: settings, the engine boot, admission, and the OpenAI
+    routes."""
 
     def __init__(self, settings: Settings, boot: EngineBoot, admission: Admission | None = None):
         self.settings = settings
         self.boot = boot
-        self.admission = admission or Admission(settings.max_concurrency, boot,
-                                                grace_s=settings.shutdown_grace_s)
+        self.admission = admission or Admission(
+            settings.max_concurrency, boot, grace_s=settings.shutdown_grace_s
+        )
         self._routes = None
 
     def routes(self, engine):
@@ -90,7 +109,8 @@ class Worker:
         return self._routes
 
     async def handle(self, job: dict) -> AsyncIterator[Any]:
-        """The SDK's handler: yields output chunks; a failure is one final `{"error": message}` chunk."""
+        """The SDK's handler: yields output chunks; a failure is one final `{"error": message}`
+        chunk."""
         job_id = str(job.get("id", ""))
         try:
             parsed = parse_job(job.get("input"))
@@ -104,15 +124,19 @@ class Worker:
             return
         timing = JobTiming()
         if self.boot.is_ready:
-            timing.engine_ready = timing.received  # no wait for the engine: it was up when the job came
+            # no wait for the engine: it was up when the job came
+            timing.engine_ready = timing.received
         with self.admission.track(job_id) as ticket:
             async for item in self._run(job_id, parsed, ticket, timing):
                 if _is_final_output(item):
-                    item["metrics"] = job_metrics(timing, self.admission.capacity(), self.boot.phases)
+                    item["metrics"] = job_metrics(
+                        timing, self.admission.capacity(), self.boot.phases
+                    )
                 yield item
 
-    async def _run(self, job_id: str, job: Job, ticket: Ticket,
-                   timing: JobTiming) -> AsyncIterator[Any]:
+    async def _run(
+        self, job_id: str, job: Job, ticket: Ticket, timing: JobTiming
+    ) -> AsyncIterator[Any]:
         try:
             engine = await self._await_engine(ticket)
             if timing.engine_ready is None:
@@ -130,9 +154,16 @@ class Worker:
                 stream = run_openai_job(routes, job, self.settings, on_finish=observe)
             else:
                 request_id = f"job-{job_id}-{uuid.uuid4().hex[:8]}"
-                stream = run_engine_job(TimedEngine(engine, timing), routes, job, self.settings,
-                                        request_id, on_finish=observe)
-            with timing.current():  # the OpenAI routes' engine requests find their job through the running task
+                stream = run_engine_job(
+                    TimedEngine(engine, timing),
+                    routes,
+                    job,
+                    self.settings,
+                    request_id,
+                    on_finish=observe,
+                )
+            # the OpenAI routes' engine requests find their job through the running task
+            with timing.current():
                 async for item in _abortable(stream, ticket):
                     yield item
         except JobAborted as exc:  # cut short: ended as on the HTTP face (error event, [DONE])
@@ -146,7 +177,8 @@ class Worker:
     def _job_error(self, job_id: str, job: Job, engine, exc: Exception) -> str | dict:
         """What a failed job answers; a dead engine also starts the fatal exit. Errors a request
         can cause are logged in one line, errors of the machine with their traceback."""
-        if engine.errored is not None:  # checked first: a dead engine fails every stream, whatever it raised
+        # checked first: a dead engine fails every stream, whatever it raised
+        if engine.errored is not None:
             self.admission.fatal(engine.errored)
             name = type(engine.errored).__name__
             return job.answer(500, f"the engine failed ({name}); the worker restarts")
@@ -158,8 +190,9 @@ class Worker:
             return job.answer(400, str(exc))
         if _is_out_of_memory(exc):
             log.warning("job %s: out of memory: %s", job_id, exc)
-            return job.answer(500, "out of memory serving this request; try a shorter prompt or "
-                                   "fewer tokens")
+            return job.answer(
+                500, "out of memory serving this request; try a shorter prompt or fewer tokens"
+            )
         log.exception("job %s failed", job_id)
         return job.answer(500, f"internal error: {type(exc).__name__}: {exc}")
 
@@ -189,29 +222,42 @@ def _log_ready_line(boot: EngineBoot, argv: list[str]) -> None:
             boot.load_blocking()
         except BaseException:  # the load error is reported by the boot and by every job
             return
-        print(f"coldbrew: model ready. Try:\n  curl -s -X POST http://{host}:{port}/runsync "
-              "-H 'Content-Type: application/json' "
-              "-d '{\"input\": {\"prompt\": \"The capital of France is\", "
-              "\"sampling_params\": {\"max_tokens\": 16, \"temperature\": 0}}}'", flush=True)
+        print(
+            f"coldbrew: model ready. Try:\n  curl -s -X POST http://{host}:{port}/runsync "
+            "-H 'Content-Type: application/json' "
+            '-d \'{"input": {"prompt": "The capital of France is", '
+            '"sampling_params": {"max_tokens": 16, "temperature": 0}}}\'',
+            flush=True,
+        )
 
     threading.Thread(target=announce, name="coldbrew-announce", daemon=True).start()
 
 
 def _run_local_job(worker: Worker, argv: list[str]) -> int:
-    """The SDK's local test mode (`--test_input JSON` or ./test_input.json, off RunPod) runs a job through a path
-    that can't drive an async-generator handler: run that one job here, print its result as RunPod would, exit."""
+    """The SDK's local test mode (`--test_input JSON` or ./test_input.json, off RunPod) runs a job
+    through a path that can't drive an async-generator handler: run that one job here, print its
+    result as RunPod would, exit."""
     if "--test_input" in argv:
         job = json.loads(argv[argv.index("--test_input") + 1])
     elif os.path.exists("test_input.json"):
         with open("test_input.json", encoding="utf-8") as f:
             job = json.load(f)
     else:
-        print("coldbrew: not on RunPod (no job queue configured). Use --rp_serve_api for the SDK's local API, "
-              "--test_input '{\"input\": {...}}' for one job, or `python -m handler serve`.", file=sys.stderr)
+        print(
+            "coldbrew: not on RunPod (no job queue configured). "
+            "Use --rp_serve_api for the SDK's local API, "
+            "--test_input '{\"input\": {...}}' for one job, or `python -m handler serve`.",
+            file=sys.stderr,
+        )
         return 1
 
     async def collect() -> dict:
-        chunks = [c async for c in worker.handle({"id": job.get("id", "local_test"), "input": job.get("input")})]
+        chunks = [
+            c
+            async for c in worker.handle(
+                {"id": job.get("id", "local_test"), "input": job.get("input")}
+            )
+        ]
         errors = [c["error"] for c in chunks if isinstance(c, dict) and "error" in c]
         return {"error": errors[-1]} if errors else {"output": chunks}
 
@@ -252,11 +298,16 @@ def main(argv: list[str] | None = None, boot: EngineBoot | None = None) -> None:
         sys.stderr.flush()
         os._exit(code)
 
-    # The SDK logs every job's output at DEBUG, its default; it follows LOG_LEVEL unless --rp_log_level is given.
-    RunPodLogger().set_level({"WARNING": "WARN", "CRITICAL": "ERROR"}.get(settings.log_level, settings.log_level))
+    # The SDK logs every job's output at DEBUG, its default; it follows LOG_LEVEL unless
+    # --rp_log_level is given.
+    RunPodLogger().set_level(
+        {"WARNING": "WARN", "CRITICAL": "ERROR"}.get(settings.log_level, settings.log_level)
+    )
     sys.argv = [sys.argv[0], *argv]  # the SDK parses its own flags from sys.argv
-    runpod.serverless.start({
-        "handler": worker.handle,
-        "return_aggregate_stream": True,
-        "concurrency_modifier": worker.admission.concurrency_modifier,
-    })
+    runpod.serverless.start(
+        {
+            "handler": worker.handle,
+            "return_aggregate_stream": True,
+            "concurrency_modifier": worker.admission.concurrency_modifier,
+        }
+    )

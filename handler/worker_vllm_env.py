@@ -2,6 +2,7 @@
 (worker_vllm_env.json): their spellings read as coldbrew's settings, and one line for each
 variable that cannot be honoured. It reads the mapping it is given, never os.environ.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,14 @@ FALSE_WORDS = ("false", "0", "no", "off")
 # a JSON config) may carry a token or a key.
 _SHOWABLE = re.compile(r"[A-Za-z0-9_.\-]{1,32}")
 # The data file's accept words that stand for a set of values, in words.
-_WORDS_IN_TEXT = {"<false>": ["false"], "<true>": ["true"], "<bool>": ["true", "false"],
-                  "<int>": ["a whole number"], "<number>": ["a number"], "<any>": ["any value"]}
+_WORDS_IN_TEXT = {
+    "<false>": ["false"],
+    "<true>": ["true"],
+    "<bool>": ["true", "false"],
+    "<int>": ["a whole number"],
+    "<number>": ["a number"],
+    "<any>": ["any value"],
+}
 
 
 def _is_number(text: str) -> bool:
@@ -35,12 +42,14 @@ def _is_number(text: str) -> bool:
 
 def _matches(word: str, value: str) -> bool:
     """Does `value` (stripped, lower case) fit the accept word: a literal, or <false>, <int>..."""
-    checks = {"<any>": lambda: True,
-              "<false>": lambda: value in FALSE_WORDS,
-              "<true>": lambda: value in TRUE_WORDS,
-              "<bool>": lambda: value in TRUE_WORDS + FALSE_WORDS,
-              "<int>": lambda: value.isascii() and value.isdigit(),
-              "<number>": lambda: _is_number(value)}
+    checks = {
+        "<any>": lambda: True,
+        "<false>": lambda: value in FALSE_WORDS,
+        "<true>": lambda: value in TRUE_WORDS,
+        "<bool>": lambda: value in TRUE_WORDS + FALSE_WORDS,
+        "<int>": lambda: value.isascii() and value.isdigit(),
+        "<number>": lambda: _is_number(value),
+    }
     check = checks.get(word)
     return check() if check else value == word.lower()
 
@@ -64,8 +73,9 @@ class WorkerVllmVar:
 
     def allowed(self, code: str = "") -> str:
         """The values that pass, in words: 'unset or false', 'unset, `mp` or `uni`'."""
-        words = ["unset"] + [text for w in self.accept
-                             for text in _WORDS_IN_TEXT.get(w, [f"{code}{w}{code}"])]
+        words = ["unset"] + [
+            text for w in self.accept for text in _WORDS_IN_TEXT.get(w, [f"{code}{w}{code}"])
+        ]
         return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
 
     def describe(self) -> str:
@@ -79,8 +89,10 @@ class WorkerVllmVar:
         if self.accept == ("<any>",):
             return f"Accepted, no effect: {self.note}."
         if self.handling == "accepted":
-            return (f"Accepted when {self.allowed('`')}, with no effect: {self.note}. "
-                    "Other values stop the start.")
+            return (
+                f"Accepted when {self.allowed('`')}, with no effect: {self.note}. "
+                "Other values stop the start."
+            )
         return f"Refused unless {self.allowed('`')}: {self.note}."
 
 
@@ -88,11 +100,19 @@ class WorkerVllmVar:
 def table() -> tuple[WorkerVllmVar, ...]:
     """Every worker-vllm variable, in the data file's order."""
     rows = json.loads(TABLE_PATH.read_text(encoding="utf-8"))["variables"]
-    return tuple(WorkerVllmVar(name=r["name"], sources=tuple(r["sources"]),
-                               handling=r["handling"], note=r["note"], target=r.get("target"),
-                               unset=tuple(r.get("unset", ())), accept=tuple(r.get("accept", ())),
-                               hub_defaults=dict(r.get("hub_defaults", {})))
-                 for r in rows)
+    return tuple(
+        WorkerVllmVar(
+            name=r["name"],
+            sources=tuple(r["sources"]),
+            handling=r["handling"],
+            note=r["note"],
+            target=r.get("target"),
+            unset=tuple(r.get("unset", ())),
+            accept=tuple(r.get("accept", ())),
+            hub_defaults=dict(r.get("hub_defaults", {})),
+        )
+        for r in rows
+    )
 
 
 def _shown(value: str) -> str:
@@ -116,13 +136,16 @@ def translate(env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
             del out[var.name]
             current = out.get(var.target)
             if current and current != value:
-                problems.append(f"{var.name}: {var.note}, and {var.target} holds another "
-                                f"value; set only {var.target}")
+                problems.append(
+                    f"{var.name}: {var.note}, and {var.target} holds another "
+                    f"value; set only {var.target}"
+                )
             else:
                 out[var.target] = value
         elif var.handling in ("accepted", "refused") and not var.accepts(value):
-            problems.append(f"{var.name}: {var.note}; got {_shown(value)}; "
-                            f"allowed: {var.allowed()}")
+            problems.append(
+                f"{var.name}: {var.note}; got {_shown(value)}; allowed: {var.allowed()}"
+            )
     return out, problems
 
 

@@ -5,6 +5,7 @@ No I/O, no clocks, no globals: the controller, the local endpoint and the simula
 `decide` with an `Observation` and act on the `Decision`. The formula is documented in `decide` and
 in docs/scaling.md.
 """
+
 from __future__ import annotations
 
 import functools

@@ -13,6 +13,7 @@ setting its workers.
 Both authenticate with `Authorization: Bearer <RUNPOD_API_KEY>`. The key is sent in that header
 only: never in a URL, a log line or an error message.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,8 +51,11 @@ class EndpointHealth:
 
     @classmethod
     def from_json(cls, body: dict) -> "EndpointHealth":
-        if not isinstance(body, dict) or not isinstance(body.get("jobs"), dict) or not isinstance(
-                body.get("workers"), dict):
+        if (
+            not isinstance(body, dict)
+            or not isinstance(body.get("jobs"), dict)
+            or not isinstance(body.get("workers"), dict)
+        ):
             raise RunPodApiError(f"/health answered an unexpected shape: {str(body)[:200]}")
         jobs, workers = body["jobs"], body["workers"]
 
@@ -59,13 +63,18 @@ class EndpointHealth:
             value = group.get(key, 0)
             return int(value) if isinstance(value, (int, float)) and value >= 0 else 0
 
-        return cls(in_queue=count(jobs, "inQueue"), in_progress=count(jobs, "inProgress"),
-                   completed=count(jobs, "completed"), failed=count(jobs, "failed"),
-                   retried=count(jobs, "retried"), workers_idle=count(workers, "idle"),
-                   workers_running=count(workers, "running"),
-                   workers_initializing=count(workers, "initializing"),
-                   workers_throttled=count(workers, "throttled"),
-                   workers_unhealthy=count(workers, "unhealthy"))
+        return cls(
+            in_queue=count(jobs, "inQueue"),
+            in_progress=count(jobs, "inProgress"),
+            completed=count(jobs, "completed"),
+            failed=count(jobs, "failed"),
+            retried=count(jobs, "retried"),
+            workers_idle=count(workers, "idle"),
+            workers_running=count(workers, "running"),
+            workers_initializing=count(workers, "initializing"),
+            workers_throttled=count(workers, "throttled"),
+            workers_unhealthy=count(workers, "unhealthy"),
+        )
 
     @property
     def seen(self) -> int:
@@ -77,11 +86,20 @@ class EndpointHealth:
 class RunPodApi:
     """The /health read and the endpoint update, against the real API or a stand-in (base URLs)."""
 
-    def __init__(self, api_key: str, endpoint_id: str, *, queue_api: str = QUEUE_API,
-                 rest_api: str = REST_API, timeout_s: float = 10.0):
+    def __init__(
+        self,
+        api_key: str,
+        endpoint_id: str,
+        *,
+        queue_api: str = QUEUE_API,
+        rest_api: str = REST_API,
+        timeout_s: float = 10.0,
+    ):
         if not api_key:
-            raise RunPodApiError("RUNPOD_API_KEY is not set; create a key at "
-                                 "https://www.runpod.io/console/user/settings and export it")
+            raise RunPodApiError(
+                "RUNPOD_API_KEY is not set; create a key at "
+                "https://www.runpod.io/console/user/settings and export it"
+            )
         if not endpoint_id or "/" in endpoint_id:
             raise RunPodApiError(f"--endpoint: {endpoint_id!r} is not an endpoint id")
         self._key = api_key
@@ -91,8 +109,10 @@ class RunPodApi:
         self.timeout_s = timeout_s
 
     def __repr__(self) -> str:  # never the key
-        return (f"RunPodApi(endpoint_id={self.endpoint_id!r}, queue_api={self.queue_api!r}, "
-                f"rest_api={self.rest_api!r})")
+        return (
+            f"RunPodApi(endpoint_id={self.endpoint_id!r}, queue_api={self.queue_api!r}, "
+            f"rest_api={self.rest_api!r})"
+        )
 
     def health(self) -> EndpointHealth:
         url = f"{self.queue_api}/{self.endpoint_id}/health"
@@ -108,9 +128,16 @@ class RunPodApi:
 
     def _call(self, method: str, url: str, body: dict | None = None) -> dict:
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(url, data=data, method=method, headers={
-            "Authorization": f"Bearer {self._key}", "Accept": "application/json",
-            **({"Content-Type": "application/json"} if data is not None else {})})
+        request = urllib.request.Request(
+            url,
+            data=data,
+            method=method,
+            headers={
+                "Authorization": f"Bearer {self._key}",
+                "Accept": "application/json",
+                **({"Content-Type": "application/json"} if data is not None else {}),
+            },
+        )
         what = f"{method} {url}"
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
@@ -118,18 +145,23 @@ class RunPodApi:
         except urllib.error.HTTPError as exc:
             detail = _scrub(exc.read(300).decode("utf-8", "replace"), self._key)
             if exc.code in (401, 403):
-                raise RunPodApiError(f"{what}: HTTP {exc.code}: RUNPOD_API_KEY was refused (check "
-                                     "that it is valid and has access to this endpoint)",
-                                     exc.code) from None
+                raise RunPodApiError(
+                    f"{what}: HTTP {exc.code}: RUNPOD_API_KEY was refused (check "
+                    "that it is valid and has access to this endpoint)",
+                    exc.code,
+                ) from None
             if exc.code == 404:
-                raise RunPodApiError(f"{what}: HTTP 404: no endpoint {self.endpoint_id!r} here",
-                                     404) from None
-            raise RunPodApiError(f"{what}: HTTP {exc.code}: {detail.strip()[:200]}",
-                                 exc.code) from None
+                raise RunPodApiError(
+                    f"{what}: HTTP 404: no endpoint {self.endpoint_id!r} here", 404
+                ) from None
+            raise RunPodApiError(
+                f"{what}: HTTP {exc.code}: {detail.strip()[:200]}", exc.code
+            ) from None
         except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError) as exc:
             reason = getattr(exc, "reason", exc)
-            raise RunPodApiError(f"{what}: cannot reach the RunPod API: "
-                                 f"{_scrub(str(reason), self._key)}") from None
+            raise RunPodApiError(
+                f"{what}: cannot reach the RunPod API: {_scrub(str(reason), self._key)}"
+            ) from None
         try:
             return json.loads(raw) if raw.strip() else {}
         except json.JSONDecodeError:

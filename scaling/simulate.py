@@ -3,6 +3,7 @@ path; the simulator itself is the scaling.sim package.
 
 `main` runs the command; `load_results` reads back the results.json it writes.
 """
+
 from scaling.sim.cli import main
 from scaling.sim.report import load_results
 

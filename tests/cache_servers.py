@@ -33,6 +33,7 @@ The hub answers as huggingface.co does, as huggingface_hub's own source reads it
 Not modelled: Xet storage (no X-Xet-* headers, so the client takes the LFS path), renamed repos
 (relative redirects), rate limits.
 """
+
 from __future__ import annotations
 
 import base64
@@ -50,8 +51,20 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 # The hub's default .gitattributes (a subset): these files go to LFS, as does any file of
 # LFS_MIN_SIZE or more.
-GITATTRIBUTES = b"".join(b"*%s filter=lfs diff=lfs merge=lfs -text\n" % s for s in (
-    b".safetensors", b".bin", b".pt", b".pth", b".gguf", b".h5", b".msgpack", b".onnx", b".model"))
+GITATTRIBUTES = b"".join(
+    b"*%s filter=lfs diff=lfs merge=lfs -text\n" % s
+    for s in (
+        b".safetensors",
+        b".bin",
+        b".pt",
+        b".pth",
+        b".gguf",
+        b".h5",
+        b".msgpack",
+        b".onnx",
+        b".model",
+    )
+)
 LFS_SUFFIXES = tuple(line.split()[0][1:].decode() for line in GITATTRIBUTES.splitlines())
 LFS_MIN_SIZE = 10_000_000
 STAMP = "2026-01-05T10:00:00.000Z"
@@ -64,7 +77,9 @@ def git_blob_sha1(data: bytes) -> str:
 def lfs_pointer(data: bytes) -> bytes:
     """The git-lfs pointer file that git stores in place of an LFS file."""
     return b"version https://git-lfs.github.com/spec/v1\noid sha256:%s\nsize %d\n" % (
-        hashlib.sha256(data).hexdigest().encode(), len(data))
+        hashlib.sha256(data).hexdigest().encode(),
+        len(data),
+    )
 
 
 def is_lfs(name: str, data: bytes) -> bool:
@@ -83,8 +98,9 @@ class FakeRepo:
     gated: bool = False
     granted: set[str] = field(default_factory=set)
 
-    def add_commit(self, files: dict[str, bytes], *, branch: str | None = "main",
-                   seed: str = "") -> str:
+    def add_commit(
+        self, files: dict[str, bytes], *, branch: str | None = "main", seed: str = ""
+    ) -> str:
         files = {".gitattributes": GITATTRIBUTES, **files}
         digests = sorted((k, hashlib.sha256(v).hexdigest()) for k, v in files.items())
         commit = hashlib.sha1((seed + json.dumps(digests)).encode()).hexdigest()
@@ -103,8 +119,11 @@ class Request(NamedTuple):
 
 def files_of(directory: str | Path) -> dict[str, bytes]:
     root = Path(directory)
-    return {p.relative_to(root).as_posix(): p.read_bytes()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 class _Server(ThreadingHTTPServer):
@@ -146,8 +165,9 @@ class FakeHub:
         self._objects: dict[str, tuple[str, bytes]] = {}  # the CDN's: sha256 -> (name, content)
         self._hub = _Server(self, _HubHandler)
         self._cdn = _Server(self, _CdnHandler)
-        self._threads = [threading.Thread(target=s.serve_forever, daemon=True)
-                         for s in (self._hub, self._cdn)]
+        self._threads = [
+            threading.Thread(target=s.serve_forever, daemon=True) for s in (self._hub, self._cdn)
+        ]
 
     @property
     def url(self) -> str:
@@ -201,8 +221,13 @@ class FakeHub:
             self._objects[sha] = (name, data)
         path = f"/repos/{sha[:2]}/{sha[2:4]}/{sha}"
         expires = "4102444800"
-        query = urlencode({"response-content-disposition": f'inline; filename="{Path(name).name}";',
-                           "Expires": expires, "Signature": self._signature(path, expires)})
+        query = urlencode(
+            {
+                "response-content-disposition": f'inline; filename="{Path(name).name}";',
+                "Expires": expires,
+                "Signature": self._signature(path, expires),
+            }
+        )
         return f"{self._cdn.url}{path}?{query}"
 
     def cdn_object(self, path: str, query: dict) -> tuple[str, bytes] | None:
@@ -238,8 +263,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _record(self, file: str | None) -> None:
         self.hub.record(Request(self.kind, self.command, unquote(urlsplit(self.path).path), file))
 
-    def _send(self, status: int, body: bytes = b"", headers: dict | None = None,
-              length: int | None = None) -> None:
+    def _send(
+        self, status: int, body: bytes = b"", headers: dict | None = None, length: int | None = None
+    ) -> None:
         self.send_response(status)
         headers = {"X-Request-Id": f"Root=1-{os.urandom(12).hex()}", **(headers or {})}
         for k, v in headers.items():
@@ -253,10 +279,14 @@ class _Handler(BaseHTTPRequestHandler):
         headers = {"Content-Type": "application/json; charset=utf-8", **(headers or {})}
         self._send(status, json.dumps(obj).encode(), headers)
 
-    def _error(self, status: int, code: str | None, message: str,
-               headers: dict | None = None) -> None:
-        extra = {"X-Error-Message": message, **({"X-Error-Code": code} if code else {}),
-                 **(headers or {})}
+    def _error(
+        self, status: int, code: str | None, message: str, headers: dict | None = None
+    ) -> None:
+        extra = {
+            "X-Error-Message": message,
+            **({"X-Error-Code": code} if code else {}),
+            **(headers or {}),
+        }
         self._json({"error": message}, status, extra)
 
     def _content(self, name: str, data: bytes, headers: dict) -> None:
@@ -275,7 +305,7 @@ class _Handler(BaseHTTPRequestHandler):
             if m is None or int(m.group(1)) >= len(data):
                 return self._send(416, b"", {"Content-Range": f"bytes */{len(data)}"})
             start, end = int(m.group(1)), min(int(m.group(2) or len(data) - 1), len(data) - 1)
-        body = data[start:end + 1]
+        body = data[start : end + 1]
         headers = {**headers, "Accept-Ranges": "bytes"}
         if rng:
             headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
@@ -300,7 +330,7 @@ def _split_repo(parts: list[str], keyword: str | None) -> tuple[str, list[str]] 
     `keyword`."""
     for n in (2, 1):
         if len(parts) > n and parts[n] == keyword or keyword is None and len(parts) == n:
-            return "/".join(unquote(p) for p in parts[:n]), parts[n + 1:] if keyword else []
+            return "/".join(unquote(p) for p in parts[:n]), parts[n + 1 :] if keyword else []
     return None
 
 
@@ -312,7 +342,7 @@ class _HubHandler(_Handler):
         parts = url.path.strip("/").split("/")
         query = dict(parse_qsl(url.query))
         auth = self.headers.get("Authorization", "")
-        token = auth[len("Bearer "):] if auth.startswith("Bearer ") else None
+        token = auth[len("Bearer ") :] if auth.startswith("Bearer ") else None
         if parts[:2] == ["api", "models"]:
             tree = _split_repo(parts[2:], "tree")
             info = _split_repo(parts[2:], "revision") or _split_repo(parts[2:], None)
@@ -342,17 +372,22 @@ class _HubHandler(_Handler):
         name, repo = found
         if files and repo.gated and token not in repo.granted:
             if token is None:
-                message = (f"Access to model {name} is restricted. You must have access to it "
-                           "and be authenticated to access it. Please log in.")
+                message = (
+                    f"Access to model {name} is restricted. You must have access to it "
+                    "and be authenticated to access it. Please log in."
+                )
             else:
-                message = (f"Access to model {name} is restricted and you are not in the "
-                           f"authorized list. Visit {self.hub.url}/{name} to ask for access.")
+                message = (
+                    f"Access to model {name} is restricted and you are not in the "
+                    f"authorized list. Visit {self.hub.url}/{name} to ask for access."
+                )
             self._error(401 if token is None else 403, "GatedRepo", message)
             return True
         return False
 
-    def _readable(self, repo_id: str, revision: str, token: str | None,
-                  files: bool) -> tuple[str, dict[str, bytes]] | None:
+    def _readable(
+        self, repo_id: str, revision: str, token: str | None, files: bool
+    ) -> tuple[str, dict[str, bytes]] | None:
         """(commit, files) of the revision when this token may read them, else None (answered)."""
         if self._denied(repo_id, token, files):
             return None
@@ -371,25 +406,43 @@ class _HubHandler(_Handler):
             return
         name, repo = hub.find_repo(repo_id)
         commit, files = found
-        self._json({"_id": hashlib.md5(name.encode()).hexdigest()[:24], "id": name,
-                    "modelId": name, "author": name.split("/")[0], "sha": commit,
-                    "lastModified": STAMP, "createdAt": STAMP, "private": repo.private,
-                    "gated": "manual" if repo.gated else False, "disabled": False,
-                    "downloads": 0, "likes": 0, "tags": [], "library_name": "transformers",
-                    "siblings": [{"rfilename": p} for p in sorted(files)]})
+        self._json(
+            {
+                "_id": hashlib.md5(name.encode()).hexdigest()[:24],
+                "id": name,
+                "modelId": name,
+                "author": name.split("/")[0],
+                "sha": commit,
+                "lastModified": STAMP,
+                "createdAt": STAMP,
+                "private": repo.private,
+                "gated": "manual" if repo.gated else False,
+                "disabled": False,
+                "downloads": 0,
+                "likes": 0,
+                "tags": [],
+                "library_name": "transformers",
+                "siblings": [{"rfilename": p} for p in sorted(files)],
+            }
+        )
 
-    def _tree(self, repo_id: str, revision: str, under: str, token: str | None,
-              query: dict) -> None:
+    def _tree(
+        self, repo_id: str, revision: str, under: str, token: str | None, query: dict
+    ) -> None:
         if (found := self._readable(repo_id, revision, token, files=False)) is None:
             return
         commit, files = found
         recursive = query.get("recursive", "false").lower() == "true"
         entries = _tree_entries(files, under, recursive)
         if entries is None:
-            return self._error(404, "EntryNotFound", f"{under} does not exist on {revision}",
-                               {"X-Repo-Commit": commit})
+            return self._error(
+                404,
+                "EntryNotFound",
+                f"{under} does not exist on {revision}",
+                {"X-Repo-Commit": commit},
+            )
         offset = int(base64.urlsafe_b64decode(query["cursor"]).decode()) if "cursor" in query else 0
-        page = entries[offset: offset + self.hub.page_size]
+        page = entries[offset : offset + self.hub.page_size]
         headers = {}
         if offset + self.hub.page_size < len(entries):
             cursor = base64.urlsafe_b64encode(str(offset + self.hub.page_size).encode()).decode()
@@ -408,12 +461,27 @@ class _HubHandler(_Handler):
             location = self.hub.signed_url(name, data)
             sha = f'"{hashlib.sha256(data).hexdigest()}"'
             body = f"Found. Redirecting to {location}".encode()
-            return self._send(302, body, {"Location": location,
-                                          "Content-Type": "text/plain; charset=utf-8",
-                                          "X-Repo-Commit": commit, "ETag": sha,
-                                          "X-Linked-Etag": sha, "X-Linked-Size": str(len(data))})
-        self._content(name, data, {"X-Repo-Commit": commit, "ETag": f'"{git_blob_sha1(data)}"',
-                                   "Content-Type": "application/octet-stream"})
+            return self._send(
+                302,
+                body,
+                {
+                    "Location": location,
+                    "Content-Type": "text/plain; charset=utf-8",
+                    "X-Repo-Commit": commit,
+                    "ETag": sha,
+                    "X-Linked-Etag": sha,
+                    "X-Linked-Size": str(len(data)),
+                },
+            )
+        self._content(
+            name,
+            data,
+            {
+                "X-Repo-Commit": commit,
+                "ETag": f'"{git_blob_sha1(data)}"',
+                "Content-Type": "application/octet-stream",
+            },
+        )
 
 
 def _tree_entries(files: dict[str, bytes], under: str, recursive: bool) -> list[dict] | None:
@@ -428,7 +496,7 @@ def _tree_entries(files: dict[str, bytes], under: str, recursive: bool) -> list[
         return None
 
     def shown(path: str) -> bool:
-        return path.startswith(prefix) and (recursive or "/" not in path[len(prefix):])
+        return path.startswith(prefix) and (recursive or "/" not in path[len(prefix) :])
 
     out = []
     for d in sorted(p for p in dirs if shown(p)):
@@ -439,12 +507,23 @@ def _tree_entries(files: dict[str, bytes], under: str, recursive: bool) -> list[
         data = files[name]
         if is_lfs(name, data):
             pointer = lfs_pointer(data)
-            out.append({"type": "file", "oid": git_blob_sha1(pointer), "size": len(data),
-                        "path": name, "lfs": {"oid": hashlib.sha256(data).hexdigest(),
-                                              "size": len(data), "pointerSize": len(pointer)}})
+            out.append(
+                {
+                    "type": "file",
+                    "oid": git_blob_sha1(pointer),
+                    "size": len(data),
+                    "path": name,
+                    "lfs": {
+                        "oid": hashlib.sha256(data).hexdigest(),
+                        "size": len(data),
+                        "pointerSize": len(pointer),
+                    },
+                }
+            )
         else:
-            out.append({"type": "file", "oid": git_blob_sha1(data), "size": len(data),
-                        "path": name})
+            out.append(
+                {"type": "file", "oid": git_blob_sha1(data), "size": len(data), "path": name}
+            )
     return out
 
 
@@ -459,8 +538,12 @@ class _CdnHandler(_Handler):
         found = self.hub.cdn_object(url.path, dict(parse_qsl(url.query)))
         self._record(found[0] if found else None)
         if self.headers.get("Authorization"):
-            return self._send(400, b"<Error><Code>InvalidArgument</Code><Message>Only one auth "
-                                   b"mechanism allowed</Message></Error>", _XML)
+            return self._send(
+                400,
+                b"<Error><Code>InvalidArgument</Code><Message>Only one auth "
+                b"mechanism allowed</Message></Error>",
+                _XML,
+            )
         if found is None:
             return self._send(403, b"<Error><Code>AccessDenied</Code></Error>", _XML)
         name, data = found
@@ -470,7 +553,8 @@ class _CdnHandler(_Handler):
 
 
 class S3Server:
-    """moto's S3 server on a free loopback port, with a bucket; `client()` is a plain boto3 client for it."""
+    """moto's S3 server on a free loopback port, with a bucket; `client()` is a plain boto3 client
+    for it."""
 
     KEY_ID = "AKIAFAKEKEYID0042"
     SECRET = "s3cr3t-Value-that-must-never-be-logged"
@@ -494,19 +578,36 @@ class S3Server:
     def client(self):
         import boto3
 
-        return boto3.session.Session().client("s3", endpoint_url=self.url, aws_access_key_id=self.KEY_ID,
-                                               aws_secret_access_key=self.SECRET, region_name="us-east-1")
+        return boto3.session.Session().client(
+            "s3",
+            endpoint_url=self.url,
+            aws_access_key_id=self.KEY_ID,
+            aws_secret_access_key=self.SECRET,
+            region_name="us-east-1",
+        )
 
     def options(self, **kw):
         from cache.remote import S3Options
 
-        return S3Options(**{**dict(endpoint_url=self.url, access_key_id=self.KEY_ID, secret_access_key=self.SECRET,
-                                   region="us-east-1"), **kw})
+        return S3Options(
+            **{
+                **dict(
+                    endpoint_url=self.url,
+                    access_key_id=self.KEY_ID,
+                    secret_access_key=self.SECRET,
+                    region="us-east-1",
+                ),
+                **kw,
+            }
+        )
 
     def env(self) -> dict[str, str]:
         """Environment for a subprocess: boto3 reads its credentials there."""
-        return {"AWS_ACCESS_KEY_ID": self.KEY_ID, "AWS_SECRET_ACCESS_KEY": self.SECRET,
-                "AWS_DEFAULT_REGION": "us-east-1"}
+        return {
+            "AWS_ACCESS_KEY_ID": self.KEY_ID,
+            "AWS_SECRET_ACCESS_KEY": self.SECRET,
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
 
 
 def upload_tree(s3, bucket: str, prefix: str, files: dict[str, bytes]) -> None:
@@ -516,11 +617,24 @@ def upload_tree(s3, bucket: str, prefix: str, files: dict[str, bytes]) -> None:
 
 # ---- a tiny sharded Llama checkpoint, as save_pretrained lays one out ----------------------------
 TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256,
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu", "max_position_embeddings": 128,
-    "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
-    "attention_bias": False, "mlp_bias": False, "dtype": "float32",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "hidden_act": "silu",
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "dtype": "float32",
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
 }
 
@@ -533,10 +647,14 @@ def _llama_tensors(cfg: dict, seed: int) -> dict:
     hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     kv = cfg["num_key_value_heads"] * cfg["head_dim"]
     layer_shapes = {
-        "self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (kv, hidden),
-        "self_attn.v_proj": (kv, hidden), "self_attn.o_proj": (hidden, hidden),
-        "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
-        "mlp.down_proj": (hidden, inter), "input_layernorm": (hidden,),
+        "self_attn.q_proj": (hidden, hidden),
+        "self_attn.k_proj": (kv, hidden),
+        "self_attn.v_proj": (kv, hidden),
+        "self_attn.o_proj": (hidden, hidden),
+        "mlp.gate_proj": (inter, hidden),
+        "mlp.up_proj": (inter, hidden),
+        "mlp.down_proj": (hidden, inter),
+        "input_layernorm": (hidden,),
         "post_attention_layernorm": (hidden,),
     }
     shapes = {"model.embed_tokens.weight": (vocab, hidden)}
@@ -550,8 +668,9 @@ def _llama_tensors(cfg: dict, seed: int) -> dict:
     return out
 
 
-def tiny_model_files(tmp_dir: str | Path, seed: int = 0,
-                     shard_bytes: int = 100_000) -> dict[str, bytes]:
+def tiny_model_files(
+    tmp_dir: str | Path, seed: int = 0, shard_bytes: int = 100_000
+) -> dict[str, bytes]:
     """The files of a tiny random Llama in five safetensors shards of at most shard_bytes with their
     index (split as save_pretrained splits: a new shard when the next tensor would not fit), plus
     files a snapshot must leave out."""

@@ -1,6 +1,7 @@
-"""Test helper: end child processes the way the fault and shutdown tests need (a signal, a bounded wait, a kill),
-and run a child script until it announces that it is midway, then SIGKILL it there.
+"""Test helper: end child processes the way the fault and shutdown tests need (a signal, a bounded
+wait, a kill), and run a child script until it announces that it is midway, then SIGKILL it there.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,9 +14,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
-    """Send `sig` to a child that still runs, wait up to `timeout` s, then kill it; returns its exit code.
-    A child started with `start_new_session=True` leads its own process group: whatever it left running in that
-    group (the runpod SDK's heartbeat process outlives its worker) is killed once the child has ended."""
+    """Send `sig` to a child that still runs, wait up to `timeout` s, then kill it; returns its exit
+    code. A child started with `start_new_session=True` leads its own process group: whatever it
+    left running in that group (the runpod SDK's heartbeat process outlives its worker) is killed
+    once the child has ended."""
     if proc.poll() is None:
         proc.send_signal(sig)
         try:
@@ -23,7 +25,9 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30.
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    try:  # a group whose id is the child's pid exists only if the child started it (start_new_session=True)
+    # A group whose id is the child's pid exists only if the child started it
+    # (start_new_session=True).
+    try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
@@ -31,8 +35,11 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30.
 
 
 def kill_when_midway(child_script: str, marker: str = "midway") -> None:
-    """Run `python -c child_script` from the repo root; once it prints `marker`, SIGKILL it (no clean-up runs)."""
-    proc = subprocess.Popen([sys.executable, "-c", child_script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    """Run `python -c child_script` from the repo root; once it prints `marker`, SIGKILL it (no
+    clean-up runs)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child_script], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout.readline().strip() == marker
         proc.send_signal(signal.SIGKILL)

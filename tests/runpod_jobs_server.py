@@ -1,7 +1,10 @@
-"""A local stand-in for RunPod's job queue: the job-take, job-stop, job-stream and job-done endpoints the SDK calls.
+"""A local stand-in for RunPod's job queue: the job-take, job-stop, job-stream and job-done
+endpoints the SDK calls.
 
-Tests enqueue jobs, ask for a job to be stopped, and read back what the real runpod SDK worker posted for each job.
+Tests enqueue jobs, ask for a job to be stopped, and read back what the real runpod SDK worker
+posted for each job.
 """
+
 from __future__ import annotations
 
 import json
@@ -112,7 +115,8 @@ def _handler(queue: JobQueue):
 
         def do_POST(self):
             url = urlsplit(self.path)
-            parts = url.path.strip("/").split("/")  # v2/<endpoint>/job-done|job-stream/<worker id>/<job id>
+            # v2/<endpoint>/job-done|job-stream/<worker id>/<job id>
+            parts = url.path.strip("/").split("/")
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             if len(parts) == 5 and parts[2] in ("job-done", "job-stream"):
                 queue.record("stream" if parts[2] == "job-stream" else "done", parts[4], body)
@@ -125,13 +129,14 @@ def _handler(queue: JobQueue):
 class _QuietServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def handle_error(self, request, client_address):  # the worker dropping a kept-alive connection is normal
+    # the worker dropping a kept-alive connection is normal
+    def handle_error(self, request, client_address):
         pass
 
 
 class RunPodJobServer:
-    """`with RunPodJobServer() as server:` a threaded HTTP server on 127.0.0.1 (a free port); `server.env(pod_id)`
-    gives the RUNPOD_* variables that point a worker at it."""
+    """`with RunPodJobServer() as server:` a threaded HTTP server on 127.0.0.1 (a free port);
+    `server.env(pod_id)` gives the RUNPOD_* variables that point a worker at it."""
 
     def __init__(self):
         self.queue = JobQueue()
@@ -151,7 +156,8 @@ class RunPodJobServer:
             "RUNPOD_WEBHOOK_POST_STREAM": f"{self.base}/job-stream/$RUNPOD_POD_ID/$ID?token=t",
             "RUNPOD_WEBHOOK_PING": f"{self.base}/ping/$RUNPOD_POD_ID?token=t",
             "RUNPOD_PING_INTERVAL": "1000",
-            # The SDK's start-up fitness checks probe 8.8.8.8 and the GPU; tests run on loopback only.
+            # The SDK's start-up fitness checks probe 8.8.8.8 and the GPU; tests run on loopback
+            # only.
             "RUNPOD_SKIP_AUTO_SYSTEM_CHECKS": "true",
             "RUNPOD_SKIP_GPU_CHECK": "true",
         }

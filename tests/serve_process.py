@@ -1,7 +1,9 @@
-"""Test helper: run `python -m handler serve --port 0` in a subprocess on loopback, wait until /health is 200.
+"""Test helper: run `python -m handler serve --port 0` in a subprocess on loopback, wait until
+/health is 200.
 
 The server prints the port it bound; `stop()` sends SIGTERM (graceful) and returns the exit code.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,17 +33,27 @@ def free_port() -> int:
 
 class ServeProcess:
     def __init__(self, env: dict[str, str], ready_timeout: float = 300.0):
-        full_env = {k: v for k, v in os.environ.items() if not k.startswith(("MODEL_", "OPENAI_", "DEFAULT_"))}
+        full_env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("MODEL_", "OPENAI_", "DEFAULT_"))
+        }
         full_env.update(env)
         full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "handler", "serve", "--host", "127.0.0.1", "--port", "0"],
-            cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            cwd=REPO,
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: list[str] = []
         port_found = threading.Event()
         self.port: int | None = None
 
-        def pump() -> None:  # keep reading so the pipe never fills; remember the output for failure messages
+        # keep reading so the pipe never fills; remember the output for failure messages
+        def pump() -> None:
             for line in self.proc.stdout:
                 self.lines.append(line)
                 m = _PORT_LINE.search(line)

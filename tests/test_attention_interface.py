@@ -2,6 +2,7 @@
 implement it with its exact forward signature, and the torch reference honours `kv_written` (the
 caller stored this step's K/V) by attending over the cache without writing it.
 """
+
 from __future__ import annotations
 
 import ast
@@ -29,8 +30,10 @@ def forward_params(func_args: ast.arguments) -> list[tuple[str, str | None]]:
 
 def interface_forward() -> list[tuple[str, str | None]]:
     sig = inspect.signature(AttentionBackend.forward)
-    return [(name, None if p.default is inspect.Parameter.empty else repr(p.default))
-            for name, p in sig.parameters.items()]
+    return [
+        (name, None if p.default is inspect.Parameter.empty else repr(p.default))
+        for name, p in sig.parameters.items()
+    ]
 
 
 @pytest.mark.parametrize("module,cls", sorted(BACKENDS.items()))
@@ -41,8 +44,11 @@ def test_each_backend_subclasses_the_interface_with_its_forward_signature(module
     assert [ast.unparse(b) for b in node.bases] == ["AttentionBackend"]
     forward = next(n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "forward")
     assert forward_params(forward.args) == interface_forward()
-    name = next(n for n in node.body if isinstance(n, ast.Assign)
-                and [ast.unparse(t) for t in n.targets] == ["name"])
+    name = next(
+        n
+        for n in node.body
+        if isinstance(n, ast.Assign) and [ast.unparse(t) for t in n.targets] == ["name"]
+    )
     assert ast.literal_eval(name.value) in ("torch", "triton")
 
 
@@ -63,14 +69,17 @@ def test_the_reference_with_kv_written_reads_the_cache_and_leaves_it_alone():
     num_kv_heads, group, head_dim, block_size = 2, 2, 16, 4
     seq_lens, query_lens, tables = [6, 3], [2, 3], [[3, 0], [1]]
     starts = [0, 2, 5]
-    slots = [t[p // block_size] * block_size + p % block_size
-             for t, s, n in zip(tables, seq_lens, query_lens) for p in range(s - n, s)]
+    slots = [
+        t[p // block_size] * block_size + p % block_size
+        for t, s, n in zip(tables, seq_lens, query_lens)
+        for p in range(s - n, s)
+    ]
     meta = host_metadata(slots, starts, seq_lens, tables, block_size)
     cache = torch.randn(kv_cache_shape(1, 4, block_size, num_kv_heads, head_dim), generator=gen)[0]
     q = torch.randn(5, num_kv_heads * group, head_dim, generator=gen)
     k = torch.randn(5, num_kv_heads, head_dim, generator=gen)
     v = torch.randn(5, num_kv_heads, head_dim, generator=gen)
-    backend, scale = TorchAttentionBackend(), head_dim ** -0.5
+    backend, scale = TorchAttentionBackend(), head_dim**-0.5
 
     written = cache.clone()
     expected = backend.forward(q, k, v, written, meta, scale)  # writes k, v itself
@@ -78,8 +87,9 @@ def test_the_reference_with_kv_written_reads_the_cache_and_leaves_it_alone():
     stored = cache.clone()
     write_kv(k, v, stored, meta.slot_mapping)  # the caller stores them, then passes shapes only
     before = stored.clone()
-    out = backend.forward(q, torch.zeros_like(k), torch.zeros_like(v), stored, meta, scale,
-                          kv_written=True)
+    out = backend.forward(
+        q, torch.zeros_like(k), torch.zeros_like(v), stored, meta, scale, kv_written=True
+    )
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     torch.testing.assert_close(stored, before, rtol=0, atol=0)
     torch.testing.assert_close(stored, written, rtol=0, atol=0)

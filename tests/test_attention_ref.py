@@ -1,7 +1,9 @@
 """The reference paged attention backend against a naive dense causal attention written out in full.
 
-Random ragged batches: decodes, full prefills and chunks after a cached prefix; several head dims, GQA, block sizes.
+Random ragged batches: decodes, full prefills and chunks after a cached prefix; several head dims,
+GQA, block sizes.
 """
+
 from __future__ import annotations
 
 import math
@@ -10,16 +12,21 @@ import pytest
 import torch
 
 from engine.attention import kv_cache_shape
-from tiny_models import host_metadata
 from engine.attention.torch_ref import TorchAttentionBackend
+from tiny_models import host_metadata
 
 FP32_BOUND = 1e-5  # max abs difference allowed in float32
 
 
 def naive_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int | None = None
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q [Q, H, D] are the last Q positions of a context keys/values [S, Hkv, D]; dense math in float32."""
+    """q [Q, H, D] are the last Q positions of a context keys/values [S, Hkv, D]; dense math in
+    float32."""
     num_q, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = keys.shape
     group = num_heads // num_kv_heads
@@ -47,7 +54,8 @@ def run_case(
     window: int | None = None,
     seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(backend output, naive output) for one random ragged batch; also checks the cache holds every token."""
+    """(backend output, naive output) for one random ragged batch; also checks the cache holds every
+    token."""
     gen = torch.Generator().manual_seed(seed)
     num_heads = num_kv_heads * group
     blocks_per_seq = [math.ceil(s / block_size) for s in seq_lens]
@@ -57,7 +65,9 @@ def run_case(
     for n in blocks_per_seq:
         tables.append(perm[at : at + n])
         at += n
-    cache = torch.zeros(kv_cache_shape(1, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype)[0]
+    cache = torch.zeros(
+        kv_cache_shape(1, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype
+    )[0]
 
     def slot(i: int, p: int) -> int:
         return tables[i][p // block_size] * block_size + p % block_size
@@ -81,7 +91,12 @@ def run_case(
     meta = host_metadata(slots, starts, seq_lens, tables, block_size, device)
     cache = cache.to(device)
     out = TorchAttentionBackend().forward(
-        torch.cat(qs).to(device), torch.cat(ks).to(device), torch.cat(vs).to(device), cache, meta, scale,
+        torch.cat(qs).to(device),
+        torch.cat(ks).to(device),
+        torch.cat(vs).to(device),
+        cache,
+        meta,
+        scale,
         sliding_window=window,
     )
     assert out.shape == (sum(query_lens), num_heads, head_dim) and out.dtype == dtype
@@ -93,7 +108,8 @@ def run_case(
     return out.float().cpu(), torch.cat(expected)
 
 
-# Ragged batch: a decode, a full prefill, a chunk after a cached prefix, a 1-token prompt, a long decode.
+# Ragged batch: a decode, a full prefill, a chunk after a cached prefix, a 1-token prompt, a long
+# decode.
 SEQ_LENS = [9, 23, 37, 1, 50]
 QUERY_LENS = [1, 23, 11, 1, 1]
 
@@ -102,7 +118,9 @@ QUERY_LENS = [1, 23, 11, 1, 1]
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_matches_naive_float32(head_dim: int, group: int, block_size: int) -> None:
-    out, ref = run_case(SEQ_LENS, QUERY_LENS, 2, group, head_dim, block_size, seed=head_dim + group + block_size)
+    out, ref = run_case(
+        SEQ_LENS, QUERY_LENS, 2, group, head_dim, block_size, seed=head_dim + group + block_size
+    )
     assert (out - ref).abs().max().item() < FP32_BOUND
 
 

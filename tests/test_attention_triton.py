@@ -1,8 +1,11 @@
-"""The Triton paged attention backend against the torch reference backend, on CUDA (and tiny cases in the interpreter).
+"""The Triton paged attention backend against the torch reference backend, on CUDA (and tiny cases
+in the interpreter).
 
-Random ragged batches over shuffled block tables, with never-written cache memory set to NaN so a stray read shows:
-decodes (split-KV), prefills, chunks after a cached prefix, mixed steps, sliding windows, padded rows, CUDA graphs.
+Random ragged batches over shuffled block tables, with never-written cache memory set to NaN so a
+stray read shows: decodes (split-KV), prefills, chunks after a cached prefix, mixed steps, sliding
+windows, padded rows, CUDA graphs.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -35,7 +38,8 @@ class Case:
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    cache: torch.Tensor  # [2, blocks, block_size, Hkv, D], the prefix written and everything else NaN
+    # [2, blocks, block_size, Hkv, D], the prefix written and everything else NaN
+    cache: torch.Tensor
     meta: AttentionMetadata
     scale: float
     num_real: int  # sequences before the padded rows
@@ -46,20 +50,34 @@ def unpadded(case: Case) -> Case:
     n = case.num_real
     t = case.meta.query_start_loc_cpu[n]
     meta = replace(
-        case.meta, slot_mapping=case.meta.slot_mapping[:t], query_start_loc=case.meta.query_start_loc[: n + 1],
-        seq_lens=case.meta.seq_lens[:n], block_tables=case.meta.block_tables[:n],
-        query_start_loc_cpu=case.meta.query_start_loc_cpu[: n + 1], seq_lens_cpu=case.meta.seq_lens_cpu[:n],
+        case.meta,
+        slot_mapping=case.meta.slot_mapping[:t],
+        query_start_loc=case.meta.query_start_loc[: n + 1],
+        seq_lens=case.meta.seq_lens[:n],
+        block_tables=case.meta.block_tables[:n],
+        query_start_loc_cpu=case.meta.query_start_loc_cpu[: n + 1],
+        seq_lens_cpu=case.meta.seq_lens_cpu[:n],
     )
     return replace(case, q=case.q[:t], k=case.k[:t], v=case.v[:t], meta=meta)
 
 
 def make_case(
-    seq_lens: list[int], query_lens: list[int], num_kv_heads: int, group: int, head_dim: int, block_size: int,
-    dtype: torch.dtype, device: str, seed: int = 0, padded_rows: int = 0,
+    seq_lens: list[int],
+    query_lens: list[int],
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int = 0,
+    padded_rows: int = 0,
 ) -> Case:
-    """A random step: sequence i has seq_lens[i] - query_lens[i] cached tokens and query_lens[i] new ones.
+    """A random step: sequence i has seq_lens[i] - query_lens[i] cached tokens and query_lens[i] new
+    ones.
 
-    padded_rows extra one-token rows with seq_len 0 and slot -1 follow, as a CUDA-graph batch is padded.
+    padded_rows extra one-token rows with seq_len 0 and slot -1 follow, as a CUDA-graph batch is
+    padded.
     """
     gen = torch.Generator().manual_seed(seed)
     num_heads = num_kv_heads * group
@@ -70,7 +88,9 @@ def make_case(
     for n in blocks_per_seq:
         tables.append(perm[at : at + n])
         at += n
-    cache = torch.full(kv_cache_shape(1, num_blocks, block_size, num_kv_heads, head_dim), float("nan"))[0]
+    cache = torch.full(
+        kv_cache_shape(1, num_blocks, block_size, num_kv_heads, head_dim), float("nan")
+    )[0]
     flat = cache.view(2, -1, num_kv_heads, head_dim)
     slots, starts = [], [0]
     for i, (s, n) in enumerate(zip(seq_lens, query_lens)):
@@ -91,23 +111,38 @@ def make_case(
 
     meta = host_metadata(slots, starts, seq_lens, tables, block_size, device)
     return Case(
-        rand(num_tokens, num_heads, head_dim), rand(num_tokens, num_kv_heads, head_dim),
-        rand(num_tokens, num_kv_heads, head_dim), cache.to(dtype).to(device), meta, head_dim**-0.5, len(query_lens),
+        rand(num_tokens, num_heads, head_dim),
+        rand(num_tokens, num_kv_heads, head_dim),
+        rand(num_tokens, num_kv_heads, head_dim),
+        cache.to(dtype).to(device),
+        meta,
+        head_dim**-0.5,
+        len(query_lens),
     )
 
 
 def run_both(case: Case, backend, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(triton output, float32 reference output on the same inputs); also checks both caches end up equal.
+    """(triton output, float32 reference output on the same inputs); also checks both caches end up
+    equal.
 
-    The reference runs without the padded rows (it has no notion of them); their expected output is zeros.
+    The reference runs without the padded rows (it has no notion of them); their expected output is
+    zeros.
     """
     cache = case.cache.clone()
-    out = backend.forward(case.q, case.k, case.v, cache, case.meta, case.scale, sliding_window=window)
+    out = backend.forward(
+        case.q, case.k, case.v, cache, case.meta, case.scale, sliding_window=window
+    )
     real = unpadded(case)
     ref_cache = case.cache.float()
     ref = torch.zeros(case.q.shape, dtype=torch.float32, device=case.q.device)
     ref[: real.q.shape[0]] = TorchAttentionBackend().forward(
-        real.q.float(), real.k.float(), real.v.float(), ref_cache, real.meta, real.scale, sliding_window=window
+        real.q.float(),
+        real.k.float(),
+        real.v.float(),
+        ref_cache,
+        real.meta,
+        real.scale,
+        sliding_window=window,
     )
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
     torch.testing.assert_close(cache.float(), ref_cache, rtol=0, atol=0, equal_nan=True)
@@ -127,8 +162,8 @@ def triton_backend(**kwargs):
     return TritonAttentionBackend(torch.device("cuda"), **kwargs)
 
 
-# A mixed step: a decode, a full prefill, a chunk after a cached prefix, a 1-token prompt, a long decode,
-# a chunk that crosses many blocks after a long prefix.
+# A mixed step: a decode, a full prefill, a chunk after a cached prefix, a 1-token prompt, a long
+# decode, a chunk that crosses many blocks after a long prefix.
 MIXED_SEQ_LENS = [9, 77, 300, 1, 530, 700]
 MIXED_QUERY_LENS = [1, 77, 45, 1, 1, 260]
 
@@ -139,8 +174,17 @@ MIXED_QUERY_LENS = [1, 77, 45, 1, 1, 260]
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_mixed_batch_bf16(head_dim: int, group: int, block_size: int) -> None:
-    case = make_case(MIXED_SEQ_LENS, MIXED_QUERY_LENS, 2, group, head_dim, block_size, torch.bfloat16, "cuda",
-                     seed=head_dim + group + block_size)
+    case = make_case(
+        MIXED_SEQ_LENS,
+        MIXED_QUERY_LENS,
+        2,
+        group,
+        head_dim,
+        block_size,
+        torch.bfloat16,
+        "cuda",
+        seed=head_dim + group + block_size,
+    )
     assert_matches(case, triton_backend())
 
 
@@ -149,7 +193,9 @@ def test_mixed_batch_bf16(head_dim: int, group: int, block_size: int) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("head_dim,group", [(64, 1), (128, 4), (96, 3)])
 def test_mixed_batch_other_dtypes(dtype: torch.dtype, head_dim: int, group: int) -> None:
-    case = make_case(MIXED_SEQ_LENS, MIXED_QUERY_LENS, 2, group, head_dim, 16, dtype, "cuda", seed=head_dim)
+    case = make_case(
+        MIXED_SEQ_LENS, MIXED_QUERY_LENS, 2, group, head_dim, 16, dtype, "cuda", seed=head_dim
+    )
     assert_matches(case, triton_backend())
 
 
@@ -169,15 +215,20 @@ def test_decode_split_kv(dtype: torch.dtype, batch: int) -> None:
 @needs_cuda_triton
 @pytest.mark.parametrize("seed", range(6))
 def test_random_prefix_hits(seed: int) -> None:
-    """Chunked prefill over cached prefixes of random length, mixed with decodes, random GQA and block size."""
+    """Chunked prefill over cached prefixes of random length, mixed with decodes, random GQA and
+    block size."""
     gen = torch.Generator().manual_seed(1000 + seed)
     batch = int(torch.randint(1, 9, (1,), generator=gen))
     seq_lens = torch.randint(1, 900, (batch,), generator=gen).tolist()
-    query_lens = [int(torch.randint(1, s + 1, (1,), generator=gen)) if seed % 2 or i else 1
-                  for i, s in enumerate(seq_lens)]
+    query_lens = [
+        int(torch.randint(1, s + 1, (1,), generator=gen)) if seed % 2 or i else 1
+        for i, s in enumerate(seq_lens)
+    ]
     group = [1, 2, 4, 8][seed % 4]
     block_size = [16, 32][seed % 2]
-    case = make_case(seq_lens, query_lens, 2, group, 64, block_size, torch.float32, "cuda", seed=seed)
+    case = make_case(
+        seq_lens, query_lens, 2, group, 64, block_size, torch.float32, "cuda", seed=seed
+    )
     assert_matches(case, triton_backend())
 
 
@@ -194,10 +245,15 @@ def test_sliding_window(window: int, decode_only: bool) -> None:
 @pytest.mark.gpu
 @needs_cuda_triton
 def test_padded_decode_rows_give_zeros_and_write_nothing() -> None:
-    """Rows of seq_len 0 and slot -1 (a CUDA-graph batch padded up): zeros out, nothing written (run_both checks)."""
+    """Rows of seq_len 0 and slot -1 (a CUDA-graph batch padded up): zeros out, nothing written
+    (run_both checks)."""
     for batch in (3, 200):  # with and without split-KV
-        seq_lens = torch.randint(1, 500, (batch,), generator=torch.Generator().manual_seed(batch)).tolist()
-        case = make_case(seq_lens, [1] * batch, 8, 4, 128, 16, torch.bfloat16, "cuda", seed=batch, padded_rows=5)
+        seq_lens = torch.randint(
+            1, 500, (batch,), generator=torch.Generator().manual_seed(batch)
+        ).tolist()
+        case = make_case(
+            seq_lens, [1] * batch, 8, 4, 128, 16, torch.bfloat16, "cuda", seed=batch, padded_rows=5
+        )
         out, ref = run_both(case, triton_backend())
         assert torch.equal(out[batch:], torch.zeros_like(out[batch:]))
         assert (out - ref).abs().max().item() < BOUND[torch.bfloat16]
@@ -210,7 +266,9 @@ def test_non_contiguous_qkv_views() -> None:
     case = make_case(MIXED_SEQ_LENS, MIXED_QUERY_LENS, 2, 4, 64, 16, torch.float32, "cuda", seed=11)
     fused = torch.cat([case.q.flatten(1), case.k.flatten(1), case.v.flatten(1)], dim=1)
     q, k, v = fused.split([case.q[0].numel(), case.k[0].numel(), case.v[0].numel()], dim=1)
-    view_case = replace(case, q=q.view(case.q.shape), k=k.view(case.k.shape), v=v.view(case.v.shape))
+    view_case = replace(
+        case, q=q.view(case.q.shape), k=k.view(case.k.shape), v=v.view(case.v.shape)
+    )
     assert not view_case.k.is_contiguous()
     assert_matches(view_case, triton_backend())
 
@@ -219,32 +277,56 @@ def test_non_contiguous_qkv_views() -> None:
 @needs_cuda_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_replayed_from_cuda_graph(dtype: torch.dtype) -> None:
-    """Capture one decode, then change seq_lens, block tables, slots and q/k/v in place: replay == eager."""
+    """Capture one decode, then change seq_lens, block tables, slots and q/k/v in place: the replay
+    equals eager."""
     backend = triton_backend()
-    first = make_case([40, 900, 3, 17], [1] * 4, 8, 4, 128, 16, dtype, "cuda", seed=1, padded_rows=2)
-    second = make_case([700, 2, 1200, 64], [1] * 4, 8, 4, 128, 16, dtype, "cuda", seed=2, padded_rows=2)
+    first = make_case(
+        [40, 900, 3, 17], [1] * 4, 8, 4, 128, 16, dtype, "cuda", seed=1, padded_rows=2
+    )
+    second = make_case(
+        [700, 2, 1200, 64], [1] * 4, 8, 4, 128, 16, dtype, "cuda", seed=2, padded_rows=2
+    )
     width = max(first.meta.block_tables.shape[1], second.meta.block_tables.shape[1])
     num_blocks = max(first.cache.shape[1], second.cache.shape[1])
 
     def widen(case: Case) -> Case:  # the same shapes for both steps, as a captured graph needs
-        table = torch.zeros((case.meta.block_tables.shape[0], width), dtype=torch.int32, device="cuda")
+        table = torch.zeros(
+            (case.meta.block_tables.shape[0], width), dtype=torch.int32, device="cuda"
+        )
         table[:, : case.meta.block_tables.shape[1]] = case.meta.block_tables
-        cache = torch.full((2, num_blocks, *case.cache.shape[2:]), float("nan"), dtype=dtype, device="cuda")
+        cache = torch.full(
+            (2, num_blocks, *case.cache.shape[2:]), float("nan"), dtype=dtype, device="cuda"
+        )
         cache[:, : case.cache.shape[1]] = case.cache
         return replace(case, cache=cache, meta=replace(case.meta, block_tables=table))
 
     first, second = widen(first), widen(second)
-    static = replace(first, q=first.q.clone(), k=first.k.clone(), v=first.v.clone(), cache=first.cache.clone(),
-                     meta=replace(first.meta, **{f: getattr(first.meta, f).clone() for f in
-                                                  ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")}))
+    static = replace(
+        first,
+        q=first.q.clone(),
+        k=first.k.clone(),
+        v=first.v.clone(),
+        cache=first.cache.clone(),
+        meta=replace(
+            first.meta,
+            **{
+                f: getattr(first.meta, f).clone()
+                for f in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")
+            },
+        ),
+    )
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm up (compiles) off the capture
-        backend.forward(static.q, static.k, static.v, static.cache.clone(), static.meta, static.scale)
+        backend.forward(
+            static.q, static.k, static.v, static.cache.clone(), static.meta, static.scale
+        )
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        graph_out = backend.forward(static.q, static.k, static.v, static.cache, static.meta, static.scale)
+        graph_out = backend.forward(
+            static.q, static.k, static.v, static.cache, static.meta, static.scale
+        )
 
     for case in (second, first):
         for name in ("q", "k", "v", "cache"):
@@ -277,7 +359,8 @@ def test_select_backend_on_cpu() -> None:
         select_backend("cpu", "triton")
 
 
-# numpy >= 2.3 refuses int() of a 1-element array, which triton 3.6's interpreter uses for range() bounds.
+# numpy >= 2.3 refuses int() of a 1-element array, which triton 3.6's interpreter uses for range()
+# bounds.
 INTERPRETER_SCRIPT = """
 import triton.runtime.interpreter as interp
 _patch = interp._patch_lang_tensor
@@ -290,14 +373,24 @@ import torch
 from tests.test_attention_triton import make_case, run_both
 from engine.attention.triton_attn import TritonAttentionBackend
 
-# on CPU tensors: 2 'SMs', so decode splits 4-ways here; merged in the attention kernel or by a second launch
-backends = [TritonAttentionBackend(programs_per_sm=16), TritonAttentionBackend(programs_per_sm=16, fused_merge=False)]
+# on CPU tensors: 2 'SMs', so decode splits 4-ways here; merged in the attention kernel or by a
+# second launch
+backends = [
+    TritonAttentionBackend(programs_per_sm=16),
+    TritonAttentionBackend(programs_per_sm=16, fused_merge=False),
+]
 worst = 0.0
-for (dtype, head_dim), backend in zip(((torch.float32, 24), (torch.float16, 24), (torch.float32, 16)),
-                                      backends + backends[:1]):
-    for seqs, qlens, window in (([9, 40, 1, 70], [1, 1, 1, 1], None), ([9, 23, 37, 1, 50], [1, 23, 11, 1, 1], None),
-                                ([9, 40, 1, 70], [1, 1, 1, 1], 5), ([9, 23, 37, 1, 50], [1, 23, 11, 1, 1], 6)):
-        case = make_case(seqs, qlens, 2, 3, head_dim, 4, dtype, "cpu", padded_rows=2 if max(qlens) == 1 else 0)
+for (dtype, head_dim), backend in zip(
+    ((torch.float32, 24), (torch.float16, 24), (torch.float32, 16)), backends + backends[:1]
+):
+    for seqs, qlens, window in (
+        ([9, 40, 1, 70], [1, 1, 1, 1], None),
+        ([9, 23, 37, 1, 50], [1, 23, 11, 1, 1], None),
+        ([9, 40, 1, 70], [1, 1, 1, 1], 5),
+        ([9, 23, 37, 1, 50], [1, 23, 11, 1, 1], 6),
+    ):
+        padded_rows = 2 if max(qlens) == 1 else 0
+        case = make_case(seqs, qlens, 2, 3, head_dim, 4, dtype, "cpu", padded_rows=padded_rows)
         out, ref = run_both(case, backend, window)
         pad = out[case.meta.query_start_loc_cpu[case.num_real]:]
         assert torch.equal(pad, torch.zeros_like(pad)), "padded rows must be zeros"
@@ -305,17 +398,30 @@ for (dtype, head_dim), backend in zip(((torch.float32, 24), (torch.float16, 24),
         err = (out - ref).abs().max().item()
         assert err < bound, (dtype, seqs, window, err)
         worst = max(worst, err)
-assert backends[0].arrivals is not None and not backends[0].arrivals.any(), "split arrival counts must reset to 0"
+assert backends[0].arrivals is not None and not backends[0].arrivals.any(), (
+    "split arrival counts must reset to 0"
+)
 print("ok", worst)
 """
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_kernels_in_the_triton_interpreter() -> None:
-    """The same kernels, run by triton's CPU interpreter on tiny odd shapes (head_dim 24 and 16, group 3, block 4)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(INTERPRETER_SCRIPT)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    """The same kernels, run by triton's CPU interpreter on tiny odd shapes (head_dim 24 and 16,
+    group 3, block 4)."""
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]),
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(INTERPRETER_SCRIPT)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().startswith("ok")
 
@@ -329,4 +435,6 @@ def test_refuses_what_it_cannot_do() -> None:
         TritonAttentionBackend().forward(case.q, case.k, case.v, case.cache, case.meta, case.scale)
     case = make_case([4], [4], 1, 2, 16, 4, torch.float32, "cpu")
     with pytest.raises(ValueError, match="sliding_window=0"):
-        TritonAttentionBackend().forward(case.q, case.k, case.v, case.cache, case.meta, case.scale, sliding_window=0)
+        TritonAttentionBackend().forward(
+            case.q, case.k, case.v, case.cache, case.meta, case.scale, sliding_window=0
+        )

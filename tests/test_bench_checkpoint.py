@@ -1,4 +1,6 @@
-"""The benchmark checkpoints carry exactly the tensors transformers expects for each real architecture."""
+"""The benchmark checkpoints carry exactly the tensors transformers expects for each real
+architecture."""
+
 from __future__ import annotations
 
 import json

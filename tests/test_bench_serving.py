@@ -1,6 +1,7 @@
-"""The serving benchmark end to end on CPU (a tiny random Llama, tiny counts, two calls merged into one result),
-and the conv-trace sampler against the CSV read here with the csv module.
+"""The serving benchmark end to end on CPU (a tiny random Llama, tiny counts, two calls merged into
+one result), and the conv-trace sampler against the CSV read here with the csv module.
 """
+
 from __future__ import annotations
 
 import csv
@@ -17,18 +18,61 @@ from bench.trace import CONV_TRACE, conv_requests, sample_lengths
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512,
-    "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
-    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 512,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "bfloat16",
 }
 CAPS = dict(max_prompt=48, max_output=12)
 SIZES = [
-    "--device", "cpu", "--dtype", "float32", "--num-requests", "16", "--max-prompt", "48", "--max-output", "12",
-    "--fixed-requests", "6", "--fixed-prompt", "24", "--fixed-output", "20", "--concurrency", "1,3",
-    "--online-seconds", "0.8", "--online-warmup", "0.3", "--decode-prompt", "16", "--decode-tokens", "12",
-    "--hf-requests", "5", "--hf-batch-size", "2", "--warmup-requests", "8", "--num-kv-blocks", "128",
-    "--bandwidth-bytes", str(8 << 20),
+    "--device",
+    "cpu",
+    "--dtype",
+    "float32",
+    "--num-requests",
+    "16",
+    "--max-prompt",
+    "48",
+    "--max-output",
+    "12",
+    "--fixed-requests",
+    "6",
+    "--fixed-prompt",
+    "24",
+    "--fixed-output",
+    "20",
+    "--concurrency",
+    "1,3",
+    "--online-seconds",
+    "0.8",
+    "--online-warmup",
+    "0.3",
+    "--decode-prompt",
+    "16",
+    "--decode-tokens",
+    "12",
+    "--hf-requests",
+    "5",
+    "--hf-batch-size",
+    "2",
+    "--warmup-requests",
+    "8",
+    "--num-kv-blocks",
+    "128",
+    "--bandwidth-bytes",
+    str(8 << 20),
 ]
 
 
@@ -46,16 +90,20 @@ def test_trace_sampler_respects_caps_and_is_deterministic():
     assert all(1 <= p <= 4096 and 1 <= o <= 1024 for p, o in a)
     assert set(a) <= capped  # every pair is a real trace row, clamped
     assert max(p for p, _ in a) == 4096  # the trace has longer prompts: the cap bites
-    tight = sample_lengths(len(rows) + 10, seed=3, max_prompt=64, max_output=8)  # more than the trace holds
+    # more than the trace holds
+    tight = sample_lengths(len(rows) + 10, seed=3, max_prompt=64, max_output=8)
     assert len(tight) == len(rows) + 10 and all(p <= 64 and o <= 8 for p, o in tight)
     reqs = conv_requests(20, vocab_size=300, seed=1, **CAPS)
     assert [(r.prompt_len, r.output_len) for r in reqs] == sample_lengths(20, 1, **CAPS)
     assert all(0 <= t < 300 for r in reqs for t in r.prompt_token_ids)
-    assert [r.prompt_token_ids for r in reqs] == [r.prompt_token_ids for r in conv_requests(20, 300, 1, **CAPS)]
+    assert [r.prompt_token_ids for r in reqs] == [
+        r.prompt_token_ids for r in conv_requests(20, 300, 1, **CAPS)
+    ]
 
 
 def test_decode_window_recovers_a_lockstep_schedule():
-    """Four requests decoding in lockstep every 10 ms: the window finds the step time, the batch and the KV read."""
+    """Four requests decoding in lockstep every 10 ms: the window finds the step time, the batch and
+    the KV read."""
     prompts = [10, 20, 30, 40]
     records = []
     for i, p in enumerate(prompts):
@@ -71,14 +119,19 @@ def test_decode_window_recovers_a_lockstep_schedule():
     assert abs(win["step_ms"] - 10) < 0.2
     assert win["kv_tokens_per_step"] == sum(prompts) + 4 * sum(range(1, 30)) / 29
     assert abs(win["floor_ms"] - (1000 + 10 * win["kv_tokens_per_step"]) / 1e6 * 1e3) < 1e-9
-    cut = decode_window(records, 1.1, mb, bandwidth=1e6)  # e.g. a preemption at t = 1.1 ends the window
+    # e.g. a preemption at t = 1.1 ends the window
+    cut = decode_window(records, 1.1, mb, bandwidth=1e6)
     assert cut["steps"] == 10 and cut["kv_tokens_per_step"] == sum(prompts) + 4 * 5.5
     assert not decode_window(records, 1.01, mb, bandwidth=1e6)["valid"]
 
 
 def _run(args: list[str]) -> str:
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.serving", *args], cwd=REPO, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "bench.serving", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout
@@ -93,13 +146,25 @@ def test_serving_benchmark_end_to_end_on_cpu(tmp_path):
     config = tmp_path / "tiny-llama.json"
     config.write_text(json.dumps(TINY_LLAMA))
     out = tmp_path / "out"
-    common = ["--config", str(config), "--model-dir", str(tmp_path / "model"), "--out", str(out), *SIZES]
+    common = [
+        "--config",
+        str(config),
+        "--model-dir",
+        str(tmp_path / "model"),
+        "--out",
+        str(out),
+        *SIZES,
+    ]
     _run([*common, "--parts", "decode,offline,online"])
-    stdout = _run([*common, "--parts", "hf"])  # a second call merges its section into the same serving.json
+    # a second call merges its section into the same serving.json
+    stdout = _run([*common, "--parts", "hf"])
     res = json.loads((out / "serving.json").read_text())
 
     assert {"meta", "decode", "offline", "online", "hf", "kv", "ratios"} <= set(res)
-    assert [c["parts"] for c in res["meta"]["calls"]] == [["decode", "conv", "fixed", "online"], ["hf"]]
+    assert [c["parts"] for c in res["meta"]["calls"]] == [
+        ["decode", "conv", "fixed", "online"],
+        ["hf"],
+    ]
     assert res["decode"]["tok_s"] > 0 and 0 < res["decode"]["roofline_frac"]
 
     # Forced lengths: every request got exactly the tokens the sampler asked for.
@@ -109,7 +174,11 @@ def test_serving_benchmark_end_to_end_on_cpu(tmp_path):
     assert conv["prompt_tokens"] == sum(p for p, _ in lengths)
     assert conv["output_tokens"] == sum(o for _, o in lengths) == conv["requested_output_tokens"]
     assert conv["all_lengths_as_requested"]
-    assert fixed["output_tokens"] == 6 * 20 and fixed["prompt_tokens"] == 6 * 24 and fixed["all_lengths_as_requested"]
+    assert (
+        fixed["output_tokens"] == 6 * 20
+        and fixed["prompt_tokens"] == 6 * 24
+        and fixed["all_lengths_as_requested"]
+    )
     for d in (conv, fixed):
         assert _ordered(d["ttft_ms"]) and _ordered(d["itl_ms"])
         assert 0 < d["output_tok_s"] < d["total_tok_s"]
@@ -123,7 +192,8 @@ def test_serving_benchmark_end_to_end_on_cpu(tmp_path):
         assert lvl["requests_finished"] >= 1 and lvl["finished_lengths_as_requested"]
         assert _ordered(lvl["ttft_ms"]) and _ordered(lvl["itl_ms"])
         assert lvl["kv"]["preemptions"] == 0
-    # Every prompt is fresh random ids: nothing may be served from the prefix cache, across workloads and levels.
+    # Every prompt is fresh random ids: nothing may be served from the prefix cache, across
+    # workloads and levels.
     assert all(d["kv"]["prefix_cache_hit_tokens"] == 0 for d in (conv, fixed, *levels))
 
     hf = res["hf"]
@@ -139,10 +209,15 @@ def test_serving_benchmark_end_to_end_on_cpu(tmp_path):
 
     png = (out / "serving.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
-    assert "offline conv x16" in stdout and "HF generate_batch" in stdout  # the table comes last, merged
+    # the table comes last, merged
+    assert "offline conv x16" in stdout and "HF generate_batch" in stdout
 
     # --merge combines result files written elsewhere without running anything.
     merged_dir = tmp_path / "merged"
     _run(["--merge", str(out / "serving.json"), "--out", str(merged_dir)])
     again = json.loads((merged_dir / "serving.json").read_text())
-    assert again["offline"] == res["offline"] and again["hf"] == res["hf"] and (merged_dir / "serving.png").exists()
+    assert (
+        again["offline"] == res["offline"]
+        and again["hf"] == res["hf"]
+        and (merged_dir / "serving.png").exists()
+    )

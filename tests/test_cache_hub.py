@@ -6,6 +6,7 @@ fetch SIGKILLed mid-download, four processes.
 `make test` also runs this file with the oldest huggingface_hub we admit first on PYTHONPATH
 (COLDBREW_HF_HUB_VERSION names the version that must be the one imported).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -59,8 +60,14 @@ def _engine_files(files: dict[str, bytes]) -> dict[str, bytes]:
 def _fetch(hub, tmp_path, repo="org/tiny-lm", **kw):
     kw.setdefault("cache_dir", tmp_path / "cache")
     kw.setdefault("token", TOKEN)
-    return resolve(repo, endpoint=hub.url, base_path=None, progress=False,
-                   check_config=check_model_config, **kw)
+    return resolve(
+        repo,
+        endpoint=hub.url,
+        base_path=None,
+        progress=False,
+        check_config=check_model_config,
+        **kw,
+    )
 
 
 def _env(**extra) -> dict:
@@ -71,8 +78,14 @@ def _env(**extra) -> dict:
 
 
 def _cli(args, env_extra):
-    return subprocess.Popen([sys.executable, "-m", "cache", *args], cwd=REPO, env=_env(**env_extra),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "cache", *args],
+        cwd=REPO,
+        env=_env(**env_extra),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _one_line_error(err) -> str:
@@ -93,15 +106,18 @@ def test_the_client_under_test_is_the_version_asked_for():
     assert f"HF_HUB_OLDEST ?= {floor}" in makefile, "make tests another floor than pyproject admits"
 
 
-def test_lfs_shards_named_by_the_index_download_verified_and_the_engine_loads_them(hub, revisions,
-                                                                                   tmp_path):
+def test_lfs_shards_named_by_the_index_download_verified_and_the_engine_loads_them(
+    hub, revisions, tmp_path
+):
     c1, c2 = hub.commits
     main = _fetch(hub, tmp_path)
     tagged = _fetch(hub, tmp_path, revision="v1")
     by_commit = _fetch(hub, tmp_path, revision=c1)
     assert tagged == by_commit != main
-    for path, files, commit, requested in ((main, revisions[1], c2, "main"),
-                                           (tagged, revisions[0], c1, "v1")):
+    for path, files, commit, requested in (
+        (main, revisions[1], c2, "main"),
+        (tagged, revisions[0], c1, "v1"),
+    ):
         wanted = _engine_files(files)
         on_disk = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()}
         assert on_disk == set(wanted) | {MANIFEST}  # no README, .gitattributes, .bin, .pth
@@ -109,8 +125,9 @@ def test_lfs_shards_named_by_the_index_download_verified_and_the_engine_loads_th
         manifest = read_manifest(path)
         assert manifest["revision"] == commit and manifest["requested_revision"] == requested
         assert manifest["source"] == "hf://org/tiny-lm" and manifest["coldbrew_version"]
-        assert manifest["files"] == {n: {"size": len(d), "sha256": hashlib.sha256(d).hexdigest()}
-                                     for n, d in wanted.items()}
+        assert manifest["files"] == {
+            n: {"size": len(d), "sha256": hashlib.sha256(d).hexdigest()} for n, d in wanted.items()
+        }
         assert check_snapshot(path, "full") is None
     assert revisions[0][WEIGHTS] != revisions[1][WEIGHTS]
     # huggingface_hub's own checker (2.x) agrees: every file we kept matches the hub's listing.
@@ -133,8 +150,9 @@ def test_lfs_shards_named_by_the_index_download_verified_and_the_engine_loads_th
     assert len(out[0].outputs[0].token_ids) == 3
 
 
-def test_each_file_is_hashed_once_and_a_second_fetch_makes_no_download_request(hub, tmp_path,
-                                                                               monkeypatch):
+def test_each_file_is_hashed_once_and_a_second_fetch_makes_no_download_request(
+    hub, tmp_path, monkeypatch
+):
     reads = Counter()
     real = cache.snapshot.hash_file
 
@@ -160,12 +178,18 @@ def test_each_file_is_hashed_once_and_a_second_fetch_makes_no_download_request(h
 
 def test_an_unsupported_model_is_refused_before_any_weight_request(revisions, tmp_path):
     variants = {
-        "arch": ({"architectures": ["GemmaForCausalLM"], "model_type": "gemma"},
-                 "unsupported architecture"),
-        "quant": ({"quantization_config": {"quant_method": "awq", "bits": 4}},
-                  "quantization_config"),
-        "rope": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
-                 "rope type"),
+        "arch": (
+            {"architectures": ["GemmaForCausalLM"], "model_type": "gemma"},
+            "unsupported architecture",
+        ),
+        "quant": (
+            {"quantization_config": {"quant_method": "awq", "bits": 4}},
+            "quantization_config",
+        ),
+        "rope": (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+            "rope type",
+        ),
     }
     with FakeHub() as hub:
         for name, (change, words) in variants.items():
@@ -186,16 +210,28 @@ def test_an_unsupported_model_is_refused_before_any_weight_request(revisions, tm
 
 def test_the_handler_refuses_an_unsupported_model_before_any_weight_request(revisions, tmp_path):
     files = dict(revisions[1])
-    files["config.json"] = json.dumps({**json.loads(files["config.json"]),
-                                       "architectures": ["Phi3ForCausalLM"]}).encode()
+    files["config.json"] = json.dumps(
+        {**json.loads(files["config.json"]), "architectures": ["Phi3ForCausalLM"]}
+    ).encode()
     with FakeHub() as hub:
         hub.repos["org/phi"] = repo = FakeRepo()
         repo.add_commit(files)
-        env = _env(HF_ENDPOINT=hub.url, MODEL_NAME="org/phi", CACHE_DIR=str(tmp_path / "cache"),
-                   BASE_PATH=str(tmp_path / "volume"), DEVICE="cpu")
+        env = _env(
+            HF_ENDPOINT=hub.url,
+            MODEL_NAME="org/phi",
+            CACHE_DIR=str(tmp_path / "cache"),
+            BASE_PATH=str(tmp_path / "volume"),
+            DEVICE="cpu",
+        )
         env.pop("HF_TOKEN", None)
-        done = subprocess.run([sys.executable, "-m", "handler", "chat", "--prompt", "hi"], cwd=REPO,
-                              env=env, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-m", "handler", "chat", "--prompt", "hi"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode != 0
         assert "unsupported architecture ['Phi3ForCausalLM']" in done.stderr, done.stderr[-3000:]
         assert hub.requests_for(".safetensors") == []
@@ -238,8 +274,12 @@ def test_the_hubs_error_codes_become_one_line_each(hub, tmp_path, caplog):
     caplog.set_level(logging.DEBUG)
     cases = {
         "org/missing": ("main", TOKEN, "repository not found", "(HTTP 404)"),
-        "org/tiny-lm": ("no-such-branch", TOKEN, "revision 'no-such-branch' not found",
-                        "(HTTP 404)"),
+        "org/tiny-lm": (
+            "no-such-branch",
+            TOKEN,
+            "revision 'no-such-branch' not found",
+            "(HTTP 404)",
+        ),
     }
     for repo, (revision, token, words, status) in cases.items():
         with pytest.raises(SourceError) as err:
@@ -261,7 +301,9 @@ def test_the_hubs_error_codes_become_one_line_each(hub, tmp_path, caplog):
     assert TOKEN not in caplog.text and wrong not in caplog.text
 
 
-def test_a_truncated_weight_file_is_quarantined_and_rebuilt_with_one_log_line(hub, revisions, tmp_path, caplog):
+def test_a_truncated_weight_file_is_quarantined_and_rebuilt_with_one_log_line(
+    hub, revisions, tmp_path, caplog
+):
     path = _fetch(hub, tmp_path)
     weights = path / WEIGHTS
     with open(weights, "r+b") as f:
@@ -272,9 +314,13 @@ def test_a_truncated_weight_file_is_quarantined_and_rebuilt_with_one_log_line(hu
     assert again == path and weights.read_bytes() == revisions[1][WEIGHTS]
     assert hub.file_gets(WEIGHTS) == gets + 1
     lines = [r for r in caplog.records if "corrupt" in r.getMessage()]
-    assert len(lines) == 1 and lines[0].levelno == logging.WARNING and WEIGHTS in lines[0].getMessage()
+    assert (
+        len(lines) == 1 and lines[0].levelno == logging.WARNING and WEIGHTS in lines[0].getMessage()
+    )
     quarantined = list((tmp_path / "cache" / ".quarantine").iterdir())
-    assert len(quarantined) == 1 and (quarantined[0] / WEIGHTS).stat().st_size < len(revisions[1][WEIGHTS])
+    assert len(quarantined) == 1 and (quarantined[0] / WEIGHTS).stat().st_size < len(
+        revisions[1][WEIGHTS]
+    )
 
 
 def test_a_flipped_byte_on_disk_is_caught_only_by_full_verification(hub, revisions, tmp_path):
@@ -289,8 +335,9 @@ def test_a_flipped_byte_on_disk_is_caught_only_by_full_verification(hub, revisio
 
 
 @pytest.mark.parametrize("served", [WEIGHTS, "generation_config.json"])  # LFS, and not
-def test_a_flipped_byte_in_a_served_file_fails_the_fetch_and_publishes_nothing(hub, revisions,
-                                                                               tmp_path, served):
+def test_a_flipped_byte_in_a_served_file_fails_the_fetch_and_publishes_nothing(
+    hub, revisions, tmp_path, served
+):
     hub.corrupt_file = served
     with pytest.raises(SourceError) as err:
         _fetch(hub, tmp_path)
@@ -304,7 +351,9 @@ def test_a_flipped_byte_in_a_served_file_fails_the_fetch_and_publishes_nothing(h
     assert (path / served).read_bytes() == revisions[1][served]
 
 
-def test_a_fetch_killed_mid_download_leaves_nothing_valid_and_the_next_start_completes(hub, revisions, tmp_path):
+def test_a_fetch_killed_mid_download_leaves_nothing_valid_and_the_next_start_completes(
+    hub, revisions, tmp_path
+):
     cache_dir = tmp_path / "cache"
     hub.stall_file = WEIGHTS
     env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN}
@@ -332,8 +381,10 @@ def test_a_fetch_killed_mid_download_leaves_nothing_valid_and_the_next_start_com
 def test_four_processes_fetching_at_once_download_once_and_agree(hub, revisions, tmp_path):
     hub.gate_after_infos = 4  # weights are held back until all four have asked for the revision
     env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN}
-    procs = [_cli(["fetch", "org/tiny-lm", "--cache-dir", str(tmp_path / "cache"), "--quiet"], env)
-             for _ in range(4)]
+    procs = [
+        _cli(["fetch", "org/tiny-lm", "--cache-dir", str(tmp_path / "cache"), "--quiet"], env)
+        for _ in range(4)
+    ]
     results = [p.communicate(timeout=180) for p in procs]
     assert [p.returncode for p in procs] == [0] * 4, [r[1][-2000:] for r in results]
     paths = {r[0].strip().splitlines()[-1] for r in results}

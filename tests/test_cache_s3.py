@@ -1,6 +1,8 @@
-"""S3 through moto's real server on loopback (boto3 with endpoint_url): s3:// sources, push and pull of any directory,
-the fleet cache between hub and workers, an S3 store that is down or silent, and no credential in any log line.
+"""S3 through moto's real server on loopback (boto3 with endpoint_url): s3:// sources, push and pull
+of any directory, the fleet cache between hub and workers, an S3 store that is down or silent, and
+no credential in any log line.
 """
+
 from __future__ import annotations
 
 import logging
@@ -52,16 +54,26 @@ def _closed_port() -> int:
 
 
 def test_an_s3_source_gives_a_snapshot_of_the_engine_files(s3, model_files, tmp_path, caplog):
-    upload_tree(s3.client(), s3.bucket, "models/tiny", model_files)  # the test's own client: not under test
+    # the test's own client: not under test
+    upload_tree(s3.client(), s3.bucket, "models/tiny", model_files)
     caplog.set_level(logging.DEBUG)
-    path = resolve("s3://fleet/models/tiny", cache_dir=tmp_path / "c", base_path=None, s3_options=s3.options(),
-                   progress=False)
+    path = resolve(
+        "s3://fleet/models/tiny",
+        cache_dir=tmp_path / "c",
+        base_path=None,
+        s3_options=s3.options(),
+        progress=False,
+    )
     wanted = _engine_files(model_files)
     assert {p.name for p in path.iterdir()} == set(wanted) | {MANIFEST}
     assert all((path / n).read_bytes() == d for n, d in wanted.items())
-    assert read_manifest(path)["source"] == "s3://fleet/models/tiny" and check_snapshot(path, "full") is None
+    assert (
+        read_manifest(path)["source"] == "s3://fleet/models/tiny"
+        and check_snapshot(path, "full") is None
+    )
     assert s3.SECRET not in caplog.text and s3.KEY_ID not in caplog.text
-    assert any("Sending http request" in r.getMessage() for r in caplog.records)  # botocore logged its requests
+    # botocore logged its requests
+    assert any("Sending http request" in r.getMessage() for r in caplog.records)
 
 
 def test_push_and_pull_round_trip_any_directory_and_the_manifest_marks_completion(s3, tmp_path):
@@ -74,28 +86,56 @@ def test_push_and_pull_round_trip_any_directory_and_the_manifest_marks_completio
     assert set(manifest["files"]) == {"packs/weights.pack", "index.json"}
     dest = tmp_path / "pulled"
     dest.mkdir()
-    assert remote.pull_dir("s3://fleet/artifacts/a1", dest, opts, verify="full", progress=False) == manifest
-    assert (dest / "packs" / "weights.pack").read_bytes() == (src / "packs" / "weights.pack").read_bytes()
+    assert (
+        remote.pull_dir("s3://fleet/artifacts/a1", dest, opts, verify="full", progress=False)
+        == manifest
+    )
+    assert (dest / "packs" / "weights.pack").read_bytes() == (
+        src / "packs" / "weights.pack"
+    ).read_bytes()
     assert check_snapshot(dest, "full") is None
     # Files without their manifest (a push that died half-way) are not a complete copy.
     s3.client().put_object(Bucket="fleet", Key="artifacts/half/index.json", Body=b"{}")
-    assert remote.pull_dir("s3://fleet/artifacts/half", tmp_path / "x", opts, progress=False) is None
+    assert (
+        remote.pull_dir("s3://fleet/artifacts/half", tmp_path / "x", opts, progress=False) is None
+    )
 
 
 def test_the_fleet_cache_serves_workers_without_the_hub(s3, hub, model_files, tmp_path, caplog):
     caplog.set_level(logging.DEBUG)
     fleet = "s3://fleet/cache-1"
-    first = resolve("org/tiny", cache_dir=tmp_path / "w1", base_path=None, endpoint=hub.url, token=HF_TOKEN,
-                    remote=fleet, push=True, s3_endpoint_url=s3.url, aws_access_key_id=s3.KEY_ID,
-                    aws_secret_access_key=s3.SECRET, aws_region="us-east-1", progress=False)
-    keys = {o["Key"] for o in s3.client().list_objects_v2(Bucket="fleet", Prefix="cache-1/")["Contents"]}
+    first = resolve(
+        "org/tiny",
+        cache_dir=tmp_path / "w1",
+        base_path=None,
+        endpoint=hub.url,
+        token=HF_TOKEN,
+        remote=fleet,
+        push=True,
+        s3_endpoint_url=s3.url,
+        aws_access_key_id=s3.KEY_ID,
+        aws_secret_access_key=s3.SECRET,
+        aws_region="us-east-1",
+        progress=False,
+    )
+    keys = {
+        o["Key"] for o in s3.client().list_objects_v2(Bucket="fleet", Prefix="cache-1/")["Contents"]
+    }
     assert "cache-1/refs/hf--org--tiny/main" in keys
     assert f"cache-1/snapshots/hf--org--tiny/{hub.commit}/{MANIFEST}" in keys
-    # A second worker: the hub is gone (dead endpoint), the branch name still resolves through the fleet cache.
+    # A second worker: the hub is gone (dead endpoint), the branch name still resolves through the
+    # fleet cache.
     hub_requests = len(hub.log)
     dead_hub = f"http://127.0.0.1:{_closed_port()}"
-    second = resolve("org/tiny", cache_dir=tmp_path / "w2", base_path=None, endpoint=dead_hub, remote=fleet,
-                     s3_options=s3.options(), progress=False)
+    second = resolve(
+        "org/tiny",
+        cache_dir=tmp_path / "w2",
+        base_path=None,
+        endpoint=dead_hub,
+        remote=fleet,
+        s3_options=s3.options(),
+        progress=False,
+    )
     assert len(hub.log) == hub_requests
     assert second != first and second.name == hub.commit
     assert read_manifest(second) == read_manifest(first)
@@ -106,11 +146,23 @@ def test_the_fleet_cache_serves_workers_without_the_hub(s3, hub, model_files, tm
 
 
 def test_cli_push_pull_ls_fetch(s3, hub, model_files, tmp_path):
-    env = {**os.environ, **s3.env(), "PYTHONPATH": str(REPO), "HF_ENDPOINT": hub.url, "HF_TOKEN": HF_TOKEN}
+    env = {
+        **os.environ,
+        **s3.env(),
+        "PYTHONPATH": str(REPO),
+        "HF_ENDPOINT": hub.url,
+        "HF_TOKEN": HF_TOKEN,
+    }
 
     def cli(*args):
-        out = subprocess.run([sys.executable, "-m", "cache", *args, "--quiet"], cwd=REPO, env=env,
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "cache", *args, "--quiet"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         for secret in (s3.SECRET, s3.KEY_ID, HF_TOKEN):
             assert secret not in out.stdout + out.stderr
         return out
@@ -123,38 +175,90 @@ def test_cli_push_pull_ls_fetch(s3, hub, model_files, tmp_path):
     assert pushed.returncode == 0, pushed.stderr
     uri = pushed.stdout.strip().splitlines()[-1]
     assert uri == f"s3://fleet/cli/snapshots/hf--org--tiny/{hub.commit}"
-    pulled = cli("pull", uri, "--cache-dir", str(tmp_path / "b"), "--s3-endpoint-url", s3.url, "--verify", "full")
+    pulled = cli(
+        "pull",
+        uri,
+        "--cache-dir",
+        str(tmp_path / "b"),
+        "--s3-endpoint-url",
+        s3.url,
+        "--verify",
+        "full",
+    )
     assert pulled.returncode == 0, pulled.stderr
     copy = Path(pulled.stdout.strip().splitlines()[-1])
     assert copy == tmp_path / "b" / "snapshots" / "hf--org--tiny" / hub.commit
-    assert all((copy / n).read_bytes() == (snap / n).read_bytes() for n in read_manifest(snap)["files"])
+    assert all(
+        (copy / n).read_bytes() == (snap / n).read_bytes() for n in read_manifest(snap)["files"]
+    )
     listed = cli("ls", "--cache-dir", str(tmp_path / "b"))
     assert listed.returncode == 0
-    size_kb = sum(len(d) for d in _engine_files(model_files).values()) / 1e3  # a tiny model: hundreds of KB
+    # a tiny model: hundreds of KB
+    size_kb = sum(len(d) for d in _engine_files(model_files).values()) / 1e3
     line = next(ln for ln in listed.stdout.splitlines() if "hf://org/tiny" in ln)
     assert hub.commit in line and f"{size_kb:.1f} KB" in line and " ok " in line
     # fetch from the fleet cache through the CLI, hub unreachable
     env["HF_ENDPOINT"] = f"http://127.0.0.1:{_closed_port()}"
-    fetched = cli("fetch", "org/tiny", "--cache-dir", str(tmp_path / "c"), "--remote", "s3://fleet/cli",
-                  "--s3-endpoint-url", s3.url)
+    fetched = cli(
+        "fetch",
+        "org/tiny",
+        "--cache-dir",
+        str(tmp_path / "c"),
+        "--remote",
+        "s3://fleet/cli",
+        "--s3-endpoint-url",
+        s3.url,
+    )
     assert fetched.returncode == 0, fetched.stderr
     assert Path(fetched.stdout.strip().splitlines()[-1]).name == hub.commit
-    missing = cli("pull", "s3://fleet/nothing-here", "--cache-dir", str(tmp_path / "d"), "--s3-endpoint-url", s3.url)
+    missing = cli(
+        "pull",
+        "s3://fleet/nothing-here",
+        "--cache-dir",
+        str(tmp_path / "d"),
+        "--s3-endpoint-url",
+        s3.url,
+    )
     assert missing.returncode != 0 and "coldbrew-manifest.json not found" in missing.stderr
 
 
-def test_an_unreachable_store_is_a_clear_error_or_falls_back_to_the_source(s3, hub, model_files, tmp_path, caplog):
+def test_an_unreachable_store_is_a_clear_error_or_falls_back_to_the_source(
+    s3, hub, model_files, tmp_path, caplog
+):
     caplog.set_level(logging.DEBUG)
-    dead = s3.options(endpoint_url=f"http://127.0.0.1:{_closed_port()}", connect_timeout=1, max_attempts=2)
+    dead = s3.options(
+        endpoint_url=f"http://127.0.0.1:{_closed_port()}", connect_timeout=1, max_attempts=2
+    )
     with pytest.raises(RemoteError) as err:
-        resolve("org/tiny", cache_dir=tmp_path / "a", base_path=None, endpoint=hub.url, token=HF_TOKEN,
-                remote="s3://fleet/cache-x", remote_fallback=False, s3_options=dead, progress=False)
+        resolve(
+            "org/tiny",
+            cache_dir=tmp_path / "a",
+            base_path=None,
+            endpoint=hub.url,
+            token=HF_TOKEN,
+            remote="s3://fleet/cache-x",
+            remote_fallback=False,
+            s3_options=dead,
+            progress=False,
+        )
     assert dead.endpoint_url in str(err.value) and "s3://fleet/cache-x" in str(err.value)
     assert hub.file_gets() == 0
-    path = resolve("org/tiny", cache_dir=tmp_path / "a", base_path=None, endpoint=hub.url, token=HF_TOKEN,
-                   remote="s3://fleet/cache-x", s3_options=dead, progress=False)
+    path = resolve(
+        "org/tiny",
+        cache_dir=tmp_path / "a",
+        base_path=None,
+        endpoint=hub.url,
+        token=HF_TOKEN,
+        remote="s3://fleet/cache-x",
+        s3_options=dead,
+        progress=False,
+    )
     assert check_snapshot(path) is None and hub.file_gets() == len(_engine_files(model_files))
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "remote cache unusable" in r.getMessage()]
+    warnings = [
+        r
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "remote cache unusable" in r.getMessage()
+    ]
     assert len(warnings) == 1
     for secret in (s3.SECRET, s3.KEY_ID, HF_TOKEN):
         assert secret not in caplog.text and secret not in str(err.value)
@@ -166,10 +270,35 @@ def test_a_silent_store_times_out_instead_of_hanging(s3, tmp_path):
         black_hole.listen(16)
         url = f"http://127.0.0.1:{black_hole.getsockname()[1]}"
         env = {**os.environ, **s3.env(), "PYTHONPATH": str(REPO)}
-        out = subprocess.run([sys.executable, "-m", "cache", "fetch", "s3://fleet/models/tiny", "--cache-dir",
-                              str(tmp_path / "c"), "--s3-endpoint-url", url, "--s3-timeout", "1",
-                              "--s3-read-timeout", "1", "--s3-attempts", "1", "--quiet"],
-                             cwd=REPO, env=env, capture_output=True, text=True, timeout=90)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "cache",
+                "fetch",
+                "s3://fleet/models/tiny",
+                "--cache-dir",
+                str(tmp_path / "c"),
+                "--s3-endpoint-url",
+                url,
+                "--s3-timeout",
+                "1",
+                "--s3-read-timeout",
+                "1",
+                "--s3-attempts",
+                "1",
+                "--quiet",
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
     assert out.returncode == 1
-    assert "ReadTimeoutError" in out.stderr and url in out.stderr and "s3://fleet/models/tiny" in out.stderr
+    assert (
+        "ReadTimeoutError" in out.stderr
+        and url in out.stderr
+        and "s3://fleet/models/tiny" in out.stderr
+    )
     assert s3.SECRET not in out.stderr

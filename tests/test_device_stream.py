@@ -1,9 +1,11 @@
-"""The device stream: a separate process fills a shareable GPU allocation from a pack; the engine maps it.
+"""The device stream: a separate process fills a shareable GPU allocation from a pack; the engine
+maps it.
 
-References: the tensors written into the pack (bit-equal after the trip), the in-process loader, and an engine that
-loads safetensors (same greedy tokens). CPU tests cover what a machine without a driver does: a clear error from
-the process, and the in-process load instead.
+References: the tensors written into the pack (bit-equal after the trip), the in-process loader, and
+an engine that loads safetensors (same greedy tokens). CPU tests cover what a machine without a
+driver does: a clear error from the process, and the in-process load instead.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,24 +22,28 @@ from engine import LLM, SamplingParams
 from tests.test_loader import pack_of
 from tests.tiny_models import make_tiny_model
 
-
 pytestmark = pytest.mark.usefixtures("gpu_memory_back")
 
 
 def _ref() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(3)
-    return {f"layer{g}.{k}": torch.randn(n, generator=gen).to(torch.bfloat16)
-            for g in range(12) for k, n in (("a", 1_000_003), ("b", 333_333))}
+    return {
+        f"layer{g}.{k}": torch.randn(n, generator=gen).to(torch.bfloat16)
+        for g in range(12)
+        for k, n in (("a", 1_000_003), ("b", 333_333))
+    }
 
 
-# ---- CPU ----------------------------------------------------------------------------------------------------
+# ---- CPU -----------------------------------------------------------------------------------------
 @pytest.mark.skipif(os.path.exists("/dev/nvidiactl"), reason="this machine has an NVIDIA driver")
 def test_without_a_driver_no_stream_starts(tmp_path):
     path = pack_of({"w": torch.ones(4)}, str(tmp_path / "p.cbpack"))
     assert device_stream.start(path) is None
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the process's error where there is no GPU")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the process's error where there is no GPU"
+)
 def test_the_process_names_the_missing_driver_and_a_cpu_load_goes_on_in_process(tmp_path):
     ref = {"a": torch.arange(10, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16)}
     path = pack_of(ref, str(tmp_path / "p.cbpack"))
@@ -63,13 +69,14 @@ def test_the_stream_process_hears_mapped_and_stops_once_the_worker_is_gone(tmp_p
     listener = threading.Thread(target=streamer.listen, daemon=True)
     listener.start()
     ours.sendall(b"mapped\n")
-    assert streamer.mapped.wait(10) and not streamer.stop.is_set()  # the worker holds its mapping; reads go on
+    # the worker holds its mapping; reads go on
+    assert streamer.mapped.wait(10) and not streamer.stop.is_set()
     ours.close()  # the worker exited
     listener.join(10)
     assert not listener.is_alive() and streamer.stop.is_set()
 
 
-# ---- GPU ----------------------------------------------------------------------------------------------------
+# ---- GPU -----------------------------------------------------------------------------------------
 
 
 @pytest.mark.gpu
@@ -93,7 +100,8 @@ def test_a_streamed_pack_equals_its_tensors_and_each_group_waits_for_its_bytes(t
     before = torch.cuda.mem_get_info()[0]
     del load
     free_gpu_memory()
-    assert torch.cuda.mem_get_info()[0] > before + pack.data_nbytes // 2  # unmapped with the last view
+    # unmapped with the last view
+    assert torch.cuda.mem_get_info()[0] > before + pack.data_nbytes // 2
 
 
 @pytest.mark.gpu
@@ -118,7 +126,10 @@ def test_an_engine_on_a_streamed_pack_gives_the_safetensors_engines_tokens(tmp_p
     prompts = [[5, 9, 17, 33, 2 + i] for i in range(3)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     opts = dict(model=model_dir, device="cuda", dtype="bfloat16", num_kv_blocks=32)
-    ref = [o.outputs[0].token_ids for o in LLM(load_format="safetensors", **opts).generate(prompts, params)]
+    ref = [
+        o.outputs[0].token_ids
+        for o in LLM(load_format="safetensors", **opts).generate(prompts, params)
+    ]
     LLM(**opts)  # writes the pack
     assert device_stream.start(model_dir) is not None
     llm = LLM(**opts)
@@ -133,16 +144,25 @@ def test_an_engine_on_a_streamed_pack_gives_the_safetensors_engines_tokens(tmp_p
 def test_a_worker_boot_streams_the_pack_it_wrote_on_its_first_start(tmp_path):
     import asyncio
 
-    pytest.importorskip("pydantic_settings")  # the worker's own dependencies (make gpu-check needs only torch's)
+    # the worker's own dependencies (make gpu-check needs only torch's)
+    pytest.importorskip("pydantic_settings")
     from handler.config import load_settings
     from handler.engine_boot import EngineBoot
 
     model_dir = str(tmp_path / "model")
     make_tiny_model("llama", model_dir)
-    settings = load_settings({"MODEL_NAME": model_dir, "MAX_MODEL_LEN": "128", "DEVICE": "cuda",
-                              "GPU_MEMORY_UTILIZATION": "0.3", "CACHE_DIR": str(tmp_path / "cache")})
+    settings = load_settings(
+        {
+            "MODEL_NAME": model_dir,
+            "MAX_MODEL_LEN": "128",
+            "DEVICE": "cuda",
+            "GPU_MEMORY_UTILIZATION": "0.3",
+            "CACHE_DIR": str(tmp_path / "cache"),
+        }
+    )
     outputs, streams = [], []
-    for _ in range(2):  # the first start writes the pack, the second streams it from a separate process
+    # the first start writes the pack, the second streams it from a separate process
+    for _ in range(2):
         boot = EngineBoot(settings)
         engine = asyncio.run(boot.ready())
         outputs.append(engine.engine.runner.model.embed_tokens.weight.float().sum().item())

@@ -144,9 +144,8 @@ def test_the_token_stays_out_of_the_image_and_a_baked_model_stays_offline():
                 f"{ins.op} {ins.args}: the token would be stored in the image"
             )
     bake = [i for i in _ops("runtime", "RUN") if "cache fetch" in i.args]
-    assert (
-        len(bake) == 1 and "type=secret,id=HF_TOKEN" in bake[0].flags["mount"]
-    )  # worker-vllm's secret id
+    # worker-vllm's secret id
+    assert len(bake) == 1 and "type=secret,id=HF_TOKEN" in bake[0].flags["mount"]
     env = " ".join(i.args for i in _ops("runtime", "ENV"))
     assert "HF_HUB_OFFLINE=${MODEL_NAME:+1}" in env
     args = {i.args.split("=", 1)[0] for i in _ops("runtime", "ARG")}
@@ -194,9 +193,8 @@ def test_build_steps_give_a_worker_that_answers_a_job(tmp_path, smollm2_dir):
         skip_run=lambda command: command.lstrip().startswith("apt-get"),
     )
     env, workdir = build.run_stage("runtime")
-    print(
-        "\n".join(line.splitlines()[0] for line in build.log)
-    )  # each step and its time (pytest -rP)
+    # each step and its time (pytest -rP)
+    print("\n".join(line.splitlines()[0] for line in build.log))
     assert [line for line in build.log if line.startswith("skipped")] == [
         "skipped: " + next(i.args for i in _ops("base", "RUN") if i.args.startswith("apt-get"))[:60]
     ]

@@ -1,4 +1,6 @@
-"""Bad input gets a precise ValueError naming the field, and the engine goes on serving everybody else."""
+"""Bad input gets a precise ValueError naming the field, and the engine goes on serving everybody
+else."""
+
 from __future__ import annotations
 
 import asyncio
@@ -49,16 +51,32 @@ def test_prompt_over_max_model_len_fails_alone(llm):
     with pytest.raises(ValueError, match=r"max_model_len"):
         llm.generate(["Hello there", list(range(100, 180))], GREEDY)
     stats = llm.stats()
-    assert stats.num_running == 0 and stats.num_waiting == 0 and stats.num_free_blocks == stats.num_kv_blocks
+    assert (
+        stats.num_running == 0
+        and stats.num_waiting == 0
+        and stats.num_free_blocks == stats.num_kv_blocks
+    )
     assert llm.generate(["Hello there"], GREEDY)[0].outputs[0].token_ids == good
 
 
 def test_prompt_larger_than_the_whole_cache_is_refused(smollm2_dir):
-    eng = LLM(model=smollm2_dir, dtype="float32", device="cpu", max_model_len=512, block_size=16, num_kv_blocks=4)
-    with pytest.raises(ValueError, match=r"prompt: 70 tokens need 5 KV blocks but the whole cache has 4"):
+    eng = LLM(
+        model=smollm2_dir,
+        dtype="float32",
+        device="cpu",
+        max_model_len=512,
+        block_size=16,
+        num_kv_blocks=4,
+    )
+    with pytest.raises(
+        ValueError, match=r"prompt: 70 tokens need 5 KV blocks but the whole cache has 4"
+    ):
         eng.generate([list(range(100, 170))], GREEDY)
-    out = eng.generate([list(range(100, 150))], SamplingParams(temperature=0.0, ignore_eos=True))[0].outputs[0]
-    assert out.finish_reason == "length" and len(out.token_ids) == 64 - 50  # the cache is the context limit
+    out = eng.generate([list(range(100, 150))], SamplingParams(temperature=0.0, ignore_eos=True))[
+        0
+    ].outputs[0]
+    # the cache is the context limit
+    assert out.finish_reason == "length" and len(out.token_ids) == 64 - 50
 
 
 def _copy_model(src: str, dst, edit_config=None, drop_tensor: str | None = None) -> str:
@@ -77,8 +95,15 @@ def _copy_model(src: str, dst, edit_config=None, drop_tensor: str | None = None)
 
 
 def test_unknown_architecture_is_refused_with_the_supported_list(smollm2_dir, tmp_path):
-    bad = _copy_model(smollm2_dir, tmp_path / "m", edit_config=lambda c: c.update(architectures=["GPT2LMHeadModel"]))
-    with pytest.raises(ValueError, match=r"unsupported architecture.*GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+    bad = _copy_model(
+        smollm2_dir,
+        tmp_path / "m",
+        edit_config=lambda c: c.update(architectures=["GPT2LMHeadModel"]),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"unsupported architecture.*GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM",
+    ):
         LLM(model=bad, device="cpu")
 
 
@@ -89,8 +114,11 @@ def test_missing_weight_is_named(smollm2_dir, tmp_path):
 
 
 async def test_async_bad_requests_fail_alone(smollm2_dir):
-    engine = AsyncLLM(model=smollm2_dir, dtype="float32", device="cpu", max_model_len=64, num_kv_blocks=32)
+    engine = AsyncLLM(
+        model=smollm2_dir, dtype="float32", device="cpu", max_model_len=64, num_kv_blocks=32
+    )
     try:
+
         async def run(rid, prompt, params):
             out = None
             async for out in engine.generate(rid, prompt, params):
@@ -108,7 +136,9 @@ async def test_async_bad_requests_fail_alone(smollm2_dir):
         assert isinstance(results[1], ValueError) and "max_model_len" in str(results[1])
         assert results[2].finished and len(results[2].outputs[0].token_ids) == 6
         assert isinstance(results[3], ValueError) and "prompt_token_ids" in str(results[3])
-        gen = engine.generate("dup", "a", SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+        gen = engine.generate(
+            "dup", "a", SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+        )
         await gen.__anext__()
         with pytest.raises(ValueError, match="request_id: 'dup' is already in use"):
             await engine.generate("dup", "b", GREEDY).__anext__()

@@ -1,7 +1,9 @@
-"""The engine on a real model (SmolLM2-135M-Instruct, float32, CPU) against HF transformers' own generate.
+"""The engine on a real model (SmolLM2-135M-Instruct, float32, CPU) against HF transformers' own
+generate.
 
 Greedy tokens must be identical alone and batched, under preemption, with prefix caching on and off.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -15,7 +17,8 @@ PROMPTS = [
     "1, 2, 3, 4,",
     "def fibonacci(n):",
     "Q: What is the boiling point of water in Celsius?\nA:",
-    "Once upon a time, in a small village at the edge of a dark forest, there lived an old woodcutter who",
+    "Once upon a time, in a small village at the edge of a dark forest, "
+    "there lived an old woodcutter who",
     "Translate to French: I would like a cup of coffee, please.",
     "List three primary colors:",
     "The quick brown fox jumps over the lazy dog. " * 6 + "Then the fox",
@@ -42,10 +45,13 @@ def hf_greedy(hf, ids: list[int], max_new: int = MAX_NEW) -> list[int]:
     model, tok = hf
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=max_new,
-            do_sample=False, pad_token_id=tok.pad_token_id,
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=max_new,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
         )
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
@@ -85,9 +91,22 @@ CONVERSATIONS = [
         {"role": "user", "content": "Tell me a fun fact about owls."},
     ],
     [{"role": "user", "content": "Hi"}],
-    [{"role": "user", "content": "Write one sentence about the moon, please. Keep it short and simple."}],
-    [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "What color is the sky?"}],
-    [{"role": "user", "content": "List three animals that live in the ocean and one fact about each of them."}],
+    [
+        {
+            "role": "user",
+            "content": "Write one sentence about the moon, please. Keep it short and simple.",
+        }
+    ],
+    [
+        {"role": "system", "content": "Answer in French."},
+        {"role": "user", "content": "What color is the sky?"},
+    ],
+    [
+        {
+            "role": "user",
+            "content": "List three animals that live in the ocean and one fact about each of them.",
+        }
+    ],
     [{"role": "user", "content": "Translate 'good night' into Spanish."}],
 ]
 
@@ -106,13 +125,23 @@ def test_chat_matches_hf_alone_and_batched(llm, hf):
 
 def test_continuous_batching_under_preemption_equals_alone(smollm2_dir, llm):
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(100, 40000, (int(n),), generator=g).tolist() for n in torch.randint(4, 90, (64,), generator=g)]
+    prompts = [
+        torch.randint(100, 40000, (int(n),), generator=g).tolist()
+        for n in torch.randint(4, 90, (64,), generator=g)
+    ]
     max_tokens = [int(n) for n in torch.randint(1, 16, (64,), generator=g)]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     alone = [llm.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
     small = LLM(
-        model=smollm2_dir, dtype="float32", device="cpu", max_model_len=512, block_size=16, num_kv_blocks=24,
-        max_num_seqs=32, max_num_batched_tokens=128, seed=0,
+        model=smollm2_dir,
+        dtype="float32",
+        device="cpu",
+        max_model_len=512,
+        block_size=16,
+        num_kv_blocks=24,
+        max_num_seqs=32,
+        max_num_batched_tokens=128,
+        seed=0,
     )
     outs = small.generate(prompts, params)
     stats = small.stats()
@@ -132,26 +161,44 @@ def test_prefix_cache_reuses_three_blocks_with_the_same_output(smollm2_dir, llm)
     out = llm.generate([second], p)[0]
     assert llm.stats().prefix_cache_hit_tokens - before == 3 * block
     assert out.num_cached_tokens == 3 * block
-    plain = LLM(model=smollm2_dir, dtype="float32", device="cpu", max_model_len=512, enable_prefix_caching=False)
+    plain = LLM(
+        model=smollm2_dir,
+        dtype="float32",
+        device="cpu",
+        max_model_len=512,
+        enable_prefix_caching=False,
+    )
     ref = plain.generate([second], p)[0]
     assert plain.stats().prefix_cache_hit_tokens == 0
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
 
 
 def test_seeded_request_is_the_same_alone_and_in_a_busy_batch(llm):
-    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
+    seeded = SamplingParams(
+        temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=16, ignore_eos=True
+    )
     alone = llm.generate(["Tell me a story about a robot."], seeded)[0].outputs[0].token_ids
     busy_params = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)] * 6 + [seeded]
-    busy_prompts = [f"Random prompt number {i}, with some padding words." * (i + 1) for i in range(6)]
+    busy_prompts = [
+        f"Random prompt number {i}, with some padding words." * (i + 1) for i in range(6)
+    ]
     busy = llm.generate(busy_prompts + ["Tell me a story about a robot."], busy_params)
     assert busy[-1].outputs[0].token_ids == alone
-    other = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=4321, max_tokens=16, ignore_eos=True)
+    other = SamplingParams(
+        temperature=0.9, top_p=0.95, top_k=50, seed=4321, max_tokens=16, ignore_eos=True
+    )
     assert llm.generate(["Tell me a story about a robot."], other)[0].outputs[0].token_ids != alone
 
 
 def test_n_samples_share_the_prompt_blocks(smollm2_dir):
-    eng = LLM(model=smollm2_dir, dtype="float32", device="cpu", max_model_len=512, num_kv_blocks=64,
-              enable_prefix_caching=False)
+    eng = LLM(
+        model=smollm2_dir,
+        dtype="float32",
+        device="cpu",
+        max_model_len=512,
+        num_kv_blocks=64,
+        enable_prefix_caching=False,
+    )
     prompt = list(range(2000, 2000 + 64))  # 4 blocks of 16
     p = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=4, ignore_eos=True)
     out = eng.generate([prompt], p)[0]
@@ -160,14 +207,18 @@ def test_n_samples_share_the_prompt_blocks(smollm2_dir):
     # 4 separate copies would need 4 x 5 blocks; shared prompt blocks need 4 + 4 x 2 at most
     assert eng.stats().peak_used_blocks <= 4 + 4 * 2
     # sample i with seed s is the same as a single sample with seed s + i
-    single = eng.generate([prompt], SamplingParams(temperature=1.0, seed=8, max_tokens=4, ignore_eos=True))[0]
+    single = eng.generate(
+        [prompt], SamplingParams(temperature=1.0, seed=8, max_tokens=4, ignore_eos=True)
+    )[0]
     assert single.outputs[0].token_ids == out.outputs[1].token_ids
 
 
 def test_logprobs_match_hf(llm, hf):
     model, tok = hf
     ids = tok("The capital of France is")["input_ids"]
-    out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=5, logprobs=5, prompt_logprobs=3))[0]
+    out = llm.generate(
+        [ids], SamplingParams(temperature=0.0, max_tokens=5, logprobs=5, prompt_logprobs=3)
+    )[0]
     full = ids + out.outputs[0].token_ids
     with torch.no_grad():
         ref = torch.log_softmax(model(torch.tensor([full])).logits[0].float(), dim=-1)
@@ -184,33 +235,53 @@ def test_logprobs_match_hf(llm, hf):
         lp = out.prompt_logprobs[i][ids[i]]
         assert abs(lp.logprob - ref[i - 1, ids[i]].item()) < 1e-4
         assert lp.rank == 1 + int((ref[i - 1] > ref[i - 1, ids[i]]).sum())
-    assert abs(out.outputs[0].cumulative_logprob - sum(p[t].logprob for p, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids))) < 1e-5
+    assert (
+        abs(
+            out.outputs[0].cumulative_logprob
+            - sum(p[t].logprob for p, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids))
+        )
+        < 1e-5
+    )
 
 
 def test_stop_rules(llm, hf):
     _, tok = hf
-    base = llm.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+    base = llm.generate(
+        ["1, 2, 3, 4,"], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    )[0].outputs[0]
     text = base.text
     assert " 6" in text
-    stop = llm.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0.0, max_tokens=20, stop=[" 6"]))[0].outputs[0]
+    stop = llm.generate(
+        ["1, 2, 3, 4,"], SamplingParams(temperature=0.0, max_tokens=20, stop=[" 6"])
+    )[0].outputs[0]
     assert stop.finish_reason == "stop" and stop.stop_reason == " 6"
     assert stop.text == text[: text.index(" 6")]
-    incl = llm.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0.0, max_tokens=20, stop=[" 6"],
-                                                      include_stop_str_in_output=True))[0].outputs[0]
+    incl = llm.generate(
+        ["1, 2, 3, 4,"],
+        SamplingParams(
+            temperature=0.0, max_tokens=20, stop=[" 6"], include_stop_str_in_output=True
+        ),
+    )[0].outputs[0]
     assert incl.text == text[: text.index(" 6") + 2]
     stop_id = base.token_ids[2]
-    by_id = llm.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_id]))[0]
+    by_id = llm.generate(
+        ["1, 2, 3, 4,"], SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_id])
+    )[0]
     assert by_id.outputs[0].token_ids == base.token_ids[:3]
     assert by_id.outputs[0].stop_reason == stop_id
     # min_tokens holds the stop token back
-    held = llm.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_id],
-                                                      min_tokens=5))[0].outputs[0]
+    held = llm.generate(
+        ["1, 2, 3, 4,"],
+        SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_id], min_tokens=5),
+    )[0].outputs[0]
     assert len(held.token_ids) >= 5 and stop_id not in held.token_ids[:5]
 
 
 def test_max_tokens_none_runs_to_eos_or_the_context_limit(smollm2_dir):
     eng = LLM(model=smollm2_dir, dtype="float32", device="cpu", max_model_len=40)
-    out = eng.generate([list(range(3000, 3030))], SamplingParams(temperature=0.0, ignore_eos=True))[0]
+    out = eng.generate([list(range(3000, 3030))], SamplingParams(temperature=0.0, ignore_eos=True))[
+        0
+    ]
     assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 40
     assert out.outputs[0].finish_reason == "length"
     chat = eng.generate(["Hi"], SamplingParams(temperature=0.0))[0].outputs[0]

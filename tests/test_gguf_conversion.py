@@ -45,9 +45,8 @@ def test_every_tensor_equals_transformers_conversion(smollm2_dir, transformers_r
     ours = load_file(os.path.join(smollm2_dir, "model.safetensors"))
     reference = model.state_dict()
     assert model.config.tie_word_embeddings
-    assert set(ours) == set(reference) - {
-        "lm_head.weight"
-    }  # tied: the embedding is the output projection
+    # tied: the embedding is the output projection
+    assert set(ours) == set(reference) - {"lm_head.weight"}
     for name, tensor in reference.items():
         mine = ours.get(
             name, ours["model.embed_tokens.weight"] if name == "lm_head.weight" else None

@@ -1,8 +1,7 @@
 """Decode graphs captured off the step loop (GPU): once the worker's warm-up has loaded the kernel
-set, a step
-whose batch size has no graph yet replays a larger captured graph or runs eagerly while another
-thread captures
-its size; the tokens are those of graphs captured inline and of eager decoding.
+set, a step whose batch size has no graph yet replays a larger captured graph or runs eagerly while
+another thread captures its size; the tokens are those of graphs captured inline and of eager
+decoding.
 """
 
 from __future__ import annotations
@@ -65,9 +64,8 @@ def test_background_capture_gives_the_tokens_of_inline_capture_and_eager(tmp_pat
     warm = warm_kernels(llm, "jit")
     assert warm.loaded.wait(600)
     graphs = llm.engine.runner.graphs
-    assert (
-        graphs.background and graphs.graphs == {}
-    )  # nothing captured yet, nothing captured inline
+    # nothing captured yet, nothing captured inline
+    assert graphs.background and graphs.graphs == {}
     tokens["background"] = [
         [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:n], GREEDY)] for n in (1, 3, 8)
     ]
@@ -86,13 +84,13 @@ def test_a_step_without_its_graph_replays_a_larger_one_and_queues_its_size(tmp_p
     llm = _llm(model_dir)
     graphs = llm.engine.runner.graphs
     graphs.capture([8])
-    graphs.prepare_size = lambda size: (
-        None
-    )  # the tiny model's kernels are loaded by the capture above
+    # the tiny model's kernels are loaded by the capture above
+    graphs.prepare_size = lambda size: None
     graphs.background = True
     replays = []
     original = graphs.graphs[8].replay
-    graphs.graphs[8].replay = lambda: (replays.append(8), original())[1]
+    # (noqa: pyflakes reads the lambda after the `del` below; it only runs before it)
+    graphs.graphs[8].replay = lambda: (replays.append(8), original())[1]  # noqa: F821
     expected = [o.outputs[0].token_ids for o in _outputs(llm, 3)]
     assert replays, "batch 3 ran from the graph of 8 while 4 was captured"
     _wait_captured(graphs, [4])

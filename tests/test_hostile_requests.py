@@ -1,9 +1,10 @@
-"""Malformed and hostile requests against one `python -m handler serve` process: each gets a precise OpenAI-shaped
-4xx naming the field at fault, and a normal request right after it still succeeds. Also the
-connection itself: header and request-line limits, nesting at several depths, slow and vanishing
-clients (timed out, or let go with one info line), no redirect built from the Host header; and
-nothing a client does leaves a traceback in the log.
+"""Malformed and hostile requests against one `python -m handler serve` process: each gets a precise
+OpenAI-shaped 4xx naming the field at fault, and a normal request right after it still succeeds.
+Also the connection itself: header and request-line limits, nesting at several depths, slow and
+vanishing clients (timed out, or let go with one info line), no redirect built from the Host header;
+and nothing a client does leaves a traceback in the log.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,91 +35,370 @@ def completion(**fields):
 
 
 C, P = "/v1/chat/completions", "/v1/completions"
-# (case id, method, path, body: a dict sent as JSON or raw bytes, status, param, words the message must contain)
+# (case id, method, path, body: a dict sent as JSON or raw bytes, status, param, words the message
+# must contain)
 CASES = [
     ("missing messages", "POST", C, {"max_tokens": 2}, 400, "messages", ["messages", "required"]),
     ("messages not a list", "POST", C, {"messages": "hi"}, 400, "messages", ["messages", "list"]),
     ("empty messages", "POST", C, {"messages": []}, 400, "messages", ["messages", "at least 1"]),
-    ("message without role", "POST", C, {"messages": [{"content": "hi"}]}, 400, "messages[0].role", ["required"]),
-    ("unknown role", "POST", C, {"messages": [{"role": "bot", "content": "hi"}]}, 400, "messages[0].role",
-     ["'user'"]),
-    ("content a number", "POST", C, {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content",
-     ["string", "text parts", "int"]),
-    ("image content part", "POST", C, {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages[0].content[0]",
-     ["image_url", "not supported"]),
+    (
+        "message without role",
+        "POST",
+        C,
+        {"messages": [{"content": "hi"}]},
+        400,
+        "messages[0].role",
+        ["required"],
+    ),
+    (
+        "unknown role",
+        "POST",
+        C,
+        {"messages": [{"role": "bot", "content": "hi"}]},
+        400,
+        "messages[0].role",
+        ["'user'"],
+    ),
+    (
+        "content a number",
+        "POST",
+        C,
+        {"messages": [{"role": "user", "content": 5}]},
+        400,
+        "messages[0].content",
+        ["string", "text parts", "int"],
+    ),
+    (
+        "image content part",
+        "POST",
+        C,
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+                }
+            ]
+        },
+        400,
+        "messages[0].content[0]",
+        ["image_url", "not supported"],
+    ),
     ("max_tokens a string", "POST", C, chat(max_tokens="5"), 400, "max_tokens", ["integer", "str"]),
-    ("max_tokens negative", "POST", C, chat(max_tokens=-1), 400, "max_tokens", ["greater than or equal to 1"]),
-    ("max_tokens huge", "POST", P, completion(max_tokens=10**12), 400, "max_tokens", ["less than or equal"]),
-    ("max_tokens over the context", "POST", P, completion(max_tokens=100_000), 400, "max_tokens",
-     ["100000", str(MAX_MODEL_LEN)]),
-    ("max_completion_tokens over the context", "POST", C, {"messages": HI, "max_completion_tokens": 5000}, 400,
-     "max_completion_tokens", ["5000", str(MAX_MODEL_LEN)]),
+    (
+        "max_tokens negative",
+        "POST",
+        C,
+        chat(max_tokens=-1),
+        400,
+        "max_tokens",
+        ["greater than or equal to 1"],
+    ),
+    (
+        "max_tokens huge",
+        "POST",
+        P,
+        completion(max_tokens=10**12),
+        400,
+        "max_tokens",
+        ["less than or equal"],
+    ),
+    (
+        "max_tokens over the context",
+        "POST",
+        P,
+        completion(max_tokens=100_000),
+        400,
+        "max_tokens",
+        ["100000", str(MAX_MODEL_LEN)],
+    ),
+    (
+        "max_completion_tokens over the context",
+        "POST",
+        C,
+        {"messages": HI, "max_completion_tokens": 5000},
+        400,
+        "max_completion_tokens",
+        ["5000", str(MAX_MODEL_LEN)],
+    ),
     ("n zero", "POST", C, chat(n=0), 400, "n", ["greater than or equal to 1"]),
     ("n huge", "POST", P, completion(n=100_000), 400, "n", ["less than or equal to 128"]),
-    ("temperature negative", "POST", C, chat(temperature=-1), 400, "temperature", ["greater than or equal to 0"]),
-    ("temperature a string", "POST", C, chat(temperature="hot"), 400, "temperature", ["number", "str"]),
+    (
+        "temperature negative",
+        "POST",
+        C,
+        chat(temperature=-1),
+        400,
+        "temperature",
+        ["greater than or equal to 0"],
+    ),
+    (
+        "temperature a string",
+        "POST",
+        C,
+        chat(temperature="hot"),
+        400,
+        "temperature",
+        ["number", "str"],
+    ),
     ("top_p zero", "POST", P, completion(top_p=0), 400, "top_p", ["greater than 0"]),
-    ("top_k below -1", "POST", P, completion(top_k=-5), 400, "top_k", ["greater than or equal to -1"]),
-    ("presence_penalty out of range", "POST", C, chat(presence_penalty=5), 400, "presence_penalty", ["2"]),
-    ("stop list of 10,000 strings", "POST", C, chat(stop=[f"s{i}" for i in range(10_000)]), 400, "stop",
-     ["at most 64", "10000"]),
+    (
+        "top_k below -1",
+        "POST",
+        P,
+        completion(top_k=-5),
+        400,
+        "top_k",
+        ["greater than or equal to -1"],
+    ),
+    (
+        "presence_penalty out of range",
+        "POST",
+        C,
+        chat(presence_penalty=5),
+        400,
+        "presence_penalty",
+        ["2"],
+    ),
+    (
+        "stop list of 10,000 strings",
+        "POST",
+        C,
+        chat(stop=[f"s{i}" for i in range(10_000)]),
+        400,
+        "stop",
+        ["at most 64", "10000"],
+    ),
     ("stop a number", "POST", P, completion(stop=7), 400, "stop", ["string", "list"]),
     ("stop string too long", "POST", P, completion(stop="x" * 5000), 400, "stop", ["1024"]),
     ("seed a string", "POST", P, completion(seed="abc"), 400, "seed", ["integer"]),
     ("stream not a bool", "POST", C, chat(stream="yes"), 400, "stream", ["boolean"]),
-    ("stream_options without stream", "POST", C, chat(stream_options={"include_usage": True}), 400,
-     "stream_options", ["stream"]),
-    ("min_tokens over max_tokens", "POST", P, completion(min_tokens=5, max_tokens=2), 400, "min_tokens",
-     ["max_tokens", "5"]),
-    ("top_logprobs too many", "POST", C, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs", ["20"]),
+    (
+        "stream_options without stream",
+        "POST",
+        C,
+        chat(stream_options={"include_usage": True}),
+        400,
+        "stream_options",
+        ["stream"],
+    ),
+    (
+        "min_tokens over max_tokens",
+        "POST",
+        P,
+        completion(min_tokens=5, max_tokens=2),
+        400,
+        "min_tokens",
+        ["max_tokens", "5"],
+    ),
+    (
+        "top_logprobs too many",
+        "POST",
+        C,
+        chat(logprobs=True, top_logprobs=50),
+        400,
+        "top_logprobs",
+        ["20"],
+    ),
     ("completion logprobs too many", "POST", P, completion(logprobs=100), 400, "logprobs", ["20"]),
-    ("json response_format", "POST", C, chat(response_format={"type": "json_object"}), 400, "response_format",
-     ["json_object", "not supported"]),
-    ("guided_json", "POST", C, chat(guided_json={"type": "object"}), 400, "guided_json", ["not supported"]),
-    ("logit_bias", "POST", P, completion(logit_bias={"50256": -100}), 400, "logit_bias", ["not supported"]),
+    (
+        "json response_format",
+        "POST",
+        C,
+        chat(response_format={"type": "json_object"}),
+        400,
+        "response_format",
+        ["json_object", "not supported"],
+    ),
+    (
+        "guided_json",
+        "POST",
+        C,
+        chat(guided_json={"type": "object"}),
+        400,
+        "guided_json",
+        ["not supported"],
+    ),
+    (
+        "logit_bias",
+        "POST",
+        P,
+        completion(logit_bias={"50256": -100}),
+        400,
+        "logit_bias",
+        ["not supported"],
+    ),
     ("unknown model", "POST", C, chat(model="gpt-4o"), 404, "model", ["gpt-4o", "smollm2-hostile"]),
-    ("unknown route", "POST", "/v1/engines/davinci/completions", completion(), 404, None, ["/v1/completions"]),
+    (
+        "unknown route",
+        "POST",
+        "/v1/engines/davinci/completions",
+        completion(),
+        404,
+        None,
+        ["/v1/completions"],
+    ),
     ("wrong method", "GET", C, None, 405, None, ["GET"]),
-    ("10 MB prompt", "POST", P, completion(prompt="a" * (10 << 20)), 400, "prompt",
-     [str(10 << 20), str(MAX_MODEL_LEN)]),
-    ("prompt over the context", "POST", P, completion(prompt="hello " * 600), 400, "prompt",
-     ["tokens exceed the context limit", str(MAX_MODEL_LEN)]),
-    ("messages over the context", "POST", C, {"messages": [{"role": "user", "content": "hello " * 600}]}, 400,
-     "messages", [str(MAX_MODEL_LEN)]),
+    (
+        "10 MB prompt",
+        "POST",
+        P,
+        completion(prompt="a" * (10 << 20)),
+        400,
+        "prompt",
+        [str(10 << 20), str(MAX_MODEL_LEN)],
+    ),
+    (
+        "prompt over the context",
+        "POST",
+        P,
+        completion(prompt="hello " * 600),
+        400,
+        "prompt",
+        ["tokens exceed the context limit", str(MAX_MODEL_LEN)],
+    ),
+    (
+        "messages over the context",
+        "POST",
+        C,
+        {"messages": [{"role": "user", "content": "hello " * 600}]},
+        400,
+        "messages",
+        [str(MAX_MODEL_LEN)],
+    ),
     ("empty prompt", "POST", P, completion(prompt=""), 400, "prompt", ["empty"]),
-    ("token id out of vocabulary", "POST", P, completion(prompt=[1, 2, 10**9]), 400, "prompt",
-     ["1000000000", "49152"]),
+    (
+        "token id out of vocabulary",
+        "POST",
+        P,
+        completion(prompt=[1, 2, 10**9]),
+        400,
+        "prompt",
+        ["1000000000", "49152"],
+    ),
     ("prompt list of mixed types", "POST", P, completion(prompt=["a", 1]), 400, "prompt", ["list"]),
     ("prompt missing", "POST", P, {"max_tokens": 2}, 400, "prompt", ["required"]),
-    ("too many choices", "POST", P, completion(prompt=["hi"] * 20, n=100), 400, "n", ["2000", "1024"]),
-    ("lone surrogate", "POST", P, b'{"prompt": "a\\ud800b", "max_tokens": 2}', 400, "prompt", ["surrogate"]),
-    ("chat template path smuggled", "POST", C, chat(chat_template_kwargs={"chat_template": "/etc/passwd"}), 400,
-     "chat_template_kwargs", ["chat_template"]),
+    (
+        "too many choices",
+        "POST",
+        P,
+        completion(prompt=["hi"] * 20, n=100),
+        400,
+        "n",
+        ["2000", "1024"],
+    ),
+    (
+        "lone surrogate",
+        "POST",
+        P,
+        b'{"prompt": "a\\ud800b", "max_tokens": 2}',
+        400,
+        "prompt",
+        ["surrogate"],
+    ),
+    (
+        "chat template path smuggled",
+        "POST",
+        C,
+        chat(chat_template_kwargs={"chat_template": "/etc/passwd"}),
+        400,
+        "chat_template_kwargs",
+        ["chat_template"],
+    ),
     ("echo with logprobs", "POST", P, completion(echo=True, logprobs=1), 400, "echo", ["logprobs"]),
-    ("body over the size limit", "POST", P, b'{"prompt": "' + b"a" * (MAX_REQUEST_BYTES + 10) + b'"}', 413, "body",
-     [str(MAX_REQUEST_BYTES)]),
-    ("invalid UTF-8", "POST", P, b'{"prompt": "\xff\xfe", "max_tokens": 2}', 400, "body", ["UTF-8", "byte 12"]),
-    ("invalid JSON", "POST", P, b'{"prompt": "hi", max_tokens: 2}', 400, "body", ["JSON", "line 1"]),
+    (
+        "body over the size limit",
+        "POST",
+        P,
+        b'{"prompt": "' + b"a" * (MAX_REQUEST_BYTES + 10) + b'"}',
+        413,
+        "body",
+        [str(MAX_REQUEST_BYTES)],
+    ),
+    (
+        "invalid UTF-8",
+        "POST",
+        P,
+        b'{"prompt": "\xff\xfe", "max_tokens": 2}',
+        400,
+        "body",
+        ["UTF-8", "byte 12"],
+    ),
+    (
+        "invalid JSON",
+        "POST",
+        P,
+        b'{"prompt": "hi", max_tokens: 2}',
+        400,
+        "body",
+        ["JSON", "line 1"],
+    ),
     ("NaN in JSON", "POST", P, b'{"prompt": "hi", "temperature": NaN}', 400, "body", ["NaN"]),
     ("empty body", "POST", C, b"", 400, "body", ["empty"]),
     ("body a JSON array", "POST", C, b"[1, 2, 3]", 400, "body", ["object", "list"]),
-    ("JSON nested 100,000 deep", "POST", C, b"[" * 100_000 + b"]" * 100_000, 400, "body",
-     ["nested deeper", str(MAX_JSON_DEPTH)]),
-    ("lone surrogate in a message", "POST", C,
-     b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udc00"}]}]}',
-     400, "messages[0].content", ["surrogate"]),
-    ("repetition_penalty 1e-300", "POST", C, chat(repetition_penalty=1e-300), 400,
-     "repetition_penalty", ["greater than or equal to 0.01"]),
-    ("tools", "POST", C, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400,
-     "tools", ["tool calls are not supported"]),
-    ("tool_choice required", "POST", C, chat(tool_choice="required"), 400, "tool_choice",
-     ["'none'"]),
-    ("a tool result message", "POST", C,
-     {"messages": [*HI, {"role": "tool", "content": "4", "tool_call_id": "c"}]}, 400,
-     "messages[1].role", ["'tool'"]),
-    ("request target over the limit", "GET", "/v1/models?" + "q" * MAX_REQUEST_LINE_BYTES, None,
-     414, None, [str(MAX_REQUEST_LINE_BYTES)]),
+    (
+        "JSON nested 100,000 deep",
+        "POST",
+        C,
+        b"[" * 100_000 + b"]" * 100_000,
+        400,
+        "body",
+        ["nested deeper", str(MAX_JSON_DEPTH)],
+    ),
+    (
+        "lone surrogate in a message",
+        "POST",
+        C,
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udc00"}]}]}',
+        400,
+        "messages[0].content",
+        ["surrogate"],
+    ),
+    (
+        "repetition_penalty 1e-300",
+        "POST",
+        C,
+        chat(repetition_penalty=1e-300),
+        400,
+        "repetition_penalty",
+        ["greater than or equal to 0.01"],
+    ),
+    (
+        "tools",
+        "POST",
+        C,
+        chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+        400,
+        "tools",
+        ["tool calls are not supported"],
+    ),
+    (
+        "tool_choice required",
+        "POST",
+        C,
+        chat(tool_choice="required"),
+        400,
+        "tool_choice",
+        ["'none'"],
+    ),
+    (
+        "a tool result message",
+        "POST",
+        C,
+        {"messages": [*HI, {"role": "tool", "content": "4", "tool_call_id": "c"}]},
+        400,
+        "messages[1].role",
+        ["'tool'"],
+    ),
+    (
+        "request target over the limit",
+        "GET",
+        "/v1/models?" + "q" * MAX_REQUEST_LINE_BYTES,
+        None,
+        414,
+        None,
+        [str(MAX_REQUEST_LINE_BYTES)],
+    ),
 ]
 
 
@@ -127,8 +407,12 @@ CASES = [
 _DEEP = "__deep__"
 _DEEP_MESSAGE = {"role": "user", "content": "hi", "meta": _DEEP}
 NESTING_SPOTS = {
-    "chat_template_kwargs": (chat(chat_template_kwargs={"deep": _DEEP}), 2,
-                             "chat_template_kwargs", 200),
+    "chat_template_kwargs": (
+        chat(chat_template_kwargs={"deep": _DEEP}),
+        2,
+        "chat_template_kwargs",
+        200,
+    ),
     "extra message field": ({"messages": [_DEEP_MESSAGE], "max_tokens": 2}, 3, "messages", 200),
     # refused anyway, but for its depth only past the limit
     "tools": (chat(tools=[_DEEP]), 2, "tools", 400),
@@ -137,11 +421,18 @@ NESTING_SPOTS = {
 
 @pytest.fixture(scope="module")
 def server(smollm2_dir):
-    proc = ServeProcess({"MODEL_NAME": smollm2_dir, "OPENAI_SERVED_MODEL_NAME_OVERRIDE": "smollm2-hostile",
-                         "MAX_MODEL_LEN": str(MAX_MODEL_LEN), "DEVICE": "cpu", "LOG_LEVEL": "INFO",
-                         "MAX_REQUEST_BYTES": str(MAX_REQUEST_BYTES),
-                         "HTTP_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
-                         "HTTP_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S)})
+    proc = ServeProcess(
+        {
+            "MODEL_NAME": smollm2_dir,
+            "OPENAI_SERVED_MODEL_NAME_OVERRIDE": "smollm2-hostile",
+            "MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+            "DEVICE": "cpu",
+            "LOG_LEVEL": "INFO",
+            "MAX_REQUEST_BYTES": str(MAX_REQUEST_BYTES),
+            "HTTP_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
+            "HTTP_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S),
+        }
+    )
     yield proc
     assert proc.stop() == 0, proc.output()  # SIGTERM on an idle server: a clean drain
 
@@ -160,7 +451,9 @@ def test_there_are_at_least_30_cases():
 def test_hostile_request_gets_a_precise_error_and_the_server_lives_on(http, case):
     _, method, path, body, status, param, words = case
     if isinstance(body, bytes) or body is None:
-        resp = http.request(method, path, content=body, headers={"Content-Type": "application/json"})
+        resp = http.request(
+            method, path, content=body, headers={"Content-Type": "application/json"}
+        )
     else:
         resp = http.request(method, path, json=body)
     assert resp.status_code == status, resp.text[:500]
@@ -179,7 +472,8 @@ def test_hostile_request_gets_a_precise_error_and_the_server_lives_on(http, case
 
 
 def test_an_error_mid_stream_request_does_not_leak(http):
-    """A streaming request refused before its first chunk is a plain 4xx, not a broken event stream."""
+    """A streaming request refused before its first chunk is a plain 4xx, not a broken event
+    stream."""
     resp = http.post(P, json=completion(stream=True, max_tokens=100_000))
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens"
     health = http.get("/health")
@@ -205,8 +499,10 @@ def test_nesting_at_several_depths(http, spot, depth):
         return
     assert resp.status_code == 400, resp.text[:300]
     assert error["param"] in ((field,) if levels < 900 else (field, "body")), error
-    assert error["message"] == (f"{error['param']}: objects and lists nested deeper than the limit "
-                                f"of {MAX_JSON_DEPTH} levels")
+    assert error["message"] == (
+        f"{error['param']}: objects and lists nested deeper than the limit "
+        f"of {MAX_JSON_DEPTH} levels"
+    )
 
 
 def _raw(server, data: bytes, timeout: float = 30) -> socket.socket:
@@ -315,8 +611,9 @@ def test_clients_that_vanish_mid_request_are_let_go_quietly(http, server):
     time.sleep(0.2)  # the server has read the headers and waits for the body
     reset.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     reset.close()  # an RST
-    story = json.dumps({"prompt": "Tell me a story", "max_tokens": 200, "stream": True,
-                        "ignore_eos": True}).encode()
+    story = json.dumps(
+        {"prompt": "Tell me a story", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    ).encode()
     streaming = _raw(server, _head(length=len(story)) + story)
     assert streaming.recv(100).startswith(b"HTTP/1.1 200")
     streaming.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -326,9 +623,12 @@ def test_clients_that_vanish_mid_request_are_let_go_quietly(http, server):
 
 
 def test_a_trailing_slash_is_answered_never_redirected_to_the_host_header(http):
-    for method, path, body in (("POST", P + "/", completion()),
-                               ("POST", "/openai" + C + "/", chat()),
-                               ("GET", "/v1/models/", None), ("GET", "/health/", None)):
+    for method, path, body in (
+        ("POST", P + "/", completion()),
+        ("POST", "/openai" + C + "/", chat()),
+        ("GET", "/v1/models/", None),
+        ("GET", "/health/", None),
+    ):
         resp = http.request(method, path, json=body, headers={"Host": "attacker.example"})
         assert resp.status_code == 200, (path, resp.status_code, resp.text[:200])
         assert "location" not in resp.headers

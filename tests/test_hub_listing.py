@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,8 +20,8 @@ from handler.config import Settings, load_settings
 from handler.engine_boot import EMBEDDED_DIR_NAME
 from handler.hub_listing import HUB_DIR, IMAGE_ENV, LISTING_FILES, env_entries, write_listing
 from handler.jobs import parse_job
-from local_api import local_api, runsync
 from hub_schema import CUDA_VERSIONS, HUB_SCHEMA, TESTS_SCHEMA, gpu_id_errors
+from local_api import local_api, runsync
 
 REPO = Path(__file__).resolve().parent.parent
 HUB = json.loads((REPO / "hub.json").read_text())
@@ -94,6 +95,16 @@ def test_hub_reads_generated_copies_of_the_root_files(tmp_path):
     )
     for path in written:
         assert path.read_text() == (REPO / path.relative_to(tmp_path)).read_text(), path
+
+
+def test_the_generator_command_answers_help_and_refuses_a_directory_without_the_listing(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "handler.hub_listing"]
+    shown = subprocess.run([*command, "--help"], capture_output=True, text=True, env=env)
+    assert shown.returncode == 0 and "REPO" in shown.stdout, shown.stderr
+    refused = subprocess.run([*command, str(tmp_path)], capture_output=True, text=True, env=env)
+    assert refused.returncode == 2 and f"{tmp_path} has no hub.json" in refused.stderr
+    assert "Traceback" not in refused.stderr and not (tmp_path / HUB_DIR).exists()
 
 
 def test_the_hub_finds_handler_dockerfile_and_readme():

@@ -1,4 +1,5 @@
 """Unit tests of the block pool and prefix cache (pure bookkeeping, no model)."""
+
 from __future__ import annotations
 
 from engine.kv import KVCacheManager, hash_block
@@ -10,7 +11,14 @@ _ids = iter(range(10**6))
 
 
 def make_seq(tokens: list[int], arrival: int = 0) -> Sequence:
-    req = Request(f"r{arrival}", arrival, None, list(tokens), SamplingParams(temperature=0), RequestMetrics(0.0))
+    req = Request(
+        f"r{arrival}",
+        arrival,
+        None,
+        list(tokens),
+        SamplingParams(temperature=0),
+        RequestMetrics(0.0),
+    )
     seq = Sequence(next(_ids), req, 0, list(tokens), len(tokens), max_total_tokens=10**6)
     req.seqs.append(seq)
     return seq
@@ -113,7 +121,8 @@ def test_allocation_with_cached_blocks_counts_the_tokens_after_them():
     a = make_seq(list(range(13)))  # 3 full blocks + 1
     run_prefill(kv, a)
     kv.free(a)
-    b = make_seq(list(range(12)) + list(range(50, 58)))  # 3 cached blocks, then 8 new tokens: 2 more blocks
+    # 3 cached blocks, then 8 new tokens: 2 more blocks
+    b = make_seq(list(range(12)) + list(range(50, 58)))
     hits = kv.find_cached_prefix(b)
     assert len(hits) == 3
     assert kv.can_allocate(b, 8, hits)  # 5 blocks in all

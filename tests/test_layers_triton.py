@@ -1,8 +1,10 @@
-"""Triton kernels (engine/layers/fused.py, skinny_gemm.py, random_race.py) against transformers' and torch's layers.
+"""Triton kernels (engine/layers/fused.py, skinny_gemm.py, random_race.py) against transformers' and
+torch's layers.
 
-GPU tests check the compiled kernels in bf16/fp16/fp32 on random shapes; one CPU test runs them under Triton's
-interpreter in float32 so CI catches a broken kernel without a GPU.
+GPU tests check the compiled kernels in bf16/fp16/fp32 on random shapes; one CPU test runs them
+under Triton's interpreter in float32 so CI catches a broken kernel without a GPU.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -23,8 +25,11 @@ from engine.layers.rotary import RotaryEmbedding
 
 REPO = Path(__file__).resolve().parent.parent
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-TOL = {torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2), torch.float16: dict(atol=2e-3, rtol=1e-3),
-       torch.float32: dict(atol=1e-5, rtol=1e-5)}
+TOL = {
+    torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2),
+    torch.float16: dict(atol=2e-3, rtol=1e-3),
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+}
 
 
 def hf_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -34,7 +39,8 @@ def hf_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def hf_rope(q: torch.Tensor, k: torch.Tensor, rot: RotaryEmbedding, positions: torch.Tensor):
-    """transformers' rotation ([B, H, T, D] layout, cos/sin over the full head dim) on our cos/sin cache."""
+    """transformers' rotation ([B, H, T, D] layout, cos/sin over the full head dim) on our cos/sin
+    cache."""
     cos = torch.cat([rot.cos[positions]] * 2, dim=-1)[None]
     sin = torch.cat([rot.sin[positions]] * 2, dim=-1)[None]
     qh, kh = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
@@ -73,27 +79,39 @@ def test_silu_and_mul_matches_torch(dtype, rows, inter):
     out = silu_and_mul_fused(x)
     torch.testing.assert_close(out, ref, **TOL[dtype])
     if dtype == torch.bfloat16 and rows:
-        assert (out != ref).float().mean() < 0.01  # rounded where torch rounds: almost every element is exact
+        assert (
+            out != ref
+        ).float().mean() < 0.01  # rounded where torch rounds: almost every element is exact
 
 
-ROPES = [RopeConfig(theta=10000.0), RopeConfig(theta=500.0, rope_type="linear", factor=4.0),
-         RopeConfig(theta=500000.0, rope_type="llama3", factor=32.0, original_max_position_embeddings=8192)]
+ROPES = [
+    RopeConfig(theta=10000.0),
+    RopeConfig(theta=500.0, rope_type="linear", factor=4.0),
+    RopeConfig(
+        theta=500000.0, rope_type="llama3", factor=32.0, original_max_position_embeddings=8192
+    ),
+]
 
 
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rope", ROPES, ids=["default", "linear", "llama3"])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (14, 2, 64), (16, 8, 80), (4, 4, 256)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim", [(32, 8, 128), (14, 2, 64), (16, 8, 80), (4, 4, 256)]
+)
 def test_rope_matches_transformers(dtype, rope, heads, kv_heads, head_dim):
     from engine.layers.fused import rope_fused
 
     tokens = 19
     rot = RotaryEmbedding(head_dim, rope, 16384, dtype, "cuda")
     gen = torch.Generator(device="cuda").manual_seed(heads * head_dim)
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device="cuda", generator=gen).to(dtype)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device="cuda", generator=gen).to(
+        dtype
+    )
     q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)  # strided views, as the model has
+    # strided views, as the model has
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
     positions = torch.randint(0, 16384, (tokens,), device="cuda", generator=gen)
     q_out, k_out = rope_fused(positions, q, k, rot.cos, rot.sin)
     q_ref, k_ref = hf_rope(q, k, rot, positions)
@@ -117,7 +135,9 @@ def test_rope_with_qwen3_qk_norm_matches_transformers():
     for n in norms:
         n.weight.data.copy_(1 + 0.2 * torch.randn(head_dim, device="cuda", generator=gen))
     positions = torch.arange(100, 100 + tokens, device="cuda")
-    q_out, k_out = rope_fused(positions, q, k, rot.cos, rot.sin, norms[0].weight, norms[1].weight, 1e-6)
+    q_out, k_out = rope_fused(
+        positions, q, k, rot.cos, rot.sin, norms[0].weight, norms[1].weight, 1e-6
+    )
     q_ref, k_ref = hf_rope(norms[0](q), norms[1](k), rot, positions)
     torch.testing.assert_close(q_out, q_ref, **TOL[dtype])
     torch.testing.assert_close(k_out, k_ref, **TOL[dtype])
@@ -128,7 +148,8 @@ def test_rope_with_qwen3_qk_norm_matches_transformers():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_rope_into_paged_cache_matches_transformers(dtype, qk_norm):
-    """Rotated k and raw v land at their slots (padding slot -1 writes nothing), q as transformers rotates it."""
+    """Rotated k and raw v land at their slots (padding slot -1 writes nothing), q as transformers
+    rotates it."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
     from engine.attention import kv_cache_shape
@@ -136,10 +157,14 @@ def test_rope_into_paged_cache_matches_transformers(dtype, qk_norm):
     tokens, heads, kv_heads, head_dim, block_size = 9, 16, 4, 128, 16
     rot = RotaryEmbedding(head_dim, ROPES[2], 8192, dtype, "cuda")
     gen = torch.Generator(device="cuda").manual_seed(17)
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device="cuda", generator=gen).to(dtype)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device="cuda", generator=gen).to(
+        dtype
+    )
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k, v = (t.view(tokens, -1, head_dim) for t in (q, k, v))
-    cache = torch.full(kv_cache_shape(1, 12, block_size, kv_heads, head_dim), 7.0, dtype=dtype, device="cuda")[0]
+    cache = torch.full(
+        kv_cache_shape(1, 12, block_size, kv_heads, head_dim), 7.0, dtype=dtype, device="cuda"
+    )[0]
     slots = torch.randperm(12 * block_size, device="cuda", generator=gen)[:tokens]
     slots[4] = -1
     positions = torch.randint(0, 8192, (tokens,), device="cuda", generator=gen)
@@ -153,7 +178,9 @@ def test_rope_into_paged_cache_matches_transformers(dtype, qk_norm):
     assert rot.can_write_cache(q, cache)
     with torch.no_grad():
         q_out = rot.rotate_into_cache(positions, q, k, v, cache, slots, *ours)
-        q_ref, k_ref = hf_rope(norms[0](q) if qk_norm else q, norms[1](k) if qk_norm else k, rot, positions)
+        q_ref, k_ref = hf_rope(
+            norms[0](q) if qk_norm else q, norms[1](k) if qk_norm else k, rot, positions
+        )
     torch.testing.assert_close(q_out, q_ref, **TOL[dtype])
     flat = cache.reshape(2, -1, kv_heads, head_dim)
     real = torch.arange(tokens, device="cuda") != 4
@@ -164,8 +191,15 @@ def test_rope_into_paged_cache_matches_transformers(dtype, qk_norm):
     assert bool((flat[:, untouched] == 7.0).all())
 
 
-SKINNY_SHAPES = [(1, 4096, 4096), (1, 6144, 4096), (3, 1000, 200), (8, 28672, 4096), (16, 4096, 14336),
-                 (5, 128256, 2048), (2, 96, 72)]
+SKINNY_SHAPES = [
+    (1, 4096, 4096),
+    (1, 6144, 4096),
+    (3, 1000, 200),
+    (8, 28672, 4096),
+    (16, 4096, 14336),
+    (5, 128256, 2048),
+    (2, 96, 72),
+]
 
 
 @pytest.mark.gpu
@@ -226,11 +260,16 @@ def test_race_sample_follows_softmax_and_keys():
     assert race_sample(big, k5)[2] == alone[0]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (CPU torch has none)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None,
+    reason="triton is not installed (CPU torch has none)",
+)
 def test_kernels_under_the_triton_interpreter_match_torch_in_float32():
-    """The kernels' logic on CPU (float32, where the interpreter rounds like torch): CI runs without a GPU."""
+    """The kernels' logic on CPU (float32, where the interpreter rounds like torch): CI runs without
+    a GPU."""
     script = textwrap.dedent("""
-        # numpy >= 2.3 refuses int() of a 1-element array, which triton 3.6's interpreter uses for range() bounds
+        # numpy >= 2.3 refuses int() of a 1-element array, which triton 3.6's interpreter uses
+        # for range() bounds
         import triton.runtime.interpreter as interp
         _patch = interp._patch_lang_tensor
         def _patched(tensor, scope):
@@ -269,16 +308,23 @@ def test_kernels_under_the_triton_interpreter_match_torch_in_float32():
         qo = rot.rotate_into_cache(pos, q, k, v, cache, slots, qn, kn)
         torch.testing.assert_close(qo, apply_rotary(qn(q), rot.cos[pos], rot.sin[pos]))
         flat, real = cache.view(2, 24, 2, 80), slots >= 0
-        torch.testing.assert_close(flat[0, slots[real]], apply_rotary(kn(k), rot.cos[pos], rot.sin[pos])[real])
+        rotated_k = apply_rotary(kn(k), rot.cos[pos], rot.sin[pos])
+        torch.testing.assert_close(flat[0, slots[real]], rotated_k[real])
         assert torch.equal(flat[1, slots[real]], v[real]) and (flat[:, [1, 2, 23]] == 7.0).all()
         from engine.layers.skinny_gemm import skinny_gemm
         x, w, b = torch.randn(3, 200), torch.randn(33, 200), torch.randn(33)
         torch.testing.assert_close(skinny_gemm(x, w, b, config=(16, 64, 4, 2)), F.linear(x, w, b))
         out = torch.empty(5, 33, dtype=torch.float64)[1:4]
-        torch.testing.assert_close(skinny_gemm(x, w, out=out, config=(32, 128, 4, 2)), F.linear(x, w).double(),
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            skinny_gemm(x, w, out=out, config=(32, 128, 4, 2)),
+            F.linear(x, w).double(),
+            atol=1e-4,
+            rtol=1e-4,
+        )
         print("ok")
     """)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

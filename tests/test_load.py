@@ -1,6 +1,8 @@
-"""Load: 200 streaming requests from 50 concurrent clients (the official async openai client) against
-`python -m handler serve` on CPU with SmolLM2; every one completes once, with the engine's greedy output.
+"""Load: 200 streaming requests from 50 concurrent clients (the official async openai client)
+against `python -m handler serve` on CPU with SmolLM2; every one completes once, with the engine's
+greedy output.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -40,8 +42,15 @@ def test_200_streams_from_50_clients_all_complete_exactly(smollm2_dir):
     expected_tokens = sum(len(out.outputs[0].token_ids) for out in outs.values())
     del llm
 
-    server = ServeProcess({"MODEL_NAME": smollm2_dir, "MAX_MODEL_LEN": str(MAX_MODEL_LEN), "DEVICE": "cpu",
-                           "LOG_LEVEL": "WARNING", "MAX_NUM_SEQS": "64"})
+    server = ServeProcess(
+        {
+            "MODEL_NAME": smollm2_dir,
+            "MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+            "DEVICE": "cpu",
+            "LOG_LEVEL": "WARNING",
+            "MAX_NUM_SEQS": "64",
+        }
+    )
     try:
         results = asyncio.run(_run_clients(server.base_url, smollm2_dir))
         metrics = httpx.get(server.base_url + "/metrics").text
@@ -53,12 +62,17 @@ def test_200_streams_from_50_clients_all_complete_exactly(smollm2_dir):
     assert sorted(results) == list(range(NUM_REQUESTS))  # none lost
     for i, r in results.items():
         assert len(r["ids"]) == 1, i  # every chunk of a stream belongs to that stream's response
-    assert len({next(iter(r["ids"])) for r in results.values()}) == NUM_REQUESTS  # none duplicated or crossed
+    # none duplicated or crossed
+    assert len({next(iter(r["ids"])) for r in results.values()}) == NUM_REQUESTS
     for i, r in results.items():
         assert r["finishes"] == 1, i  # exactly one final chunk
         assert r["text"] == expected[i], (i, r["text"], expected[i])
-    served = sum(int(n) for n in re.findall(r'^coldbrew_requests_total\{route="[^"]+",status="200"\} (\d+)$',
-                                            metrics, re.M))
+    served = sum(
+        int(n)
+        for n in re.findall(
+            r'^coldbrew_requests_total\{route="[^"]+",status="200"\} (\d+)$', metrics, re.M
+        )
+    )
     assert served == NUM_REQUESTS
     generated = int(re.search(r"^coldbrew_generation_tokens_total (\d+)$", metrics, re.M).group(1))
     assert generated == expected_tokens
@@ -67,7 +81,9 @@ def test_200_streams_from_50_clients_all_complete_exactly(smollm2_dir):
 async def _run_clients(base_url: str, model: str) -> dict[int, dict | BaseException]:
     limits = httpx.Limits(max_connections=CONCURRENCY, max_keepalive_connections=CONCURRENCY)
     async with httpx.AsyncClient(limits=limits, timeout=600) as http:
-        client = AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, http_client=http)
+        client = AsyncOpenAI(
+            base_url=base_url + "/v1", api_key="unused", max_retries=0, http_client=http
+        )
         gate = asyncio.Semaphore(CONCURRENCY)
         results: dict[int, dict | BaseException] = {}
 
@@ -76,10 +92,20 @@ async def _run_clients(base_url: str, model: str) -> dict[int, dict | BaseExcept
                 try:
                     if i % 2 == 0:
                         stream = await client.chat.completions.create(
-                            model=model, messages=_chat(i), temperature=0, max_tokens=MAX_TOKENS, stream=True)
+                            model=model,
+                            messages=_chat(i),
+                            temperature=0,
+                            max_tokens=MAX_TOKENS,
+                            stream=True,
+                        )
                     else:
                         stream = await client.completions.create(
-                            model=model, prompt=_prompt(i), temperature=0, max_tokens=MAX_TOKENS, stream=True)
+                            model=model,
+                            prompt=_prompt(i),
+                            temperature=0,
+                            max_tokens=MAX_TOKENS,
+                            stream=True,
+                        )
                     results[i] = await _collect(stream)
                 except BaseException as exc:  # recorded, so one failure does not hide the others
                     results[i] = exc
@@ -89,7 +115,8 @@ async def _run_clients(base_url: str, model: str) -> dict[int, dict | BaseExcept
 
 
 async def _collect(stream) -> dict:
-    """A stream's response ids, text and number of final chunks (chat deltas or completion texts)."""
+    """A stream's response ids, text and number of final chunks (chat deltas or completion
+    texts)."""
     ids, text, finishes = set(), "", 0
     async for chunk in stream:
         ids.add(chunk.id)

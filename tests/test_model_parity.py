@@ -1,7 +1,10 @@
-"""Our decoder template against HF transformers on tiny random checkpoints of every supported family.
+"""Our decoder template against HF transformers on tiny random checkpoints of every supported
+family.
 
-Prefill then paged decode, mixed batches, sharded and old-spelling checkpoints, and the loader's error messages.
+Prefill then paged decode, mixed batches, sharded and old-spelling checkpoints, and the loader's
+error messages.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,7 +18,14 @@ from safetensors.torch import load_file, save_file
 from engine.attention import kv_cache_shape
 from engine.config import ModelConfig
 from engine.models import DecoderModel, load_model
-from tiny_models import FAMILIES, PagedSeq, hf_logits, make_step, make_tiny_model, shuffled_block_tables
+from tiny_models import (
+    FAMILIES,
+    PagedSeq,
+    hf_logits,
+    make_step,
+    make_tiny_model,
+    shuffled_block_tables,
+)
 
 BOUND = 1e-4  # max abs logit difference to HF in float32
 BLOCK_SIZE = 4  # small, so that the 36-token runs cross many blocks
@@ -43,19 +53,26 @@ def tokens(n: int, seed: int = 0) -> list[int]:
 
 
 def new_cache(cfg: ModelConfig) -> torch.Tensor:
-    return torch.zeros(kv_cache_shape(cfg.num_layers, NUM_BLOCKS, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim))
+    return torch.zeros(
+        kv_cache_shape(cfg.num_layers, NUM_BLOCKS, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
+    )
 
 
-def step_logits(model: DecoderModel, kv: torch.Tensor, seqs: list[PagedSeq], num_new: list[int]) -> torch.Tensor:
+def step_logits(
+    model: DecoderModel, kv: torch.Tensor, seqs: list[PagedSeq], num_new: list[int]
+) -> torch.Tensor:
     ids, positions, meta = make_step(seqs, num_new, BLOCK_SIZE)
     with torch.inference_mode():
         return model.compute_logits(model(ids, positions, kv, meta))
 
 
 def prefill_then_decode(model: DecoderModel, cfg: ModelConfig, toks: list[int]) -> torch.Tensor:
-    """Logits of every position: one prefill of PROMPT_LEN tokens, then single-token decodes through the cache."""
+    """Logits of every position: one prefill of PROMPT_LEN tokens, then single-token decodes through
+    the cache."""
     kv = new_cache(cfg)
-    seq = PagedSeq(toks, shuffled_block_tables([len(toks)], BLOCK_SIZE, NUM_BLOCKS, seed=len(toks))[0])
+    seq = PagedSeq(
+        toks, shuffled_block_tables([len(toks)], BLOCK_SIZE, NUM_BLOCKS, seed=len(toks))[0]
+    )
     out = [step_logits(model, kv, [seq], [PROMPT_LEN])]
     for _ in range(len(toks) - PROMPT_LEN):
         out.append(step_logits(model, kv, [seq], [1]))
@@ -82,7 +99,8 @@ def test_prefill_and_decode_match_hf(tiny, family: str) -> None:
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_mixed_batch_matches_each_alone(tiny, family: str) -> None:
-    """A chunked prefill after a cached prefix and a decode in one step give the same logits as apart."""
+    """A chunked prefill after a cached prefix and a decode in one step give the same logits as
+    apart."""
     path, hf = tiny(family)
     model, cfg = load(path)
     a_toks, b_toks = tokens(17, seed=1), tokens(14, seed=2)
@@ -134,10 +152,18 @@ def test_old_rope_spelling_loads_and_matches_hf(tmp_path: Path, family: str) -> 
 
 
 def test_unsupported_architecture_lists_supported(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    )
     with pytest.raises(ValueError) as err:
         ModelConfig.from_dir(str(tmp_path))
-    for arch in ("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    for arch in (
+        "GPT2LMHeadModel",
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+    ):
         assert arch in str(err.value)
 
 
@@ -153,7 +179,10 @@ def _edit_checkpoint(src: str, dest: Path, edit) -> str:
 def test_missing_tensor_is_named(tiny, tmp_path: Path) -> None:
     name = "model.layers.1.self_attn.k_proj.weight"
     path = _edit_checkpoint(tiny("llama")[0], tmp_path / "ckpt", lambda t: t.pop(name))
-    with pytest.raises(ValueError, match=r"missing tensors: model\.layers\.1\.self_attn\.k_proj\.weight \(1 in all\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"missing tensors: model\.layers\.1\.self_attn\.k_proj\.weight \(1 in all\)",
+    ):
         load(path)
 
 
@@ -169,20 +198,30 @@ def test_many_missing_tensors_are_counted(tiny, tmp_path: Path) -> None:
 
 def test_unexpected_tensor_is_named(tiny, tmp_path: Path) -> None:
     name = "model.layers.0.mlp.gate_proj.bias"
-    path = _edit_checkpoint(tiny("llama")[0], tmp_path / "ckpt", lambda t: t.update({name: torch.zeros(128)}))
-    with pytest.raises(ValueError, match=r"unexpected tensors.*model\.layers\.0\.mlp\.gate_proj\.bias"):
+    path = _edit_checkpoint(
+        tiny("llama")[0], tmp_path / "ckpt", lambda t: t.update({name: torch.zeros(128)})
+    )
+    with pytest.raises(
+        ValueError, match=r"unexpected tensors.*model\.layers\.0\.mlp\.gate_proj\.bias"
+    ):
         load(path)
 
 
 def test_shape_mismatch_names_tensor_and_shapes(tiny, tmp_path: Path) -> None:
     name = "model.layers.0.mlp.down_proj.weight"
-    path = _edit_checkpoint(tiny("llama")[0], tmp_path / "ckpt", lambda t: t.update({name: torch.zeros(64, 96)}))
-    with pytest.raises(ValueError, match=r"down_proj\.weight has shape \(64, 96\) but the model expects \(64, 128\)"):
+    path = _edit_checkpoint(
+        tiny("llama")[0], tmp_path / "ckpt", lambda t: t.update({name: torch.zeros(64, 96)})
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"down_proj\.weight has shape \(64, 96\) but the model expects \(64, 128\)",
+    ):
         load(path)
 
 
 def test_ignorable_tensors_are_ignored(tiny, tmp_path: Path) -> None:
-    """A tied checkpoint that still carries lm_head.weight, and rotary inv_freq buffers, load fine."""
+    """A tied checkpoint that still carries lm_head.weight, and rotary inv_freq buffers, load
+    fine."""
     src, hf = tiny("qwen3-tied")
 
     def add_extras(t: dict) -> None:
@@ -200,7 +239,9 @@ def test_loads_in_bfloat16(tiny) -> None:
     model = load_model(path, cfg, torch.bfloat16, "cpu")
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     kv = new_cache(cfg).to(torch.bfloat16)
-    seq = PagedSeq(tokens(PROMPT_LEN), shuffled_block_tables([PROMPT_LEN], BLOCK_SIZE, NUM_BLOCKS)[0])
+    seq = PagedSeq(
+        tokens(PROMPT_LEN), shuffled_block_tables([PROMPT_LEN], BLOCK_SIZE, NUM_BLOCKS)[0]
+    )
     ours = step_logits(model, kv, [seq], [PROMPT_LEN])
     ref = hf_logits(hf, seq.tokens)
     assert ours.dtype == torch.float32
@@ -224,4 +265,6 @@ def test_cuda_matches_hf(tiny, family: str) -> None:
         ids, positions, meta = make_step([seq], [n], BLOCK_SIZE, device="cuda")
         with torch.inference_mode():
             out.append(model.compute_logits(model(ids, positions, kv, meta)).cpu())
-    assert (torch.cat(out) - hf_logits(hf, toks)).abs().max().item() < 1e-3  # cuda kernels may reassociate
+    assert (
+        torch.cat(out) - hf_logits(hf, toks)
+    ).abs().max().item() < 1e-3  # cuda kernels may reassociate

@@ -4,6 +4,7 @@ route/body jobs, through the worker's job handler) and the HTTP face (the server
 HTTP client) ask the real engine for the same request (prompt token ids and SamplingParams), or
 refuse it with the same message naming the same field.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,16 @@ from handler.worker import Worker
 CASES = 40
 SEED = 20261123
 # The last two are drawn rarely: a lone surrogate (refused) and a plain question.
-TEXTS = ["Hello", "What is 2+2?", "", "line one\nline two", "Café, 中文, 🙂", "  spaced  ",
-         "a\ud800b", "Name a color."]
+TEXTS = [
+    "Hello",
+    "What is 2+2?",
+    "",
+    "line one\nline two",
+    "Café, 中文, 🙂",
+    "  spaced  ",
+    "a\ud800b",
+    "Name a color.",
+]
 
 
 class RecordingEngine:
@@ -69,8 +78,14 @@ class RecordingBoot:
 def faces(smollm2_dir):
     # DEFAULT_MAX_TOKENS keeps generation short when a case sets no max_tokens (every face applies
     # it the same way).
-    settings = load_settings({"MODEL_NAME": smollm2_dir, "MAX_MODEL_LEN": "512", "DEVICE": "cpu",
-                              "DEFAULT_MAX_TOKENS": "3"})
+    settings = load_settings(
+        {
+            "MODEL_NAME": smollm2_dir,
+            "MAX_MODEL_LEN": "512",
+            "DEVICE": "cpu",
+            "DEFAULT_MAX_TOKENS": "3",
+        }
+    )
     boot = EngineBoot(settings)
     engine = RecordingEngine(boot.load_blocking())
     recording = RecordingBoot(boot, engine)
@@ -114,10 +129,10 @@ VALUES = {
     "repetition_penalty": [1.0, 1.2, 0.5, 1e-300, 0, 11],
     "presence_penalty": [0, 0.5, -2, 3],
     "frequency_penalty": [0, -0.5, 2.5],
-    "seed": [0, 7, 2 ** 70, -5],
+    "seed": [0, 7, 2**70, -5],
     "stop": ["\n", ["a", "b"], [], ["x"] * (limits.MAX_STOP_STRINGS + 1), 5],
     "stop_token_ids": [[1, 2], [], [-1]],
-    "max_tokens": [1, 2, 3, 10 ** 9, 0, 5000],
+    "max_tokens": [1, 2, 3, 10**9, 0, 5000],
     "min_tokens": [0, 1, 5],
     "n": [1, 2, 0, limits.MAX_N + 1],
     "ignore_eos": [True, False, "yes"],
@@ -196,8 +211,9 @@ async def test_every_face_asks_the_engine_for_the_same_request(faces):
         _, route_error = await _job(worker, f"route-{i}", {"route": route, "body": body})
         from_route_job = engine.take()
         # JSON with escapes (ensure_ascii): a lone surrogate travels as clients send it, \\ud800.
-        resp = http.post(route, content=json.dumps(body),
-                         headers={"Content-Type": "application/json"})
+        resp = http.post(
+            route, content=json.dumps(body), headers={"Content-Type": "application/json"}
+        )
         from_http = engine.take()
         if resp.status_code == 200:
             served += 1

@@ -1,8 +1,9 @@
-"""The official `openai` client against `python -m handler serve` (a subprocess on loopback) with SmolLM2:
-outputs equal engine.LLM's for the same prompt and parameters, token for token; streaming, n, stop, seed, logprobs.
-Tools refused by name; SIGTERM ending what is left with an error event after the grace period,
-then exit 0; a truncated weight file named at start.
+"""The official `openai` client against `python -m handler serve` (a subprocess on loopback) with
+SmolLM2: outputs equal engine.LLM's for the same prompt and parameters, token for token; streaming,
+n, stop, seed, logprobs. Tools refused by name; SIGTERM ending what is left with an error event
+after the grace period, then exit 0; a truncated weight file named at start.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,15 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server(smollm2_dir):
-    proc = ServeProcess({"MODEL_NAME": smollm2_dir, "OPENAI_SERVED_MODEL_NAME_OVERRIDE": SERVED,
-                         "MAX_MODEL_LEN": str(MAX_MODEL_LEN), "DEVICE": "cpu", "LOG_LEVEL": "WARNING"})
+    proc = ServeProcess(
+        {
+            "MODEL_NAME": smollm2_dir,
+            "OPENAI_SERVED_MODEL_NAME_OVERRIDE": SERVED,
+            "MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+            "DEVICE": "cpu",
+            "LOG_LEVEL": "WARNING",
+        }
+    )
     yield proc
     # SIGTERM on an idle server drains at once and exits 0 (not by the signal).
     assert proc.stop() == 0, proc.output()
@@ -58,9 +66,13 @@ def _token_texts(llm, ids):
 def test_models_lists_the_served_names(client, smollm2_dir):
     ids = [m.id for m in client.models.list().data]
     assert ids[0] == SERVED and smollm2_dir in ids
-    # Any served name is accepted: the override, and the local path (what clients of a baked model send).
+    # Any served name is accepted: the override, and the local path (what clients of a baked model
+    # send).
     for name in (SERVED, smollm2_dir):
-        assert client.chat.completions.create(model=name, messages=QUESTION, max_tokens=1).model == name
+        assert (
+            client.chat.completions.create(model=name, messages=QUESTION, max_tokens=1).model
+            == name
+        )
 
 
 def test_unknown_model_is_a_404_naming_the_served_names(client):
@@ -71,8 +83,9 @@ def test_unknown_model_is_a_404_naming_the_served_names(client):
 
 def test_chat_greedy_equals_the_engine_token_for_token(client, llm):
     ref = _ref_chat(llm, QUESTION, temperature=0, max_tokens=12).outputs[0]
-    resp = client.chat.completions.create(model=SERVED, messages=QUESTION, temperature=0, max_tokens=12,
-                                          logprobs=True, top_logprobs=0)
+    resp = client.chat.completions.create(
+        model=SERVED, messages=QUESTION, temperature=0, max_tokens=12, logprobs=True, top_logprobs=0
+    )
     choice = resp.choices[0]
     assert choice.message.role == "assistant"
     assert choice.message.content == ref.text
@@ -89,22 +102,39 @@ def test_chat_without_max_tokens_runs_to_eos_not_16_tokens(client, llm):
     assert len(ref.token_ids) > 16 and ref.finish_reason == "stop"
     resp = client.chat.completions.create(model=SERVED, messages=messages, temperature=0)
     assert resp.choices[0].message.content == ref.text
-    assert resp.usage.completion_tokens == len(ref.token_ids) and resp.choices[0].finish_reason == "stop"
+    assert (
+        resp.usage.completion_tokens == len(ref.token_ids)
+        and resp.choices[0].finish_reason == "stop"
+    )
 
 
 def test_chat_stream_equals_the_engine_and_ends_with_usage(server, llm):
-    messages = [{"role": "system", "content": "Answer briefly."},
-                {"role": "user", "content": [{"type": "text", "text": "Name three colors."}]}]
+    messages = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": [{"type": "text", "text": "Name three colors."}]},
+    ]
     ref = _ref_chat(llm, messages, temperature=0, max_tokens=10).outputs[0]
     # Through the /openai/v1 prefix, as RunPod's load-balanced endpoints route it.
-    prefixed = OpenAI(base_url=server.base_url + "/openai/v1", api_key="unused", max_retries=0, timeout=300)
-    chunks = list(prefixed.chat.completions.create(model=SERVED, messages=messages, temperature=0, max_tokens=10,
-                                                   stream=True, stream_options={"include_usage": True}))
+    prefixed = OpenAI(
+        base_url=server.base_url + "/openai/v1", api_key="unused", max_retries=0, timeout=300
+    )
+    chunks = list(
+        prefixed.chat.completions.create(
+            model=SERVED,
+            messages=messages,
+            temperature=0,
+            max_tokens=10,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert len({c.id for c in chunks}) == 1
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == ref.text
-    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finishes == [ref.finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
     assert chunks[-1].usage.prompt_tokens == len(llm.get_tokenizer().encode_chat(messages))
@@ -117,9 +147,15 @@ def test_completion_greedy_and_stream_equal_the_engine(client, llm):
     resp = client.completions.create(model=SERVED, prompt=prompt, temperature=0, max_tokens=12)
     assert resp.choices[0].text == ref.text and resp.usage.completion_tokens == len(ref.token_ids)
     assert resp.choices[0].finish_reason == ref.finish_reason
-    chunks = list(client.completions.create(model=SERVED, prompt=prompt, temperature=0, max_tokens=12, stream=True))
+    chunks = list(
+        client.completions.create(
+            model=SERVED, prompt=prompt, temperature=0, max_tokens=12, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == ref.text
-    echoed = client.completions.create(model=SERVED, prompt=prompt, temperature=0, max_tokens=12, echo=True)
+    echoed = client.completions.create(
+        model=SERVED, prompt=prompt, temperature=0, max_tokens=12, echo=True
+    )
     assert echoed.choices[0].text == prompt + ref.text
 
 
@@ -155,19 +191,28 @@ def test_stop_strings_end_the_text_like_the_engine(client, llm):
     prompt = "1, 2, 3, 4,"
     free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].text
     stop = free.strip().split(",")[2].strip() if free.count(",") >= 3 else free.strip()[:2]
-    ref = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, stop=[stop, "zzz"]))[0].outputs[0]
+    ref = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, stop=[stop, "zzz"]))[
+        0
+    ].outputs[0]
     assert ref.finish_reason == "stop" and stop not in ref.text
-    resp = client.completions.create(model=SERVED, prompt=prompt, temperature=0, max_tokens=16, stop=[stop, "zzz"])
+    resp = client.completions.create(
+        model=SERVED, prompt=prompt, temperature=0, max_tokens=16, stop=[stop, "zzz"]
+    )
     assert resp.choices[0].text == ref.text and resp.choices[0].finish_reason == "stop"
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=SERVED, prompt=prompt, temperature=0, max_tokens=16, stop=stop, stream=True))
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=SERVED, prompt=prompt, temperature=0, max_tokens=16, stop=stop, stream=True
+        )
+    )
     assert streamed == ref.text
 
 
 def test_logprobs_equal_the_engine(client, llm):
     ref = _ref_chat(llm, QUESTION, temperature=0, max_tokens=5, logprobs=3).outputs[0]
-    resp = client.chat.completions.create(model=SERVED, messages=QUESTION, temperature=0, max_tokens=5,
-                                          logprobs=True, top_logprobs=3)
+    resp = client.chat.completions.create(
+        model=SERVED, messages=QUESTION, temperature=0, max_tokens=5, logprobs=True, top_logprobs=3
+    )
     content = resp.choices[0].logprobs.content
     assert len(content) == len(ref.token_ids)
     for entry, token_id, position in zip(content, ref.token_ids, ref.logprobs):
@@ -175,10 +220,14 @@ def test_logprobs_equal_the_engine(client, llm):
         assert len(entry.top_logprobs) == 3
         top = sorted(position.values(), key=lambda lp: lp.rank)[:3]
         assert [t.token for t in entry.top_logprobs] == [lp.decoded_token for lp in top]
-        assert all(math.isclose(t.logprob, lp.logprob, abs_tol=1e-4) for t, lp in zip(entry.top_logprobs, top))
+        assert all(
+            math.isclose(t.logprob, lp.logprob, abs_tol=1e-4)
+            for t, lp in zip(entry.top_logprobs, top)
+        )
         assert bytes(entry.bytes) == entry.token.encode("utf-8")
-    comp = client.completions.create(model=SERVED, prompt="Hello, my name is", temperature=0, max_tokens=4,
-                                     logprobs=2)
+    comp = client.completions.create(
+        model=SERVED, prompt="Hello, my name is", temperature=0, max_tokens=4, logprobs=2
+    )
     lp = comp.choices[0].logprobs
     assert "".join(lp.tokens) == comp.choices[0].text
     assert all(len(t) == 2 for t in lp.top_logprobs) and lp.text_offset[0] == 0
@@ -195,18 +244,31 @@ def test_health_and_metrics(server, client):
     assert httpx.get(server.base_url + "/health").json()["status"] == "ok"
     client.completions.create(model=SERVED, prompt="Hi", max_tokens=2)
     text = httpx.get(server.base_url + "/metrics").text
-    assert re.search(r'^coldbrew_requests_total\{route="/v1/completions",status="200"\} [1-9]', text, re.M)
+    assert re.search(
+        r'^coldbrew_requests_total\{route="/v1/completions",status="200"\} [1-9]', text, re.M
+    )
     assert _metric(text, "coldbrew_generation_tokens_total") >= 2
     assert _metric(text, "coldbrew_time_to_first_token_seconds_count") >= 1
     assert _metric(text, "coldbrew_kv_blocks_total") > 0
-    for name in ("coldbrew_num_requests_running", "coldbrew_num_requests_waiting", "coldbrew_kv_blocks_free"):
+    for name in (
+        "coldbrew_num_requests_running",
+        "coldbrew_num_requests_waiting",
+        "coldbrew_kv_blocks_free",
+    ):
         _metric(text, name)
 
 
 def test_a_closed_stream_aborts_its_engine_request(server):
-    # 64 samples to the context limit ignoring EOS: minutes of CPU work unless the abort really stops it.
-    body = {"model": SERVED, "prompt": "Tell me a very long story about a dragon.", "n": 64, "ignore_eos": True,
-            "temperature": 1.0, "stream": True}
+    # 64 samples to the context limit ignoring EOS: minutes of CPU work unless the abort really
+    # stops it.
+    body = {
+        "model": SERVED,
+        "prompt": "Tell me a very long story about a dragon.",
+        "n": 64,
+        "ignore_eos": True,
+        "temperature": 1.0,
+        "stream": True,
+    }
     with httpx.Client(timeout=120) as http:
         with http.stream("POST", server.base_url + "/v1/completions", json=body) as resp:
             assert resp.status_code == 200
@@ -218,37 +280,53 @@ def test_a_closed_stream_aborts_its_engine_request(server):
                 if events == 2:
                     break  # leave mid-stream: the connection closes
     deadline = time.monotonic() + 60
-    while True:  # the engine request is aborted and its blocks freed: nothing runs, no block stays in use
+    # the engine request is aborted and its blocks freed: nothing runs, no block stays in use
+    while True:
         text = httpx.get(server.base_url + "/metrics").text
-        idle = (_metric(text, "coldbrew_num_requests_running") == 0
-                and _metric(text, "coldbrew_num_requests_waiting") == 0
-                and _metric(text, "coldbrew_kv_blocks_used") == 0)
+        idle = (
+            _metric(text, "coldbrew_num_requests_running") == 0
+            and _metric(text, "coldbrew_num_requests_waiting") == 0
+            and _metric(text, "coldbrew_kv_blocks_used") == 0
+        )
         if idle or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     assert idle, text
-    assert re.search(r'^coldbrew_requests_total\{route="/v1/completions",status="499"\} [1-9]', text, re.M)
+    assert re.search(
+        r'^coldbrew_requests_total\{route="/v1/completions",status="499"\} [1-9]', text, re.M
+    )
 
 
 def test_a_client_leaving_a_non_streaming_request_aborts_it(server):
     body = {"model": SERVED, "messages": QUESTION, "n": 64, "ignore_eos": True, "temperature": 1.0}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
-        httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=3))
+        httpx.post(
+            server.base_url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=3)
+        )
     deadline = time.monotonic() + 60
     while True:
         text = httpx.get(server.base_url + "/metrics").text
-        left = re.search(r'^coldbrew_requests_total\{route="/v1/chat/completions",status="499"\} [1-9]', text, re.M)
-        idle = (_metric(text, "coldbrew_num_requests_running") == 0
-                and _metric(text, "coldbrew_num_requests_waiting") == 0
-                and _metric(text, "coldbrew_kv_blocks_used") == 0)
+        left = re.search(
+            r'^coldbrew_requests_total\{route="/v1/chat/completions",status="499"\} [1-9]',
+            text,
+            re.M,
+        )
+        idle = (
+            _metric(text, "coldbrew_num_requests_running") == 0
+            and _metric(text, "coldbrew_num_requests_waiting") == 0
+            and _metric(text, "coldbrew_kv_blocks_used") == 0
+        )
         if (left and idle) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     assert left and idle, text
 
 
-ADD = {"name": "add", "description": "Add two numbers",
-       "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}}
+ADD = {
+    "name": "add",
+    "description": "Add two numbers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "number"}}},
+}
 TOOL = {"type": "function", "function": ADD}
 CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
 CALLING = {"role": "assistant", "content": None, "tool_calls": [CALL]}
@@ -257,11 +335,15 @@ TOOL_CASES = {
     "tools": (dict(tools=[TOOL]), "tools"),
     "tool_choice auto": (dict(tool_choice="auto"), "tool_choice"),
     "tool_choice required with tools": (dict(tools=[TOOL], tool_choice="required"), "tools"),
-    "tool_choice naming a function": (dict(tool_choice={"type": "function", "function": ADD}),
-                                      "tool_choice"),
+    "tool_choice naming a function": (
+        dict(tool_choice={"type": "function", "function": ADD}),
+        "tool_choice",
+    ),
     "functions (deprecated)": (dict(functions=[ADD]), "functions"),
-    "an assistant turn with tool_calls": (dict(messages=[*QUESTION, CALLING]),
-                                          "messages[1].tool_calls"),
+    "an assistant turn with tool_calls": (
+        dict(messages=[*QUESTION, CALLING]),
+        "messages[1].tool_calls",
+    ),
     "a tool result": (dict(messages=[*QUESTION, CALLING, RESULT]), "messages[1].tool_calls"),
     "a tool result alone": (dict(messages=[*QUESTION, RESULT]), "messages[1].role"),
 }
@@ -271,16 +353,18 @@ TOOL_CASES = {
 def test_tools_are_refused_naming_the_field_until_tool_calls_are_parsed(client, case):
     fields, param = TOOL_CASES[case]
     with pytest.raises(BadRequestError) as err:
-        client.chat.completions.create(**{"model": SERVED, "messages": QUESTION, "max_tokens": 1,
-                                          **fields})
+        client.chat.completions.create(
+            **{"model": SERVED, "messages": QUESTION, "max_tokens": 1, **fields}
+        )
     message = err.value.body["message"]
     assert err.value.body["param"] == param
     assert message.startswith(param) and "tool calls are not supported" in message
 
 
 def test_tool_choice_none_without_tools_is_served(client):
-    resp = client.chat.completions.create(model=SERVED, messages=QUESTION, max_tokens=2,
-                                          tool_choice="none", tools=[])
+    resp = client.chat.completions.create(
+        model=SERVED, messages=QUESTION, max_tokens=2, tool_choice="none", tools=[]
+    )
     assert resp.choices[0].message.tool_calls is None and resp.usage.completion_tokens >= 1
 
 
@@ -288,11 +372,24 @@ def test_sigterm_ends_streams_past_the_grace_period_with_an_error_event_then_exi
     """In-flight requests get SHUTDOWN_GRACE_S; then a stream gets an error event and [DONE] (the
     official client raises APIError with the server's message), a non-streaming request a 503;
     the process exits 0."""
-    proc = ServeProcess({"MODEL_NAME": smollm2_dir, "MAX_MODEL_LEN": str(MAX_MODEL_LEN),
-                         "DEVICE": "cpu", "LOG_LEVEL": "INFO", "SHUTDOWN_GRACE_S": "2"})
+    proc = ServeProcess(
+        {
+            "MODEL_NAME": smollm2_dir,
+            "MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+            "DEVICE": "cpu",
+            "LOG_LEVEL": "INFO",
+            "SHUTDOWN_GRACE_S": "2",
+        }
+    )
     client = OpenAI(base_url=proc.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    long = dict(model=smollm2_dir, messages=QUESTION, n=16, max_tokens=400, temperature=1.0,
-                extra_body={"ignore_eos": True})
+    long = dict(
+        model=smollm2_dir,
+        messages=QUESTION,
+        n=16,
+        max_tokens=400,
+        temperature=1.0,
+        extra_body={"ignore_eos": True},
+    )
     outcome: dict = {}
 
     def whole() -> None:
@@ -331,8 +428,14 @@ def test_a_truncated_weight_file_stops_the_start_naming_the_file(smollm2_dir, tm
     weights = model / "model.safetensors"
     with open(weights, "r+b") as f:
         f.truncate(weights.stat().st_size // 2)
-    done = _serve_exit({"MODEL_NAME": str(model), "DEVICE": "cpu",
-                        "CACHE_DIR": str(tmp_path / "cache"), "LOAD_FORMAT": "safetensors"})
+    done = _serve_exit(
+        {
+            "MODEL_NAME": str(model),
+            "DEVICE": "cpu",
+            "CACHE_DIR": str(tmp_path / "cache"),
+            "LOAD_FORMAT": "safetensors",
+        }
+    )
     assert done.returncode == 1
     out = done.stdout + done.stderr
     assert str(weights) in out and "truncated or corrupt" in out, out[-3000:]
@@ -340,8 +443,14 @@ def test_a_truncated_weight_file_stops_the_start_naming_the_file(smollm2_dir, tm
 
 def _serve_exit(env: dict[str, str]) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("MODEL_", "OPENAI_"))}
-    return subprocess.run([sys.executable, "-m", "handler", "serve", "--port", "0"], env={**clean, **env},
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "handler", "serve", "--port", "0"],
+        env={**clean, **env},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_a_bad_setting_stops_serve_with_a_message_naming_it():
@@ -353,8 +462,15 @@ def test_a_bad_setting_stops_serve_with_a_message_naming_it():
 
 def test_a_model_that_fails_to_load_exits_non_zero(tmp_path):
     missing = str(tmp_path / "missing-model")
-    done = _serve_exit({"MODEL_NAME": missing, "CACHE_DIR": str(tmp_path / "cache"),
-                        "BASE_PATH": str(tmp_path / "volume"), "DEVICE": "cpu", "HF_TOKEN": "hf_DONOTPRINTME"})
+    done = _serve_exit(
+        {
+            "MODEL_NAME": missing,
+            "CACHE_DIR": str(tmp_path / "cache"),
+            "BASE_PATH": str(tmp_path / "volume"),
+            "DEVICE": "cpu",
+            "HF_TOKEN": "hf_DONOTPRINTME",
+        }
+    )
     assert done.returncode == 1
     assert missing in done.stderr + done.stdout
     assert "hf_DONOTPRINTME" not in done.stderr + done.stdout

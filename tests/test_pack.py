@@ -1,6 +1,8 @@
-"""The packed weight format (cache.pack): round trip of every dtype and shape, 4 KiB alignment, the index, and
-the faults: a truncated or torn pack is refused, a writer SIGKILLed mid-pack leaves nothing a reader accepts.
+"""The packed weight format (cache.pack): round trip of every dtype and shape, 4 KiB alignment, the
+index, and the faults: a truncated or torn pack is refused, a writer SIGKILLed mid-pack leaves
+nothing a reader accepts.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,7 +44,11 @@ def write(path: str, tensors: dict[str, torch.Tensor], metadata=None) -> str:
 
 def test_round_trip_keeps_every_dtype_shape_and_byte_in_order(tmp_path):
     tensors = sample_tensors()
-    path = write(str(tmp_path / "m.cbpack"), tensors, {"model_digest": "abc", "dtype": "mixed", "layout_version": 1})
+    path = write(
+        str(tmp_path / "m.cbpack"),
+        tensors,
+        {"model_digest": "abc", "dtype": "mixed", "layout_version": 1},
+    )
     pack = read_pack(path)
     assert [e.name for e in pack.entries] == list(tensors)
     assert pack.metadata == {"model_digest": "abc", "dtype": "mixed", "layout_version": 1}
@@ -53,8 +59,12 @@ def test_round_trip_keeps_every_dtype_shape_and_byte_in_order(tmp_path):
         assert e.offset % ALIGNMENT == 0, name
         assert e.dtype == str(t.dtype).removeprefix("torch.") and e.shape == tuple(t.shape)
         assert e.nbytes == t.numel() * t.element_size() and e.group == i // 3
-        chunk = bytearray(data[e.offset: e.offset + e.nbytes])
-        back = torch.frombuffer(chunk, dtype=t.dtype).reshape(t.shape) if chunk else torch.empty(t.shape, dtype=t.dtype)
+        chunk = bytearray(data[e.offset : e.offset + e.nbytes])
+        back = (
+            torch.frombuffer(chunk, dtype=t.dtype).reshape(t.shape)
+            if chunk
+            else torch.empty(t.shape, dtype=t.dtype)
+        )
         assert torch.equal(back, t), name
     for prev, nxt in zip(pack.entries, pack.entries[1:]):
         assert prev.offset + prev.nbytes <= nxt.offset  # in the order given, never overlapping
@@ -120,11 +130,13 @@ def test_a_writer_killed_mid_pack_leaves_nothing_valid_and_the_next_writer_succe
     """)
     kill_when_midway(child)
     leftovers = os.listdir(path.parent)
-    assert len(leftovers) == 1 and leftovers[0].startswith(".m.cbpack.tmp-")  # the dead writer's temp only
+    # the dead writer's temp only
+    assert len(leftovers) == 1 and leftovers[0].startswith(".m.cbpack.tmp-")
     assert os.path.getsize(path.parent / leftovers[0]) >= 4 << 20
     with pytest.raises(FileNotFoundError):
         read_pack(str(path))
     assert find_packs(str(path.parent)) == []
-    write(str(path), {"x": torch.ones(3)})  # the next writer removes the dead one's temp and publishes
+    # the next writer removes the dead one's temp and publishes
+    write(str(path), {"x": torch.ones(3)})
     assert os.listdir(path.parent) == ["m.cbpack"]
     assert [e.name for e in read_pack(str(path)).entries] == ["x"]

@@ -12,6 +12,7 @@
   docs/*.md names a file that exists (and, for a `#heading`, a heading of that file).
 - The README stays short and describes the software as it is, not how it came to be.
 """
+
 from __future__ import annotations
 
 import functools
@@ -77,16 +78,24 @@ def _code_text() -> str:
 def _check_variable(name: str) -> None:
     known = name in Settings.env_names() or name in _make_variables()
     assert known or re.search(rf"\b{name}\b", _code_text()), (
-        f"README.md names {name}, which neither Settings, the Makefile nor the code reads")
+        f"README.md names {name}, which neither Settings, the Makefile nor the code reads"
+    )
 
 
 @functools.cache
 def _help(module: str, args: tuple[str, ...]) -> str:
     """`python -m MODULE ARGS --help` in a fresh process, from the repository root."""
-    run = subprocess.run([sys.executable, "-m", module, *args, "--help"], cwd=REPO,
-                         capture_output=True, text=True, timeout=120, check=False)
+    run = subprocess.run(
+        [sys.executable, "-m", module, *args, "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert run.returncode == 0, (
-        f"python -m {module} {' '.join(args)} --help exited {run.returncode}: {run.stderr[-2000:]}")
+        f"python -m {module} {' '.join(args)} --help exited {run.returncode}: {run.stderr[-2000:]}"
+    )
     assert run.stdout.strip(), f"python -m {module} {' '.join(args)} --help printed nothing"
     return run.stdout
 
@@ -95,14 +104,15 @@ def _check_python(words: list[str]) -> None:
     assert words[1:2] == ["-m"] and len(words) > 2, f"run modules with -m: {shlex.join(words)}"
     module, rest = words[2], words[3:]
     flags = [i for i, w in enumerate(rest) if w.startswith("-")]
-    positionals = rest[:flags[0]] if flags else rest
+    positionals = rest[: flags[0]] if flags else rest
     help_text = _help(module, tuple(positionals))
     for word in rest:
         if word.startswith("-"):
             flag = word.split("=", 1)[0]
             assert flag in help_text, (
                 f"`{shlex.join(words)}`: {flag} is not in python -m {module} "
-                f"{' '.join(positionals)} --help")
+                f"{' '.join(positionals)} --help"
+            )
         elif word.startswith("tests/"):
             assert (REPO / word).exists(), f"`{shlex.join(words)}`: no {word}"
 
@@ -122,7 +132,8 @@ def _dockerfile() -> str:
 
 def _check_build_arg(name: str) -> None:
     assert re.search(rf"^ARG {name}\b", _dockerfile(), re.MULTILINE), (
-        f"the Dockerfile has no ARG {name}")
+        f"the Dockerfile has no ARG {name}"
+    )
 
 
 def _check_docker(words: list[str]) -> None:
@@ -152,9 +163,11 @@ def test_every_readme_command_runs_as_written():
         elif program == "curl":
             continue  # a request to the server a command above starts
         else:
-            pytest.fail(f"README.md runs `{shlex.join(words)}`: python commands must use "
-                        f"{VENV_PYTHON} (the system python lacks the dependencies); teach this "
-                        "test any other program")
+            pytest.fail(
+                f"README.md runs `{shlex.join(words)}`: python commands must use "
+                f"{VENV_PYTHON} (the system python lacks the dependencies); teach this "
+                "test any other program"
+            )
 
 
 def _section(text: str, title: str) -> str:
@@ -167,7 +180,8 @@ def test_every_variable_the_readme_names_exists():
     assert len(listed) >= 8, listed
     assert listed <= set(Settings.env_names()), (
         f"the Configuration list names {sorted(listed - set(Settings.env_names()))}, "
-        "which are not settings (handler/config.py)")
+        "which are not settings (handler/config.py)"
+    )
     for name in set(re.findall(r"`([A-Z][A-Z0-9_]{2,})(?:=[^`]*)?`", text)):
         _check_variable(name)
     for name in set(re.findall(r"--build-arg ([A-Z][A-Z0-9_]*)=", text)):
@@ -199,7 +213,8 @@ def test_every_relative_link_names_a_file_that_exists(page):
         assert path.exists(), f"{page.relative_to(REPO)} links {link}: no such file"
         if anchor and path.suffix == ".md":
             assert anchor in _anchors(path), (
-                f"{page.relative_to(REPO)} links {link}: {path.name} has no such heading")
+                f"{page.relative_to(REPO)} links {link}: {path.name} has no such heading"
+            )
 
 
 def test_every_docs_page_is_linked_from_the_readme():
@@ -213,4 +228,5 @@ def test_the_readme_is_short_and_about_the_software_as_it_is():
     assert len(text.splitlines()) < 300
     words = re.findall(r"\b(issues?|sessions?|previous(?:ly)?)\b", text, re.IGNORECASE)
     assert not words, (
-        f"README.md speaks of {sorted(set(words))}: it describes the software as it is")
+        f"README.md speaks of {sorted(set(words))}: it describes the software as it is"
+    )

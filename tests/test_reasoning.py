@@ -111,9 +111,8 @@ def test_reasoning_streams_before_the_thinking_ends():
     s = reasoning_parser("qwen3").stream(QWEN3_PROMPT)
     assert s.feed("<think>\nFirst,") == ReasoningDelta(reasoning="First,")
     assert s.in_reasoning
-    assert s.feed(" greet.\n") == ReasoningDelta(
-        reasoning=" greet."
-    )  # the newline may end the thinking
+    # the newline may end the thinking
+    assert s.feed(" greet.\n") == ReasoningDelta(reasoning=" greet.")
     assert s.feed("</th") == ReasoningDelta()
     assert s.feed("ink>\n\nHello") == ReasoningDelta(content="Hello")
     assert not s.in_reasoning

@@ -1,6 +1,8 @@
-"""The worker off RunPod: `--rp_serve_api` (what `make run` starts) answers /runsync from the SDK's own local API and
-its printed curl line works; `--test_input` runs one job. Answers are checked against engine.LLM.
+"""The worker off RunPod: `--rp_serve_api` (what `make run` starts) answers /runsync from the SDK's
+own local API and its printed curl line works; `--test_input` runs one job. Answers are checked
+against engine.LLM.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,18 +37,44 @@ def _listening(port: int) -> bool:
 def local_api(smollm2_dir):
     port = free_port()  # the SDK's --rp_api_port has no "any port" form
     env = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_")}
-    env.update(MODEL_NAME=smollm2_dir, MAX_MODEL_LEN="2048", DEVICE="cpu", PYTHONPATH=str(REPO),
-               UVICORN_LOG_LEVEL="warning")
-    proc = subprocess.Popen([sys.executable, "-m", "handler", "--rp_serve_api", "--rp_api_host", "127.0.0.1",
-                             "--rp_api_port", str(port)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    env.update(
+        MODEL_NAME=smollm2_dir,
+        MAX_MODEL_LEN="2048",
+        DEVICE="cpu",
+        PYTHONPATH=str(REPO),
+        UVICORN_LOG_LEVEL="warning",
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "handler",
+            "--rp_serve_api",
+            "--rp_api_host",
+            "127.0.0.1",
+            "--rp_api_port",
+            str(port),
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    threading.Thread(
+        target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True
+    ).start()
     deadline = time.monotonic() + WAIT_S
 
     def printed_curl() -> str | None:
         ready = [i for i, line in enumerate(lines) if line.startswith("coldbrew: model ready")]
-        after = [line for line in lines[ready[0]:] if line.strip().startswith("curl ")] if ready else []
+        after = (
+            [line for line in lines[ready[0] :] if line.strip().startswith("curl ")]
+            if ready
+            else []
+        )
         return after[0].strip() if after else None
 
     while printed_curl() is None or not _listening(port):
@@ -58,8 +86,11 @@ def local_api(smollm2_dir):
 
 
 def _runsync(base: str, job_input) -> dict:
-    req = urllib.request.Request(f"{base}/runsync", data=json.dumps({"input": job_input}).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{base}/runsync",
+        data=json.dumps({"input": job_input}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=WAIT_S) as resp:
         return json.loads(resp.read())
 
@@ -71,10 +102,15 @@ def test_printed_curl_line_works(local_api, smollm2_dir):
         pytest.skip("curl is not installed")
     argv = shlex.split(curl)
     assert argv[0] == "curl" and f"{base}/runsync" in argv
-    answer = json.loads(subprocess.run(argv, capture_output=True, text=True, timeout=WAIT_S, check=True).stdout)
+    answer = json.loads(
+        subprocess.run(argv, capture_output=True, text=True, timeout=WAIT_S, check=True).stdout
+    )
     job = json.loads(argv[argv.index("-d") + 1])["input"]
-    ref = LLM(model=smollm2_dir, max_model_len=2048, device="cpu").generate(
-        job["prompt"], SamplingParams(**job["sampling_params"]))[0].outputs[0]
+    ref = (
+        LLM(model=smollm2_dir, max_model_len=2048, device="cpu")
+        .generate(job["prompt"], SamplingParams(**job["sampling_params"]))[0]
+        .outputs[0]
+    )
     assert answer["status"] == "COMPLETED"
     assert answer["output"][0]["choices"][0]["tokens"] == [ref.text]
 
@@ -84,10 +120,24 @@ def test_runsync_serves_both_job_shapes_and_survives_bad_input(local_api, smollm
     base, _ = local_api
     bad = _runsync(base, {"prompt": "hi", "sampling_params": {"top_p": 2}})
     assert "sampling_params.top_p" in bad["output"][0]["error"]
-    chat = _runsync(base, {"openai_route": "/v1/chat/completions", "openai_input": {
-        "model": smollm2_dir, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0}})
-    ref = LLM(model=smollm2_dir, max_model_len=2048, device="cpu").chat(
-        [{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    chat = _runsync(
+        base,
+        {
+            "openai_route": "/v1/chat/completions",
+            "openai_input": {
+                "model": smollm2_dir,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 8,
+                "temperature": 0,
+            },
+        },
+    )
+    ref = (
+        LLM(model=smollm2_dir, max_model_len=2048, device="cpu")
+        .chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=8))[0]
+        .outputs[0]
+        .text
+    )
     assert chat["status"] == "COMPLETED"
     assert chat["output"][0]["choices"][0]["message"]["content"] == ref
 
@@ -100,21 +150,40 @@ def test_runsync_serves_the_v2_24_route_form(local_api, smollm2_dir):
     base, _ = local_api
     parts = [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}]
     messages = [{"role": "user", "content": parts}]
-    chat = _runsync(base, {"route": "/v1/chat/completions", "method": "POST",
-                           "body": {"messages": messages, "max_tokens": 8, "temperature": 0}})
-    ref = LLM(model=smollm2_dir, max_model_len=2048, device="cpu").chat(
-        messages, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    chat = _runsync(
+        base,
+        {
+            "route": "/v1/chat/completions",
+            "method": "POST",
+            "body": {"messages": messages, "max_tokens": 8, "temperature": 0},
+        },
+    )
+    ref = (
+        LLM(model=smollm2_dir, max_model_len=2048, device="cpu")
+        .chat(messages, SamplingParams(temperature=0, max_tokens=8))[0]
+        .outputs[0]
+        .text
+    )
     assert chat["status"] == "COMPLETED"
     assert chat["output"][0]["choices"][0]["message"]["content"] == ref
     # The same conversation as a messages job means the same prompt: the text parts joined as the
     # template joins them.
-    as_job = _runsync(base, {"messages": messages,
-                             "sampling_params": {"max_tokens": 8, "temperature": 0}})
+    as_job = _runsync(
+        base, {"messages": messages, "sampling_params": {"max_tokens": 8, "temperature": 0}}
+    )
     assert as_job["output"][0]["choices"][0]["tokens"] == [ref]
     models = _runsync(base, {"route": "/v1/models"})
     assert smollm2_dir in [m["id"] for m in models["output"][0]["data"]]
-    tools = _runsync(base, {"route": "/v1/chat/completions", "body": {
-        "messages": messages, "tools": [{"type": "function", "function": {"name": "f"}}]}})
+    tools = _runsync(
+        base,
+        {
+            "route": "/v1/chat/completions",
+            "body": {
+                "messages": messages,
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+            },
+        },
+    )
     error = tools["output"][0]["error"]
     assert (error["code"], error["param"], error["type"]) == (400, "tools", "invalid_request_error")
     assert "tool calls are not supported" in error["message"]
@@ -127,16 +196,45 @@ def test_runsync_serves_the_v2_24_route_form(local_api, smollm2_dir):
 def test_test_input_runs_one_job_and_exits(smollm2_dir):
     """Off RunPod, `--test_input JSON` (the SDK's flag) runs that one job and prints its result."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_")}
-    env.update(MODEL_NAME=smollm2_dir, MAX_MODEL_LEN="2048", DEVICE="cpu", PYTHONPATH=str(REPO), LOG_LEVEL="WARNING")
-    job = {"input": {"messages": [{"role": "user", "content": "hi"}], "sampling_params": {"max_tokens": 8,
-                                                                                          "temperature": 0}}}
-    done = subprocess.run([sys.executable, "-m", "handler", "--test_input", json.dumps(job)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=WAIT_S)
+    env.update(
+        MODEL_NAME=smollm2_dir,
+        MAX_MODEL_LEN="2048",
+        DEVICE="cpu",
+        PYTHONPATH=str(REPO),
+        LOG_LEVEL="WARNING",
+    )
+    job = {
+        "input": {
+            "messages": [{"role": "user", "content": "hi"}],
+            "sampling_params": {"max_tokens": 8, "temperature": 0},
+        }
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "handler", "--test_input", json.dumps(job)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    ref = LLM(model=smollm2_dir, max_model_len=2048, device="cpu").chat(
-        job["input"]["messages"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    ref = (
+        LLM(model=smollm2_dir, max_model_len=2048, device="cpu")
+        .chat(job["input"]["messages"], SamplingParams(temperature=0, max_tokens=8))[0]
+        .outputs[0]
+        .text
+    )
     assert result["output"][0]["choices"][0]["tokens"] == [ref]
-    bad = subprocess.run([sys.executable, "-m", "handler", "--test_input", '{"input": {"prompt": 1}}'], cwd=REPO,
-                         env=env, capture_output=True, text=True, timeout=WAIT_S)
-    assert bad.returncode == 1 and "input.prompt" in json.loads(bad.stdout.strip().splitlines()[-1])["error"]
+    bad = subprocess.run(
+        [sys.executable, "-m", "handler", "--test_input", '{"input": {"prompt": 1}}'],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
+    assert (
+        bad.returncode == 1
+        and "input.prompt" in json.loads(bad.stdout.strip().splitlines()[-1])["error"]
+    )

@@ -1,8 +1,9 @@
-"""The real runpod SDK worker loop (`python -m handler` in a subprocess) taking jobs from a local queue on loopback:
-both input shapes, streamed or not, concurrent, cancelled, malformed, SIGTERM; outputs equal engine.LLM's greedy ones.
-Also worker-vllm v2.24+'s route/body/method jobs, tools refused, and streams ended with an error
-past the grace period (exit 0).
+"""The real runpod SDK worker loop (`python -m handler` in a subprocess) taking jobs from a local
+queue on loopback: both input shapes, streamed or not, concurrent, cancelled, malformed, SIGTERM;
+outputs equal engine.LLM's greedy ones. Also worker-vllm v2.24+'s route/body/method jobs, tools
+refused, and streams ended with an error past the grace period (exit 0).
 """
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
 from child_process import stop
+from engine import LLM, SamplingParams
 from runpod_jobs_server import RunPodJobServer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,12 +24,29 @@ MAX_MODEL_LEN = 2048
 WAIT_S = 240  # generous: CI shares 2 cores between the worker and the test
 
 
-def _start_worker(server: RunPodJobServer, model_dir: str, log_path: Path, pod_id: str, **env) -> subprocess.Popen:
-    full_env = {**os.environ, **server.env(pod_id), "MODEL_NAME": model_dir, "MAX_MODEL_LEN": str(MAX_MODEL_LEN),
-                "DEVICE": "cpu", "MAX_CONCURRENCY": "4", "PYTHONPATH": str(REPO), **env}
+def _start_worker(
+    server: RunPodJobServer, model_dir: str, log_path: Path, pod_id: str, **env
+) -> subprocess.Popen:
+    full_env = {
+        **os.environ,
+        **server.env(pod_id),
+        "MODEL_NAME": model_dir,
+        "MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+        "DEVICE": "cpu",
+        "MAX_CONCURRENCY": "4",
+        "PYTHONPATH": str(REPO),
+        **env,
+    }
     log = open(log_path, "wb")
-    return subprocess.Popen([sys.executable, "-m", "handler"], cwd=REPO, env=full_env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)  # stop() ends the SDK's heartbeat too
+    # stop() ends the SDK's heartbeat too
+    return subprocess.Popen(
+        [sys.executable, "-m", "handler"],
+        cwd=REPO,
+        env=full_env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +69,8 @@ def worker(smollm2_dir, tmp_path_factory):
 
 def _wait_done(queue, *job_ids, timeout=WAIT_S):
     assert queue.wait_for(lambda: all(queue.done.get(j) for j in job_ids), timeout), (
-        f"no result for {[j for j in job_ids if not queue.done.get(j)]}")
+        f"no result for {[j for j in job_ids if not queue.done.get(j)]}"
+    )
     return [queue.done[j][-1] for j in job_ids]
 
 
@@ -74,23 +93,35 @@ def test_prompt_and_messages_jobs_match_greedy_engine(worker, reference, smollm2
     worker.put("plain", {"prompt": PROMPT, "sampling_params": _greedy(12)})
     worker.put("plain-stream", {"prompt": PROMPT, "sampling_params": _greedy(12), "stream": True})
     worker.put("chat", {"messages": MESSAGES, "sampling_params": _greedy(10)})
-    worker.put("chat-stream", {"messages": MESSAGES, "sampling_params": _greedy(10), "stream": True})
-    plain, plain_stream, chat, chat_stream = _wait_done(worker, "plain", "plain-stream", "chat", "chat-stream")
+    worker.put(
+        "chat-stream", {"messages": MESSAGES, "sampling_params": _greedy(10), "stream": True}
+    )
+    plain, plain_stream, chat, chat_stream = _wait_done(
+        worker, "plain", "plain-stream", "chat", "chat-stream"
+    )
 
-    # Not streamed: one batch holding the whole text, worker-vllm's shape, plus usage and finish_reason (and the
-    # worker's metrics block, checked in test_worker_capacity.py).
+    # Not streamed: one batch holding the whole text, worker-vllm's shape, plus usage and
+    # finish_reason (and the worker's metrics block, checked in test_worker_capacity.py).
     assert plain["output"][0].pop("metrics")["queue_wait_s"] >= 0
-    assert plain["output"] == [{"choices": [{"tokens": [ref.outputs[0].text], "finish_reason": "length"}],
-                                "usage": {"input": len(ref.prompt_token_ids), "output": 12}}]
+    assert plain["output"] == [
+        {
+            "choices": [{"tokens": [ref.outputs[0].text], "finish_reason": "length"}],
+            "usage": {"input": len(ref.prompt_token_ids), "output": 12},
+        }
+    ]
     assert chat["output"][0]["choices"][0]["tokens"] == [ref_chat.outputs[0].text]
-    assert chat["output"][0]["usage"] == {"input": len(ref_chat.prompt_token_ids),
-                                          "output": len(ref_chat.outputs[0].token_ids)}
-    # Streamed: the pieces join into the same text, and the aggregate result repeats the streamed batches.
+    assert chat["output"][0]["usage"] == {
+        "input": len(ref_chat.prompt_token_ids),
+        "output": len(ref_chat.outputs[0].token_ids),
+    }
+    # Streamed: the pieces join into the same text, and the aggregate result repeats the streamed
+    # batches.
     streamed = [post["output"] for post in worker.streams["plain-stream"]]
     assert _text(streamed) == ref.outputs[0].text
     assert plain_stream["output"] == streamed
     assert _text(chat_stream["output"]) == ref_chat.outputs[0].text
-    # Batches grow: >= 1 token (DEFAULT_MIN_BATCH_SIZE), then >= 3, >= 9 ... (factor 3), the last one holds the rest.
+    # Batches grow: >= 1 token (DEFAULT_MIN_BATCH_SIZE), then >= 3, >= 9 ... (factor 3), the last
+    # one holds the rest.
     outs = [b["usage"]["output"] for b in streamed]
     sizes = [outs[0]] + [b - a for a, b in zip(outs, outs[1:])]
     assert len(streamed) >= 3 and sizes[0] >= 1 and sizes[1] >= 3
@@ -99,24 +130,40 @@ def test_prompt_and_messages_jobs_match_greedy_engine(worker, reference, smollm2
 
 @pytest.mark.slow
 def test_openai_route_jobs_match_greedy_engine(worker, reference, smollm2_dir):
-    ref_chat = reference.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    ref_chat = (
+        reference.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    )
     ref = reference.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
     chat = {"model": smollm2_dir, "messages": MESSAGES, "max_tokens": 8, "temperature": 0}
     worker.put("oa-chat", {"openai_route": "/v1/chat/completions", "openai_input": chat})
-    worker.put("oa-chat-stream", {"openai_route": "/v1/chat/completions", "openai_input": {**chat, "stream": True}})
-    worker.put("oa-completion", {"openai_route": "/openai/v1/completions",  # the path RunPod's /openai/v1 uses
-                                 "openai_input": {"model": smollm2_dir, "prompt": PROMPT, "max_tokens": 8,
-                                                  "temperature": 0}})
+    worker.put(
+        "oa-chat-stream",
+        {"openai_route": "/v1/chat/completions", "openai_input": {**chat, "stream": True}},
+    )
+    worker.put(
+        "oa-completion",
+        {
+            "openai_route": "/openai/v1/completions",  # the path RunPod's /openai/v1 uses
+            "openai_input": {
+                "model": smollm2_dir,
+                "prompt": PROMPT,
+                "max_tokens": 8,
+                "temperature": 0,
+            },
+        },
+    )
     worker.put("oa-models", {"openai_route": "/v1/models"})
     res_chat, res_stream, res_completion, res_models = _wait_done(
-        worker, "oa-chat", "oa-chat-stream", "oa-completion", "oa-models")
+        worker, "oa-chat", "oa-chat-stream", "oa-completion", "oa-models"
+    )
 
     assert res_chat["output"][0]["choices"][0]["message"]["content"] == ref_chat
     assert res_completion["output"][0]["choices"][0]["text"] == ref
     assert smollm2_dir in [m["id"] for m in res_models["output"][0]["data"]]
-    # RAW_OPENAI_OUTPUT (default on): each batch is a string of SSE lines; the last one ends in [DONE].
+    # RAW_OPENAI_OUTPUT (default on): each batch is a string of SSE lines; the last one ends in
+    # [DONE].
     raw = "".join(res_stream["output"])
-    events = [line[len("data: "):] for line in raw.split("\n\n") if line]
+    events = [line[len("data: ") :] for line in raw.split("\n\n") if line]
     assert events[-1] == "[DONE]"
     deltas = [json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1]]
     assert "".join(deltas) == ref_chat
@@ -125,14 +172,18 @@ def test_openai_route_jobs_match_greedy_engine(worker, reference, smollm2_dir):
 @pytest.mark.slow
 def test_several_jobs_run_at_once(worker, reference):
     prompts = [f"Write a list of {k} animals:" for k in ("three", "four", "five", "six")]
-    refs = [o.outputs[0].text for o in reference.generate(prompts, SamplingParams(temperature=0, max_tokens=12))]
+    refs = [
+        o.outputs[0].text
+        for o in reference.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
+    ]
     ids = [f"many-{i}" for i in range(len(prompts))]
     start = len(worker.events)
     for job_id, prompt in zip(ids, prompts):
         worker.put(job_id, {"prompt": prompt, "sampling_params": _greedy(12), "stream": True})
     results = _wait_done(worker, *ids)
     assert [_text(r["output"]) for r in results] == refs
-    # Concurrency > 1: at some point several jobs had streamed output and none of them had finished yet.
+    # Concurrency > 1: at some point several jobs had streamed output and none of them had finished
+    # yet.
     open_jobs, most_open = set(), 0
     for kind, job_id in worker.events[start:]:
         if job_id in ids:
@@ -143,8 +194,14 @@ def test_several_jobs_run_at_once(worker, reference):
 
 @pytest.mark.slow
 def test_cancelled_job_stops_and_the_worker_goes_on(worker, reference):
-    worker.put("cancel-me", {"prompt": "Count from one to a thousand:", "stream": True,
-                             "sampling_params": _greedy(1500, ignore_eos=True)})
+    worker.put(
+        "cancel-me",
+        {
+            "prompt": "Count from one to a thousand:",
+            "stream": True,
+            "sampling_params": _greedy(1500, ignore_eos=True),
+        },
+    )
     assert worker.wait_for(lambda: len(worker.streams["cancel-me"]) >= 2, WAIT_S)
     worker.stop("cancel-me")
     worker.put("after-cancel-1", {"prompt": PROMPT, "sampling_params": _greedy(8)})
@@ -154,7 +211,8 @@ def test_cancelled_job_stops_and_the_worker_goes_on(worker, reference):
     (after,) = _wait_done(worker, "after-cancel-2")
     ref = reference.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
     assert after["output"][0]["choices"][0]["tokens"] == [ref]
-    # The stopped job streams no more and never gets a result of its own (RunPod already counts it as cancelled).
+    # The stopped job streams no more and never gets a result of its own (RunPod already counts it
+    # as cancelled).
     assert len(worker.streams["cancel-me"]) == posted
     assert "cancel-me" not in worker.done
     last = worker.streams["cancel-me"][-1]["output"]["usage"]["output"]
@@ -171,25 +229,37 @@ def test_v2_24_route_jobs_answer_as_worker_vllm(worker, reference, smollm2_dir):
     ref = reference.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
     chat = {"model": smollm2_dir, "messages": MESSAGES, "max_tokens": 8, "temperature": 0}
     worker.put("rt-chat", {"route": "/v1/chat/completions", "body": chat})
-    worker.put("rt-stream", {"route": "/v1/chat/completions", "method": "POST",
-                             "body": {**chat, "stream": True}})
-    worker.put("rt-completion", {"route": "/openai/v1/completions",
-                                 "body": {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}})
+    worker.put(
+        "rt-stream",
+        {"route": "/v1/chat/completions", "method": "POST", "body": {**chat, "stream": True}},
+    )
+    worker.put(
+        "rt-completion",
+        {
+            "route": "/openai/v1/completions",
+            "body": {"prompt": PROMPT, "max_tokens": 8, "temperature": 0},
+        },
+    )
     worker.put("rt-models", {"route": "/v1/models"})
     worker.put("rt-get-chat", {"route": "/v1/chat/completions"})
-    worker.put("rt-tools", {"route": "/v1/chat/completions",
-                            "body": {**chat, "tools": [{"type": "function"}]}})
+    worker.put(
+        "rt-tools",
+        {"route": "/v1/chat/completions", "body": {**chat, "tools": [{"type": "function"}]}},
+    )
     res_chat, res_stream, res_completion, res_models, res_get, res_tools = _wait_done(
-        worker, "rt-chat", "rt-stream", "rt-completion", "rt-models", "rt-get-chat", "rt-tools")
+        worker, "rt-chat", "rt-stream", "rt-completion", "rt-models", "rt-get-chat", "rt-tools"
+    )
     assert res_chat["output"][0]["choices"][0]["message"]["content"] == ref_chat
     assert res_completion["output"][0]["choices"][0]["text"] == ref
     assert smollm2_dir in [m["id"] for m in res_models["output"][0]["data"]]
-    events = [e[len("data: "):] for e in "".join(res_stream["output"]).split("\n\n") if e]
+    events = [e[len("data: ") :] for e in "".join(res_stream["output"]).split("\n\n") if e]
     assert events[-1] == "[DONE]"
     deltas = [json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1]]
     assert "".join(deltas) == ref_chat
-    for result, param, words in ((res_get, "method", "GET"),
-                                 (res_tools, "tools", "tool calls are not supported")):
+    for result, param, words in (
+        (res_get, "method", "GET"),
+        (res_tools, "tools", "tool calls are not supported"),
+    ):
         assert "output" not in result or not result["output"]
         assert f"'param': '{param}'" in result["error"] and words in result["error"], result
 
@@ -199,25 +269,51 @@ MALFORMED = {
     "bad-prompt-type": ({"prompt": 5}, "input.prompt"),
     "bad-both": ({"prompt": "x", "messages": MESSAGES}, "exactly one of 'prompt' or 'messages'"),
     "bad-neither": ({"stream": True}, "exactly one of 'prompt' or 'messages'"),
-    "bad-temperature": ({"prompt": "x", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
-    "bad-sampling-key": ({"prompt": "x", "sampling_params": {"temprature": 1}}, "sampling_params.temprature"),
+    "bad-temperature": (
+        {"prompt": "x", "sampling_params": {"temperature": -1}},
+        "sampling_params.temperature",
+    ),
+    "bad-sampling-key": (
+        {"prompt": "x", "sampling_params": {"temprature": 1}},
+        "sampling_params.temprature",
+    ),
     "bad-field": ({"promt": "x"}, "input.promt: unknown field"),
     "bad-route": ({"openai_route": "/v1/embeddings", "openai_input": {}}, "input.openai_route"),
-    "bad-openai-input": ({"openai_route": "/v1/chat/completions", "openai_input": {"messages": "hi"}}, "messages"),
-    "bad-too-long": ({"prompt": "hello " * 3000, "sampling_params": _greedy(8)}, str(MAX_MODEL_LEN)),
-    "bad-max-tokens": ({"prompt": "x", "sampling_params": {"max_tokens": 10 ** 9}},
-                       "input.sampling_params.max_tokens: "),
-    "bad-surrogate": ({"messages": [{"role": "user", "content": "a\ud800"}]},
-                      "input.messages[0].content: invalid"),
-    "bad-tools": ({"messages": MESSAGES, "tools": [{"type": "function"}]},
-                  "input.tools: tool calls are not"),
-    "bad-tool-turn": ({"messages": [*MESSAGES, {"role": "tool", "content": "4"}]},
-                      "input.messages[1].role: 'tool'"),
-    "bad-oa-tool-choice": ({"openai_route": "/v1/chat/completions",
-                            "openai_input": {"messages": MESSAGES, "tool_choice": "required"}},
-                           "input.openai_input.tool_choice: tool calls are not"),
-    "bad-oa-missing": ({"openai_route": "/v1/chat/completions", "openai_input": {"max_tokens": 2}},
-                       "input.openai_input.messages: field required"),
+    "bad-openai-input": (
+        {"openai_route": "/v1/chat/completions", "openai_input": {"messages": "hi"}},
+        "messages",
+    ),
+    "bad-too-long": (
+        {"prompt": "hello " * 3000, "sampling_params": _greedy(8)},
+        str(MAX_MODEL_LEN),
+    ),
+    "bad-max-tokens": (
+        {"prompt": "x", "sampling_params": {"max_tokens": 10**9}},
+        "input.sampling_params.max_tokens: ",
+    ),
+    "bad-surrogate": (
+        {"messages": [{"role": "user", "content": "a\ud800"}]},
+        "input.messages[0].content: invalid",
+    ),
+    "bad-tools": (
+        {"messages": MESSAGES, "tools": [{"type": "function"}]},
+        "input.tools: tool calls are not",
+    ),
+    "bad-tool-turn": (
+        {"messages": [*MESSAGES, {"role": "tool", "content": "4"}]},
+        "input.messages[1].role: 'tool'",
+    ),
+    "bad-oa-tool-choice": (
+        {
+            "openai_route": "/v1/chat/completions",
+            "openai_input": {"messages": MESSAGES, "tool_choice": "required"},
+        },
+        "input.openai_input.tool_choice: tool calls are not",
+    ),
+    "bad-oa-missing": (
+        {"openai_route": "/v1/chat/completions", "openai_input": {"max_tokens": 2}},
+        "input.openai_input.messages: field required",
+    ),
 }
 
 
@@ -246,21 +342,39 @@ def test_every_job_got_exactly_one_result(worker):
 
 
 @pytest.mark.slow
-def test_sigterm_past_the_grace_period_ends_streams_with_an_error_then_exits_0(smollm2_dir,
-                                                                              tmp_path):
+def test_sigterm_past_the_grace_period_ends_streams_with_an_error_then_exits_0(
+    smollm2_dir, tmp_path
+):
     """Past SHUTDOWN_GRACE_S the jobs in flight end: a worker-vllm batch stream with the job's
     error, an OpenAI SSE stream with an error event and [DONE] as its last batch (then the error);
     then the process exits 0."""
     count = "Count from one to a thousand:"
     with RunPodJobServer() as server:
         queue = server.queue
-        proc = _start_worker(server, smollm2_dir, tmp_path / "worker.log", "pod-grace",
-                             SHUTDOWN_GRACE_S="1")
+        proc = _start_worker(
+            server, smollm2_dir, tmp_path / "worker.log", "pod-grace", SHUTDOWN_GRACE_S="1"
+        )
         try:
-            queue.put("batches", {"prompt": count, "stream": True,
-                                  "sampling_params": _greedy(1500, ignore_eos=True)})
-            queue.put("sse", {"openai_route": "/v1/completions", "openai_input": {
-                "prompt": count, "stream": True, "max_tokens": 1500, "ignore_eos": True}})
+            queue.put(
+                "batches",
+                {
+                    "prompt": count,
+                    "stream": True,
+                    "sampling_params": _greedy(1500, ignore_eos=True),
+                },
+            )
+            queue.put(
+                "sse",
+                {
+                    "openai_route": "/v1/completions",
+                    "openai_input": {
+                        "prompt": count,
+                        "stream": True,
+                        "max_tokens": 1500,
+                        "ignore_eos": True,
+                    },
+                },
+            )
             both = lambda: queue.streams["batches"] and queue.streams["sse"]  # noqa: E731
             started = queue.wait_for(both, WAIT_S)
             assert started, (tmp_path / "worker.log").read_text()
@@ -285,16 +399,27 @@ def test_sigterm_drains_in_flight_jobs_and_takes_no_new_ones(smollm2_dir, refere
         queue = server.queue
         proc = _start_worker(server, smollm2_dir, tmp_path / "worker.log", "pod-drain")
         try:
-            queue.put("in-flight", {"prompt": PROMPT, "sampling_params": _greedy(12), "stream": True})
-            assert queue.wait_for(lambda: queue.streams["in-flight"], WAIT_S), (tmp_path / "worker.log").read_text()
+            queue.put(
+                "in-flight", {"prompt": PROMPT, "sampling_params": _greedy(12), "stream": True}
+            )
+            assert queue.wait_for(lambda: queue.streams["in-flight"], WAIT_S), (
+                tmp_path / "worker.log"
+            ).read_text()
             proc.send_signal(signal.SIGTERM)
-            # A job-take poll already open when the signal lands may still return a job; give it time to end.
-            assert not queue.wait_for(lambda: proc.poll() is not None and not queue.done.get("in-flight"), 1.5)
+            # A job-take poll already open when the signal lands may still return a job; give it
+            # time to end.
+            assert not queue.wait_for(
+                lambda: proc.poll() is not None and not queue.done.get("in-flight"), 1.5
+            )
             queue.put("after-sigterm", {"prompt": PROMPT, "sampling_params": _greedy(8)})
             assert proc.wait(WAIT_S) == 0, (tmp_path / "worker.log").read_text()[-3000:]
         finally:
             stop(proc)
-        ref = reference.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
+        ref = (
+            reference.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12))[0]
+            .outputs[0]
+            .text
+        )
         assert len(queue.done["in-flight"]) == 1
         assert _text(queue.done["in-flight"][0].get("output", [])) == ref, queue.done["in-flight"]
         assert "after-sigterm" not in queue.taken

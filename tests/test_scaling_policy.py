@@ -1,6 +1,7 @@
-"""The scaling policy as a pure function: bursts, idle, booting workers, capacity changes, keep-alive from idle gaps,
-bounds, and a brute-force check of the ski-rental keep-warm horizon.
+"""The scaling policy as a pure function: bursts, idle, booting workers, capacity changes,
+keep-alive from idle gaps, bounds, and a brute-force check of the ski-rental keep-warm horizon.
 """
+
 from __future__ import annotations
 
 import math
@@ -8,13 +9,29 @@ import math
 import numpy as np
 import pytest
 
-from scaling.policy import (Decision, IdleGaps, Observation, PolicyConfig, decide, keep_warm_horizon,
-                            predicted_backlog)
+from scaling.policy import (
+    Decision,
+    IdleGaps,
+    Observation,
+    PolicyConfig,
+    decide,
+    keep_warm_horizon,
+    predicted_backlog,
+)
 
 
 def obs(**kw) -> Observation:
-    base = dict(in_queue=0, in_progress=0, workers_ready=0, workers_booting=0, workers_idle=0,
-                capacity_per_worker=128.0, arrival_rate=0.0, mean_service_s=8.0, cold_start_s=30.0)
+    base = dict(
+        in_queue=0,
+        in_progress=0,
+        workers_ready=0,
+        workers_booting=0,
+        workers_idle=0,
+        capacity_per_worker=128.0,
+        arrival_rate=0.0,
+        mean_service_s=8.0,
+        cold_start_s=30.0,
+    )
     base.update(kw)
     return Observation(**base)
 
@@ -25,7 +42,8 @@ CFG = PolicyConfig()
 def test_a_burst_into_an_empty_endpoint_starts_enough_workers_at_once():
     d = decide(obs(in_queue=300), CFG)
     assert isinstance(d, Decision)
-    assert d.desired_workers == math.ceil(300 / (128 * CFG.target_utilization))  # 3, not one at a time
+    # 3, not one at a time
+    assert d.desired_workers == math.ceil(300 / (128 * CFG.target_utilization))
     assert decide(obs(in_queue=1), CFG).desired_workers == 1
 
 
@@ -42,11 +60,25 @@ def test_booting_workers_count_as_capacity_on_its_way():
 
 def test_a_queue_the_fleet_clears_within_one_cold_start_adds_no_worker():
     # one full worker, 20 queued, 1 s per request: gone in well under the 120 s a new worker needs
-    o = obs(in_queue=20, in_progress=128, workers_ready=1, mean_service_s=1.0, cold_start_s=120.0, arrival_rate=1.0)
+    o = obs(
+        in_queue=20,
+        in_progress=128,
+        workers_ready=1,
+        mean_service_s=1.0,
+        cold_start_s=120.0,
+        arrival_rate=1.0,
+    )
     assert predicted_backlog(o) == 0
     assert decide(o, CFG).desired_workers == 1
     # the same queue with a 60 s service time outlives a 5 s cold start: scale up
-    o = obs(in_queue=200, in_progress=128, workers_ready=1, mean_service_s=60.0, cold_start_s=5.0, arrival_rate=1.0)
+    o = obs(
+        in_queue=200,
+        in_progress=128,
+        workers_ready=1,
+        mean_service_s=60.0,
+        cold_start_s=5.0,
+        arrival_rate=1.0,
+    )
     assert predicted_backlog(o) > 0
     assert decide(o, CFG).desired_workers >= 2
 
@@ -111,8 +143,13 @@ def test_keep_alive_follows_the_idle_gap_history():
 @pytest.mark.parametrize("seed", range(6))
 def test_keep_warm_horizon_is_the_best_fixed_keep_alive_by_brute_force(seed):
     rng = np.random.default_rng(seed)
-    gaps = tuple(float(g) for g in rng.lognormal(mean=3.5, sigma=1.2, size=int(rng.integers(5, 60))))
-    cold, cfg = float(rng.choice([5.0, 30.0, 120.0])), PolicyConfig(wait_cost_weight=float(rng.choice([0, 2, 8, 32])))
+    gaps = tuple(
+        float(g) for g in rng.lognormal(mean=3.5, sigma=1.2, size=int(rng.integers(5, 60)))
+    )
+    cold, cfg = (
+        float(rng.choice([5.0, 30.0, 120.0])),
+        PolicyConfig(wait_cost_weight=float(rng.choice([0, 2, 8, 32]))),
+    )
     penalty = cold * (1 + cfg.wait_cost_weight)
     unseen = min(max(2 * max(gaps), penalty), cfg.max_keep_alive_s)
     g = np.array(gaps + (unseen,))
@@ -132,10 +169,18 @@ def test_bounds():
     assert decide(obs(), PolicyConfig(min_workers=1, max_workers=3)).desired_workers == 1
 
 
-@pytest.mark.parametrize("field,value", [
-    ("target_utilization", 0.0), ("target_utilization", 1.5), ("max_workers", 0), ("min_workers", -1),
-    ("latency_budget_s", -1.0), ("wait_cost_weight", -0.5), ("max_keep_alive_s", -1.0),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("target_utilization", 0.0),
+        ("target_utilization", 1.5),
+        ("max_workers", 0),
+        ("min_workers", -1),
+        ("latency_budget_s", -1.0),
+        ("wait_cost_weight", -0.5),
+        ("max_keep_alive_s", -1.0),
+    ],
+)
 def test_bad_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         PolicyConfig(**{field: value})

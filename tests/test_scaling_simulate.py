@@ -1,6 +1,8 @@
-"""The trace simulator on short slices of the Azure traces: every request served exactly once, FIFO, never more
-requests on a worker than its capacity, billing adds up, and scale-down saves idle time; the CLI's --quick run.
+"""The trace simulator on short slices of the Azure traces: every request served exactly once, FIFO,
+never more requests on a worker than its capacity, billing adds up, and scale-down saves idle time;
+the CLI's --quick run.
 """
+
 from __future__ import annotations
 
 import csv
@@ -33,7 +35,9 @@ def test_traces_match_the_csv_files(traces):
             rows = list(csv.DictReader(f))
         assert len(trace) == len(rows)
         assert trace.arrival_s[0] == 0 and np.all(np.diff(trace.arrival_s) >= 0)
-        assert sorted(trace.generated_tokens.tolist()) == sorted(int(r["GeneratedTokens"]) for r in rows)
+        assert sorted(trace.generated_tokens.tolist()) == sorted(
+            int(r["GeneratedTokens"]) for r in rows
+        )
         fast = trace.time_scaled(4.0)
         assert fast.span_s == pytest.approx(trace.span_s / 4)
     with pytest.raises(ValueError, match="trace"):
@@ -44,7 +48,8 @@ def test_worker_model_reads_the_benchmark_json(model):
     data = json.loads(SERVING_JSON.read_text())
     levels = data["online"]["levels"]
     assert model.capacity == max(lv["concurrency"] for lv in levels)
-    for lv in levels:  # at every measured level the model gives back the measured per-request rate and TTFT
+    # at every measured level the model gives back the measured per-request rate and TTFT
+    for lv in levels:
         c = lv["concurrency"]
         assert model.decode_tok_s[c] == pytest.approx(lv["output_tok_s"] / c)
         assert model.ttft_s[c] == pytest.approx(lv["ttft_ms"]["p50"] / 1000)
@@ -59,7 +64,9 @@ def interval_overlap_max(starts: np.ndarray, ends: np.ndarray) -> int:
 
 @pytest.mark.parametrize("name", list(POLICIES))
 @pytest.mark.parametrize("trace_name,cold", [("code", 30.0), ("conv", 5.0)])
-def test_every_request_is_served_once_in_order_within_capacity(traces, model, name, trace_name, cold):
+def test_every_request_is_served_once_in_order_within_capacity(
+    traces, model, name, trace_name, cold
+):
     trace = traces[trace_name].head(600.0)
     knob, default, _, make = POLICIES[name]
     res = simulate_run(trace, model, make(default, 8), cold, initial_workers=0)
@@ -89,18 +96,26 @@ def test_never_scaling_down_bills_more_idle_than_scaling_down(traces, model):
     trace = traces["code"].head(1200.0)
     forever = simulate_run(trace, model, FixedKeepAlive(keep_alive_s=1e9), 5.0, initial_workers=1)
     brief = simulate_run(trace, model, FixedKeepAlive(keep_alive_s=5.0), 5.0, initial_workers=1)
-    ours = simulate_run(trace, model, Ours(PolicyConfig(wait_cost_weight=0.0)), 5.0, initial_workers=1)
+    ours = simulate_run(
+        trace, model, Ours(PolicyConfig(wait_cost_weight=0.0)), 5.0, initial_workers=1
+    )
     assert forever.cold_starts == 0
     assert forever.idle_s > brief.idle_s and forever.idle_s > ours.idle_s
     assert forever.billed_s > brief.billed_s
-    # scaling down is paid for in cold starts and in the wait of whoever arrives into a cold endpoint
+    # scaling down is paid for in cold starts and in the wait of whoever arrives into a cold
+    # endpoint
     assert brief.cold_starts > 0 and brief.queue_wait_s.max() > forever.queue_wait_s.max()
 
 
 def test_a_longer_cold_start_costs_latency_and_ours_answers_with_longer_keep_warm(traces, model):
     trace = traces["code"].head(900.0)
-    fixed = [simulate_run(trace, model, FixedKeepAlive(keep_alive_s=30.0), c).metrics() for c in (5.0, 120.0)]
-    assert fixed[1]["ttft_p99_s"] > fixed[0]["ttft_p99_s"] and fixed[1]["slo_5s"] < fixed[0]["slo_5s"]
+    fixed = [
+        simulate_run(trace, model, FixedKeepAlive(keep_alive_s=30.0), c).metrics()
+        for c in (5.0, 120.0)
+    ]
+    assert (
+        fixed[1]["ttft_p99_s"] > fixed[0]["ttft_p99_s"] and fixed[1]["slo_5s"] < fixed[0]["slo_5s"]
+    )
     ours = [simulate_run(trace, model, Ours(), c) for c in (5.0, 120.0)]
     assert ours[1].idle_s > ours[0].idle_s  # a dearer cold start is worth more warm idle time
     assert ours[1].cold_starts < ours[0].cold_starts
@@ -114,7 +129,8 @@ def test_quick_cli_writes_table_json_and_plot(tmp_path, capsys):
     assert {r["policy"] for r in rows} == set(POLICIES)
     assert {r["cold_start_s"] for r in rows} == {5.0, 30.0}
     for r in rows:
-        assert r["gpu_s"] == pytest.approx(r["boot_s"] + r["busy_s"] + r["idle_s"], rel=1e-4)  # 5 digits kept
+        # 5 digits kept
+        assert r["gpu_s"] == pytest.approx(r["boot_s"] + r["busy_s"] + r["idle_s"], rel=1e-4)
         assert 0 <= r["slo_2s"] <= r["slo_5s"] <= 1
         assert r["queue_wait_p50_s"] <= r["queue_wait_p99_s"] and r["ttft_p50_s"] <= r["ttft_p99_s"]
     assert comparisons and all(c["verdict"] for c in comparisons)

@@ -1,4 +1,6 @@
-"""Unit tests of the scheduler's policy: token budget, chunked prefill, FCFS, preemption (no model)."""
+"""Unit tests of the scheduler's policy: token budget, chunked prefill, FCFS, preemption (no
+model)."""
+
 from __future__ import annotations
 
 from engine.kv import KVCacheManager
@@ -8,7 +10,8 @@ from test_kv import make_seq
 
 
 def advance(sched: Scheduler, out, token: int = 1) -> None:
-    """Pretend the model ran: mark the scheduled tokens computed and append `token` where the step samples."""
+    """Pretend the model ran: mark the scheduled tokens computed and append `token` where the step
+    samples."""
     for s in out.scheduled:
         completes = s.completes
         s.seq.num_computed_tokens += s.num_new_tokens

@@ -4,6 +4,7 @@ healthy, 204 initializing, other: unhealthy; runpod/docs serverless/load-balanci
 explicit --host/--port win. Real processes and a real HTTP client (httpx); the health port's
 answers also against a stand-in for the server's own /ping.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,12 +32,18 @@ class _Serve:
     """`python -m handler serve ARGS` with `env` added; its output kept as it arrives."""
 
     def __init__(self, env: dict[str, str], *args: str):
-        inherited = {k: v for k, v in os.environ.items()
-                     if not k.startswith(("MODEL_", "PORT", "RUNPOD_"))}
+        inherited = {
+            k: v for k, v in os.environ.items() if not k.startswith(("MODEL_", "PORT", "RUNPOD_"))
+        }
         full_env = {**inherited, **env, "PYTHONPATH": str(REPO), "DEVICE": "cpu"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "handler", "serve", *args], cwd=REPO,
-                                     env=full_env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "handler", "serve", *args],
+            cwd=REPO,
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: list[str] = []
         threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
 
@@ -72,8 +79,14 @@ def _ping_until_ready(url: str, proc: subprocess.Popen) -> list[int | None]:
 @pytest.mark.slow
 def test_port_and_port_health_as_runpod_load_balancing_sets_them(smollm2_dir):
     port, health = free_port(), free_port()
-    serve = _Serve({"PORT": str(port), "PORT_HEALTH": str(health), "MODEL_NAME": smollm2_dir,
-                    "MAX_MODEL_LEN": "2048"})
+    serve = _Serve(
+        {
+            "PORT": str(port),
+            "PORT_HEALTH": str(health),
+            "MODEL_NAME": smollm2_dir,
+            "MAX_MODEL_LEN": "2048",
+        }
+    )
     try:
         seen = _ping_until_ready(f"http://127.0.0.1:{health}/ping", serve.proc)
         answered = [s for s in seen if s is not None]
@@ -93,8 +106,13 @@ def test_port_and_port_health_as_runpod_load_balancing_sets_them(smollm2_dir):
 
 def test_explicit_host_and_port_win_over_port():
     port, explicit = free_port(), free_port()
-    serve = _Serve({"PORT": str(port), "MODEL_NAME": "/nonexistent/model"},
-                   "--host", "127.0.0.1", "--port", str(explicit))
+    serve = _Serve(
+        {"PORT": str(port), "MODEL_NAME": "/nonexistent/model"},
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(explicit),
+    )
     try:
         serve.wait_for_line(rf"OpenAI server on http://127\.0\.0\.1:{explicit}/v1")
         assert serve.proc.wait(WAIT_S) == 1  # the model can't load: the server stops, non-zero
@@ -105,8 +123,14 @@ def test_explicit_host_and_port_win_over_port():
 
 def test_a_health_port_needs_a_known_server_port():
     env = {**os.environ, "PORT_HEALTH": str(free_port()), "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "handler", "serve", "--port", "0"], cwd=REPO,
-                          capture_output=True, text=True, timeout=WAIT_S, env=env)
+    done = subprocess.run(
+        [sys.executable, "-m", "handler", "serve", "--port", "0"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        env=env,
+    )
     assert done.returncode != 0 and "PORT_HEALTH" in done.stderr and "--port" in done.stderr
 
 

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from child_process import stop
 
 REPO = Path(__file__).resolve().parent.parent
@@ -83,8 +84,14 @@ def _events(log: Path, pid: int) -> list[tuple[float, str, str]]:
 
 def _python(code: str) -> str:
     """`python -c code` from the repo root: its stdout, stripped (fails the test if it fails)."""
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout.strip()
 
@@ -95,8 +102,11 @@ def _first(events, event: str, detail: str | None = None) -> float | None:
 
 def _seen(events) -> set[str]:
     """The modules imported, plus "weights" once the stream process started or the prefetch read."""
-    return {d if e == "import" else "weights" for _, e, d in events
-            if e in ("import", "stream_process", "prefetch_read")}
+    return {
+        d if e == "import" else "weights"
+        for _, e, d in events
+        if e in ("import", "stream_process", "prefetch_read")
+    }
 
 
 def _run_until(argv: list[str], own: str, model_dir: str, tmp_path: Path) -> list:
@@ -106,14 +116,25 @@ def _run_until(argv: list[str], own: str, model_dir: str, tmp_path: Path) -> lis
     site.mkdir()
     (site / "sitecustomize.py").write_text(_SITECUSTOMIZE)
     log = tmp_path / "order.log"
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RUNPOD_", "MODEL_", "TOKENIZER_"))}
-    env.update(MODEL_NAME=model_dir, CACHE_DIR=str(tmp_path / "cache"), START_ORDER_LOG=str(log),
-               PYTHONPATH=os.pathsep.join([str(site), str(REPO), env.get("PYTHONPATH", "")]))
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("RUNPOD_", "MODEL_", "TOKENIZER_"))
+    }
+    env.update(
+        MODEL_NAME=model_dir,
+        CACHE_DIR=str(tmp_path / "cache"),
+        START_ORDER_LOG=str(log),
+        PYTHONPATH=os.pathsep.join([str(site), str(REPO), env.get("PYTHONPATH", "")]),
+    )
     output = tmp_path / "entry.log"
     with open(output, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "handler", *argv], cwd=REPO, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "handler", *argv],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + WAIT_S
         while not {"torch", own, "weights"} <= _seen(_events(log, proc.pid)):
@@ -171,11 +192,12 @@ def test_on_a_gpu_the_stream_process_starts_before_torch(tmp_path):
         pytest.skip("needs CUDA")
     pytest.importorskip("fastapi")  # the server's own dependencies (gpu-check needs only torch's)
     model_dir = str(tmp_path / "model")
+    # writes the pack
     code = (
         "from tests.tiny_models import make_tiny_model\nfrom engine import LLM\n"
         f"make_tiny_model('llama', {model_dir!r})\n"
         f"LLM(model={model_dir!r}, dtype='float32', device='cuda', num_kv_blocks=16)\n"
-    )  # writes the pack
+    )
     _python(code)
     argv = ["serve", "--host", "127.0.0.1", "--port", str(_free_port())]
     events = _run_until(argv, "fastapi", model_dir, tmp_path)

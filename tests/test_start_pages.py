@@ -1,5 +1,7 @@
-"""The start path's page record: what a process mapped and imported, with its resident ranges, read back into the
-page cache. References: /proc/self/maps and sys.modules of a real child process, and mincore after the read."""
+"""The start path's page record: what a process mapped and imported, with its resident ranges, read
+back into the page cache. References: /proc/self/maps and sys.modules of a real child process, and
+mincore after the read."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +18,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 def _record_in_child(path: str, imports: str) -> None:
     code = f"import {imports}; from cache.start_pages import record; record({path!r})"
-    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120,
-                   env=dict(os.environ, PYTHONPATH=str(REPO)))
+    subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        check=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
 
 
 def test_a_record_holds_the_mapped_libraries_and_imported_modules_with_their_pages(tmp_path):
@@ -27,7 +34,8 @@ def test_a_record_holds_the_mapped_libraries_and_imported_modules_with_their_pag
     files = {name: ranges for name, ranges in data["files"]}
     import safetensors
 
-    assert any(n.endswith(".so") and "safetensors" in n for n in files)  # mapped: the extension module
+    # mapped: the extension module
+    assert any(n.endswith(".so") and "safetensors" in n for n in files)
     import importlib.util
 
     pyc = importlib.util.cache_from_source(safetensors.__file__)  # imported: its bytecode was read
@@ -35,9 +43,12 @@ def test_a_record_holds_the_mapped_libraries_and_imported_modules_with_their_pag
     assert any("sqlite3" in n for n in files)
     for name, ranges in files.items():
         size = os.path.getsize(name)
-        assert ranges and all(off % os.sysconf("SC_PAGE_SIZE") == 0 and n > 0 for off, n in ranges), name
+        assert ranges and all(
+            off % os.sysconf("SC_PAGE_SIZE") == 0 and n > 0 for off, n in ranges
+        ), name
         assert all(off + n <= size + os.sysconf("SC_PAGE_SIZE") for off, n in ranges), name
-        assert all(a[0] + a[1] < b[0] for a, b in zip(ranges, ranges[1:])), name  # sorted, merged, disjoint
+        # sorted, merged, disjoint
+        assert all(a[0] + a[1] < b[0] for a, b in zip(ranges, ranges[1:])), name
     assert data["bytes"] == sum(n for r in files.values() for _, n in r)
 
 
@@ -56,8 +67,13 @@ def test_the_files_opened_for_reading_while_watched_join_the_record(tmp_path):
         f"open({str(names['later.txt'])!r}).read()\n"
         f"start_pages.record({str(tmp_path / 'pages.json')!r})\n"
     )
-    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120,
-                   env=dict(os.environ, PYTHONPATH=str(REPO)))
+    subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        check=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     recorded = {name for name, _ in json.load(open(tmp_path / "pages.json"))["files"]}
     assert str(names["METADATA"]) in recorded
     assert not {str(names[n]) for n in ("written.txt", "model.safetensors", "later.txt")} & recorded
@@ -69,17 +85,23 @@ def test_reading_a_record_fills_the_page_cache_and_skips_what_is_gone(tmp_path):
     with open(blob, "rb") as f:
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     page = os.sysconf("SC_PAGE_SIZE")
-    record = {"format": start_pages.FORMAT, "bytes": 0,
-              "files": [[str(tmp_path / "gone.so"), [[0, page]]], [str(blob), [[0, 2 << 20]]]]}
+    record = {
+        "format": start_pages.FORMAT,
+        "bytes": 0,
+        "files": [[str(tmp_path / "gone.so"), [[0, page]]], [str(blob), [[0, 2 << 20]]]],
+    }
     path = tmp_path / "pages.json"
     path.write_text(json.dumps(record))
-    assert start_pages.read(str(path)) == 2 << 20  # the missing file is skipped, the other read in full
+    # the missing file is skipped, the other read in full
+    assert start_pages.read(str(path)) == 2 << 20
     assert resident_fraction(str(blob), 0, 2 << 20) == 1.0
 
 
 def test_an_unreadable_or_foreign_record_reads_nothing(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
-    (tmp_path / "old.json").write_text(json.dumps({"format": 999, "files": [["/etc/hostname", [[0, 4096]]]]}))
+    (tmp_path / "old.json").write_text(
+        json.dumps({"format": 999, "files": [["/etc/hostname", [[0, 4096]]]]})
+    )
     assert start_pages.read(str(tmp_path / "bad.json")) == 0
     assert start_pages.read(str(tmp_path / "old.json")) == 0
     assert start_pages.read(str(tmp_path / "missing.json")) == 0

@@ -126,9 +126,8 @@ def test_spec_refuses_bad_values_naming_the_field(kwargs, message):
 
 def test_spec_key_separates_what_compiles_differently():
     a = StructuredOutputs(json={"type": "object"})
-    assert (
-        a.key == StructuredOutputs(json='{"type": "object"}').key
-    )  # dict or its text: one grammar
+    # dict or its text: one grammar
+    assert a.key == StructuredOutputs(json='{"type": "object"}').key
     assert a.key != StructuredOutputs(json={"type": "object"}, disable_any_whitespace=True).key
     assert a.key != StructuredOutputs(json={"type": "object"}, whitespace_pattern=" ?").key
     assert a.key != StructuredOutputs(regex='{"type": "object"}').key
@@ -207,9 +206,8 @@ def test_a_valid_document_is_accepted_token_by_token_and_each_token_was_allowed(
         assert matcher.accept(t), matcher.error
     assert matcher.can_end and matcher.is_finished
     backend.fill_bitmask(bitmask, [matcher])
-    assert allowed_ids(bitmask[0]) == {
-        tok.eos_token_id
-    }  # complete: only the end of sequence is left
+    # complete: only the end of sequence is left
+    assert allowed_ids(bitmask[0]) == {tok.eos_token_id}
     assert matcher.accept(tok.eos_token_id) and matcher.error is None
 
 
@@ -279,9 +277,8 @@ def test_batch_fill_matches_one_row_at_a_time_and_leaves_free_rows_open(backend,
 
 
 def test_start_after_token_leaves_the_row_free_until_that_token(backend, tok):
-    end_think = tok.encode("</", add_special_tokens=False)[
-        0
-    ]  # any single token stands for </think>
+    # any single token stands for </think>
+    end_think = tok.encode("</", add_special_tokens=False)[0]
     matcher = backend.compile(StructuredOutputs(choice=["yes", "no"])).matcher(
         start_after_token=end_think
     )

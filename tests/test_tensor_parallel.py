@@ -3,6 +3,7 @@ plans broadcast, sampling on rank 0) and must give what one process gives, in fl
 prefix caching, preemption, async scheduling, chunked prefill and seeded sampling; each rank's pack
 holds its slice and the slices reassemble to the full weights; a rank that dies fails the requests
 in flight."""
+
 from __future__ import annotations
 
 import asyncio
@@ -37,15 +38,22 @@ def llama_dir(tmp_path_factory) -> str:
 def _engine_kwargs(**extra) -> dict:
     # Few blocks: the batch does not fit, so the scheduler preempts; a small token budget chunks the
     # prefills.
-    defaults = dict(dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=16,
-                    max_num_batched_tokens=16, enable_prefix_caching=True,
-                    load_format="safetensors")
+    defaults = dict(
+        dtype="float32",
+        device="cpu",
+        block_size=BLOCK,
+        num_kv_blocks=16,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=True,
+        load_format="safetensors",
+    )
     return {**defaults, **extra}
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=5,
-                          prompt_logprobs=5)
+    return SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=5, prompt_logprobs=5
+    )
 
 
 def _assert_same(ref, got) -> None:
@@ -65,8 +73,9 @@ def _assert_same(ref, got) -> None:
 
 def test_tp2_matches_tp1_through_the_engine(llama_dir):
     prompts = [PREFIX + [100 + i, 7, 8 + i] for i in range(3)] + [[3, 4, 5]]
-    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True,
-                            logprobs=2)
+    seeded = SamplingParams(
+        temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True, logprobs=2
+    )
     params = [_greedy(12), _greedy(12), seeded, _greedy(12)]
     single = LLM(model=llama_dir, **_engine_kwargs())
     ref = single.generate(prompts, params)
@@ -85,8 +94,9 @@ def test_tp2_matches_tp1_through_the_engine(llama_dir):
     assert stats.prefix_cache_hit_tokens == ref_stats.prefix_cache_hit_tokens > 0
 
 
-@pytest.mark.parametrize("family, config", [("mistral", {}), ("qwen3-tied", {}),
-                                            ("llama", {"attention_bias": True})])
+@pytest.mark.parametrize(
+    "family, config", [("mistral", {}), ("qwen3-tied", {}), ("llama", {"attention_bias": True})]
+)
 def test_each_family_splits(family, config, tmp_path):
     """mistral: one KV head (replicated on both ranks) and a sliding window; qwen3-tied: per-head
     q/k norms, head_dim 32, a vocabulary-parallel lm_head tied to the embedding; llama with
@@ -119,8 +129,11 @@ def _unshard(cfg: ModelConfig, ranks: list[dict[str, torch.Tensor]]) -> dict[str
         if name in ("embed_tokens.weight", "lm_head.weight"):
             full[name] = torch.cat(parts)[: cfg.vocab_size]
         elif ".qkv_proj." in name:
-            full[name] = torch.cat([p[:q] for p in parts] + [parts[r][q : q + kv] for r in owners]
-                                   + [parts[r][q + kv :] for r in owners])
+            full[name] = torch.cat(
+                [p[:q] for p in parts]
+                + [parts[r][q : q + kv] for r in owners]
+                + [parts[r][q + kv :] for r in owners]
+            )
         elif name.endswith(("o_proj.weight", "down_proj.weight")):
             full[name] = torch.cat(parts, dim=1)
         elif name.endswith("gate_up_proj.weight"):
@@ -144,8 +157,10 @@ def _cut_vocabulary(model_dir, vocab: int) -> None:
     (model_dir / "config.json").write_text(json.dumps({**config, "vocab_size": vocab}))
 
 
-@pytest.mark.parametrize("family, size, vocab", [("llama", 2, 256), ("mistral", 2, 256),
-                                                 ("qwen2", 4, 250), ("llama-tied", 2, 255)])
+@pytest.mark.parametrize(
+    "family, size, vocab",
+    [("llama", 2, 256), ("mistral", 2, 256), ("qwen2", 4, 250), ("llama-tied", 2, 255)],
+)
 def test_rank_packs_reassemble_to_the_full_weights(family, size, vocab, tmp_path):
     """Each rank streams only its pack: its slice of the weights (less than the whole), in the
     engine's layout. A vocabulary the ranks don't split evenly pads the last rows with zeros."""
@@ -163,7 +178,7 @@ def test_rank_packs_reassemble_to_the_full_weights(family, size, vocab, tmp_path
         ranks.append(dict(load.tensors))
         sizes.append(load.pack.data_nbytes)
         table = ranks[-1]["embed_tokens.weight"]
-        assert not table[max(0, vocab - rank * table.shape[0]):].any()  # the padding rows
+        assert not table[max(0, vocab - rank * table.shape[0]) :].any()  # the padding rows
     full = _unshard(cfg, ranks)
     expected = dict(whole.named_parameters())
     assert set(full) == set(expected)
@@ -182,8 +197,9 @@ def test_step_plans_survive_encoding():
 
 
 def test_a_model_that_does_not_split_is_refused(llama_dir):
-    with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide the model's 4 "
-                                         "attention heads"):
+    with pytest.raises(
+        ValueError, match="tensor_parallel_size: 3 does not divide the model's 4 attention heads"
+    ):
         LLM(model=llama_dir, tensor_parallel_size=3, **_engine_kwargs())
     with pytest.raises(ValueError, match="device"):
         LLM(model=llama_dir, tensor_parallel_size=2, **_engine_kwargs(device="cuda:1"))

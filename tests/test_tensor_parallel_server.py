@@ -1,6 +1,7 @@
 """`python -m handler serve` with TENSOR_PARALLEL_SIZE=2 on CPU: the one process starts its other
 rank itself, serves what one process serves, and when that rank dies the request in flight fails and
 the server exits 1."""
+
 from __future__ import annotations
 
 import os
@@ -36,22 +37,39 @@ def _children_running(parent: int, module: str) -> list[int]:
             status = Path(f"/proc/{pid}/status").read_text()
         except OSError:
             continue
-        ppid = next(int(line.split()[1]) for line in status.splitlines()
-                    if line.startswith("PPid:"))
+        ppid = next(
+            int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:")
+        )
         if ppid == parent and module.encode() in cmdline:
             found.append(int(pid))
     return found
 
 
 def test_serve_starts_its_ranks_and_exits_1_when_one_dies(model_dir, tmp_path):
-    ref = LLM(model=model_dir, dtype="float32", device="cpu", max_model_len=128).generate(
-        PROMPT, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].outputs[0].text
-    server = ServeProcess({"MODEL_NAME": model_dir, "DEVICE": "cpu", "TENSOR_PARALLEL_SIZE": "2",
-                           "MAX_MODEL_LEN": "128", "CACHE_DIR": str(tmp_path / "cache"),
-                           "BASE_PATH": str(tmp_path / "volume")})
+    ref = (
+        LLM(model=model_dir, dtype="float32", device="cpu", max_model_len=128)
+        .generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+        .outputs[0]
+        .text
+    )
+    server = ServeProcess(
+        {
+            "MODEL_NAME": model_dir,
+            "DEVICE": "cpu",
+            "TENSOR_PARALLEL_SIZE": "2",
+            "MAX_MODEL_LEN": "128",
+            "CACHE_DIR": str(tmp_path / "cache"),
+            "BASE_PATH": str(tmp_path / "volume"),
+        }
+    )
     try:
-        body = {"model": model_dir, "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
-                "ignore_eos": True}
+        body = {
+            "model": model_dir,
+            "prompt": PROMPT,
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         out = httpx.post(server.base_url + "/v1/completions", json=body, timeout=120).json()
         assert out["choices"][0]["text"] == ref
         (rank1,) = _children_running(server.proc.pid, "warmup.ranks")
@@ -62,8 +80,12 @@ def test_serve_starts_its_ranks_and_exits_1_when_one_dies(model_dir, tmp_path):
 
         def stream() -> None:
             try:
-                with httpx.stream("POST", server.base_url + "/v1/completions", timeout=120,
-                                  json={**body, "max_tokens": 100, "stream": True}) as resp:
+                with httpx.stream(
+                    "POST",
+                    server.base_url + "/v1/completions",
+                    timeout=120,
+                    json={**body, "max_tokens": 100, "stream": True},
+                ) as resp:
                     ended["text"] = "".join(resp.iter_text())
             except httpx.HTTPError as exc:
                 ended["error"] = exc

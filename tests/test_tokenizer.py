@@ -1,6 +1,7 @@
-"""Tests for engine/tokenizer.py: encode/decode and chat templates against transformers (the reference, test-only),
-and the incremental detokenizer against full decodes, with stop strings.
+"""Tests for engine/tokenizer.py: encode/decode and chat templates against transformers (the
+reference, test-only), and the incremental detokenizer against full decodes, with stop strings.
 """
+
 from __future__ import annotations
 
 import json
@@ -9,15 +10,21 @@ import shutil
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer as RawTokenizer
-from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import (
+    Tokenizer as RawTokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    trainers,
+)
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Fixtures
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -65,16 +72,17 @@ TEXTS = [
 ]
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Encode / decode against transformers
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("text", TEXTS)
 @pytest.mark.parametrize("add_special_tokens", [True, False])
 def test_encode_matches_transformers(tok, hf, text, add_special_tokens):
     assert tok.encode(text, add_special_tokens=add_special_tokens) == hf.encode(
-        text, add_special_tokens=add_special_tokens)
+        text, add_special_tokens=add_special_tokens
+    )
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -83,7 +91,8 @@ def test_decode_matches_transformers(tok, hf, text, skip):
     ids = hf.encode(text, add_special_tokens=False)
     assert tok.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
     if not skip:
-        assert tok.decode(ids, skip_special_tokens=False) == text  # byte-level BPE round-trips exactly
+        # byte-level BPE round-trips exactly
+        assert tok.decode(ids, skip_special_tokens=False) == text
 
 
 def test_decode_random_ids_matches_transformers(tok, hf):
@@ -93,7 +102,9 @@ def test_decode_random_ids_matches_transformers(tok, hf):
         ids += [rng.randrange(17) for _ in range(rng.randrange(3))]  # some special tokens too
         rng.shuffle(ids)
         for skip in (True, False):
-            assert tok.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+            assert tok.decode(ids, skip_special_tokens=skip) == hf.decode(
+                ids, skip_special_tokens=skip
+            )
 
 
 def test_special_tokens_and_vocab(tok, hf):
@@ -113,7 +124,12 @@ def test_special_tokens_and_vocab(tok, hf):
 def test_special_tokens_as_added_token_dicts(smollm2_dir, tmp_path):
     d = copy_tokenizer_files(smollm2_dir, tmp_path / "m")
     cfg = json.loads((d / "tokenizer_config.json").read_text())
-    cfg["eos_token"] = {"content": "<|endoftext|>", "lstrip": False, "rstrip": False, "special": True}
+    cfg["eos_token"] = {
+        "content": "<|endoftext|>",
+        "lstrip": False,
+        "rstrip": False,
+        "special": True,
+    }
     cfg["bos_token"] = None
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
     t = Tokenizer.from_dir(str(d))
@@ -121,9 +137,9 @@ def test_special_tokens_as_added_token_dicts(smollm2_dir, tmp_path):
     assert t.bos_token_id is None
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Chat templates: SmolLM2's own
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 CONVERSATIONS = {
     "user_only": [{"role": "user", "content": "What is the capital of France?"}],
@@ -159,32 +175,44 @@ def test_default_add_generation_prompt_is_true(tok):
 
 
 def test_text_parts_are_joined_for_string_templates(tok, hf):
-    parts = [{"role": "user", "content": [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]}]
+    parts = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}],
+        }
+    ]
     joined = [{"role": "user", "content": "first\nsecond"}]
     assert tok.apply_chat_template(parts) == hf_render(hf, joined, add_generation_prompt=True)
     with pytest.raises(ValueError, match="only text content parts"):
-        tok.apply_chat_template([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+        tok.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+        )
 
 
-@pytest.mark.parametrize("bad", [
-    [],
-    "hello",
-    [{"content": "no role"}],
-    [{"role": 3, "content": "x"}],
-    [{"role": "user", "content": 42}],
-    ["not a dict"],
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [],
+        "hello",
+        [{"content": "no role"}],
+        [{"role": 3, "content": "x"}],
+        [{"role": "user", "content": 42}],
+        ["not a dict"],
+    ],
+)
 def test_invalid_messages_raise_value_error(tok, bad):
     with pytest.raises(ValueError):
         tok.apply_chat_template(bad)
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Chat templates written for these tests, exercising what real templates use
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# Chat templates written for these tests, exercising what real templates use (with the long lines
+# real templates have: each closes with a noqa for E501)
+# --------------------------------------------------------------------------------------------------
 
-# Llama-3.1-like: BOS from the template, a date from strftime_now unless date_string is passed, tools as indented JSON,
-# single tool calls (raise_exception otherwise), tool results as ipython turns.
+# Llama-3.1-like: BOS from the template, a date from strftime_now unless date_string is passed,
+# tools as indented JSON, single tool calls (raise_exception otherwise), tool results as ipython
+# turns.
 LLAMA31_STYLE = r"""{{- bos_token }}
 {%- if date_string is not defined %}
     {%- set date_string = strftime_now("%d %b %Y") %}
@@ -235,10 +263,10 @@ LLAMA31_STYLE = r"""{{- bos_token }}
 {%- if add_generation_prompt %}
     {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
 {%- endif %}
-"""
+"""  # noqa: E501
 
-# Qwen3-like: tools as compact JSON, a namespace and loop controls to find the last user query, reasoning_content
-# kept only after it, enable_thinking=False writing an empty think block.
+# Qwen3-like: tools as compact JSON, a namespace and loop controls to find the last user query,
+# reasoning_content kept only after it, enable_thinking=False writing an empty think block.
 QWEN3_STYLE = r"""{%- if tools %}
     {{- '<|im_start|>system\n' }}
     {%- if messages[0].role == 'system' %}
@@ -291,9 +319,10 @@ QWEN3_STYLE = r"""{%- if tools %}
         {{- '<think>\n\n</think>\n\n' }}
     {%- endif %}
 {%- endif %}
-"""
+"""  # noqa: E501
 
-# Strict roles: rejects unknown roles and non-alternating turns with raise_exception; documents rendered if given.
+# Strict roles: rejects unknown roles and non-alternating turns with raise_exception; documents
+# rendered if given.
 STRICT_ROLES = r"""{%- if documents %}
     {{- '<docs>' }}
     {%- for doc in documents %}[{{ loop.index }}] {{ doc.title }}: {{ doc.text }}
@@ -309,14 +338,14 @@ STRICT_ROLES = r"""{%- if documents %}
     {%- endif %}
     {{- '[' + message['role'] | upper + '] ' + message['content'] + eos_token }}
 {%- endfor %}
-{%- if add_generation_prompt %}[ASSISTANT] {{ greeting | default('') }}{% endif %}"""
+{%- if add_generation_prompt %}[ASSISTANT] {{ greeting | default('') }}{% endif %}"""  # noqa: E501
 
 # Reads OpenAI-style content parts by looping over them.
 PARTS_TEMPLATE = r"""{%- for message in messages %}<|{{ message.role }}|>
 {%- if message.content is string %}{{ message.content }}
 {%- else %}{% for part in message.content %}{% if part.type == 'text' %}({{ part.text }}){% endif %}{% endfor %}
 {%- endif %}<|end|>
-{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"""
+{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"""  # noqa: E501
 
 TOOLS = [
     {
@@ -334,15 +363,32 @@ TOOLS = [
             },
         },
     },
-    {"type": "function", "function": {"name": "now", "description": "Current time", "parameters": {"type": "object",
-                                                                                                   "properties": {}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "now",
+            "description": "Current time",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    },
 ]
 
 TOOL_CHAT = [
     {"role": "system", "content": "  You call tools.  "},
     {"role": "user", "content": "Weather in Zürich?"},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"type": "function", "function": {"name": "get_weather", "arguments": {"unit": "celsius", "city": "Zürich"}}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "arguments": {"unit": "celsius", "city": "Zürich"},
+                },
+            }
+        ],
+    },
     {"role": "tool", "content": "21°C, sunny ☀"},
     {"role": "user", "content": "Thanks!"},
 ]
@@ -357,13 +403,24 @@ def _both(tok, hf, template, messages, **kwargs) -> tuple[str, str]:
 @pytest.mark.parametrize("with_tools", [True, False])
 def test_llama31_style_template(tok, hf, add_generation_prompt, with_tools):
     tools = TOOLS if with_tools else None
-    ours, ref = _both(tok, hf, LLAMA31_STYLE, TOOL_CHAT, tools=tools, add_generation_prompt=add_generation_prompt)
+    ours, ref = _both(
+        tok, hf, LLAMA31_STYLE, TOOL_CHAT, tools=tools, add_generation_prompt=add_generation_prompt
+    )
     assert ours == ref
-    assert ours.startswith("<|im_start|><|start_header_id|>system")  # bos_token came from the tokenizer config
+    # bos_token came from the tokenizer config
+    assert ours.startswith("<|im_start|><|start_header_id|>system")
     if with_tools:
-        assert '    "name": "get_weather"' in ours and "<Zürich> & 東京" in ours  # indent kept, no HTML escaping
-    ours, ref = _both(tok, hf, LLAMA31_STYLE, TOOL_CHAT, tools=tools, add_generation_prompt=add_generation_prompt,
-                      date_string="26 Jul 2024")
+        # indent kept, no HTML escaping
+        assert '    "name": "get_weather"' in ours and "<Zürich> & 東京" in ours
+    ours, ref = _both(
+        tok,
+        hf,
+        LLAMA31_STYLE,
+        TOOL_CHAT,
+        tools=tools,
+        add_generation_prompt=add_generation_prompt,
+        date_string="26 Jul 2024",
+    )
     assert ours == ref and "Today Date: 26 Jul 2024" in ours
 
 
@@ -375,13 +432,25 @@ def test_llama31_style_via_from_dir_argument(smollm2_dir, hf, tmp_path):
         assert t.chat_template == LLAMA31_STYLE
         msgs = CONVERSATIONS["multi_turn"]
         assert t.apply_chat_template(msgs, date_string="1 Jan 2025") == hf_render(
-            hf, msgs, chat_template=LLAMA31_STYLE, add_generation_prompt=True, date_string="1 Jan 2025")
+            hf,
+            msgs,
+            chat_template=LLAMA31_STYLE,
+            add_generation_prompt=True,
+            date_string="1 Jan 2025",
+        )
         assert t.encode_chat(msgs, date_string="1 Jan 2025") == hf_ids(
-            hf, msgs, chat_template=LLAMA31_STYLE, add_generation_prompt=True, date_string="1 Jan 2025")
+            hf,
+            msgs,
+            chat_template=LLAMA31_STYLE,
+            add_generation_prompt=True,
+            date_string="1 Jan 2025",
+        )
 
 
 def test_llama31_style_raise_exception(tok, hf):
-    two_calls = TOOL_CHAT[:2] + [{"role": "assistant", "tool_calls": [TOOL_CHAT[2]["tool_calls"][0]] * 2}]
+    two_calls = TOOL_CHAT[:2] + [
+        {"role": "assistant", "tool_calls": [TOOL_CHAT[2]["tool_calls"][0]] * 2}
+    ]
     with pytest.raises(ValueError, match="single tool-calls"):
         tok.apply_chat_template(two_calls, chat_template=LLAMA31_STYLE)
     with pytest.raises(Exception, match="single tool-calls"):
@@ -393,9 +462,21 @@ QWEN_CHAT = [
     {"role": "user", "content": "What is 2+2?"},
     {"role": "assistant", "content": "\n4", "reasoning_content": "\nSimple arithmetic.\n"},
     {"role": "user", "content": "And the weather in Tokyo?"},
-    {"role": "assistant", "content": "", "reasoning": "Need a tool.", "tool_calls": [
-        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "東京", "unit": "celsius"}}}]},
-    {"role": "tool", "content": "{\"temp\": 30}"},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning": "Need a tool.",
+        "tool_calls": [
+            {
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "arguments": {"city": "東京", "unit": "celsius"},
+                },
+            }
+        ],
+    },
+    {"role": "tool", "content": '{"temp": 30}'},
 ]
 
 
@@ -404,19 +485,27 @@ QWEN_CHAT = [
 def test_qwen3_style_template(tok, hf, enable_thinking, with_tools):
     kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     tools = TOOLS if with_tools else None
-    ours, ref = _both(tok, hf, QWEN3_STYLE, QWEN_CHAT, tools=tools, add_generation_prompt=True, **kwargs)
+    ours, ref = _both(
+        tok, hf, QWEN3_STYLE, QWEN_CHAT, tools=tools, add_generation_prompt=True, **kwargs
+    )
     assert ours == ref
-    assert "<think>\nNeed a tool.\n</think>" in ours  # `reasoning` exposed as reasoning_content, like transformers
+    # `reasoning` exposed as reasoning_content, like transformers
+    assert "<think>\nNeed a tool.\n</think>" in ours
     assert '{"city":"東京","unit":"celsius"}' in ours
     assert ours.endswith("<think>\n\n</think>\n\n") == (enable_thinking is False)
     if with_tools:
         assert json.dumps(TOOLS[0], ensure_ascii=False) in ours
     assert tok.encode_chat(QWEN_CHAT, tools=tools, chat_template=QWEN3_STYLE, **kwargs) == hf_ids(
-        hf, QWEN_CHAT, tools=tools, chat_template=QWEN3_STYLE, add_generation_prompt=True, **kwargs)
+        hf, QWEN_CHAT, tools=tools, chat_template=QWEN3_STYLE, add_generation_prompt=True, **kwargs
+    )
 
 
 def test_strict_roles_template_raises_value_error(tok, hf):
-    good = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    good = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+    ]
     docs = [{"title": "Doc A", "text": "alpha"}, {"title": "Doc B", "text": "beta ünï"}]
     for kwargs in ({}, {"documents": docs}, {"greeting": "Sure:"}, {"eos_token": "</END>"}):
         ours, ref = _both(tok, hf, STRICT_ROLES, good, add_generation_prompt=True, **kwargs)
@@ -434,7 +523,10 @@ def test_strict_roles_template_raises_value_error(tok, hf):
 
 def test_parts_template_gets_content_parts(tok, hf):
     messages = [
-        {"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "text", "text": "here"}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "look"}, {"type": "text", "text": "here"}],
+        },
         {"role": "assistant", "content": "plain string"},
     ]
     ours, ref = _both(tok, hf, PARTS_TEMPLATE, messages, add_generation_prompt=True)
@@ -445,16 +537,22 @@ def test_template_errors_become_value_errors(tok):
     with pytest.raises(ValueError, match="does not compile"):
         tok.apply_chat_template(CONVERSATIONS["user_only"], chat_template="{% for x in %}")
     with pytest.raises(ValueError, match="failed to render"):
-        tok.apply_chat_template(CONVERSATIONS["user_only"], chat_template="{{ messages[0].content + 1 }}")
+        tok.apply_chat_template(
+            CONVERSATIONS["user_only"], chat_template="{{ messages[0].content + 1 }}"
+        )
     with pytest.raises(ValueError):  # the sandbox refuses to mutate inputs
-        tok.apply_chat_template(CONVERSATIONS["user_only"], chat_template="{{ messages.append(1) }}")
+        tok.apply_chat_template(
+            CONVERSATIONS["user_only"], chat_template="{{ messages.append(1) }}"
+        )
     with pytest.raises(ValueError):
-        tok.apply_chat_template(CONVERSATIONS["user_only"], chat_template="{% set ns = namespace(_x=1) %}")
+        tok.apply_chat_template(
+            CONVERSATIONS["user_only"], chat_template="{% set ns = namespace(_x=1) %}"
+        )
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Where chat templates come from
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def test_missing_chat_template(smollm2_dir, tmp_path):
@@ -475,7 +573,11 @@ def test_template_file_takes_precedence_over_config(smollm2_dir, tmp_path):
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
     ref = transformers.AutoTokenizer.from_pretrained(str(d))
     t = Tokenizer.from_dir(str(d))
-    assert t.chat_template == ref.chat_template == (Path(smollm2_dir) / "chat_template.jinja").read_text()
+    assert (
+        t.chat_template
+        == ref.chat_template
+        == (Path(smollm2_dir) / "chat_template.jinja").read_text()
+    )
     (d / "chat_template.jinja").unlink()
     ref = transformers.AutoTokenizer.from_pretrained(str(d))
     assert Tokenizer.from_dir(str(d)).chat_template == ref.chat_template == STRICT_ROLES
@@ -485,16 +587,22 @@ def test_named_templates_in_config(smollm2_dir, tmp_path):
     transformers = pytest.importorskip("transformers")
     d = copy_tokenizer_files(smollm2_dir, tmp_path / "m")
     cfg = json.loads((d / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = [{"name": "default", "template": STRICT_ROLES}, {"name": "tool_use", "template": QWEN3_STYLE}]
+    cfg["chat_template"] = [
+        {"name": "default", "template": STRICT_ROLES},
+        {"name": "tool_use", "template": QWEN3_STYLE},
+    ]
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
     ref = transformers.AutoTokenizer.from_pretrained(str(d))
     t = Tokenizer.from_dir(str(d))
     assert t.has_chat_template and t.chat_template == STRICT_ROLES
     msgs = [{"role": "user", "content": "hi"}]
     assert t.apply_chat_template(msgs) == hf_render(ref, msgs, add_generation_prompt=True)
-    assert t.apply_chat_template(msgs, tools=TOOLS) == hf_render(ref, msgs, tools=TOOLS, add_generation_prompt=True)
+    assert t.apply_chat_template(msgs, tools=TOOLS) == hf_render(
+        ref, msgs, tools=TOOLS, add_generation_prompt=True
+    )
     assert t.apply_chat_template(msgs, chat_template="tool_use") == hf_render(
-        ref, msgs, chat_template="tool_use", add_generation_prompt=True)
+        ref, msgs, chat_template="tool_use", add_generation_prompt=True
+    )
 
 
 def test_chat_template_json_fallback(smollm2_dir, tmp_path):
@@ -506,13 +614,14 @@ def test_chat_template_json_fallback(smollm2_dir, tmp_path):
     assert Tokenizer.from_dir(str(d), chat_template=PARTS_TEMPLATE).chat_template == PARTS_TEMPLATE
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Incremental detokenizer
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def stream(tok: Tokenizer, ids: list[int], **kwargs) -> tuple[IncrementalDetokenizer, list[str]]:
-    """Feed ids one by one; return the detokenizer and every intermediate output_text(finished=False)."""
+    """Feed ids one by one; return the detokenizer and every intermediate
+    output_text(finished=False)."""
     det = IncrementalDetokenizer(tok, **kwargs)
     shown = []
     for i in ids:
@@ -545,7 +654,18 @@ def test_stream_random_ids_equals_full_decode(tok):
 
 def test_stream_multibyte_text_equals_full_decode(tok):
     rng = random.Random(3)
-    pool = ["你好，世界", "🎉🚀👨‍👩‍👧‍👦", "日本語", " naïve", "한국어", "🇫🇷", "\n", " the", "e\u0301", "😀😃😄"]
+    pool = [
+        "你好，世界",
+        "🎉🚀👨‍👩‍👧‍👦",
+        "日本語",
+        " naïve",
+        "한국어",
+        "🇫🇷",
+        "\n",
+        " the",
+        "e\u0301",
+        "😀😃😄",
+    ]
     partial_seen = 0
     for _ in range(100):
         text = "".join(rng.choice(pool) for _ in range(rng.randrange(1, 8)))
@@ -569,12 +689,15 @@ def test_flush_incomplete_character_at_finish(tok):
 
 
 def test_garbage_run_is_not_held_forever(tok):
-    ids = [i for i in range(tok.vocab_size) if tok.decode_token(i) == " \ufffd"][:1] * 40  # each ends mid-character
+    ids = [i for i in range(tok.vocab_size) if tok.decode_token(i) == " \ufffd"][
+        :1
+    ] * 40  # each ends mid-character
     assert ids
     det = IncrementalDetokenizer(tok)
     for n, i in enumerate(ids, start=1):
         det.add(i)
-        assert len(det.text) >= len(tok.decode(ids[: max(0, n - 8)]))  # at most 8 tokens are ever held
+        # at most 8 tokens are ever held
+        assert len(det.text) >= len(tok.decode(ids[: max(0, n - 8)]))
     assert det.output_text(finished=True) == tok.decode(ids)
 
 
@@ -591,10 +714,13 @@ STOP_TEXT = "The quick brown fox jumps over the lazy dog. 你好世界! The end.
 
 def check_stop_stream(tok, text, stop, include=False, skip=True):
     ids = tok.encode(text, add_special_tokens=False)
-    det, shown = stream(tok, ids, stop=stop, include_stop_str_in_output=include, skip_special_tokens=skip)
+    det, shown = stream(
+        tok, ids, stop=stop, include_stop_str_in_output=include, skip_special_tokens=skip
+    )
     final = det.output_text(finished=True)
     full = tok.decode(ids, skip_special_tokens=skip)
-    # The stop string that completes first (then the one starting first) wins, whatever the token boundaries.
+    # The stop string that completes first (then the one starting first) wins, whatever the token
+    # boundaries.
     hits = sorted((full.find(s) + len(s), full.find(s), s) for s in stop if s and s in full)
     if hits:
         _, pos, reason = hits[0]
@@ -605,7 +731,8 @@ def check_stop_stream(tok, text, stop, include=False, skip=True):
     for s in shown:
         assert final.startswith(s)  # the stream only ever grows, and never shows text after a cut
         if any(stop_str in s for stop_str in stop if stop_str):
-            assert include and s == final  # a stop string shows only in the final text, and only when included
+            # a stop string shows only in the final text, and only when included
+            assert include and s == final
     return det, shown, final
 
 
@@ -632,7 +759,8 @@ def test_stop_string_multibyte_and_first_completed_wins(tok):
     assert det.stop_reason == "dog. 你" and final == "The quick brown fox jumps over the lazy "
     det, _, final = check_stop_stream(tok, STOP_TEXT, ["lazy dog. 你好世界", "dog"])
     assert det.stop_reason == "dog" and final == "The quick brown fox jumps over the lazy "
-    det, _, final = check_stop_stream(tok, STOP_TEXT, ["dog", "lazy dog"])  # both end together: the earlier start
+    # both end together: the earlier start
+    det, _, final = check_stop_stream(tok, STOP_TEXT, ["dog", "lazy dog"])
     assert det.stop_reason == "lazy dog" and final == "The quick brown fox jumps over the "
 
 
@@ -641,18 +769,25 @@ def test_stop_at_start_and_absent(tok):
     assert final == "" and det.stop_reason == "The q"
     det, shown, final = check_stop_stream(tok, STOP_TEXT, ["not there", "zzz"])
     assert final == STOP_TEXT and det.stop_reason is None
-    assert shown[-1] == STOP_TEXT[: len(STOP_TEXT) - (len("not there") - 1)]  # max_stop_len - 1 held back
+    # max_stop_len - 1 held back
+    assert shown[-1] == STOP_TEXT[: len(STOP_TEXT) - (len("not there") - 1)]
 
 
 def test_stop_strings_random(tok):
     rng = random.Random(11)
-    texts = [STOP_TEXT, "ababababab abc abcd", "🎉🎉🎉 party 🎉 time", "line1\nline2\n\nline3\n", "日本語のテキスト。"]
+    texts = [
+        STOP_TEXT,
+        "ababababab abc abcd",
+        "🎉🎉🎉 party 🎉 time",
+        "line1\nline2\n\nline3\n",
+        "日本語のテキスト。",
+    ]
     for _ in range(200):
         text = rng.choice(texts)
         stops = []
         for _ in range(rng.randrange(1, 4)):
             a = rng.randrange(len(text))
-            stops.append(text[a: a + rng.randrange(1, 8)])
+            stops.append(text[a : a + rng.randrange(1, 8)])
         if rng.random() < 0.3:
             stops.append("never-appears")
         check_stop_stream(tok, text, stops, include=rng.random() < 0.5)
@@ -671,41 +806,69 @@ def test_no_stop_strings_hold_nothing(tok, stop):
 
 
 def test_stop_string_across_skipped_special_token(tok):
-    ids = tok.encode("Hello wor", add_special_tokens=False) + [2] + tok.encode("ld!", add_special_tokens=False)
+    ids = (
+        tok.encode("Hello wor", add_special_tokens=False)
+        + [2]
+        + tok.encode("ld!", add_special_tokens=False)
+    )
     det, _ = stream(tok, ids, stop=["world"])
     assert det.stop_reason == "world" and det.output_text(True) == "Hello "
     det, _ = stream(tok, ids, stop=["world"], skip_special_tokens=False)
     assert det.stop_reason is None and det.output_text(True) == "Hello wor<|im_end|>ld!"
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# A SentencePiece-style tokenizer (byte fallback, "▁" spaces, leading-space strip), as Llama 2 / Mistral use
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# A SentencePiece-style tokenizer (byte fallback, "▁" spaces, leading-space strip): Llama 2, Mistral
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def sp_tok() -> Tokenizer:
-    corpus = ["The quick brown fox jumps over the lazy dog.", "Hello world, this is a streaming test!",
-              "Tokens, bytes and spaces: all of them matter."] * 20
+    corpus = [
+        "The quick brown fox jumps over the lazy dog.",
+        "Hello world, this is a streaming test!",
+        "Tokens, bytes and spaces: all of them matter.",
+    ] * 20
     raw = RawTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     raw.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
-    raw.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"],
-                                                        show_progress=False))
+    raw.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
+        ),
+    )
     spec = json.loads(raw.to_str())
     vocab = spec["model"]["vocab"]
     for b in range(256):  # the byte tokens byte fallback needs for characters outside the vocab
         vocab.setdefault(f"<0x{b:02X}>", len(vocab))
     raw = RawTokenizer.from_str(json.dumps(spec))
-    raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
+    raw.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
     return Tokenizer(raw, {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
 
 
 def test_sentencepiece_style_stream_equals_full_decode(sp_tok):
     assert sp_tok.decode(sp_tok.encode("Hello 你好 world 🎉!")) == "Hello 你好 world 🎉!"
     rng = random.Random(5)
-    pool = ["Hello", " world", " 你好", "🎉", " the lazy dog", ",", " streaming", "\n", "  two spaces", "é"]
+    pool = [
+        "Hello",
+        " world",
+        " 你好",
+        "🎉",
+        " the lazy dog",
+        ",",
+        " streaming",
+        "\n",
+        "  two spaces",
+        "é",
+    ]
     for _ in range(200):
         ids: list[int] = []
         for _ in range(rng.randrange(1, 6)):

@@ -1,7 +1,9 @@
 """Triton's compiler key, computed by a second interpreter, is the one Triton computes itself.
 
-Reference: triton.runtime.cache.triton_key's own (uncached) function, run in the same process after the install.
+Reference: triton.runtime.cache.triton_key's own (uncached) function, run in the same process after
+the install.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,6 +32,12 @@ print("ok")
 
 
 def test_the_installed_key_is_tritons_own():
-    out = subprocess.run([sys.executable, "-c", _CHECK], cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+    out = subprocess.run(
+        [sys.executable, "-c", _CHECK],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

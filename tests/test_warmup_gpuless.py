@@ -1,13 +1,11 @@
 """Compiled engines built without a GPU: `python -m warmup build --no-gpu --arch sm_80,sm_90` on a
-tiny model gives
-one artifact per architecture whose cubins are ELF files for that SM (read from the ELF header, as
-cuobjdump does),
-keyed for any memory size with this install's versions; the kernel set it traces follows the
-engine's limits.
+tiny model gives one artifact per architecture whose cubins are ELF files for that SM (read from the
+ELF header, as cuobjdump does), keyed for any memory size with this install's versions; the kernel
+set it traces follows the engine's limits.
 
 CPU; Triton must be importable (its wheel carries ptxas). GPU (-m gpu): an artifact built with no
-GPU visible,
-installed into an empty Triton cache, leaves a worker nothing to compile, with jit's greedy tokens.
+GPU visible, installed into an empty Triton cache, leaves a worker nothing to compile, with jit's
+greedy tokens.
 """
 
 from __future__ import annotations
@@ -44,8 +42,7 @@ LIMITS = ["--dtype", "bfloat16", "--max-model-len", "128", "--max-num-seqs", "4"
 
 def cubin_sm(data: bytes) -> int:
     """The SM number a CUDA ELF object was built for: e_flags' low byte, or the next one from ELF
-    ABI version 8
-    (CUDA 12.8's new layout)."""
+    ABI version 8 (CUDA 12.8's new layout)."""
     assert data[:4] == b"\x7fELF" and data[4] == 2, "not a 64-bit ELF file"
     assert struct.unpack_from("<H", data, 18)[0] == EM_CUDA, "not a CUDA object"
     flags = struct.unpack_from("<I", data, 48)[0]
@@ -162,9 +159,8 @@ def test_the_kernel_set_follows_the_engine_limits():
     steps = steps_for(args, 128)
     assert [s for s in steps if s.graph] == [Step(s, s, 8, graph=True) for s in (1, 2, 4)]
     eager = {(s.num_tokens, s.table_width) for s in steps if not s.graph}
-    assert eager == {
-        (t, w) for t in (2, 16, 17) for w in (1, 2, 8)
-    }  # widths: 1, other, the widest (< 16)
+    # widths: 1, other, the widest (< 16)
+    assert eager == {(t, w) for t in (2, 16, 17) for w in (1, 2, 8)}
     first = steps_for(args, 128, first_only=True)
     assert [s for s in first if s.graph] == [Step(1, 1, 8, graph=True)] and set(first) <= set(steps)
     wide = steps_for(EngineArgs(model="x", max_num_seqs=4, max_model_len=4096), 4096)
@@ -234,11 +230,8 @@ def test_an_artifact_built_with_no_gpu_visible_leaves_the_worker_nothing_to_comp
         llm = LLM(**vars(engine_args))
         warm = warm_kernels(llm, sel.mode)
         tokens[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
-        for n in (
-            1,
-            3,
-            4,
-        ):  # every decode graph size, prompts alone and batched, the sampler's draw
+        # every decode graph size, prompts alone and batched, the sampler's draw
+        for n in (1, 3, 4):
             llm.generate(prompts[:n], sampled)
         after = set(os.listdir(cache))
         if mode == "compiled":
@@ -246,9 +239,8 @@ def test_an_artifact_built_with_no_gpu_visible_leaves_the_worker_nothing_to_comp
                 f"compiled at run time: {sorted(after - before)}"
             )
         else:
-            assert (
-                warm.compiled
-            )  # the empty cache compiled the first request's kernels before ready
+            # the empty cache compiled the first request's kernels before ready
+            assert warm.compiled
         warm.loaded.wait(300)
         del llm
         from conftest import free_gpu_memory

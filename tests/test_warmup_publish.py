@@ -1,11 +1,9 @@
 """Publishing a compiled engine for the fleet: two worker processes racing on one volume directory,
-and on S3
-(moto's server), publish one artifact, which a later worker finds, pulls and installs as Triton
-cache hits.
+and on S3 (moto's server), publish one artifact, which a later worker finds, pulls and installs as
+Triton cache hits.
 
 The racers are real processes running warmup.publish as a worker's share does: stage the kernels
-from their own
-Triton cache, then publish, released together by a file barrier.
+from their own Triton cache, then publish, released together by a file barrier.
 """
 
 from __future__ import annotations
@@ -22,11 +20,13 @@ from warmup.artifacts import (
     ARTIFACT_FILE,
     ENGINES_DIR,
     TRITON_DIR,
+    any_memory,
     artifact_key,
     artifact_roots,
-    any_memory,
+    install,
+    key_id,
+    select,
 )
-from warmup.artifacts import install, key_id, select
 
 REPO = Path(__file__).resolve().parent.parent
 LIMITS = {
@@ -121,10 +121,8 @@ def race(tmp_path: Path, root: Path, remote: str = "-", env: dict | None = None)
 def test_two_workers_publishing_on_one_volume_publish_one_artifact(tmp_path):
     root = tmp_path / "volume" / "model" / ENGINES_DIR
     results = race(tmp_path, root)
-    assert sorted(r["local"] for r in results) == [
-        False,
-        True,
-    ]  # one rename; the other found it published
+    # one rename; the other found it published
+    assert sorted(r["local"] for r in results) == [False, True]
     final = Path(results[0]["final"])
     assert final == root / key_id(any_memory(worker_key())) and results[1]["final"] == str(final)
     assert sorted(os.listdir(root)) == [".locks", final.name]  # no staging directory left behind
@@ -165,9 +163,8 @@ def test_two_workers_publishing_to_s3_at_once_publish_one_artifact_that_the_next
             sub.mkdir()
             results.append(race(sub, sub / "volume" / ENGINES_DIR, "s3://fleet/race", env))
         flat = [r for pair in results for r in pair]
-        assert (
-            sum(bool(r["remote"]) for r in flat) == 1
-        )  # one manifest landed; the other three found it
+        # one manifest landed; the other three found it
+        assert sum(bool(r["remote"]) for r in flat) == 1
         key = any_memory(worker_key())
         uri = f"s3://fleet/race/{ENGINES_DIR}/{key_id(key)}"
         manifest = s3.read_manifest_at(uri, server.options())

@@ -17,8 +17,18 @@ from engine import LLM, SamplingParams
 from tests.tiny_models import make_tiny_model
 from warmup.start import EngineStart, ResolveError, StartArgs, start_engine
 
-ORDER = ["before_boot", "resolve", "stream_start", "import_torch", "entry_imports", "preload_start",
-         "engine_mode", "import_engine", "engine", "total"]
+ORDER = [
+    "before_boot",
+    "resolve",
+    "stream_start",
+    "import_torch",
+    "entry_imports",
+    "preload_start",
+    "engine_mode",
+    "import_engine",
+    "engine",
+    "total",
+]
 GREEDY = dict(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
@@ -33,8 +43,15 @@ def test_a_local_model_starts_through_every_phase_in_order(tmp_path):
     model_dir = str(tmp_path / "model")
     make_tiny_model("llama", model_dir)
     options = {"dtype": "float32", "num_kv_blocks": 32, "block_size": 4, "max_model_len": 64}
-    start = start_engine(StartArgs(model=model_dir, cache_dir=str(tmp_path / "cache"), device="cpu",
-                                   engine_options=options, engine_mode="auto"))
+    start = start_engine(
+        StartArgs(
+            model=model_dir,
+            cache_dir=str(tmp_path / "cache"),
+            device="cpu",
+            engine_options=options,
+            engine_mode="auto",
+        )
+    )
     assert start.wait_streaming(60)
     engine = start.future.result(timeout=300)
     try:
@@ -52,8 +69,9 @@ def test_the_entry_points_imports_come_between_torch_and_the_build(tmp_path):
     model_dir = str(tmp_path / "model")
     make_tiny_model("llama", model_dir)
     options = {"dtype": "float32", "num_kv_blocks": 32, "block_size": 4, "max_model_len": 64}
-    args = StartArgs(model=model_dir, cache_dir=str(tmp_path / "cache"), device="cpu",
-                     engine_options=options)
+    args = StartArgs(
+        model=model_dir, cache_dir=str(tmp_path / "cache"), device="cpu", engine_options=options
+    )
     start = EngineStart(args).hold_for_entry_imports().begin()
     assert start.wait_streaming(60)
     with start.entry_imports():
@@ -75,9 +93,11 @@ def test_a_download_does_not_hold_the_entry_points_imports(tmp_path):
         gate.wait(60)
         raise FileNotFoundError("not there")
 
-    start = EngineStart(
-        StartArgs(model="slow", cache_dir=str(tmp_path), device="cpu", locate=locate)
-    ).hold_for_entry_imports().begin()
+    start = (
+        EngineStart(StartArgs(model="slow", cache_dir=str(tmp_path), device="cpu", locate=locate))
+        .hold_for_entry_imports()
+        .begin()
+    )
     assert not start.wait_streaming(0.2)
     t0 = time.perf_counter()
     with start.entry_imports():

@@ -1,6 +1,8 @@
-"""The worker's job handler in-process on the real engine: cancellation frees KV blocks, the SIGTERM grace deadline
-aborts what is left, a dead engine fails the jobs in flight and exits 1, and admission follows free KV capacity.
+"""The worker's job handler in-process on the real engine: cancellation frees KV blocks, the SIGTERM
+grace deadline aborts what is left, a dead engine fails the jobs in flight and exits 1, and
+admission follows free KV capacity.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +17,11 @@ from handler.engine_boot import EngineBoot
 from handler.jobs import BatchSizes, EngineJob, JobInputError, parse_job
 from handler.worker import Worker
 
-LONG_JOB = {"prompt": "Count from one to a thousand:", "stream": True,
-            "sampling_params": {"temperature": 0, "max_tokens": 1000, "ignore_eos": True}}
+LONG_JOB = {
+    "prompt": "Count from one to a thousand:",
+    "stream": True,
+    "sampling_params": {"temperature": 0, "max_tokens": 1000, "ignore_eos": True},
+}
 
 
 class Exits:
@@ -30,7 +35,9 @@ class Exits:
 
 
 def _boot(model_dir: str, **env) -> EngineBoot:
-    settings = load_settings({"MODEL_NAME": model_dir, "MAX_MODEL_LEN": "2048", "DEVICE": "cpu", **env})
+    settings = load_settings(
+        {"MODEL_NAME": model_dir, "MAX_MODEL_LEN": "2048", "DEVICE": "cpu", **env}
+    )
     return EngineBoot(settings)
 
 
@@ -44,8 +51,14 @@ def boot(smollm2_dir):
 
 def _worker(boot: EngineBoot, **admission) -> tuple[Worker, Exits]:
     exits = Exits()
-    adm = Admission(boot.settings.max_concurrency, boot, exit_fn=exits, occupancy=lambda: 0, exit_wait_s=2,
-                    **admission)
+    adm = Admission(
+        boot.settings.max_concurrency,
+        boot,
+        exit_fn=exits,
+        occupancy=lambda: 0,
+        exit_wait_s=2,
+        **admission,
+    )
     return Worker(boot.settings, boot, adm), exits
 
 
@@ -60,7 +73,8 @@ async def _wait_all_free(engine, timeout=30.0):
 
 
 async def test_closing_a_job_mid_stream_frees_its_blocks(boot):
-    """The SDK cancels a stopped job's task; a generator left at a yield is closed: both end the engine request."""
+    """The SDK cancels a stopped job's task; a generator left at a yield is closed: both end the
+    engine request."""
     worker, _ = _worker(boot)
     engine = boot.engine_now()
     job = worker.handle({"id": "close-me", "input": LONG_JOB})
@@ -118,14 +132,15 @@ async def test_admission_follows_free_kv_blocks(boot):
     block = boot.settings.block_size
     adm.max_concurrency = 10_000
     adm.typical_tokens = 256
-    # Idle: as many typical requests as the whole cache holds; also down from MAX_CONCURRENCY, the value at start-up.
+    # Idle: as many typical requests as the whole cache holds; also down from MAX_CONCURRENCY, the
+    # value at start-up.
     assert adm.concurrency_modifier(1) == stats.num_kv_blocks // (256 // block)
     assert adm.concurrency_modifier(10_000) == stats.num_kv_blocks // (256 // block)
     # Bounded by MAX_CONCURRENCY; a typical request is never planned larger than the context limit.
     adm.max_concurrency = 3
     assert adm.concurrency_modifier(1) == 3
     adm.max_concurrency = 10_000
-    adm.typical_tokens = 10 ** 9
+    adm.typical_tokens = 10**9
     assert adm.concurrency_modifier(5) == stats.num_kv_blocks // (2048 // block)
     # Requests served move the typical size: small ones raise the admitted count.
     adm.max_concurrency, adm.typical_tokens = 10_000, 2048
@@ -170,9 +185,12 @@ async def test_dead_engine_fails_jobs_in_flight_and_exits_1(smollm2_dir):
 def test_batch_sizes_grow_to_the_cap():
     settings = load_settings({})
     sizes = BatchSizes.for_job(EngineJob(prompt="x"), settings).sizes()
-    assert [next(sizes) for _ in range(6)] == [1, 3, 9, 27, 50, 50]  # DEFAULT_* of worker-vllm: 1, x3, 50
-    sizes = BatchSizes.for_job(EngineJob(prompt="x", min_batch_size=4, batch_size_growth_factor=2,
-                                         max_batch_size=20), settings).sizes()
+    # DEFAULT_* of worker-vllm: 1, x3, 50
+    assert [next(sizes) for _ in range(6)] == [1, 3, 9, 27, 50, 50]
+    sizes = BatchSizes.for_job(
+        EngineJob(prompt="x", min_batch_size=4, batch_size_growth_factor=2, max_batch_size=20),
+        settings,
+    ).sizes()
     assert [next(sizes) for _ in range(5)] == [4, 8, 16, 20, 20]
 
 
@@ -188,62 +206,111 @@ HI = [{"role": "user", "content": "x"}]
 TOOL = {"type": "function"}
 
 
-@pytest.mark.parametrize("raw, field", [
-    ({"prompt": "x", "max_batch_size": 0}, "input.max_batch_size"),
-    ({"prompt": "x", "stream": "yes"}, "input.stream"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "input.messages[0].role"),
-    ({"messages": []}, "input.messages"),
-    ({"prompt": [1, -2]}, "input.prompt"),
-    ({"prompt": "x", "sampling_params": {"n": 0}}, "input.sampling_params.n"),
-    ({"prompt": "x", "sampling_params": {"max_tokens": 10 ** 9}},
-     "input.sampling_params.max_tokens"),
-    ({"prompt": "x", "sampling_params": {"repetition_penalty": 1e-300}},
-     "input.sampling_params.repetition_penalty"),
-    ({"prompt": "x", "sampling_params": {"logprobs": 2}},
-     "input.sampling_params.logprobs: worker-vllm's"),
-    ({"prompt": "x", "sampling_params": {"best_of": 2}},
-     "input.sampling_params.best_of: unknown field"),
-    ({"messages": HI, "tools": [TOOL]}, "input.tools: tool calls"),
-    ({"messages": HI, "sampling_params": {"tool_choice": "auto"}},
-     "input.sampling_params.tool_choice: tool calls"),
-    ({"messages": [{"role": "tool", "content": "42", "tool_call_id": "a"}]},
-     "input.messages[0].role"),
-    ({"prompt": "x", "tools": [TOOL]}, "input.tools: tool calls"),
-    ({"prompt": "x", "apply_chat_template": True, "sampling_params": {"stop": 5}},
-     "input.sampling_params.stop"),
-    ({"prompt": "a\ud800", "apply_chat_template": True}, "input.prompt: invalid unicode"),
-    ({"openai_route": 7}, "input.openai_route"),
-    ({"openai_route": "/v1/models", "openai_input": []}, "input.openai_input"),
-    ({"openai_route": "/v1/chat/completions", "openai_input": {}},
-     "input.openai_input.messages: field required"),
-    ({"openai_route": "/v1/embeddings"}, "input.openai_route: unknown route"),
-    ({"prompt": "x", "sampling_params": {"stop": [["a"]]}}, "input.sampling_params.stop"),
-    ({"messages": [{"role": "user", "content": "x", "meta": _nested(100)}]},
-     "input.messages: objects and lists nested deeper than the limit of 64"),
-    ({"prompt": "x", "sampling_params": {"stop": _nested(64)}},
-     "input.sampling_params.stop: objects and lists"),
-    ({"prompt": "x", "min_batch_size": _nested(10_000)}, "input.min_batch_size: objects and lists"),
-    (None, "input: must be an object"),
-])
+@pytest.mark.parametrize(
+    "raw, field",
+    [
+        ({"prompt": "x", "max_batch_size": 0}, "input.max_batch_size"),
+        ({"prompt": "x", "stream": "yes"}, "input.stream"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "input.messages[0].role"),
+        ({"messages": []}, "input.messages"),
+        ({"prompt": [1, -2]}, "input.prompt"),
+        ({"prompt": "x", "sampling_params": {"n": 0}}, "input.sampling_params.n"),
+        (
+            {"prompt": "x", "sampling_params": {"max_tokens": 10**9}},
+            "input.sampling_params.max_tokens",
+        ),
+        (
+            {"prompt": "x", "sampling_params": {"repetition_penalty": 1e-300}},
+            "input.sampling_params.repetition_penalty",
+        ),
+        (
+            {"prompt": "x", "sampling_params": {"logprobs": 2}},
+            "input.sampling_params.logprobs: worker-vllm's",
+        ),
+        (
+            {"prompt": "x", "sampling_params": {"best_of": 2}},
+            "input.sampling_params.best_of: unknown field",
+        ),
+        ({"messages": HI, "tools": [TOOL]}, "input.tools: tool calls"),
+        (
+            {"messages": HI, "sampling_params": {"tool_choice": "auto"}},
+            "input.sampling_params.tool_choice: tool calls",
+        ),
+        (
+            {"messages": [{"role": "tool", "content": "42", "tool_call_id": "a"}]},
+            "input.messages[0].role",
+        ),
+        ({"prompt": "x", "tools": [TOOL]}, "input.tools: tool calls"),
+        (
+            {"prompt": "x", "apply_chat_template": True, "sampling_params": {"stop": 5}},
+            "input.sampling_params.stop",
+        ),
+        ({"prompt": "a\ud800", "apply_chat_template": True}, "input.prompt: invalid unicode"),
+        ({"openai_route": 7}, "input.openai_route"),
+        ({"openai_route": "/v1/models", "openai_input": []}, "input.openai_input"),
+        (
+            {"openai_route": "/v1/chat/completions", "openai_input": {}},
+            "input.openai_input.messages: field required",
+        ),
+        ({"openai_route": "/v1/embeddings"}, "input.openai_route: unknown route"),
+        ({"prompt": "x", "sampling_params": {"stop": [["a"]]}}, "input.sampling_params.stop"),
+        (
+            {"messages": [{"role": "user", "content": "x", "meta": _nested(100)}]},
+            "input.messages: objects and lists nested deeper than the limit of 64",
+        ),
+        (
+            {"prompt": "x", "sampling_params": {"stop": _nested(64)}},
+            "input.sampling_params.stop: objects and lists",
+        ),
+        (
+            {"prompt": "x", "min_batch_size": _nested(10_000)},
+            "input.min_batch_size: objects and lists",
+        ),
+        (None, "input: must be an object"),
+    ],
+)
 def test_bad_job_inputs_name_the_field(raw, field):
     with pytest.raises(JobInputError, match="^" + re.escape(field)):
         parse_job(raw)
 
 
-@pytest.mark.parametrize("raw, status, param, words", [
-    ({"route": "/v1/chat/completions"}, 405, "method", ["GET", "POST", "send a body"]),
-    ({"route": "/v1/models", "method": "post"}, 405, "method", ["POST", "GET"]),
-    ({"route": "/v1/embeddings", "body": {"input": "x"}}, 404, "route",
-     ["/v1/embeddings", "/v1/completions"]),
-    ({"route": "/v1/completions", "body": {"prompt": "x"}, "method": "PUT"}, 400, "method",
-     ["PUT"]),
-    ({"route": "/v1/chat/completions", "body": {"messages": "hi"}}, 400, "messages",
-     ["messages", "list"]),
-    ({"route": "/v1/chat/completions", "body": {"messages": HI, "tools": [{}]}}, 400, "tools",
-     ["tool calls"]),
-    ({"route": "/v1/completions", "body": {"prompt": "x"}, "stream": True}, 400, "stream",
-     ["unknown field"]),
-])
+@pytest.mark.parametrize(
+    "raw, status, param, words",
+    [
+        ({"route": "/v1/chat/completions"}, 405, "method", ["GET", "POST", "send a body"]),
+        ({"route": "/v1/models", "method": "post"}, 405, "method", ["POST", "GET"]),
+        (
+            {"route": "/v1/embeddings", "body": {"input": "x"}},
+            404,
+            "route",
+            ["/v1/embeddings", "/v1/completions"],
+        ),
+        (
+            {"route": "/v1/completions", "body": {"prompt": "x"}, "method": "PUT"},
+            400,
+            "method",
+            ["PUT"],
+        ),
+        (
+            {"route": "/v1/chat/completions", "body": {"messages": "hi"}},
+            400,
+            "messages",
+            ["messages", "list"],
+        ),
+        (
+            {"route": "/v1/chat/completions", "body": {"messages": HI, "tools": [{}]}},
+            400,
+            "tools",
+            ["tool calls"],
+        ),
+        (
+            {"route": "/v1/completions", "body": {"prompt": "x"}, "stream": True},
+            400,
+            "stream",
+            ["unknown field"],
+        ),
+    ],
+)
 def test_route_form_errors_are_openai_error_objects(raw, status, param, words):
     """worker-vllm v2.24+ answers `{"error": {"message", "type", "code"}}` for this form; here the
     OpenAI error object the HTTP face sends (the same keys, with the field at fault as `param`)."""
@@ -269,8 +336,14 @@ def test_route_form_method_follows_worker_vllm():
 async def test_default_max_tokens_fills_in_within_the_context(boot, smollm2_dir):
     from handler.routes import OpenAIRoutes
 
-    settings = load_settings({"MODEL_NAME": smollm2_dir, "MAX_MODEL_LEN": "2048", "DEVICE": "cpu",
-                              "DEFAULT_MAX_TOKENS": "77"})
+    settings = load_settings(
+        {
+            "MODEL_NAME": smollm2_dir,
+            "MAX_MODEL_LEN": "2048",
+            "DEVICE": "cpu",
+            "DEFAULT_MAX_TOKENS": "77",
+        }
+    )
     engine = boot.engine_now()
     routes = OpenAIRoutes(engine, settings, boot.served_names)
     job = parse_job({"prompt": "x"})
@@ -289,8 +362,10 @@ async def test_default_max_tokens_fills_in_within_the_context(boot, smollm2_dir)
 async def test_use_openai_format_answers_as_the_openai_route(boot):
     """worker-vllm's use_openai_format: the same job, answered with the chat route's objects."""
     worker, _ = _worker(boot)
-    job = {"messages": [{"role": "user", "content": "Name a color."}],
-           "sampling_params": {"max_tokens": 6, "temperature": 0}}
+    job = {
+        "messages": [{"role": "user", "content": "Name a color."}],
+        "sampling_params": {"max_tokens": 6, "temperature": 0},
+    }
     (batch,) = [c async for c in worker.handle({"id": "plain", "input": job})]
     as_openai = {**job, "use_openai_format": True}
     (whole,) = [c async for c in worker.handle({"id": "oa", "input": as_openai})]
@@ -300,16 +375,41 @@ async def test_use_openai_format_answers_as_the_openai_route(boot):
 
 
 async def test_openai_stream_as_chunk_objects_when_raw_output_is_off(boot, smollm2_dir):
-    settings = load_settings({"MODEL_NAME": smollm2_dir, "MAX_MODEL_LEN": "2048", "DEVICE": "cpu",
-                              "RAW_OPENAI_OUTPUT": "0"})
+    settings = load_settings(
+        {
+            "MODEL_NAME": smollm2_dir,
+            "MAX_MODEL_LEN": "2048",
+            "DEVICE": "cpu",
+            "RAW_OPENAI_OUTPUT": "0",
+        }
+    )
     worker = Worker(settings, boot, Admission(8, boot, occupancy=lambda: 0))
-    body = {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 12, "temperature": 0}
-    whole = [c async for c in worker.handle({"id": "a", "input": {"openai_route": "/v1/chat/completions",
-                                                                  "openai_input": body}})]
-    batches = [c async for c in worker.handle({"id": "b", "input": {"openai_route": "/openai/v1/chat/completions",
-                                                                    "openai_input": {**body, "stream": True}}})]
+    body = {
+        "messages": [{"role": "user", "content": "Name a color."}],
+        "max_tokens": 12,
+        "temperature": 0,
+    }
+    whole = [
+        c
+        async for c in worker.handle(
+            {"id": "a", "input": {"openai_route": "/v1/chat/completions", "openai_input": body}}
+        )
+    ]
+    batches = [
+        c
+        async for c in worker.handle(
+            {
+                "id": "b",
+                "input": {
+                    "openai_route": "/openai/v1/chat/completions",
+                    "openai_input": {**body, "stream": True},
+                },
+            }
+        )
+    ]
     assert all(isinstance(b, list) and all(isinstance(c, dict) for c in b) for b in batches)
-    # Chunk counts per batch grow 1, 3, 9 ... (DEFAULT_MIN_BATCH_SIZE, x DEFAULT_BATCH_SIZE_GROWTH_FACTOR); no [DONE].
-    assert [len(b) for b in batches[:-1]] == [1, 3, 9][:len(batches) - 1]
+    # Chunk counts per batch grow 1, 3, 9 ... (DEFAULT_MIN_BATCH_SIZE, x
+    # DEFAULT_BATCH_SIZE_GROWTH_FACTOR); no [DONE].
+    assert [len(b) for b in batches[:-1]] == [1, 3, 9][: len(batches) - 1]
     deltas = "".join(c["choices"][0]["delta"].get("content") or "" for b in batches for c in b)
     assert deltas == whole[0]["choices"][0]["message"]["content"]

@@ -2,6 +2,7 @@
 one) or refused at start in one line naming it; the values it accepts change nothing;
 docs/configuration.md holds the generated tables.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,14 @@ from handler.worker_vllm_env import HANDLINGS, TABLE_PATH, migration_table, tabl
 
 VARS = {var.name: var for var in table()}
 # Values for the data file's accept words that stand for a set of values.
-SAMPLES = {"<false>": ["false", "0", "OFF"], "<true>": ["true", "1", "Yes"],
-           "<bool>": ["true", "false"], "<int>": ["0", "4"], "<number>": ["0", "2.5"],
-           "<any>": ["anything at all", "--flag value"]}
+SAMPLES = {
+    "<false>": ["false", "0", "OFF"],
+    "<true>": ["true", "1", "Yes"],
+    "<bool>": ["true", "false"],
+    "<int>": ["0", "4"],
+    "<number>": ["0", "2.5"],
+    "<any>": ["anything at all", "--flag value"],
+}
 # Tried in order for a value the variable does not accept.
 CANDIDATE_BAD = ["definitely-not-valid", "7", "true", "false"]
 CHECKED = ("accepted", "refused")
@@ -107,9 +113,13 @@ def test_every_refusal_at_once_is_one_line_each():
 
 def test_free_form_values_are_not_repeated_in_the_error():
     secret = "hf_" + "x" * 34
-    lines = _refusal_lines({"VLLM_EXTRA_ARGS": f"--hf-token {secret}",
-                            "SPECULATIVE_CONFIG": f'{{"token": "{secret}"}}',
-                            "QUANTIZATION": "awq"})
+    lines = _refusal_lines(
+        {
+            "VLLM_EXTRA_ARGS": f"--hf-token {secret}",
+            "SPECULATIVE_CONFIG": f'{{"token": "{secret}"}}',
+            "QUANTIZATION": "awq",
+        }
+    )
     assert secret not in "\n".join(lines)
     assert any("got 'awq'" in line for line in lines)  # a short plain value is quoted
 

@@ -3,6 +3,7 @@
 handler/worker_vllm_env.json) start the real `python -m handler` on the embedded demo model in a
 fresh process, or stop it with one line naming each variable coldbrew cannot honour.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,24 +31,39 @@ def hub_defaults(release: str) -> dict[str, str]:
 
 def cannot_honour(release: str) -> list[str]:
     """The variables whose Hub default the data file refuses (an empty value is unset)."""
-    return sorted(var.name for var in table() if var.handling in ("accepted", "refused")
-                  and var.hub_defaults.get(release) and not var.accepts(var.hub_defaults[release]))
+    return sorted(
+        var.name
+        for var in table()
+        if var.handling in ("accepted", "refused")
+        and var.hub_defaults.get(release)
+        and not var.accepts(var.hub_defaults[release])
+    )
 
 
 def run_worker(env: dict[str, str], job: dict) -> subprocess.CompletedProcess:
     """`python -m handler --test_input JOB` (the SDK's one-job mode) with `env` and no other
     setting than the cache directory of the demo model."""
-    base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"),
-            "PYTHONPATH": str(REPO), "CACHE_DIR": str(DEMO_CACHE)}
-    return subprocess.run([sys.executable, "-m", "handler", "--test_input", json.dumps(job)],
-                          cwd=REPO, env={**base, **env}, capture_output=True, text=True,
-                          timeout=WAIT_S)
+    base = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": os.environ.get("HOME", "/tmp"),
+        "PYTHONPATH": str(REPO),
+        "CACHE_DIR": str(DEMO_CACHE),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "handler", "--test_input", json.dumps(job)],
+        cwd=REPO,
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("release", ["main", "v2.23"])
-def test_worker_vllm_hub_defaults_start_the_worker_or_name_what_it_cannot_honour(release,
-                                                                                smollm2_dir):
+def test_worker_vllm_hub_defaults_start_the_worker_or_name_what_it_cannot_honour(
+    release, smollm2_dir
+):
     env = hub_defaults(release)
     assert "MAX_CONCURRENCY" in env and "MODEL_NAME" not in env  # the Hub has no default model
     cannot = cannot_honour(release)
@@ -62,8 +78,12 @@ def test_worker_vllm_hub_defaults_start_the_worker_or_name_what_it_cannot_honour
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     # The embedded demo model is SmolLM2-135M-Instruct: the engine's greedy answer from its weights.
-    ref = LLM(model=smollm2_dir, max_model_len=2048, device="cpu").chat(
-        MESSAGES, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    ref = (
+        LLM(model=smollm2_dir, max_model_len=2048, device="cpu")
+        .chat(MESSAGES, SamplingParams(temperature=0, max_tokens=8))[0]
+        .outputs[0]
+        .text
+    )
     assert result["output"][0]["choices"][0]["tokens"] == [ref]
 
 

@@ -1,7 +1,10 @@
-"""Tiny random-weight HF checkpoints of every supported family, and hand-built AttentionMetadata, for the tests.
+"""Tiny random-weight HF checkpoints of every supported family, and hand-built AttentionMetadata,
+for the tests.
 
-The HF models come from transformers (a test-only dependency) and are saved with save_pretrained, as a hub repo is.
+The HF models come from transformers (a test-only dependency) and are saved with save_pretrained, as
+a hub repo is.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,7 +30,10 @@ _COMMON = dict(
     tie_word_embeddings=False,
 )
 FAMILIES: dict[str, tuple[str, dict]] = {
-    "llama": ("LlamaForCausalLM", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "llama": (
+        "LlamaForCausalLM",
+        dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    ),
     "llama3-rope": (
         "LlamaForCausalLM",
         dict(
@@ -49,17 +55,28 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     ),
     "llama-tied": (
         "LlamaForCausalLM",
-        dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 100000.0}),
+        dict(
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        ),
     ),
     # MQA (1 kv head) and a sliding window shorter than the test sequences.
     "mistral": (
         "MistralForCausalLM",
-        dict(num_key_value_heads=1, sliding_window=8, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+        dict(
+            num_key_value_heads=1,
+            sliding_window=8,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        ),
     ),
     # MHA with q/k/v biases.
     "qwen2": (
         "Qwen2ForCausalLM",
-        dict(num_hidden_layers=3, num_key_value_heads=4, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        ),
     ),
     # Explicit head_dim (32) different from hidden / heads (16), per-head q/k norm.
     "qwen3": (
@@ -68,7 +85,11 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     ),
     "qwen3-tied": (
         "Qwen3ForCausalLM",
-        dict(head_dim=32, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+        dict(
+            head_dim=32,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        ),
     ),
 }
 
@@ -93,10 +114,11 @@ def make_tiny_model(
     rope_spelling: str = "new",
     **config,
 ):
-    """Build a seeded random HF model of `family`, save it to `out_dir` and return it (eval, float32).
+    """Build a seeded random HF model of `family`, save it to `out_dir` and return it (eval,
+    float32).
 
-    rope_spelling "old" rewrites config.json with `rope_theta` + `rope_scaling` instead of `rope_parameters`.
-    `config` overrides fields of the family's config.
+    rope_spelling "old" rewrites config.json with `rope_theta` + `rope_scaling` instead of
+    `rope_parameters`. `config` overrides fields of the family's config.
     """
     import transformers
 
@@ -116,7 +138,8 @@ def make_tiny_model(
 
 @torch.no_grad()
 def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Non-trivial weights: norms around 1 with noise, matrices N(0, 0.05), embeddings N(0, 0.1), biases N(0, 0.1)."""
+    """Non-trivial weights: norms around 1 with noise, matrices N(0, 0.05), embeddings N(0, 0.1),
+    biases N(0, 0.1)."""
     gen = torch.Generator().manual_seed(seed + 1)
     for name, p in model.named_parameters():
         noise = torch.randn(p.shape, generator=gen)
@@ -129,10 +152,9 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def add_char_tokenizer(model_dir: str) -> None:
-    """Give a tiny model (vocab 256) a one-character-per-token tokenizer: id i >= 3 <-> chr(0x100 +
-    i)."""
-    from tokenizers import Tokenizer as RawTokenizer
-    from tokenizers import decoders, models, pre_tokenizers
+    """Give a tiny model (vocab 256) a one-character-per-token tokenizer:
+    id i >= 3 <-> chr(0x100 + i)."""
+    from tokenizers import Tokenizer as RawTokenizer, decoders, models, pre_tokenizers
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{chr(0x100 + i): i for i in range(3, 256)}}
     raw = RawTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -144,7 +166,8 @@ def add_char_tokenizer(model_dir: str) -> None:
 
 
 def write_old_rope_spelling(model_dir: str) -> None:
-    """Rewrite config.json's `rope_parameters` as the pre-transformers-5 `rope_theta` + `rope_scaling`."""
+    """Rewrite config.json's `rope_parameters` as the older spelling, `rope_theta` and
+    `rope_scaling` (before transformers 5)."""
     path = os.path.join(model_dir, "config.json")
     with open(path) as f:
         cfg = json.load(f)
@@ -163,11 +186,12 @@ def write_old_rope_spelling(model_dir: str) -> None:
 
 @torch.no_grad()
 def hf_logits(model, tokens: list[int]) -> torch.Tensor:
-    """Full-recompute logits [len(tokens), vocab] float32 of an HF model (causal: row t sees tokens[: t + 1])."""
+    """Full-recompute logits [len(tokens), vocab] float32 of an HF model (causal: row t sees
+    tokens[: t + 1])."""
     return model(torch.tensor([tokens]), use_cache=False).logits[0].float()
 
 
-# --- paged KV bookkeeping, by hand --------------------------------------------------------------------------
+# --- paged KV bookkeeping, by hand ----------------------------------------------------------------
 
 
 @dataclass
@@ -197,7 +221,8 @@ def shuffled_block_tables(
 def make_step(
     seqs: list[PagedSeq], num_new: list[int], block_size: int, device: str | torch.device = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """input_ids, positions and AttentionMetadata for one step where seqs[i] adds its next num_new[i] tokens.
+    """input_ids, positions and AttentionMetadata for one step where seqs[i] adds its next
+    num_new[i] tokens.
 
     Advances each sequence's num_cached.
     """
@@ -211,22 +236,31 @@ def make_step(
         query_start.append(query_start[-1] + n)
         seq_lens.append(start + n)
         seq.num_cached = start + n
-    meta = host_metadata(slots, query_start, seq_lens, [s.block_table for s in seqs], block_size, device)
+    meta = host_metadata(
+        slots, query_start, seq_lens, [s.block_table for s in seqs], block_size, device
+    )
     as_long = dict(dtype=torch.int64, device=device)
     return torch.tensor(ids, **as_long), torch.tensor(positions, **as_long), meta
 
 
 def host_metadata(
-    slots: list[int], query_start: list[int], seq_lens: list[int], tables: list[list[int]], block_size: int,
+    slots: list[int],
+    query_start: list[int],
+    seq_lens: list[int],
+    tables: list[list[int]],
+    block_size: int,
     device: str | torch.device = "cpu",
 ) -> AttentionMetadata:
-    """AttentionMetadata from host lists: block tables padded with block 0 to the widest (at least one column)."""
+    """AttentionMetadata from host lists: block tables padded with block 0 to the widest (at least
+    one column)."""
     width = max(max(len(t) for t in tables), 1)
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+        block_tables=torch.tensor(
+            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
+        ),
         max_query_len=max(b - a for a, b in zip(query_start, query_start[1:])),
         max_seq_len=max(seq_lens),
         query_start_loc_cpu=query_start,

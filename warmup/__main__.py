@@ -1,10 +1,7 @@
-"""`python -m warmup build --model MODEL [--arch sm_80,sm_90] [--no-gpu] [--dtype D]
-[--max-model-len N] ...`:
+"""`python -m warmup build --model MODEL [--arch sm_80,sm_90] [--no-gpu] [--dtype D] ...`:
 compiled engines beside the model's snapshot (see warmup/build.py), one per architecture: on this
-GPU (its own
-architecture, with the measured KV record), or compiled here without a GPU (--no-gpu, or the other
---arch names).
-Prints each artifact's path and build time."""
+GPU (its own architecture, with the measured KV record), or compiled here without a GPU (--no-gpu,
+or the other --arch names). Prints each artifact's path and build time."""
 
 from __future__ import annotations
 

@@ -2,14 +2,11 @@
 driver.
 
 Triton's driver is replaced by one that names a target (GPUTarget("cuda", <cc>, 32)) and owns no
-device, and
-warmup.kernel_set traces the model's steps with launches compile-only. Each kernel lands in Triton's
-cache directory
-under the key Triton's JIT computes on a GPU of that architecture (source, target, options,
-environment), so a
-worker that has the directory compiles nothing. The decode attention splits its work by the GPU's SM
-count, so the
-set is traced once per SM count of the architecture's GPUs.
+device, and warmup.kernel_set traces the model's steps with launches compile-only. Each kernel lands
+in Triton's cache directory under the key Triton's JIT computes on a GPU of that architecture
+(source, target, options, environment), so a worker that has the directory compiles nothing. The
+decode attention splits its work by the GPU's SM count, so the set is traced once per SM count of
+the architecture's GPUs.
 """
 
 from __future__ import annotations
@@ -23,10 +20,9 @@ from collections.abc import Iterator
 log = logging.getLogger(__name__)
 
 # SMs of the data-centre and workstation GPUs of each supported architecture (NVIDIA's
-# specifications):
-# sm_80 A100 108, A30 56; sm_86 A40 / RTX A6000 84, RTX 3090 82, A10 72, RTX A5000 64, RTX A4000 48;
-# sm_89 L40 / L40S / RTX 6000 Ada 142, RTX 4090 128, L4 58, RTX 4000 Ada 48, RTX 2000 Ada 22;
-# sm_90 H100 SXM / NVL, H200, GH200 132, H100 PCIe 114, H20 78.
+# specifications): sm_80 A100 108, A30 56; sm_86 A40 / RTX A6000 84, RTX 3090 82, A10 72, RTX A5000
+# 64, RTX A4000 48; sm_89 L40 / L40S / RTX 6000 Ada 142, RTX 4090 128, L4 58, RTX 4000 Ada 48, RTX
+# 2000 Ada 22; sm_90 H100 SXM / NVL, H200, GH200 132, H100 PCIe 114, H20 78.
 ARCH_SM_COUNTS = {
     "sm_80": (108, 56),
     "sm_86": (84, 82, 72, 64, 48),
@@ -55,9 +51,8 @@ def capability(arch: str) -> int:
 
 class TargetDriver:
     """Stands in for Triton's CUDA driver where there is no GPU: it names the target and the
-    (virtual) device the
-    JIT keys its in-memory cache by; nothing is launched through it (kernel_set's launches are
-    compile-only)."""
+    (virtual) device the JIT keys its in-memory cache by; nothing is launched through it
+    (kernel_set's launches are compile-only)."""
 
     def __init__(self, arch: str):
         from triton.backends.compiler import GPUTarget
@@ -83,8 +78,7 @@ class TargetDriver:
 @contextlib.contextmanager
 def target_driver(arch: str) -> Iterator[None]:
     """Triton's active driver names `arch` inside (the previous one is restored, never created:
-    creating the real
-    one needs a CUDA driver)."""
+    creating the real one needs a CUDA driver)."""
     from triton.runtime.driver import driver
 
     previous = getattr(driver, "_active", None)
@@ -134,11 +128,9 @@ def compile_kernel_set(
     args, cache_dir: str, sm_counts: list[int], arch: str | None = None, jobs: int = 1
 ) -> dict[str, str]:
     """Compile every kernel EngineArgs `args` can launch into Triton cache dir `cache_dir` (kernels
-    already there
-    are kept), for `arch` without a GPU (in `jobs` processes, each tracing a share of the steps), or
-    (arch None)
-    for this process's GPU through Triton's own driver. Returns {cache entry directory name: kernel
-    name}."""
+    already there are kept), for `arch` without a GPU (in `jobs` processes, each tracing a share of
+    the steps), or (arch None) for this process's GPU through Triton's own driver. Returns {cache
+    entry directory name: kernel name}."""
     from engine.config import ModelConfig
     from warmup.kernel_set import steps_for
 
@@ -151,9 +143,8 @@ def compile_kernel_set(
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
-    shares = [
-        items[i::jobs] for i in range(jobs)
-    ]  # neighbours (the same kernels) go to different processes
+    # neighbours (the same kernels) go to different processes
+    shares = [items[i::jobs] for i in range(jobs)]
     out: dict[str, str] = {}
     with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
         for part in pool.map(
@@ -166,8 +157,8 @@ def compile_kernel_set(
 def _compile_items(
     engine_args: dict, cache_dir: str, arch: str | None, items: list
 ) -> dict[str, str]:
-    """Trace (SM count, step) items with compile-only launches (a process of its own when jobs >
-    1)."""
+    """Trace (SM count, step) items with compile-only launches (run in a process of its own when
+    jobs > 1)."""
     import torch
 
     from engine import EngineArgs

@@ -1,10 +1,13 @@
-"""Compiled-engine artifacts: what lets a cold process skip work, under a key naming everything that makes it valid.
+"""Compiled-engine artifacts: what lets a cold process skip work, under a key naming everything that
+makes it valid.
 
-An artifact is a directory `<model>/engines/<id>/` (or under another root) holding `artifact.json` (the key, the
-KV-sizing record, the CUDA-graph batch sizes, the build's smoke tokens and time) and `triton-cache/`: every kernel
-the engine compiled for this model, GPU and software stack while it was built. select() picks one for ENGINE_MODE;
-install() puts its kernels where Triton looks and returns the engine arguments its record implies.
+An artifact is a directory `<model>/engines/<id>/` (or under another root) holding `artifact.json`
+(the key, the KV-sizing record, the CUDA-graph batch sizes, the build's smoke tokens and time) and
+`triton-cache/`: every kernel the engine compiled for this model, GPU and software stack while it
+was built. select() picks one for ENGINE_MODE; install() puts its kernels where Triton looks and
+returns the engine arguments its record implies.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,24 +25,39 @@ TRITON_DIR = "triton-cache"
 ENGINES_DIR = "engines"
 ENGINE_MODES = ("auto", "jit", "compiled")
 # The key's fields, in the order a mismatch names them: what was built for must be what runs.
-KEY_FIELDS = ("format", "model_digest", "gpu_arch", "gpu_memory_gib", "torch", "triton", "cuda", "dtype",
-              "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "gpu_memory_utilization")
+KEY_FIELDS = (
+    "format",
+    "model_digest",
+    "gpu_arch",
+    "gpu_memory_gib",
+    "torch",
+    "triton",
+    "cuda",
+    "dtype",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "block_size",
+    "gpu_memory_utilization",
+)
 # An artifact with no measured KV-sizing record (built without a GPU, or published by a worker that
-# sized its
-# cache analytically) holds kernels only, which depend on neither field: its key says "any" in both.
+# sized its cache analytically) holds kernels only, which depend on neither field: its key says
+# "any" in both.
 ANY_MEMORY = "any"
 WILDCARD_FIELDS = ("gpu_memory_gib", "gpu_memory_utilization")
 
 
 class ArtifactError(RuntimeError):
-    """ENGINE_MODE=compiled and no artifact matches: the message is one line naming the fields that differ."""
+    """ENGINE_MODE=compiled and no artifact matches: the message is one line naming the fields that
+    differ."""
 
 
-# ---- the key -------------------------------------------------------------------------------------------------
+# ---- the key -------------------------------------------------------------------------------------
 def artifact_key(model_digest: str, limits: dict, device: dict, software: dict) -> dict:
     """The key from its parts (pure: tests build keys for machines they are not on).
 
-    limits: dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, gpu_memory_utilization.
+    limits: dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
+    gpu_memory_utilization.
     device: gpu_arch ("sm_90"), gpu_memory_gib. software: torch, triton, cuda versions."""
     key = {"format": ARTIFACT_FORMAT, "model_digest": model_digest, **device, **software, **limits}
     missing = [f for f in KEY_FIELDS if f not in key]
@@ -59,10 +77,14 @@ def _limits(args, device) -> dict:
     from engine.models.weights import resolve_dtype
 
     cfg = ModelConfig.from_dir(args.model)
-    return {"dtype": str(resolve_dtype(args.dtype, cfg, device)).removeprefix("torch."),
-            "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
-            "max_num_batched_tokens": args.max_num_batched_tokens, "block_size": args.block_size,
-            "gpu_memory_utilization": args.gpu_memory_utilization}
+    return {
+        "dtype": str(resolve_dtype(args.dtype, cfg, device)).removeprefix("torch."),
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "block_size": args.block_size,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+    }
 
 
 def _software() -> dict:
@@ -78,32 +100,44 @@ def _software() -> dict:
 
 
 def current_key(args) -> dict:
-    """The key this process would need, for EngineArgs `args` on its CUDA device (imports torch and triton)."""
+    """The key this process would need, for EngineArgs `args` on its CUDA device (imports torch and
+    triton)."""
     import torch
 
     from engine.models.weights import model_digest
 
     device = args.torch_device()
     if device.type != "cuda":
-        raise ArtifactError(f"compiled engines are for CUDA devices; this engine runs on {device.type}")
+        raise ArtifactError(
+            f"compiled engines are for CUDA devices; this engine runs on {device.type}"
+        )
     index = device.index if device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
-    return artifact_key(model_digest(args.model), _limits(args, device),
-                        {"gpu_arch": f"sm_{props.major}{props.minor}",
-                         "gpu_memory_gib": round(props.total_memory / (1 << 30))}, _software())
+    return artifact_key(
+        model_digest(args.model),
+        _limits(args, device),
+        {
+            "gpu_arch": f"sm_{props.major}{props.minor}",
+            "gpu_memory_gib": round(props.total_memory / (1 << 30)),
+        },
+        _software(),
+    )
 
 
 def gpuless_key(args, arch: str) -> dict:
     """The key of an artifact built without a GPU for `arch` ("sm_90"): this install's torch, triton
-    and CUDA,
-    and any memory size and utilization (it holds kernels only; the KV-sizing record needs the
-    GPU)."""
+    and CUDA, and any memory size and utilization (it holds kernels only; the KV-sizing record needs
+    the GPU)."""
     import torch
 
     from engine.models.weights import model_digest
 
-    key = artifact_key(model_digest(args.model), _limits(args, torch.device("cuda")),
-                       {"gpu_arch": arch, "gpu_memory_gib": None}, _software())
+    key = artifact_key(
+        model_digest(args.model),
+        _limits(args, torch.device("cuda")),
+        {"gpu_arch": arch, "gpu_memory_gib": None},
+        _software(),
+    )
     return any_memory(key)
 
 
@@ -115,12 +149,15 @@ def any_memory(key: dict) -> dict:
 
 def mismatches(built: dict, wanted: dict) -> list[str]:
     """'field (built for X, this worker Y)' for each key field that differs, in KEY_FIELDS order."""
-    return [f"{f} (built for {built.get(f)!r}, this worker {wanted.get(f)!r})"
-            for f in KEY_FIELDS if built.get(f) != wanted.get(f)
-            and not (f in WILDCARD_FIELDS and built.get(f) == ANY_MEMORY)]
+    return [
+        f"{f} (built for {built.get(f)!r}, this worker {wanted.get(f)!r})"
+        for f in KEY_FIELDS
+        if built.get(f) != wanted.get(f)
+        and not (f in WILDCARD_FIELDS and built.get(f) == ANY_MEMORY)
+    ]
 
 
-# ---- finding and choosing ------------------------------------------------------------------------------------
+# ---- finding and choosing ------------------------------------------------------------------------
 def artifact_roots(model_dir: str, cache_dir: str | None = None) -> list[str]:
     """Where artifacts live: beside the model's snapshot, then the cache dir's engines/."""
     roots = [os.path.join(model_dir, ENGINES_DIR)]
@@ -162,8 +199,9 @@ def _check_mode(mode: str) -> None:
 
 
 def select(mode: str, roots: list[str], key: dict) -> Selection:
-    """ENGINE_MODE -> what runs. compiled without a matching artifact raises ArtifactError (one line naming the
-    fields of the closest artifact that differ); auto falls back to jit with that line as its reason."""
+    """ENGINE_MODE -> what runs. compiled without a matching artifact raises ArtifactError (one line
+    naming the fields of the closest artifact that differ); auto falls back to jit with that line as
+    its reason."""
     _check_mode(mode)
     if mode == "jit":
         return Selection("jit", None, "ENGINE_MODE=jit")
@@ -187,8 +225,9 @@ def select(mode: str, roots: list[str], key: dict) -> Selection:
 
 
 def install(artifact: str, triton_cache_dir: str | None = None) -> dict:
-    """Copy the artifact's kernels into Triton's cache (the current one unless given; entries already there are
-    kept) and return the EngineArgs overrides of its record: the measured KV step and the graph sizes."""
+    """Copy the artifact's kernels into Triton's cache (the current one unless given; entries
+    already there are kept) and return the EngineArgs overrides of its record: the measured KV step
+    and the graph sizes."""
     if triton_cache_dir is None:
         import triton.knobs
 
@@ -206,8 +245,9 @@ def install(artifact: str, triton_cache_dir: str | None = None) -> dict:
 
 
 def _copy_if_missing(src: str, dst: str) -> str:
-    """Copy one cache file. Triton's group files (__grp__*.json) list their kernel's files by absolute path, which
-    named the build's directory: they are rewritten to where the files are now, or Triton would compile again."""
+    """Copy one cache file. Triton's group files (__grp__*.json) list their kernel's files by
+    absolute path, which named the build's directory: they are rewritten to where the files are now,
+    or Triton would compile again."""
     if os.path.exists(dst):
         return dst
     if not os.path.basename(src).startswith("__grp__"):
@@ -216,8 +256,10 @@ def _copy_if_missing(src: str, dst: str) -> str:
     with open(src) as f:
         group = json.load(f)
     here = os.path.dirname(dst)
-    group["child_paths"] = {name: os.path.join(here, os.path.basename(path))
-                            for name, path in group.get("child_paths", {}).items()}
+    group["child_paths"] = {
+        name: os.path.join(here, os.path.basename(path))
+        for name, path in group.get("child_paths", {}).items()
+    }
     tmp = f"{dst}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(group, f)
@@ -227,10 +269,9 @@ def _copy_if_missing(src: str, dst: str) -> str:
 
 def pull_matching(key: dict, remote: str, cache_dir: str, opts=None) -> str | None:
     """The artifact for `key` from a fleet cache (remote/engines/<id>, as `warmup build --push` or a
-    worker's
-    publish wrote it: the exact key first, then the key for any memory size) into
-    cache_dir/engines/<id>,
-    atomically; None when the fleet has none. Raises cache.remote.RemoteError."""
+    worker's publish wrote it: the exact key first, then the key for any memory size) into
+    cache_dir/engines/<id>, atomically; None when the fleet has none. Raises
+    cache.remote.RemoteError."""
     for wanted in (key, any_memory(key)):
         path = _pull_one(key_id(wanted), remote, cache_dir, opts)
         if path is not None:
@@ -260,10 +301,14 @@ def _pull_one(name: str, remote: str, cache_dir: str, opts) -> str | None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def prepare(mode: str, args, cache_dir: str | None = None, remote: str | None = None, s3_options=None):
-    """ENGINE_MODE applied to EngineArgs `args` (call once torch is up): -> (the args to build the engine with,
-    the Selection). compiled installs the artifact's kernels and takes its KV-sizing record and graph sizes.
-    remote (s3://...): with no matching artifact on disk, one pushed there for this key is pulled first."""
+def prepare(
+    mode: str, args, cache_dir: str | None = None, remote: str | None = None, s3_options=None
+):
+    """ENGINE_MODE applied to EngineArgs `args` (call once torch is up): -> (the args to build the
+    engine with, the Selection). compiled installs the artifact's kernels and takes its KV-sizing
+    record and graph sizes.
+    remote (s3://...): with no matching artifact on disk, one pushed there for this key is pulled
+    first."""
     import dataclasses
 
     _check_mode(mode)
@@ -272,11 +317,14 @@ def prepare(mode: str, args, cache_dir: str | None = None, remote: str | None = 
     device = args.torch_device().type
     if device != "cuda":
         if mode == "compiled":
-            raise ArtifactError(f"ENGINE_MODE=compiled: compiled engines are for CUDA devices; this engine runs on "
-                                f"{device}")
+            raise ArtifactError(
+                f"ENGINE_MODE=compiled: compiled engines are for CUDA devices; this engine runs on "
+                f"{device}"
+            )
         return args, Selection("jit", None, f"ENGINE_MODE=auto: jit, the engine runs on {device}")
     key, roots = current_key(args), artifact_roots(args.model, cache_dir)
-    if remote and cache_dir and select("auto", roots, key).mode == "jit":  # none on disk: the fleet may have one
+    # none on disk: the fleet may have one
+    if remote and cache_dir and select("auto", roots, key).mode == "jit":
         from cache.remote import RemoteError
 
         try:

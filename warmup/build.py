@@ -1,15 +1,12 @@
 """`python -m warmup build`: compiled-engine artifacts, stored beside the model's snapshot.
 
 On the GPU it runs on (build): the engine starts with an empty Triton cache of its own, a profiled
-KV-sizing step
-and every decode graph captured, then runs prompts of many lengths and sampling settings; the
-artifact keeps the
-kernels it compiled, the measured step peak and the graph sizes, and a smoke generation's tokens.
+KV-sizing step and every decode graph captured, then runs prompts of many lengths and sampling
+settings; the artifact keeps the kernels it compiled, the measured step peak and the graph sizes,
+and a smoke generation's tokens.
 Without a GPU (build_without_gpu): for each named architecture, the kernel set warmup.kernel_set
-finds, compiled by
-warmup.aot for that target; the artifact holds kernels only, for any memory size of that
-architecture.
-Both publish atomically (warmup.publish; optionally to S3 as well).
+finds, compiled by warmup.aot for that target; the artifact holds kernels only, for any memory size
+of that architecture. Both publish atomically (warmup.publish; optionally to S3 as well).
 """
 
 from __future__ import annotations
@@ -25,12 +22,14 @@ log = logging.getLogger(__name__)
 
 
 def smoke_prompt(vocab: int) -> list[int]:
-    """The build's last generation (its greedy tokens are kept in the record, to compare a compiled run with)."""
+    """The build's last generation (its greedy tokens are kept in the record, to compare a compiled
+    run with)."""
     return [(1000 + 7 * i) % (vocab - 1) + 1 for i in range(32)]
 
 
 def _exercise(llm, max_len: int, vocab: int) -> None:
-    """Prompts of many lengths (alone, batched, and meeting decodes in mixed steps) and every sampler path."""
+    """Prompts of many lengths (alone, batched, and meeting decodes in mixed steps) and every
+    sampler path."""
     from engine import SamplingParams
 
     def prompt(n: int, salt: int) -> list[int]:
@@ -60,9 +59,8 @@ def _exercise(llm, max_len: int, vocab: int) -> None:
         SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5),
     ]
     prompts = [prompt(lengths[i % len(lengths)] // (1 + i % 3) or 1, 100 + i) for i in range(48)]
-    llm.generate(
-        prompts, [mixed[i % len(mixed)] for i in range(len(prompts))]
-    )  # batched and mixed steps
+    # batched and mixed steps
+    llm.generate(prompts, [mixed[i % len(mixed)] for i in range(len(prompts))])
 
 
 def build(
@@ -79,9 +77,9 @@ def build(
     revision: str | None = None,
     push: str | None = None,
 ) -> tuple[str, dict]:
-    """Build and publish an artifact for `model` (a snapshot directory or any reference cache.resolve takes);
-    returns (its directory, its artifact.json). Run it in a process of its own: it points Triton's cache at a
-    fresh directory for its whole life."""
+    """Build and publish an artifact for `model` (a snapshot directory or any reference
+    cache.resolve takes); returns (its directory, its artifact.json). Run it in a process of its
+    own: it points Triton's cache at a fresh directory for its whole life."""
     t0 = time.perf_counter()
     model = _resolve(model, cache_dir, revision)
     import torch
@@ -108,9 +106,8 @@ def build(
         llm = LLM(**{**vars(args), "kv_sizing": "profile", "cuda_graph_capture": "start"})
         core = llm.engine
         _exercise(llm, core.context_limit, core.runner.model_config.vocab_size)
-        arch = key[
-            "gpu_arch"
-        ]  # and the kernel set, for this GPU's and its architecture's other SM counts
+        # and the kernel set, for this GPU's and its architecture's other SM counts
+        arch = key["gpu_arch"]
         own_sms = torch.cuda.get_device_properties(
             torch.cuda.current_device()
         ).multi_processor_count
@@ -139,9 +136,8 @@ def build(
 
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    final, _ = publish_local(
-        staging, staging_root, key, replace=True
-    )  # a rebuild of the same key replaces it
+    # a rebuild of the same key replaces it
+    final, _ = publish_local(staging, staging_root, key, replace=True)
     _push(final, key, push)
     log.info("warmup: built %s in %.1f s", final, seconds)
     return final, {"key": key, "record": record}
@@ -160,15 +156,13 @@ def build_without_gpu(
     **limits,
 ) -> list[tuple[str, dict]]:
     """One artifact per architecture in `arches`, compiled here without a GPU (each in `jobs`
-    processes);
-    returns [(its directory, its artifact.json)]. limits: dtype, max_model_len, max_num_seqs,
-    max_num_batched_tokens, gpu_memory_utilization, block_size (EngineArgs' names)."""
+    processes); returns [(its directory, its artifact.json)]. limits: dtype, max_model_len,
+    max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, block_size (EngineArgs' names)."""
     from warmup.aot import sm_counts_for
 
     model = _resolve(model, cache_dir, revision)
-    plan = [
-        (a, sm_counts_for(a, sm_counts)) for a in arches
-    ]  # refuses an unknown arch before any work
+    # refuses an unknown arch before any work
+    plan = [(a, sm_counts_for(a, sm_counts)) for a in arches]
     root = out_dir or os.path.join(model, ENGINES_DIR)
     built = [_build_arch(model, arch, counts, root, limits, jobs) for arch, counts in plan]
     for final, data in built:

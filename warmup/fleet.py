@@ -1,15 +1,11 @@
 """The first worker shares what it compiled: in ENGINE_MODE=auto, a worker that found no matching
-artifact and had
-to compile kernels publishes them as an artifact for the next worker, beside the snapshot (the
-network volume) and
-to S3_CACHE_URI when set, so that worker starts compiled.
+artifact and had to compile kernels publishes them as an artifact for the next worker, beside the
+snapshot (the network volume) and to S3_CACHE_URI when set, so that worker starts compiled.
 
 It runs on a background thread after the worker has served its first requests and is idle, once the
-kernel set is
-compiled and loaded (warmup.ready), never on a request's path. The artifact holds kernels only: its
-key names this
-GPU's architecture and any memory size, and workers size their KV cache by the analytic bound as
-this one did.
+kernel set is compiled and loaded (warmup.ready), never on a request's path. The artifact holds
+kernels only: its key names this GPU's architecture and any memory size, and workers size their KV
+cache by the analytic bound as this one did.
 """
 
 from __future__ import annotations
@@ -22,9 +18,8 @@ import time
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5
-IDLE_WAIT_S = (
-    60.0  # past this with requests always running, publish anyway (files copied on this thread)
-)
+# past this with requests always running, publish anyway (files copied on this thread)
+IDLE_WAIT_S = 60.0
 
 
 def share_when_served(
@@ -40,8 +35,7 @@ def share_when_served(
     push: bool = True,
 ) -> threading.Thread | None:
     """Start the publishing thread when this worker should share (auto mode, no artifact used, and
-    kernels were
-    compiled: `warm` is warm_kernels()'s result); None otherwise."""
+    kernels were compiled: `warm` is warm_kernels()'s result); None otherwise."""
     if (
         engine_mode != "auto"
         or selection is None
@@ -105,8 +99,8 @@ def publish_compiled(
     engine, warm, model_dir: str, cache_dir: str, remote: str | None = None, s3_options=None
 ) -> str:
     """Stage the worker's kernels (the set, and whatever else it compiled since start) as an
-    artifact and publish
-    it once locally and, with `remote`, to S3. Returns the local artifact's path."""
+    artifact and publish it once locally and, with `remote`, to S3. Returns the local artifact's
+    path."""
     import torch
 
     from warmup.artifacts import any_memory, current_key

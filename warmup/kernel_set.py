@@ -1,15 +1,11 @@
 """The engine's Triton kernel set, found without running a kernel: the model's forward runs on meta
-tensors (shapes
-and strides, no memory) for every step shape the runner can make, and each Triton launch compiles or
-loads its kernel
-instead of running it.
+tensors (shapes and strides, no memory) for every step shape the runner can make, and each Triton
+launch compiles or loads its kernel instead of running it.
 
 The launches are the engine's own: its layers and attention backend compute every argument, so each
-kernel's
-specialization (argument types, 16-divisibility, constexprs, warps, stages) is the one a real step
-looks up. Whether
-that compile is for this GPU or for a named target depends on Triton's active driver (see
-warmup.aot).
+kernel's specialization (argument types, 16-divisibility, constexprs, warps, stages) is the one a
+real step looks up. Whether that compile is for this GPU or for a named target depends on Triton's
+active driver (see warmup.aot).
 """
 
 from __future__ import annotations
@@ -34,16 +30,15 @@ _CUDA_CHECKS = (
     ("engine.layers.fused", "fused_kernels_available"),
     ("engine.layers.skinny_gemm", "skinny_applies"),
 )
-TRACED_LAYERS = (
-    2  # layer 0 (no residual into its first norm) and any later one: every layer's launches
-)
+# layer 0 (no residual into its first norm) and any later one: every layer's launches
+TRACED_LAYERS = 2
 
 
 @dataclass(frozen=True)
 class Step:
     """One step the runner can launch: T tokens of B sequences, block tables B x W; `graph`: a
-    decode graph's step
-    (B one-token rows, logits written into the graphs' static buffer), else an eager step."""
+    decode graph's step (B one-token rows, logits written into the graphs' static buffer), else an
+    eager step."""
 
     num_tokens: int
     num_seqs: int
@@ -116,11 +111,9 @@ def _install_patches() -> None:
 @contextlib.contextmanager
 def compile_only(sink: list) -> Iterator[None]:
     """Within: this thread's Triton launches compile or load their kernel into Triton's caches (disk
-    and this
-    process's memory, for the active driver's device), append it to `sink` and run nothing; meta
-    tensors take the
-    engine's CUDA paths. Other threads are unaffected; the patches are removed when the last tracer
-    leaves."""
+    and this process's memory, for the active driver's device), append it to `sink` and run nothing;
+    meta tensors take the engine's CUDA paths. Other threads are unaffected; the patches are removed
+    when the last tracer leaves."""
     global _patch_users
     with _patch_lock:
         if _patch_users == 0:
@@ -146,13 +139,10 @@ def steps_for(args, max_model_len: int, first_only: bool = False) -> list[Step]:
     GPU.
 
     Eager (prefill and mixed) steps vary the skinny GEMM's row count (1, 16, other) and the block
-    table's width
-    (1, a multiple of 16, other); decode graphs are one step per captured size at the full table
-    width. Decode
-    steps that run eager (enforce_eager, or batches above the largest graph) vary the batch and the
-    table width,
-    which set the attention's split count. first_only: what a first request meets (a prompt, then
-    decode at 1).
+    table's width (1, a multiple of 16, other); decode graphs are one step per captured size at the
+    full table width. Decode steps that run eager (enforce_eager, or batches above the largest
+    graph) vary the batch and the table width, which set the attention's split count. first_only:
+    what a first request meets (a prompt, then decode at 1).
     """
     width = -(-max_model_len // args.block_size)
     widths = sorted({w for w in (1, 2, 16, width) if w <= width})
@@ -165,14 +155,12 @@ def steps_for(args, max_model_len: int, first_only: bool = False) -> list[Step]:
     if first_only:
         return steps
     eager_from = 1 if not sizes else sizes[-1] + 1
-    if (
-        eager_from <= args.max_num_seqs
-    ):  # decode steps without a graph: every batch at the widest tables ...
+    # decode steps without a graph: every batch at the widest tables ...
+    if eager_from <= args.max_num_seqs:
         near = sorted({w for w in (width, width - 1, width // 16 * 16) if w >= 1})
         steps += [Step(b, b, w) for b in range(eager_from, args.max_num_seqs + 1) for w in near]
-        steps += [
-            Step(eager_from, eager_from, w) for w in range(1, width + 1)
-        ]  # ... and every width
+        # ... and every width
+        steps += [Step(eager_from, eager_from, w) for w in range(1, width + 1)]
     return steps
 
 
@@ -180,9 +168,8 @@ def steps_for(args, max_model_len: int, first_only: bool = False) -> list[Step]:
 # -------------------------------------------------------------------------------------------------
 def meta_model(model_config, dtype: torch.dtype, target_programs: int):
     """The decoder on the meta device with the Triton attention backend, TRACED_LAYERS layers deep;
-    the backend
-    splits decode as a GPU whose split target is `target_programs` (programs per SM x the SM count)
-    would."""
+    the backend splits decode as a GPU whose split target is `target_programs` (programs per SM x
+    the SM count) would."""
     from engine.attention.triton_attn import TritonAttentionBackend
     from engine.models.decoder import build_model
 

@@ -2,14 +2,11 @@
 volume) and on S3.
 
 Locally a staged directory is fsynced and renamed into `<root>/<id>` under a cross-process file
-lock, as
-cache.snapshot publishes snapshots, so a reader never sees half an artifact and two publishers leave
-one. On S3 the
-files go up first and the manifest last, written only if none is there (a conditional put): the
-first complete push
-wins and a second publisher's identical files change nothing. stage_from_cache() turns kernels a
-worker compiled
-(entries of its Triton cache) into a staged artifact.
+lock, as cache.snapshot publishes snapshots, so a reader never sees half an artifact and two
+publishers leave one. On S3 the files go up first and the manifest last, written only if none is
+there (a conditional put): the first complete push wins and a second publisher's identical files
+change nothing. stage_from_cache() turns kernels a worker compiled (entries of its Triton cache)
+into a staged artifact.
 """
 
 from __future__ import annotations
@@ -33,16 +30,14 @@ GROUP_PREFIX = "__grp__"
 
 def staging_dir(root: str, prefix: str) -> str:
     """A fresh directory under root (same filesystem, so the publish is a rename); its name starts
-    with a dot,
-    which finding artifacts skips."""
+    with a dot, which finding artifacts skips."""
     os.makedirs(root, exist_ok=True)
     return tempfile.mkdtemp(prefix=f".{prefix}-", dir=root)
 
 
 def portable_groups(triton_dir: str) -> None:
     """Triton's group files list their entry's files by absolute path: keep the file names only, so
-    the bytes do
-    not depend on where a kernel was compiled (install() points them at where they are
+    the bytes do not depend on where a kernel was compiled (install() points them at where they are
     installed)."""
     for group_path in Path(triton_dir).glob(f"*/{GROUP_PREFIX}*.json"):
         group = json.loads(group_path.read_text())
@@ -61,16 +56,14 @@ def write_artifact_file(staging: str, key: dict, record: dict) -> None:
 
 def publish_local(staging: str, root: str, key: dict, *, replace: bool) -> tuple[str, bool]:
     """Move the staged artifact to root/<id> under root's lock for that id -> (its path, whether
-    this call put it
-    there). replace=False keeps an artifact already published (the staging is removed): a rebuild
-    passes True."""
+    this call put it there). replace=False keeps an artifact already published (the staging is
+    removed): a rebuild passes True."""
     from cache.snapshot import fsync_tree
 
     final = os.path.join(root, key_id(key))
     os.makedirs(os.path.join(root, LOCKS_DIR), exist_ok=True)
-    with FileLock(
-        os.path.join(root, LOCKS_DIR, f"{key_id(key)}.lock")
-    ):  # the kernel drops it if we die
+    # the kernel drops it if we die
+    with FileLock(os.path.join(root, LOCKS_DIR, f"{key_id(key)}.lock")):
         if os.path.isfile(os.path.join(final, ARTIFACT_FILE)) and not replace:
             shutil.rmtree(staging, ignore_errors=True)
             return final, False
@@ -92,10 +85,9 @@ def publish_local(staging: str, root: str, key: dict, *, replace: bool) -> tuple
 
 def publish_remote(artifact: str, remote: str, key: dict, opts=None) -> bool:
     """Push the artifact to remote/engines/<id> unless one is there -> whether this call published
-    it. The files
-    go up first; the manifest, which marks a push complete, is written only if absent (S3's
-    If-None-Match), so
-    of two publishers racing only one manifest lands. Raises cache.remote.RemoteError."""
+    it. The files go up first; the manifest, which marks a push complete, is written only if absent
+    (S3's If-None-Match), so of two publishers racing only one manifest lands. Raises
+    cache.remote.RemoteError."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     from cache import remote as s3
@@ -115,11 +107,8 @@ def publish_remote(artifact: str, remote: str, key: dict, opts=None) -> bool:
         client.put_object(Bucket=bucket, Key=name, Body=body, IfNoneMatch="*")
     except ClientError as e:
         code = e.response.get("Error", {}).get("Code")
-        if code in (
-            "PreconditionFailed",
-            "ConditionalRequestConflict",
-        ):  # another publisher's manifest landed
-            return False
+        if code in ("PreconditionFailed", "ConditionalRequestConflict"):
+            return False  # another publisher's manifest landed
         if code != "NotImplemented":
             raise s3.RemoteError(f"S3 put {s3.join_uri(uri, MANIFEST)}: {code}") from None
         log.info(
@@ -136,9 +125,8 @@ def stage_from_cache(
     triton_cache: str, entries: list[str], key: dict, record: dict, root: str
 ) -> str:
     """A staged artifact under root holding the given entries of a Triton cache (those complete:
-    with their
-    group file) and artifact.json with `key` and `record` ("kernels", entry -> kernel name, set
-    here)."""
+    with their group file) and artifact.json with `key` and `record` ("kernels", entry -> kernel
+    name, set here)."""
     staging = staging_dir(root, "publish")
     dest = os.path.join(staging, TRITON_DIR)
     os.makedirs(dest)

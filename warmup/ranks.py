@@ -5,6 +5,7 @@ process, takes them over when it builds. A rank's death fails the jobs in flight
 streams end with its error, and the worker's and the server's fatal paths exit 1); should the
 engine's thread be stuck in a collective, this process still ends with status 1 after
 EXIT_BACKSTOP_S."""
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,12 @@ def launch(model_dir: str, tensor_parallel_size: int, device: str):
     from engine.distributed.launch import start_ranks  # stdlib only: torch is not imported here
 
     gpu = device == "cuda" or (device == "auto" and os.path.exists("/dev/nvidiactl"))
-    ranks = start_ranks(tensor_parallel_size, "cuda" if gpu else "cpu", entry="warmup.ranks",
-                        entry_args=("--model-dir", model_dir))
+    ranks = start_ranks(
+        tensor_parallel_size,
+        "cuda" if gpu else "cpu",
+        entry="warmup.ranks",
+        entry_args=("--model-dir", model_dir),
+    )
     ranks.on_death(_exit_after_backstop)
     return ranks
 

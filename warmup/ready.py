@@ -1,22 +1,16 @@
 """A worker's kernels before its first request, and never a compile inside a step after it.
 
 warm_kernels() runs once the engine is built, before the worker reports ready: the kernel set of a
-first request
-(prompts of every specialization class, then decode at batch 1; warmup.kernel_set) is traced with
-this GPU's driver,
-so each kernel is loaded from Triton's disk cache (an installed artifact, a warm cache) or compiled,
-and its module
-is on the GPU. It is bounded by a time budget and timed for the start-up log.
+first request (prompts of every specialization class, then decode at batch 1; warmup.kernel_set) is
+traced with this GPU's driver, so each kernel is loaded from Triton's disk cache (an installed
+artifact, a warm cache) or compiled, and its module is on the GPU. It is bounded by a time budget
+and timed for the start-up log.
 
 What is not loaded yet is loaded by a background thread: when the first kernels were on disk, right
-away; when they
-had to be compiled (an empty cache), a separate process (`python -m warmup kernels`, no GPU context,
-so no step of
-this worker waits on its compiles) compiles the whole set into this worker's Triton cache first.
-Once the set is
-loaded, decode graphs are captured in the background (engine.cuda_graphs) with each size's kernels
-loaded by the
-capture thread.
+away; when they had to be compiled (an empty cache), a separate process (`python -m warmup kernels`,
+no GPU context, so no step of this worker waits on its compiles) compiles the whole set into this
+worker's Triton cache first. Once the set is loaded, decode graphs are captured in the background
+(engine.cuda_graphs) with each size's kernels loaded by the capture thread.
 """
 
 from __future__ import annotations
@@ -43,9 +37,8 @@ class KernelWarmup:
 
     seconds: float = 0.0
     kernels: int = 0  # kernels loaded or compiled before ready
-    compiled: list[str] = field(
-        default_factory=list
-    )  # Triton cache entries that appeared meanwhile
+    # Triton cache entries that appeared meanwhile
+    compiled: list[str] = field(default_factory=list)
     cache_dir: str | None = None  # this worker's Triton cache
     before: set[str] | None = None  # its entries when the warm-up began
     entries: set[str] = field(default_factory=set)  # cache entries of the loaded kernels
@@ -69,9 +62,8 @@ class _Live:
         backend = (
             self.runner.model.layers[0].self_attn.backend if len(self.runner.model.layers) else None
         )
-        self.target_programs = getattr(
-            backend, "target_programs", None
-        )  # None: not the Triton backend
+        # None: not the Triton backend
+        self.target_programs = getattr(backend, "target_programs", None)
 
     def model(self):
         from warmup.kernel_set import meta_model
@@ -113,10 +105,8 @@ def warm_kernels(
     """Load (or compile) a first request's kernels now, and start the background work that loads the
     rest.
     engine_mode: the mode that runs ("jit": the rest of the set is compiled by a background process
-    first;
-    "compiled": only if a first kernel was missing from the artifact). None where there is nothing
-    to warm (no
-    GPU, no Triton backend)."""
+    first; "compiled": only if a first kernel was missing from the artifact). None where there is
+    nothing to warm (no GPU, no Triton backend)."""
     live = _Live(engine)
     if live.runner.device.type != "cuda" or live.target_programs is None:
         return None
@@ -139,9 +129,8 @@ def warm_kernels(
         before=before,
         entries=set(kernel_dirs(kernels)),
     )
-    if (
-        engine_mode == "jit" or result.compiled
-    ):  # the rest may be missing: compiled out of this process first
+    # the rest may be missing: compiled out of this process first
+    if engine_mode == "jit" or result.compiled:
         result.compile_process, result.compile_list = _start_compile_process(live, cache_dir)
     done = set(first)
     rest = [s for s in steps_for(live.args, live.max_model_len) if s not in done]
@@ -154,8 +143,7 @@ def warm_kernels(
 
 def _load_rest(live: _Live, steps: list, result: KernelWarmup) -> None:
     """Background: wait for the compile process (if any), load every other kernel of the set from
-    disk, then let
-    decode graphs be captured off the step loop."""
+    disk, then let decode graphs be captured off the step loop."""
     from warmup.kernel_set import kernel_dirs
 
     try:
@@ -221,8 +209,7 @@ def _read_list(path: str | None) -> list[str]:
 
 def _start_compile_process(live: _Live, cache_dir: str) -> tuple[subprocess.Popen, str]:
     """`python -m warmup kernels` for this GPU's architecture and SM count into this worker's Triton
-    cache, with no
-    GPU visible (no CUDA context, no GPU memory) and at a low CPU priority."""
+    cache, with no GPU visible (no CUDA context, no GPU memory) and at a low CPU priority."""
     import tempfile
 
     import torch
@@ -253,13 +240,11 @@ def _start_compile_process(live: _Live, cache_dir: str) -> tuple[subprocess.Pope
         "--engine-args",
         json.dumps(vars(live.args)),
     ]
-    here = os.path.dirname(
-        os.path.dirname(os.path.abspath(__file__))
-    )  # where `warmup` is imported from
+    # where `warmup` is imported from
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-    env = dict(
-        os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=path
-    )  # its warnings reach this worker's log
+    # its warnings reach this worker's log
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=path)
     proc = subprocess.Popen(
         cmd,
         env=env,

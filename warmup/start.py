@@ -25,6 +25,7 @@ of process) in the background (warmup.ready) and shared with the next worker (wa
 Module-level imports are the stdlib and cache's stdlib-only start modules: importing this costs no
 torch.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -196,14 +197,16 @@ class EngineStart:
         self.model_dir = self._timed("resolve", self._resolve, "model", a.model, a.revision)
         tokenizer_dir = None
         if a.tokenizer:
-            tokenizer_dir = self._timed("resolve_tokenizer", self._resolve, "tokenizer",
-                                        a.tokenizer, a.tokenizer_revision)
+            tokenizer_dir = self._timed(
+                "resolve_tokenizer", self._resolve, "tokenizer", a.tokenizer, a.tokenizer_revision
+            )
         pages = start_pages.default_path(a.cache_dir, a.entry)
         # Tensor parallelism: ranks 1..N-1 start now and stream their own shards; this is rank 0.
         tp_size = a.engine_options.get("tensor_parallel_size", 1)
         launch_ranks(str(self.model_dir), tp_size, a.device)
-        self.weight_stream = self._timed("stream_start", start_weights, str(self.model_dir),
-                                         a.device, pages, (0, tp_size))
+        self.weight_stream = self._timed(
+            "stream_start", start_weights, str(self.model_dir), a.device, pages, (0, tp_size)
+        )
         from warmup.triton_key import start_triton_key
 
         triton_key = start_triton_key()
@@ -219,8 +222,9 @@ class EngineStart:
         self._torch_imported.set()
         self._timed("entry_imports", self._entry_imported.wait, ENTRY_IMPORTS_WAIT_S)
         tokenizer = str(tokenizer_dir) if tokenizer_dir else None
-        args = EngineArgs(model=str(self.model_dir), tokenizer=tokenizer, device=a.device,
-                          **a.engine_options)
+        args = EngineArgs(
+            model=str(self.model_dir), tokenizer=tokenizer, device=a.device, **a.engine_options
+        )
         self._timed("preload_start", preload_weights, args)
         if triton_key is not None:
             self._timed("triton_key", triton_key.install)
@@ -231,12 +235,18 @@ class EngineStart:
         self.phases["import_engine"] = time.perf_counter() - t_import
         engine = self._timed("engine", AsyncLLM.from_engine_args, args)
         self.phases["total"] = time.perf_counter() - t0
-        threading.Thread(target=self._warm_kernels, args=(engine,), name="coldbrew-kernels",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._warm_kernels, args=(engine,), name="coldbrew-kernels", daemon=True
+        ).start()
         start_pages.record_in_background(pages)
         phases = ", ".join(f"{k} {v:.2f}s" for k, v in self.phases.items() if k != "total")
-        log.info("ready: model %s from %s in %.2fs (%s)", a.model, self.model_dir,
-                 self.phases["total"], phases)
+        log.info(
+            "ready: model %s from %s in %.2fs (%s)",
+            a.model,
+            self.model_dir,
+            self.phases["total"],
+            phases,
+        )
         return engine
 
     def _warm_kernels(self, engine) -> None:
@@ -251,10 +261,17 @@ class EngineStart:
         try:
             wait_served(engine)
             self.kernels = warm_kernels(engine, self.selection.mode)
-            share_when_served(engine, self.kernels, engine_mode=a.engine_mode,
-                              selection=self.selection, model_dir=str(self.model_dir),
-                              cache_dir=a.cache_dir, remote=a.resolve_options.get("remote"),
-                              s3_options=self._s3, push=a.resolve_options.get("push", True))
+            share_when_served(
+                engine,
+                self.kernels,
+                engine_mode=a.engine_mode,
+                selection=self.selection,
+                model_dir=str(self.model_dir),
+                cache_dir=a.cache_dir,
+                remote=a.resolve_options.get("remote"),
+                s3_options=self._s3,
+                push=a.resolve_options.get("push", True),
+            )
         except Exception as exc:  # the worker serves on, compiling lazily as it would without
             log.warning("kernels: background warm-up stopped: %s: %s", type(exc).__name__, exc)
 
@@ -263,11 +280,13 @@ class EngineStart:
         from warmup.artifacts import prepare
 
         a = self.args
-        s3 = make_s3_options(**{k: a.resolve_options[k] for k in _S3_KEYS
-                                if k in a.resolve_options})
+        s3 = make_s3_options(
+            **{k: a.resolve_options[k] for k in _S3_KEYS if k in a.resolve_options}
+        )
         self._s3 = s3
-        args, self.selection = prepare(a.engine_mode, args, a.cache_dir,
-                                       a.resolve_options.get("remote"), s3)
+        args, self.selection = prepare(
+            a.engine_mode, args, a.cache_dir, a.resolve_options.get("remote"), s3
+        )
         log.info("engine mode: %s (%s)", self.selection.mode, self.selection.reason)
         return args
 

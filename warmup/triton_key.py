@@ -7,6 +7,7 @@ this process could compute it too, but loading Triton there holds this interpret
 function's, run in the same environment a moment earlier; install() hands it to Triton. The start
 sequence (warmup.start) begins it before `import torch`. Imports no torch.
 """
+
 from __future__ import annotations
 
 import functools
@@ -22,11 +23,16 @@ _KEY_CODE = "from triton.runtime.cache import triton_key; print(triton_key())"
 
 class TritonKey:
     def __init__(self) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-c", _KEY_CODE], stdout=subprocess.PIPE,
-                                      stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _KEY_CODE],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+        )
 
     def install(self, timeout: float = 30.0) -> bool:
-        """Give Triton the key computed meanwhile (waits for it if need be); False if there is none to give."""
+        """Give Triton the key computed meanwhile (waits for it if need be); False if there is none
+        to give."""
         try:
             out, _ = self._proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -41,7 +47,8 @@ class TritonKey:
         except ImportError:
             return False
         original = getattr(triton_cache, "triton_key", None)
-        if original is None or not hasattr(original, "cache_info"):  # another Triton: leave it alone
+        # another Triton: leave it alone
+        if original is None or not hasattr(original, "cache_info"):
             return False
         if original.cache_info().currsize:  # already computed in this process
             return True

@@ -2,14 +2,20 @@
 shape) and the choice of backend: plain PyTorch (`torch_ref`, any device, the reference) or Triton
 (`triton_attn`, CUDA).
 """
+
 from __future__ import annotations
 
 import torch
 
 from engine.attention.interface import AttentionBackend, AttentionMetadata, kv_cache_shape
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "BACKEND_NAMES", "kv_cache_shape",
-           "select_backend"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "BACKEND_NAMES",
+    "kv_cache_shape",
+    "select_backend",
+]
 
 BACKEND_NAMES = ("auto", "torch", "triton")
 
@@ -29,8 +35,9 @@ def select_backend(device: torch.device | str, name: str = "auto") -> AttentionB
             from engine.attention.triton_attn import TritonAttentionBackend
         except ImportError as exc:
             if name == "triton":
-                raise ValueError(f"attention backend 'triton' needs the triton package: "
-                                 f"{exc}") from exc
+                raise ValueError(
+                    f"attention backend 'triton' needs the triton package: {exc}"
+                ) from exc
         else:
             return TritonAttentionBackend(device)
     elif name == "triton":

@@ -6,6 +6,7 @@ The runner fills an AttentionMetadata per step; every layer's Attention hands it
 of the paged KV cache, to the backend. Backends write the new K/V at `slot_mapping`, then attend
 over the whole context.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -42,8 +43,9 @@ class AttentionMetadata:
         return len(self.seq_lens_cpu)
 
 
-def kv_cache_shape(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                   head_dim: int):
+def kv_cache_shape(
+    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+):
     """One allocation for the whole cache: [layers, 2 (K, V), blocks, block_size, kv_heads,
     head_dim]."""
     return (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)

@@ -4,6 +4,7 @@ fast never.
 Writes the step's new K/V into the paged cache; one batched pass for all decodes, a loop for prefill
 chunks.
 """
+
 from __future__ import annotations
 
 import torch
@@ -80,8 +81,8 @@ def _decode_batch(
     sliding_window: int | None,
     out: torch.Tensor,
 ) -> None:
-    """All one-token queries at once: gather each context padded to the longest, mask the padding.
-    """
+    """All one-token queries at once: gather each context padded to the longest, mask the
+    padding."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     block_size = k_cache.shape[1]
@@ -110,8 +111,9 @@ def _decode_batch(
     out[token] = od.reshape(b, num_heads, head_dim)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Store k/v [T, Hkv, D] at flat slots (block_id * block_size + offset) of the layer's cache, in
     place."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
@@ -122,8 +124,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor,
     kv_cache_layer[1].view(-1, num_kv_heads, head_dim)[slots] = v.to(kv_cache_layer.dtype)
 
 
-def _context_mask(seq_len: int, q_len: int, sliding_window: int | None,
-                  device: torch.device) -> torch.Tensor:
+def _context_mask(
+    seq_len: int, q_len: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor:
     """[q_len, seq_len] bool, True where query j (at position seq_len - q_len + j) must not see key
     p."""
     q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]

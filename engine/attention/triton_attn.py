@@ -5,14 +5,18 @@ Writes the step's K/V at slot_mapping, then one attention launch: split-KV decod
 same kernel) when every query is one token (its launch depends on shapes only: CUDA-graph safe),
 tiled prefill otherwise.
 """
+
 from __future__ import annotations
 
 import torch
 import triton
 
 from engine.attention.interface import AttentionBackend, AttentionMetadata
-from engine.attention.triton_kernels import (merge_splits_kernel, paged_attention_kernel,
-                                             write_kv_kernel)
+from engine.attention.triton_kernels import (
+    merge_splits_kernel,
+    paged_attention_kernel,
+    write_kv_kernel,
+)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -51,9 +55,8 @@ class TritonAttentionBackend(AttentionBackend):
         self.decode_tiles = decode_tiles
         self.prefill_tiles = prefill_tiles
         # Split-KV decode counts arriving splits per (sequence, kv head) here; the last one merges
-        # and resets its
-        # count, so the buffer stays zero between launches. Allocated (zeroed) outside any CUDA-
-        # graph capture.
+        # and resets its count, so the buffer stays zero between launches. Allocated (zeroed)
+        # outside any CUDA-graph capture.
         self.fused_merge = fused_merge
         self.arrivals: torch.Tensor | None = None
         if fused_merge and device is not None and device.type == "cuda":
@@ -82,10 +85,19 @@ class TritonAttentionBackend(AttentionBackend):
 
         if num_tokens > 0 and not kv_written:
             write_kv_kernel[(num_tokens,)](
-                k, v, kv_cache_layer, meta.slot_mapping,
-                k.stride(0), k.stride(1), v.stride(0), v.stride(1), kv_cache_layer.stride(0),
-                NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-                BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=block_d,
+                k,
+                v,
+                kv_cache_layer,
+                meta.slot_mapping,
+                k.stride(0),
+                k.stride(1),
+                v.stride(0),
+                v.stride(1),
+                kv_cache_layer.stride(0),
+                NUM_KV_HEADS=num_kv_heads,
+                HEAD_DIM=head_dim,
+                BLOCK_H=triton.next_power_of_2(num_kv_heads),
+                BLOCK_D=block_d,
             )
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_seqs = meta.seq_lens.shape[0]
@@ -96,12 +108,14 @@ class TritonAttentionBackend(AttentionBackend):
         small = kv_cache_layer.dtype == torch.float32 or block_d > 128
         if meta.max_query_len == 1:  # decode: the launch depends on shapes only (CUDA-graph safe)
             _, block_n, num_warps, num_stages = self.decode_tiles or (
-                (16, 32, 4, 2) if small else (16, 128, 4, 3))
+                (16, 32, 4, 2) if small else (16, 128, 4, 3)
+            )
             block_m = max(16, triton.next_power_of_2(group))
             block_q = num_q_tiles = 1
             max_context = meta.block_tables.shape[1] * block_size
-            num_splits = self._num_splits(num_seqs * num_kv_heads,
-                                          triton.cdiv(max_context, block_n))
+            num_splits = self._num_splits(
+                num_seqs * num_kv_heads, triton.cdiv(max_context, block_n)
+            )
         else:
             block_m, block_n, num_warps, num_stages = self.prefill_tiles or (
                 (64, 32, 4, 2) if small else (128, 128, 8, 3)
@@ -111,34 +125,72 @@ class TritonAttentionBackend(AttentionBackend):
             num_splits = 1
             num_q_tiles = triton.cdiv(meta.max_query_len, block_q)
 
-        fused_merge = (num_splits > 1 and self.fused_merge
-                       and self._arrivals_for(num_seqs * num_kv_heads, q.device) is not None)
+        fused_merge = (
+            num_splits > 1
+            and self.fused_merge
+            and self._arrivals_for(num_seqs * num_kv_heads, q.device) is not None
+        )
         if num_splits > 1:  # one scratch allocation: partial outputs, then their log2-sum-exps
-            scratch = torch.empty(num_tokens * num_heads * num_splits * (block_d + 1),
-                                  dtype=torch.float32, device=q.device)
-            part_out, part_lse = scratch.split([num_tokens * num_heads * num_splits * block_d,
-                                                num_tokens * num_heads * num_splits])
+            scratch = torch.empty(
+                num_tokens * num_heads * num_splits * (block_d + 1),
+                dtype=torch.float32,
+                device=q.device,
+            )
+            part_out, part_lse = scratch.split(
+                [num_tokens * num_heads * num_splits * block_d, num_tokens * num_heads * num_splits]
+            )
         else:
             part_out = part_lse = out  # unused
         k_cache, v_cache = kv_cache_layer[0], kv_cache_layer[1]
         paged_attention_kernel[(num_seqs, num_kv_heads * num_splits, num_q_tiles)](
-            q, k_cache, v_cache, out, part_out, part_lse, self.arrivals if fused_merge else out,
-            meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            scale * LOG2_E, sliding_window or 0,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=block_size,
-            NUM_SPLITS=num_splits, USE_WINDOW=sliding_window is not None,
+            q,
+            k_cache,
+            v_cache,
+            out,
+            part_out,
+            part_lse,
+            self.arrivals if fused_merge else out,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            scale * LOG2_E,
+            sliding_window or 0,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            meta.block_tables.stride(0),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            NUM_HEADS=num_heads,
+            GROUP=group,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_Q=block_q,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            PAGE=block_size,
+            NUM_SPLITS=num_splits,
+            USE_WINDOW=sliding_window is not None,
             IEEE=kv_cache_layer.dtype == torch.float32,
-            FUSED_MERGE=fused_merge, BLOCK_S=triton.next_power_of_2(num_splits),
-            num_warps=num_warps, num_stages=num_stages,
+            FUSED_MERGE=fused_merge,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=num_warps,
+            num_stages=num_stages,
         )
         if num_splits > 1 and not fused_merge:
             merge_splits_kernel[(num_tokens, num_heads)](
-                out, part_out, part_lse, out.stride(0), out.stride(1),
-                NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-                NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+                out,
+                part_out,
+                part_lse,
+                out.stride(0),
+                out.stride(1),
+                NUM_HEADS=num_heads,
+                HEAD_DIM=head_dim,
+                BLOCK_D=block_d,
+                NUM_SPLITS=num_splits,
+                BLOCK_S=triton.next_power_of_2(num_splits),
                 num_warps=4 if block_d >= 128 else 2,
             )
         return out
@@ -164,25 +216,29 @@ class TritonAttentionBackend(AttentionBackend):
 def _check_inputs(q, k, v, kv_cache_layer, sliding_window) -> None:
     """Refuse what the kernels cannot do, naming the field and its limit."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"q, k, v must be [tokens, heads, head_dim]: got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}")
+        raise ValueError(
+            f"q, k, v must be [tokens, heads, head_dim]: got {tuple(q.shape)}, {tuple(k.shape)}"
+        )
     head_dim = q.shape[2]
     if head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim={head_dim}: the triton attention backend supports head_dim <= "
-                         f"{MAX_HEAD_DIM}")
+        raise ValueError(
+            f"head_dim={head_dim}: the triton attention backend supports head_dim <= {MAX_HEAD_DIM}"
+        )
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"num_heads={q.shape[1]} must be a multiple of num_kv_heads={k.shape[1]}")
     if kv_cache_layer.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"kv cache dtype {kv_cache_layer.dtype}: the triton backend supports "
-                         f"{SUPPORTED_DTYPES}")
+        raise ValueError(
+            f"kv cache dtype {kv_cache_layer.dtype}: the triton backend supports {SUPPORTED_DTYPES}"
+        )
     if kv_cache_layer.shape[3:] != k.shape[1:] or kv_cache_layer.shape[0] != 2:
         raise ValueError(
             f"kv_cache_layer {tuple(kv_cache_layer.shape)} must be "
             f"[2, blocks, block_size, {k.shape[1]}, {head_dim}]"
         )
     if not kv_cache_layer.is_contiguous():
-        raise ValueError("kv_cache_layer must be contiguous (a slice of the one [layers, 2, ...] "
-                         "allocation)")
+        raise ValueError(
+            "kv_cache_layer must be contiguous (a slice of the one [layers, 2, ...] allocation)"
+        )
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window={sliding_window} must be >= 1")
 

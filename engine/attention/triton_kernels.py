@@ -1,8 +1,11 @@
-"""Triton kernels of the paged attention backend: the KV-cache write, one attention kernel, the split merge.
+"""Triton kernels of the paged attention backend: the KV-cache write, one attention kernel, the
+split merge.
 
-The attention kernel packs a kv head's whole query-head group into the rows of each tile, so a K/V tile is read
-once for all of them; decode runs it split along the context (flash-decoding), prefill one program per query tile.
+The attention kernel packs a kv head's whole query-head group into the rows of each tile, so a K/V
+tile is read once for all of them; decode runs it split along the context (flash-decoding), prefill
+one program per query tile.
 """
+
 from __future__ import annotations
 
 import triton
@@ -11,11 +14,22 @@ import triton.language as tl
 
 @triton.jit
 def write_kv_kernel(
-    k_ptr, v_ptr, cache_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_kv,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kv,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    """One program per new token: copy its K and V rows [Hkv, D] to its flat slot; a negative slot is padding."""
+    """One program per new token: copy its K and V rows [Hkv, D] to its flat slot; a negative slot
+    is padding."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -32,14 +46,35 @@ def write_kv_kernel(
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q, start, end, table_row, k_base, v_base, q_pos, d, d_mask, scale_log2, window,
-    stride_cb, stride_cs,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    q,
+    start,
+    end,
+    table_row,
+    k_base,
+    v_base,
+    q_pos,
+    d,
+    d_mask,
+    scale_log2,
+    window,
+    stride_cb,
+    stride_cs,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
-    """Fold keys [start, start + BLOCK_N) (those < end) into the running softmax (log2 domain, fp32).
+    """Fold keys [start, start + BLOCK_N) (those < end) into the running softmax (log2 domain,
+    fp32).
 
-    MASKED=False is for tiles wholly inside the context and below every row's position: no bounds, no mask.
+    MASKED=False is for tiles wholly inside the context and below every row's position: no bounds,
+    no mask.
     """
     n = start + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -50,7 +85,11 @@ def _attend_tile(
         page = tl.load(table_row + n // PAGE).to(tl.int64)
         kv_mask = d_mask[None, :] if HEAD_DIM != BLOCK_D else None
     offs = page * stride_cb + (n % PAGE) * stride_cs
-    key = tl.load(k_base + offs[:, None] + d[None, :], mask=kv_mask, other=0.0 if kv_mask is not None else None)
+    key = tl.load(
+        k_base + offs[:, None] + d[None, :],
+        mask=kv_mask,
+        other=0.0 if kv_mask is not None else None,
+    )
     if IEEE:
         s = tl.dot(q, tl.trans(key), input_precision="ieee")
     else:
@@ -60,12 +99,17 @@ def _attend_tile(
         if USE_WINDOW:
             visible = visible & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-    # scale_log2 > 0, so scaling the row max equals the max of the scaled row; s * scale - m is one FMA.
+    # scale_log2 > 0, so scaling the row max equals the max of the scaled row; s * scale - m is one
+    # FMA.
     m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s * scale_log2 - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    value = tl.load(v_base + offs[:, None] + d[None, :], mask=kv_mask, other=0.0 if kv_mask is not None else None)
+    value = tl.load(
+        v_base + offs[:, None] + d[None, :],
+        mask=kv_mask,
+        other=0.0 if kv_mask is not None else None,
+    )
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(value.dtype), value, input_precision="ieee")
     else:
@@ -75,27 +119,56 @@ def _attend_tile(
 
 @triton.jit
 def paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr,
-    qsl_ptr, seq_lens_ptr, block_tables_ptr,
-    scale_log2, window,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cs, stride_ch,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    arrivals_ptr,
+    qsl_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    scale_log2,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    IEEE: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    """Program (sequence b, kv head x split, query tile): rows are (query token, head of the group) pairs.
+    """Program (sequence b, kv head x split, query tile): rows are (query token, head of the group)
+    pairs.
 
-    Everything a program needs about its sequence comes from device tensors, so the grid depends on shapes only.
-    With NUM_SPLITS > 1 it writes a normalised partial output and its log2-sum-exp. FUSED_MERGE: only the splits
-    the context needs run; one that has the whole context writes the output itself, otherwise the last split to
-    arrive (an atomic count per sequence and kv head, reset by it) merges the partials. Without FUSED_MERGE
-    every split writes a partial and merge_splits_kernel combines them.
+    Everything a program needs about its sequence comes from device tensors, so the grid depends on
+    shapes only. With NUM_SPLITS > 1 it writes a normalised partial output and its log2-sum-exp.
+    FUSED_MERGE: only the splits the context needs run; one that has the whole context writes the
+    output itself, otherwise the last split to arrive (an atomic count per sequence and kv head,
+    reset by it) merges the partials. Without FUSED_MERGE every split writes a partial and
+    merge_splits_kernel combines them.
     """
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // NUM_SPLITS
     split = tl.program_id(1) % NUM_SPLITS
-    q0 = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_Q  # the longest (last) query tiles start first
+    q0 = (
+        tl.num_programs(2) - 1 - tl.program_id(2)
+    ) * BLOCK_Q  # the longest (last) query tiles start first
     q_start = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q_start
     if q0 >= q_len:
@@ -103,7 +176,8 @@ def paged_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + b)
     ctx_start = seq_len - q_len  # position of the sequence's first query token
 
-    # Keys this tile can see: [lo, hi); those below `full` are visible to every row (no mask needed).
+    # Keys this tile can see: [lo, hi); those below `full` are visible to every row (no mask
+    # needed).
     hi = ctx_start + tl.minimum(q0 + BLOCK_Q, q_len)
     lo = 0
     if USE_WINDOW:
@@ -111,7 +185,8 @@ def paged_attention_kernel(
         full = lo  # every tile is masked under a window
     else:
         full = (ctx_start + q0 + 1) // BLOCK_N * BLOCK_N
-    num_active = 1  # splits that hold keys (at least one, so a row with no context still writes its zeros)
+    # splits that hold keys (at least one, so a row with no context still writes its zeros)
+    num_active = 1
     if NUM_SPLITS > 1:
         tiles = tl.cdiv(hi - lo, BLOCK_N)
         per_split_tiles = tl.cdiv(tiles, NUM_SPLITS)
@@ -133,7 +208,11 @@ def paged_attention_kernel(
     io_mask = row_valid[:, None] & d_mask[None, :]
     k_base = k_cache_ptr + kv_head * stride_ch
     v_base = v_cache_ptr + kv_head * stride_ch
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=io_mask, other=0.0)
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=io_mask,
+        other=0.0,
+    )
     q = q.to(k_cache_ptr.dtype.element_ty)
     table_row = block_tables_ptr + b.to(tl.int64) * stride_bt
 
@@ -142,13 +221,55 @@ def paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start in range(lo, tl.minimum(full, hi), BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, start, hi, table_row, k_base, v_base, q_pos, d, d_mask, scale_log2, window,
-            stride_cb, stride_cs, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, False, USE_WINDOW, IEEE,
+            acc,
+            m_i,
+            l_i,
+            q,
+            start,
+            hi,
+            table_row,
+            k_base,
+            v_base,
+            q_pos,
+            d,
+            d_mask,
+            scale_log2,
+            window,
+            stride_cb,
+            stride_cs,
+            PAGE,
+            BLOCK_N,
+            HEAD_DIM,
+            BLOCK_D,
+            False,
+            USE_WINDOW,
+            IEEE,
         )
     for start in range(tl.maximum(full, lo), hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, start, hi, table_row, k_base, v_base, q_pos, d, d_mask, scale_log2, window,
-            stride_cb, stride_cs, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, True, USE_WINDOW, IEEE,
+            acc,
+            m_i,
+            l_i,
+            q,
+            start,
+            hi,
+            table_row,
+            k_base,
+            v_base,
+            q_pos,
+            d,
+            d_mask,
+            scale_log2,
+            window,
+            stride_cb,
+            stride_cs,
+            PAGE,
+            BLOCK_N,
+            HEAD_DIM,
+            BLOCK_D,
+            True,
+            USE_WINDOW,
+            IEEE,
         )
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -159,47 +280,97 @@ def paged_attention_kernel(
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
         first = (token * NUM_HEADS + head) * NUM_SPLITS  # this row's split 0
-        tl.store(part_out_ptr + (first + split)[:, None] * BLOCK_D + d[None, :], out, mask=row_valid[:, None])
+        tl.store(
+            part_out_ptr + (first + split)[:, None] * BLOCK_D + d[None, :],
+            out,
+            mask=row_valid[:, None],
+        )
         tl.store(part_lse_ptr + first + split, m_i + tl.log2(l_i), mask=row_valid)
         if FUSED_MERGE:
-            # acq_rel: this split's partials are visible before its arrival counts; the last one sees them all
+            # acq_rel: this split's partials are visible before its arrival counts; the last one
+            # sees them all
             arrival = arrivals_ptr + b * (tl.num_programs(1) // NUM_SPLITS) + kv_head
             if tl.atomic_add(arrival, 1, sem="acq_rel") == num_active - 1:
-                _merge_group(out_ptr, part_out_ptr, part_lse_ptr, (q_start + q0).to(tl.int64), kv_head, num_active,
-                             stride_ot, stride_oh, NUM_HEADS, GROUP, HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S)
+                _merge_group(
+                    out_ptr,
+                    part_out_ptr,
+                    part_lse_ptr,
+                    (q_start + q0).to(tl.int64),
+                    kv_head,
+                    num_active,
+                    stride_ot,
+                    stride_oh,
+                    NUM_HEADS,
+                    GROUP,
+                    HEAD_DIM,
+                    BLOCK_D,
+                    NUM_SPLITS,
+                    BLOCK_S,
+                )
                 tl.atomic_xchg(arrival, 0)  # ready for the next launch (or CUDA-graph replay)
 
 
 @triton.jit
-def _merge_group(out_ptr, part_out_ptr, part_lse_ptr, token, kv_head, num_active, stride_ot, stride_oh,
-                 NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
-    """For each head of the group: out = sum_s exp2(lse_s - max) * partial_s / sum_s exp2(lse_s - max) over the
-    active splits (heads unrolled, so all their loads are in flight together)."""
+def _merge_group(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    token,
+    kv_head,
+    num_active,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """For each head of the group, over the active splits:
+    out = sum_s exp2(lse_s - max) * partial_s / sum_s exp2(lse_s - max)
+    (heads unrolled, so all their loads are in flight together)."""
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     s_ok = s < num_active
     for g in tl.static_range(GROUP):
         head = kv_head * GROUP + g
         first = (token * NUM_HEADS + head) * NUM_SPLITS
-        lse = tl.load(part_lse_ptr + first + s, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-        partial = tl.load(part_out_ptr + (first + s)[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0,
-                          cache_modifier=".cg")
+        lse = tl.load(
+            part_lse_ptr + first + s, mask=s_ok, other=float("-inf"), cache_modifier=".cg"
+        )
+        partial = tl.load(
+            part_out_ptr + (first + s)[:, None] * BLOCK_D + d[None, :],
+            mask=s_ok[:, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
         top = tl.max(lse, 0)
         weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
         total = tl.sum(weight, 0)
         out = tl.sum(partial * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-        tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
-                 mask=d < HEAD_DIM)
+        tl.store(
+            out_ptr + token * stride_ot + head * stride_oh + d,
+            out.to(out_ptr.dtype.element_ty),
+            mask=d < HEAD_DIM,
+        )
 
 
 @triton.jit
 def merge_splits_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
-    """One program per (token, head): weight each split's output by exp2(its lse - max); no context gives zeros."""
+    """One program per (token, head): weight each split's output by exp2(its lse - max); no context
+    gives zeros."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -209,7 +380,15 @@ def merge_splits_kernel(
     top = tl.max(lse, 0)
     top = tl.where(top == float("-inf"), 0.0, top)
     weight = tl.exp2(lse - top)
-    partial = tl.load(part_out_ptr + part[:, None] * BLOCK_D + d[None, :], mask=(s < NUM_SPLITS)[:, None], other=0.0)
+    partial = tl.load(
+        part_out_ptr + part[:, None] * BLOCK_D + d[None, :],
+        mask=(s < NUM_SPLITS)[:, None],
+        other=0.0,
+    )
     total = tl.sum(weight, 0)
     out = tl.sum(partial * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(
+        out_ptr + t * stride_ot + h * stride_oh + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )

@@ -6,6 +6,7 @@ The all-reduce is NCCL's by default; "symm_mem" takes torch's symmetric-memory o
 (peer-to-peer loads, no NVLink multicast) for messages that fit its buffer, and NCCL for larger
 ones. Every call is legal inside a CUDA graph capture, so the decode graphs hold their all-reduces.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,8 +33,15 @@ class Communicator:
     """Collectives of one rank among `size`, on the default process group (device tensors) and a
     gloo group (host)."""
 
-    def __init__(self, rank: int, size: int, device: torch.device, cpu_group,
-                 all_reduce: str = "nccl", dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        device: torch.device,
+        cpu_group,
+        all_reduce: str = "nccl",
+        dtype: torch.dtype | None = None,
+    ) -> None:
         self.rank = rank
         self.size = size
         self.device = device
@@ -126,8 +134,10 @@ class _SymmMemAllReduce:
         else:
             made = None
         if made is None:
-            log.warning("all_reduce_backend symm_mem: not available on this machine (%s); "
-                        "using NCCL", why or "another rank could not set it up")
+            log.warning(
+                "all_reduce_backend symm_mem: not available on this machine (%s); using NCCL",
+                why or "another rank could not set it up",
+            )
         return made
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -151,20 +161,32 @@ class TensorParallel:
     channel: PlanChannel
 
 
-def join(rank: int, size: int, store, device: torch.device, all_reduce: str,
-         dtype: torch.dtype) -> TensorParallel:
+def join(
+    rank: int, size: int, store, device: torch.device, all_reduce: str, dtype: torch.dtype
+) -> TensorParallel:
     """Form the process groups of one tensor-parallel engine (every rank calls it): the default one
     (NCCL on GPU, gloo on CPU) for the model's collectives, and a gloo group, patient enough for an
     idle worker, for the plans."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=size,
-                            timeout=STORE_TIMEOUT, device_id=device if cuda else None)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        store=store,
+        rank=rank,
+        world_size=size,
+        timeout=STORE_TIMEOUT,
+        device_id=device if cuda else None,
+    )
     cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     comm = Communicator(rank, size, device, cpu_group, all_reduce, dtype)
-    log.info("tensor parallel: rank %d of %d on %s, all-reduce %s", rank, size, device,
-             comm.all_reduce_name)
+    log.info(
+        "tensor parallel: rank %d of %d on %s, all-reduce %s",
+        rank,
+        size,
+        device,
+        comm.all_reduce_name,
+    )
     return TensorParallel(Shard(rank, size), comm, PlanChannel(cpu_group))
 
 
@@ -197,5 +219,8 @@ def leave() -> None:
     thread.start()
     thread.join(LEAVE_TIMEOUT_S)
     if thread.is_alive():
-        log.warning("tensor parallel: the process groups did not close within %.0f s; the process's "
-                    "exit ends them", LEAVE_TIMEOUT_S)
+        log.warning(
+            "tensor parallel: the process groups did not close within %.0f s; the process's "
+            "exit ends them",
+            LEAVE_TIMEOUT_S,
+        )

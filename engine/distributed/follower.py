@@ -2,6 +2,7 @@
 launch.RankProcesses): imports the engine, reads rank 0's store port and EngineArgs from stdin,
 joins, builds its shard's ModelRunner and runs rank 0's plans until told to stop. It exits when its
 stdin closes (rank 0 stopped it, or died); an error exits non-zero, which rank 0 sees."""
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,10 @@ def serve(rank: int, size: int, device_name: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     opts, _ = parse_args(argv)
-    logging.basicConfig(level=opts.log_level,
-                        format=f"%(asctime)s %(levelname)s rank{opts.rank} %(name)s: %(message)s")
+    logging.basicConfig(
+        level=opts.log_level,
+        format=f"%(asctime)s %(levelname)s rank{opts.rank} %(name)s: %(message)s",
+    )
     try:
         serve(opts.rank, opts.size, opts.device)
     except BaseException:  # noqa: BLE001 - rank 0 learns of it from the exit code

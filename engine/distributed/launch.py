@@ -7,6 +7,7 @@ loads); the engine's rank 0 connects later (attach_ranks + RankProcesses.connect
 its ranks: a rank that exits unasked is reported to the listeners (the engine fails what is in
 flight). A rank exits when its stdin closes, which is also what happens when rank 0's process dies.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,8 +34,9 @@ class RankDied(RuntimeError):
 class RankProcesses:
     """Ranks 1..size-1 of one engine, on `device_type` ("cuda": rank i on cuda:i, or "cpu")."""
 
-    def __init__(self, size: int, device_type: str, entry: str = FOLLOWER,
-                 entry_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, size: int, device_type: str, entry: str = FOLLOWER, entry_args: tuple[str, ...] = ()
+    ) -> None:
         self.size = size
         self.device_type = device_type
         self.dead: RankDied | None = None
@@ -46,14 +48,30 @@ class RankProcesses:
         self.procs: dict[int, subprocess.Popen] = {}
         for rank in range(1, size):
             device = f"cuda:{rank}" if device_type == "cuda" else "cpu"
-            cmd = [sys.executable, "-m", entry, "--rank", str(rank), "--size", str(size),
-                   "--device", device, "--log-level", level, *entry_args]
+            cmd = [
+                sys.executable,
+                "-m",
+                entry,
+                "--rank",
+                str(rank),
+                "--size",
+                str(size),
+                "--device",
+                device,
+                "--log-level",
+                level,
+                *entry_args,
+            ]
             # Its own session: a terminal's Ctrl-C reaches rank 0, which stops the others.
             self.procs[rank] = subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=True)
-            threading.Thread(target=self._watch, args=(rank,), name=f"tp-rank-{rank}",
-                             daemon=True).start()
-        log.info("tensor parallel: started ranks 1..%d (pids %s)", size - 1,
-                 ",".join(str(p.pid) for p in self.procs.values()))
+            threading.Thread(
+                target=self._watch, args=(rank,), name=f"tp-rank-{rank}", daemon=True
+            ).start()
+        log.info(
+            "tensor parallel: started ranks 1..%d (pids %s)",
+            size - 1,
+            ",".join(str(p.pid) for p in self.procs.values()),
+        )
 
     # ---- deaths ------------------------------------------------------------------------------
     def _watch(self, rank: int) -> None:
@@ -85,8 +103,9 @@ class RankProcesses:
 
         from engine.distributed.comm import STORE_TIMEOUT, join
 
-        self._store = dist.TCPStore(HOST, 0, self.size, True, timeout=STORE_TIMEOUT,
-                                    wait_for_workers=False)
+        self._store = dist.TCPStore(
+            HOST, 0, self.size, True, timeout=STORE_TIMEOUT, wait_for_workers=False
+        )
         line = json.dumps({"port": self._store.port, "args": dataclasses.asdict(args)}) + "\n"
         for proc in self.procs.values():
             try:
@@ -100,8 +119,9 @@ class RankProcesses:
             if self.dead is not None:
                 raise self.dead
             if time.monotonic() > deadline:
-                raise RuntimeError(f"tensor parallel: ranks did not join within "
-                                   f"{CONNECT_TIMEOUT_S:.0f} s")
+                raise RuntimeError(
+                    f"tensor parallel: ranks did not join within {CONNECT_TIMEOUT_S:.0f} s"
+                )
             time.sleep(0.01)
         return join(0, self.size, self._store, device, args.all_reduce_backend, dtype)
 
@@ -127,8 +147,9 @@ class RankProcesses:
 _STARTED: RankProcesses | None = None
 
 
-def start_ranks(size: int, device_type: str, entry: str = FOLLOWER, entry_args: tuple[str, ...] = ()
-                ) -> RankProcesses:
+def start_ranks(
+    size: int, device_type: str, entry: str = FOLLOWER, entry_args: tuple[str, ...] = ()
+) -> RankProcesses:
     """Start ranks 1..size-1 now (torch-free); the next engine of that size on that device type
     attaches to them."""
     global _STARTED

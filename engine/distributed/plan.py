@@ -2,6 +2,7 @@
 ids, each sequence's start and length, block tables, the rows that need logits, the ids still on the
 device), packed as one int64 array and sent over a gloo group with the host commands (capture
 graphs, stop)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,9 +46,17 @@ class StepPlan:
         b, t = len(self.lens), len(self.ids)
         table_lens = [len(x) for x in self.tables]
         head = [b, t, len(self.logit_rows), len(self.fill_dst), self.prev_rows, sum(table_lens)]
-        parts = chain(head, self.lens, self.starts, self.ids, table_lens,
-                      chain.from_iterable(self.tables), self.logit_rows, self.fill_dst,
-                      self.fill_src)
+        parts = chain(
+            head,
+            self.lens,
+            self.starts,
+            self.ids,
+            table_lens,
+            chain.from_iterable(self.tables),
+            self.logit_rows,
+            self.fill_dst,
+            self.fill_src,
+        )
         return np.fromiter(parts, dtype=np.int64)
 
     @classmethod
@@ -57,8 +66,16 @@ class StepPlan:
         sections = np.split(body[: cuts[-1]], cuts[:-1])[1:]
         lens, starts, ids, table_lens, flat, logit_rows, dst, src = sections
         tables = np.split(flat, np.cumsum(table_lens)[:-1]) if b else []
-        return cls(ids, starts.tolist(), lens.tolist(), tables, logit_rows.tolist(), dst.tolist(),
-                   src.tolist(), prev_rows)
+        return cls(
+            ids,
+            starts.tolist(),
+            lens.tolist(),
+            tables,
+            logit_rows.tolist(),
+            dst.tolist(),
+            src.tolist(),
+            prev_rows,
+        )
 
 
 class PlanChannel:

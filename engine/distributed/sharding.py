@@ -6,6 +6,7 @@ Attention heads and the MLP's intermediate columns split evenly; KV heads split 
 are fewer KV heads than ranks, each rank keeps the one KV head its query heads read (replicated).
 The vocabulary splits into equal row blocks, the last one padded with zero rows.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -66,9 +67,12 @@ class Shard:
         columns."""
         if self.size == 1:
             return cfg
-        return dataclasses.replace(cfg, num_heads=self.q_heads(cfg)[1],
-                                   num_kv_heads=self.kv_heads(cfg)[1],
-                                   intermediate_size=self.intermediate(cfg)[1])
+        return dataclasses.replace(
+            cfg,
+            num_heads=self.q_heads(cfg)[1],
+            num_kv_heads=self.kv_heads(cfg)[1],
+            intermediate_size=self.intermediate(cfg)[1],
+        )
 
 
 SINGLE = Shard()

@@ -1,8 +1,9 @@
 """Fused activations of the MLP: SiLU(gate) * up on the output of one fused gate_up projection.
 
-The fused tensor holds the gate in its first half and the up projection in its second half (last dim); on CUDA one
-Triton kernel computes it.
+The fused tensor holds the gate in its first half and the up projection in its second half (last
+dim); on CUDA one Triton kernel computes it.
 """
+
 from __future__ import annotations
 
 import torch

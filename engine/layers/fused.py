@@ -1,7 +1,10 @@
-"""Fused Triton kernels of the CUDA fast path: residual-add + RMSNorm, SiLU-and-mul, RoPE (+ Qwen3 q/k norm, KV write).
+"""Fused Triton kernels of the CUDA fast path: residual-add + RMSNorm, SiLU-and-mul, RoPE (+ Qwen3
+q/k norm, KV write).
 
-Each kernel rounds to the activation dtype where the torch reference does, so results match it within bf16 rounding.
+Each kernel rounds to the activation dtype where the torch reference does, so results match it
+within bf16 rounding.
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,7 +17,8 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
 
 
 def fused_kernels_available(x: torch.Tensor) -> bool:
-    """True when x lives on a CUDA device and triton is importable: the layers then take the fused kernels."""
+    """True when x lives on a CUDA device and triton is importable: the layers then take the fused
+    kernels."""
     return triton is not None and x.is_cuda
 
 
@@ -22,10 +26,19 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(
-        x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-        stride_x, stride_res, stride_out, stride_res_out,
-        n_cols, eps,
-        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+        x_ptr,
+        res_ptr,
+        w_ptr,
+        out_ptr,
+        res_out_ptr,
+        stride_x,
+        stride_res,
+        stride_out,
+        stride_res_out,
+        n_cols,
+        eps,
+        HAS_RESIDUAL: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -33,7 +46,8 @@ if triton is not None:
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
         if HAS_RESIDUAL:
             res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
-            # the sum is rounded to the activation dtype before the norm, as `x + residual` does in torch
+            # the sum is rounded to the activation dtype before the norm, as `x + residual` does in
+            # torch
             x = (x.to(tl.float32) + res.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
             tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
         xf = x.to(tl.float32)
@@ -52,16 +66,30 @@ if triton is not None:
         up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
         # silu is rounded to the activation dtype before the product, as F.silu(gate) * up does
         act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask
+        )
 
     @triton.jit
     def _rotate_heads(
-        src_ptr, stride_src_tok, dst_row, norm_w_ptr, cos, sin, tok, num_heads, eps, store_ok,
-        HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+        src_ptr,
+        stride_src_tok,
+        dst_row,
+        norm_w_ptr,
+        cos,
+        sin,
+        tok,
+        num_heads,
+        eps,
+        store_ok,
+        HEAD_DIM: tl.constexpr,
+        HALF: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_H: tl.constexpr,
         HAS_NORM: tl.constexpr,
     ):
-        """Rotate the num_heads heads of one token ([BLOCK_H, HALF] tiles of both halves) and store them densely
-        from dst_row (when store_ok)."""
+        """Rotate the num_heads heads of one token ([BLOCK_H, HALF] tiles of both halves) and store
+        them densely from dst_row (when store_ok)."""
         heads = tl.arange(0, BLOCK_H)[:, None]
         dims = tl.arange(0, BLOCK_D)[None, :]
         mask = (heads < num_heads) & (dims < HALF)
@@ -91,34 +119,100 @@ if triton is not None:
 
     @triton.jit
     def _rope_kernel(
-        q_ptr, k_ptr, stride_q_tok, stride_k_tok, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
-        q_norm_ptr, k_norm_ptr, num_q_heads, num_kv_heads, eps,
-        v_ptr, stride_v_tok, slot_ptr, stride_kv,
-        HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr,
-        BLOCK_HK: tl.constexpr, HAS_NORM: tl.constexpr, TO_CACHE: tl.constexpr,
+        q_ptr,
+        k_ptr,
+        stride_q_tok,
+        stride_k_tok,
+        q_out_ptr,
+        k_out_ptr,
+        pos_ptr,
+        cos_ptr,
+        sin_ptr,
+        q_norm_ptr,
+        k_norm_ptr,
+        num_q_heads,
+        num_kv_heads,
+        eps,
+        v_ptr,
+        stride_v_tok,
+        slot_ptr,
+        stride_kv,
+        HEAD_DIM: tl.constexpr,
+        HALF: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_HQ: tl.constexpr,
+        BLOCK_HK: tl.constexpr,
+        HAS_NORM: tl.constexpr,
+        TO_CACHE: tl.constexpr,
     ):
-        """One program per token. TO_CACHE: k_out_ptr is a paged KV cache layer [2, slots, Hkv, D] and the rotated
-        K and the untouched V go straight to the token's slot (a negative slot is padding: nothing written)."""
+        """One program per token. TO_CACHE: k_out_ptr is a paged KV cache layer [2, slots, Hkv, D]
+        and the rotated K and the untouched V go straight to the token's slot (a negative slot is
+        padding: nothing written)."""
         tok = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + tok).to(tl.int64)
         dims = tl.arange(0, BLOCK_D)[None, :]
         cos = tl.load(cos_ptr + pos * HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + pos * HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)
-        _rotate_heads(q_ptr, stride_q_tok, q_out_ptr + tok * num_q_heads * HEAD_DIM, q_norm_ptr, cos, sin, tok,
-                      num_q_heads, eps, True, HEAD_DIM, HALF, BLOCK_D, BLOCK_HQ, HAS_NORM)
+        _rotate_heads(
+            q_ptr,
+            stride_q_tok,
+            q_out_ptr + tok * num_q_heads * HEAD_DIM,
+            q_norm_ptr,
+            cos,
+            sin,
+            tok,
+            num_q_heads,
+            eps,
+            True,
+            HEAD_DIM,
+            HALF,
+            BLOCK_D,
+            BLOCK_HQ,
+            HAS_NORM,
+        )
         if TO_CACHE:
             slot = tl.load(slot_ptr + tok).to(tl.int64)
             k_row = k_out_ptr + slot * num_kv_heads * HEAD_DIM
-            _rotate_heads(k_ptr, stride_k_tok, k_row, k_norm_ptr, cos, sin, tok, num_kv_heads, eps, slot >= 0,
-                          HEAD_DIM, HALF, BLOCK_D, BLOCK_HK, HAS_NORM)
+            _rotate_heads(
+                k_ptr,
+                stride_k_tok,
+                k_row,
+                k_norm_ptr,
+                cos,
+                sin,
+                tok,
+                num_kv_heads,
+                eps,
+                slot >= 0,
+                HEAD_DIM,
+                HALF,
+                BLOCK_D,
+                BLOCK_HK,
+                HAS_NORM,
+            )
             heads = tl.arange(0, BLOCK_HK)[:, None]
             full = tl.arange(0, 2 * BLOCK_D)[None, :]
             v_mask = (heads < num_kv_heads) & (full < HEAD_DIM) & (slot >= 0)
             value = tl.load(v_ptr + tok * stride_v_tok + heads * HEAD_DIM + full, mask=v_mask)
             tl.store(k_row + stride_kv + heads * HEAD_DIM + full, value, mask=v_mask)
         else:
-            _rotate_heads(k_ptr, stride_k_tok, k_out_ptr + tok * num_kv_heads * HEAD_DIM, k_norm_ptr, cos, sin, tok,
-                          num_kv_heads, eps, True, HEAD_DIM, HALF, BLOCK_D, BLOCK_HK, HAS_NORM)
+            _rotate_heads(
+                k_ptr,
+                stride_k_tok,
+                k_out_ptr + tok * num_kv_heads * HEAD_DIM,
+                k_norm_ptr,
+                cos,
+                sin,
+                tok,
+                num_kv_heads,
+                eps,
+                True,
+                HEAD_DIM,
+                HALF,
+                BLOCK_D,
+                BLOCK_HK,
+                HAS_NORM,
+            )
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -145,10 +239,20 @@ def rms_norm_fused(
     if n_rows:
         block = triton.next_power_of_2(n_cols)
         _rms_norm_kernel[(n_rows,)](
-            x2, res2 if res2 is not None else x2, weight, out, res_out if res_out is not None else out,
-            x2.stride(0), (res2 if res2 is not None else x2).stride(0), out.stride(0),
-            (res_out if res_out is not None else out).stride(0), n_cols, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+            x2,
+            res2 if res2 is not None else x2,
+            weight,
+            out,
+            res_out if res_out is not None else out,
+            x2.stride(0),
+            (res2 if res2 is not None else x2).stride(0),
+            out.stride(0),
+            (res_out if res_out is not None else out).stride(0),
+            n_cols,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
+            num_warps=min(16, max(1, block // 256)),
         )
     return out.view(shape), (res_out.view(shape) if res_out is not None else None)
 
@@ -162,7 +266,13 @@ def silu_and_mul_fused(gate_up: torch.Tensor) -> torch.Tensor:
     if n_rows:
         block = 1024
         _silu_and_mul_kernel[(n_rows, triton.cdiv(n_cols, block))](
-            x2, out, x2.stride(0), out.stride(0), n_cols, BLOCK=block, num_warps=4,
+            x2,
+            out,
+            x2.stride(0),
+            out.stride(0),
+            n_cols,
+            BLOCK=block,
+            num_warps=4,
         )
     return out.view(*gate_up.shape[:-1], n_cols)
 
@@ -180,11 +290,13 @@ def rope_fused(
     kv_cache_layer: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """q [T, H, D], k [T, Hkv, D] (strided views of a fused qkv output are fine) -> new contiguous rotated q, k.
+    """q [T, H, D], k [T, Hkv, D] (strided views of a fused qkv output are fine) -> new contiguous
+    rotated q, k.
 
-    cos/sin are the [max_positions, D/2] caches; with norm weights, each head is RMS-normalised first (Qwen3).
-    With v, kv_cache_layer [2, blocks, block_size, Hkv, D] (contiguous, q's dtype) and slot_mapping [T], the rotated
-    k and v are written to the cache at their slots instead (as the attention backend's KV write would): (q, None).
+    cos/sin are the [max_positions, D/2] caches; with norm weights, each head is RMS-normalised
+    first (Qwen3). With v, kv_cache_layer [2, blocks, block_size, Hkv, D] (contiguous, q's dtype)
+    and slot_mapping [T], the rotated k and v are written to the cache at their slots instead (as
+    the attention backend's KV write would): (q, None).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -203,13 +315,31 @@ def rope_fused(
     if num_tokens:
         has_norm = q_norm_weight is not None
         _rope_kernel[(num_tokens,)](
-            q, k, q.stride(0), k.stride(0), q_out, k_out, positions, cos, sin,
-            q_norm_weight if has_norm else cos, k_norm_weight if has_norm else cos,
-            num_heads, num_kv_heads, eps,
-            v if to_cache else q, v.stride(0) if to_cache else 0, slot_mapping if to_cache else positions,
+            q,
+            k,
+            q.stride(0),
+            k.stride(0),
+            q_out,
+            k_out,
+            positions,
+            cos,
+            sin,
+            q_norm_weight if has_norm else cos,
+            k_norm_weight if has_norm else cos,
+            num_heads,
+            num_kv_heads,
+            eps,
+            v if to_cache else q,
+            v.stride(0) if to_cache else 0,
+            slot_mapping if to_cache else positions,
             kv_cache_layer.stride(0) if to_cache else 0,
-            HEAD_DIM=head_dim, HALF=head_dim // 2, BLOCK_D=triton.next_power_of_2(head_dim // 2),
-            BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-            HAS_NORM=has_norm, TO_CACHE=to_cache, num_warps=4,
+            HEAD_DIM=head_dim,
+            HALF=head_dim // 2,
+            BLOCK_D=triton.next_power_of_2(head_dim // 2),
+            BLOCK_HQ=triton.next_power_of_2(num_heads),
+            BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+            HAS_NORM=has_norm,
+            TO_CACHE=to_cache,
+            num_warps=4,
         )
     return q_out, (None if to_cache else k_out)

@@ -1,7 +1,10 @@
-"""Linear and embedding layers whose parameters are allocated empty (no init pass) on the target device and dtype.
+"""Linear and embedding layers whose parameters are allocated empty (no init pass) on the target
+device and dtype.
 
-The weight loader fills them; on CUDA a decode-sized input (few rows) takes the skinny Triton GEMM instead of cuBLAS.
+The weight loader fills them; on CUDA a decode-sized input (few rows) takes the skinny Triton GEMM
+instead of cuBLAS.
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,7 +57,9 @@ class Embedding(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, dim, dtype=dtype, device=device), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(num_embeddings, dim, dtype=dtype, device=device), requires_grad=False
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)

@@ -1,7 +1,10 @@
-"""RMSNorm as the HF Llama/Qwen families compute it: normalise in float32, cast back, then scale by the weight.
+"""RMSNorm as the HF Llama/Qwen families compute it: normalise in float32, cast back, then scale by
+the weight.
 
-Optionally adds a residual first (one fused Triton kernel on CUDA); also Qwen3's per-head q/k norms (last dim).
+Optionally adds a residual first (one fused Triton kernel on CUDA); also Qwen3's per-head q/k norms
+(last dim).
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,12 +23,15 @@ class RMSNorm(nn.Module):
     ) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(dim, dtype=dtype, device=device), requires_grad=False
+        )
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x); with a residual: (norm(x + residual), x + residual), the sum carried to the next layer."""
+        """norm(x); with a residual: (norm(x + residual), x + residual), the sum carried to the next
+        layer."""
         if fused_kernels_available(x):
             normed, new_residual = rms_norm_fused(x, self.weight, self.eps, residual)
             return normed if residual is None else (normed, new_residual)
@@ -35,7 +41,8 @@ class RMSNorm(nn.Module):
         return self.reference(residual), residual
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
-        """The plain torch computation (the CPU path, and what the fused kernel is checked against)."""
+        """The plain torch computation (the CPU path, and what the fused kernel is checked
+        against)."""
         in_dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

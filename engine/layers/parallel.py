@@ -2,6 +2,7 @@
 all-reduce sums the parts, the bias is added once) and a vocabulary-parallel embedding (each rank
 looks up the ids in its rows, one all-reduce merges them). Column-parallel linears need no layer of
 their own: a plain Linear over a rank's rows."""
+
 from __future__ import annotations
 
 import torch
@@ -14,16 +15,18 @@ from engine.layers.skinny_gemm import skinny_applies, skinny_gemm
 
 def _need(comm):
     if comm is None:
-        raise RuntimeError("tensor parallel: this layer holds one rank's shard and has no "
-                           "communicator to run with")
+        raise RuntimeError(
+            "tensor parallel: this layer holds one rank's shard and has no communicator to run with"
+        )
     return comm
 
 
 class RowParallelLinear(Linear):
     """y = all_reduce(x_local @ W_local^T) (+ b): W_local is [out_features, in_features / ranks]."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device,
-                 comm) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype, device, comm
+    ) -> None:
         super().__init__(in_features, out_features, bias, dtype, device)
         self.comm = comm
 

@@ -1,7 +1,10 @@
-"""The random draw of the CUDA sampler: per row, argmax of logits + Gumbel noise from a counter-based RNG (Philox).
+"""The random draw of the CUDA sampler: per row, argmax of logits + Gumbel noise from a
+counter-based RNG (Philox).
 
-Each row's noise depends only on its own 64-bit key, so a seeded request draws the same tokens whatever the batch.
+Each row's noise depends only on its own 64-bit key, so a seeded request draws the same tokens
+whatever the batch.
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,7 +19,8 @@ _MASK64 = (1 << 64) - 1
 
 
 def mix64(z: int) -> int:
-    """splitmix64's finaliser: a well-spread 64-bit hash of a 64-bit int (used to derive per-draw keys)."""
+    """splitmix64's finaliser: a well-spread 64-bit hash of a 64-bit int (used to derive per-draw
+    keys)."""
     z = (z + 0x9E3779B97F4A7C15) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
@@ -24,8 +28,9 @@ def mix64(z: int) -> int:
 
 
 def draw_key(generator: torch.Generator) -> int:
-    """A signed 64-bit key for one row's draw from a CUDA generator, advancing the generator's Philox offset by 4
-    (one draw), so the next call on the same generator gets a different key. Host-only: no kernel, no sync."""
+    """A signed 64-bit key for one row's draw from a CUDA generator, advancing the generator's
+    Philox offset by 4 (one draw), so the next call on the same generator gets a different key.
+    Host-only: no kernel, no sync."""
     offset = generator.get_offset()
     generator.set_offset(offset + 4)
     key = mix64(generator.initial_seed() ^ mix64(offset))
@@ -44,9 +49,12 @@ if triton is not None:
         for start in range(0, vocab, BLOCK):
             cols = start + lanes
             mask = cols < vocab
-            logit = tl.load(logits_ptr + row * stride_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            logit = tl.load(
+                logits_ptr + row * stride_row + cols, mask=mask, other=float("-inf")
+            ).to(tl.float32)
             u = tl.rand(key, cols)
-            u = tl.minimum(tl.maximum(u, 1.0e-30), 0.99999994)  # keep log(-log(u)) finite at both ends
+            # keep log(-log(u)) finite at both ends
+            u = tl.minimum(tl.maximum(u, 1.0e-30), 0.99999994)
             score = logit - tl.log(-tl.log(u))  # Gumbel-max: a draw from softmax(logit)
             better = score > best
             best = tl.where(better, score, best)
@@ -57,9 +65,11 @@ if triton is not None:
 
 
 def race_sample(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """logits [N, V] float (masked entries -inf), keys [N] int64 on the same CUDA device -> sampled ids [N] int64.
+    """logits [N, V] float (masked entries -inf), keys [N] int64 on the same CUDA device -> sampled
+    ids [N] int64.
 
-    Token t of row i wins with probability softmax(logits[i])[t]; the noise of row i is a function of keys[i] only.
+    Token t of row i wins with probability softmax(logits[i])[t]; the noise of row i is a function
+    of keys[i] only.
     """
     n_rows, vocab = logits.shape
     out = torch.empty(n_rows, dtype=torch.int64, device=logits.device)

@@ -1,8 +1,11 @@
-"""Rotary position embeddings (neox-style rotate-half, as HF Llama/Qwen): a cos/sin cache for every position.
+"""Rotary position embeddings (neox-style rotate-half, as HF Llama/Qwen): a cos/sin cache for every
+position.
 
-Supports the rope types of ModelConfig.rope: "default", "linear" (positions / factor) and "llama3" (banded rescale);
-on CUDA one Triton kernel rotates q and k (after Qwen3's per-head q/k norm when given), or writes k, v to the cache.
+Supports the rope types of ModelConfig.rope: "default", "linear" (positions / factor) and "llama3"
+(banded rescale); on CUDA one Triton kernel rotates q and k (after Qwen3's per-head q/k norm when
+given), or writes k, v to the cache.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,7 +19,8 @@ from engine.layers.norm import RMSNorm
 
 
 def compute_inv_freq(head_dim: int, rope: RopeConfig, max_position_embeddings: int) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2], float32 on CPU (so every device starts from the same numbers)."""
+    """Inverse frequencies [head_dim // 2], float32 on CPU (so every device starts from the same
+    numbers)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "default":
@@ -28,21 +32,27 @@ def compute_inv_freq(head_dim: int, rope: RopeConfig, max_position_embeddings: i
     raise ValueError(f"rope type {rope.rope_type!r} is not supported")
 
 
-def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig, max_position_embeddings: int) -> torch.Tensor:
-    """Llama 3.1: long wavelengths slow down by `factor`, short ones stay, the band between is interpolated."""
+def _llama3_scale(
+    inv_freq: torch.Tensor, rope: RopeConfig, max_position_embeddings: int
+) -> torch.Tensor:
+    """Llama 3.1: long wavelengths slow down by `factor`, short ones stay, the band between is
+    interpolated."""
     old_len = rope.original_max_position_embeddings or max_position_embeddings
     low_freq_wavelen = old_len / rope.low_freq_factor  # longer than this: fully scaled
     high_freq_wavelen = old_len / rope.high_freq_factor  # shorter than this: untouched
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
     interpolated = (1 - smooth) * scaled / rope.factor + smooth * scaled
     in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(in_band, interpolated, scaled)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D], cos/sin [T, D/2] -> x rotated: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    """x [T, H, D], cos/sin [T, D/2] -> x rotated:
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
     cos = cos.unsqueeze(1)
     sin = sin.unsqueeze(1)
     x1, x2 = x.chunk(2, dim=-1)
@@ -50,7 +60,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class RotaryEmbedding(nn.Module):
-    """Holds cos/sin [max_positions, head_dim // 2] in the model dtype; rotates q [T, H, D] and k [T, Hkv, D]."""
+    """Holds cos/sin [max_positions, head_dim // 2] in the model dtype; rotates q [T, H, D] and
+    k [T, Hkv, D]."""
 
     def __init__(
         self,
@@ -64,7 +75,10 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.max_positions = max_positions
         inv_freq = compute_inv_freq(head_dim, rope, max_positions).to(device)
-        freqs = torch.arange(max_positions, dtype=torch.float32, device=device)[:, None] * inv_freq[None, :]
+        freqs = (
+            torch.arange(max_positions, dtype=torch.float32, device=device)[:, None]
+            * inv_freq[None, :]
+        )
         # Computed in float32 then cast, as HF does before rotating in the activations' dtype.
         self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
         self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
@@ -77,11 +91,14 @@ class RotaryEmbedding(nn.Module):
         q_norm: RMSNorm | None = None,
         k_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, H, D] and k [T, Hkv, D] by position; with q_norm/k_norm, normalise each head first."""
+        """Rotate q [T, H, D] and k [T, Hkv, D] by position; with q_norm/k_norm, normalise each head
+        first."""
         if fused_kernels_available(q):
             if q_norm is None:
                 return rope_fused(positions, q, k, self.cos, self.sin)
-            return rope_fused(positions, q, k, self.cos, self.sin, q_norm.weight, k_norm.weight, q_norm.eps)
+            return rope_fused(
+                positions, q, k, self.cos, self.sin, q_norm.weight, k_norm.weight, q_norm.eps
+            )
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
         cos = self.cos[positions]
@@ -89,8 +106,13 @@ class RotaryEmbedding(nn.Module):
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
     def can_write_cache(self, q: torch.Tensor, kv_cache_layer: torch.Tensor) -> bool:
-        """True when rotate_into_cache can serve this layer (CUDA kernels, a contiguous cache in q's dtype)."""
-        return fused_kernels_available(q) and kv_cache_layer.dtype == q.dtype and kv_cache_layer.is_contiguous()
+        """True when rotate_into_cache can serve this layer (CUDA kernels, a contiguous cache in q's
+        dtype)."""
+        return (
+            fused_kernels_available(q)
+            and kv_cache_layer.dtype == q.dtype
+            and kv_cache_layer.is_contiguous()
+        )
 
     def rotate_into_cache(
         self,
@@ -103,10 +125,22 @@ class RotaryEmbedding(nn.Module):
         q_norm: RMSNorm | None = None,
         k_norm: RMSNorm | None = None,
     ) -> torch.Tensor:
-        """forward's rotation, with the rotated k and v written into the paged cache at slot_mapping in the same
-        kernel (see can_write_cache); returns the rotated q."""
-        norm = {} if q_norm is None else dict(q_norm_weight=q_norm.weight, k_norm_weight=k_norm.weight,
-                                              eps=q_norm.eps)
-        q, _ = rope_fused(positions, q, k, self.cos, self.sin, v=v, kv_cache_layer=kv_cache_layer,
-                          slot_mapping=slot_mapping, **norm)
+        """forward's rotation, with the rotated k and v written into the paged cache at slot_mapping
+        in the same kernel (see can_write_cache); returns the rotated q."""
+        norm = (
+            {}
+            if q_norm is None
+            else dict(q_norm_weight=q_norm.weight, k_norm_weight=k_norm.weight, eps=q_norm.eps)
+        )
+        q, _ = rope_fused(
+            positions,
+            q,
+            k,
+            self.cos,
+            self.sin,
+            v=v,
+            kv_cache_layer=kv_cache_layer,
+            slot_mapping=slot_mapping,
+            **norm,
+        )
         return q

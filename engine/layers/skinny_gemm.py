@@ -1,8 +1,11 @@
-"""Skinny GEMM in Triton for decode (few rows, M <= 16): y = x @ W^T (+ b), reading each weight once at bandwidth.
+"""Skinny GEMM in Triton for decode (few rows, M <= 16): y = x @ W^T (+ b), reading each weight once
+at bandwidth.
 
-cuBLAS picks split-K kernels plus a reduce launch for these shapes; this kernel tiles N finely instead, and writes
-the lm_head's fp32 logits in the same pass (tiles per shape from bench/gemm_micro.py on an H100).
+cuBLAS picks split-K kernels plus a reduce launch for these shapes; this kernel tiles N finely
+instead, and writes the lm_head's fp32 logits in the same pass (tiles per shape from
+bench/gemm_micro.py: bench/results/2026-11-22-h100-gemm-micro.json).
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,20 +24,35 @@ if triton is not None:
 
     @triton.jit
     def _skinny_gemm_kernel(
-        x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-        HAS_BIAS: tl.constexpr, ROUND: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        y_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_ym,
+        HAS_BIAS: tl.constexpr,
+        ROUND: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr,
     ):
         """Program n: output columns [n * BLOCK_N, +BLOCK_N) of every row; the loop walks K once.
 
-        ROUND: round the fp32 result to x's dtype before storing into a wider y (bf16 logits in an fp32 buffer).
+        ROUND: round the fp32 result to x's dtype before storing into a wider y (bf16 logits in an
+        fp32 buffer).
         """
         pid_n = tl.program_id(0)
         rm = tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         rows_ok = rm < M
-        rn_safe = tl.where(rn < N, rn, 0).to(tl.int64)  # out-of-range columns re-read row 0 (stores are masked)
+        # out-of-range columns re-read row 0 (stores are masked)
+        rn_safe = tl.where(rn < N, rn, 0).to(tl.int64)
         w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
         x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -60,8 +78,14 @@ if triton is not None:
 
 
 def skinny_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when the skinny kernel serves x @ weight^T: CUDA, bf16/fp16, at most MAX_ROWS rows, weight rows dense."""
-    if triton is None or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+    """True when the skinny kernel serves x @ weight^T: CUDA, bf16/fp16, at most MAX_ROWS rows,
+    weight rows dense."""
+    if (
+        triton is None
+        or not x.is_cuda
+        or x.dtype not in (torch.bfloat16, torch.float16)
+        or weight.dtype != x.dtype
+    ):
         return False
     if x.shape[-1] != weight.shape[1] or weight.stride(1) != 1 or x.numel() == 0:
         return False
@@ -69,7 +93,8 @@ def skinny_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def default_config(n: int, k: int) -> SkinnyConfig:
-    """Tiles per shape, the fastest of a sweep on an H100 at 1 row, weights read from HBM (Llama-3.1-8B's shapes)."""
+    """Tiles per shape, the fastest of a sweep at 1 row, weights read from HBM (Llama-3.1-8B's
+    shapes; bench/results/2026-11-22-h100-gemm-micro.json)."""
     if n >= 16384:  # gate_up, lm_head
         return (32, 512, 4, 4)
     if n >= 6144:  # fused qkv
@@ -88,8 +113,9 @@ def skinny_gemm(
 ) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias) -> [..., N] in x's dtype.
 
-    `out` (2-D [rows, N], e.g. an fp32 logits buffer) receives the result rounded to x's dtype first, as
-    F.linear(...).float() would give. `config` overrides the tiles (the benchmark sweeps them).
+    `out` (2-D [rows, N], e.g. an fp32 logits buffer) receives the result rounded to x's dtype
+    first, as F.linear(...).float() would give. `config` overrides the tiles (the benchmark sweeps
+    them).
     """
     n, k = weight.shape
     x2 = x.reshape(-1, x.shape[-1])
@@ -100,10 +126,24 @@ def skinny_gemm(
     block_n, block_k, num_warps, num_stages = config or default_config(n, k)
     block_k = min(block_k, triton.next_power_of_2(k))
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
-        x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, ROUND=y.dtype != x.dtype,
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        num_warps=num_warps, num_stages=num_stages,
+        x2,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        m,
+        n,
+        k,
+        x2.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        HAS_BIAS=bias is not None,
+        ROUND=y.dtype != x.dtype,
+        BLOCK_M=max(16, triton.next_power_of_2(m)),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if out is not None:
         return out

@@ -1,8 +1,9 @@
 """Models of the engine: one decoder template for the Llama / Mistral / Qwen2 / Qwen3 families.
 
-build_model allocates an empty model; load_model builds it and fills it (names resolve on first use, so the
-weights' preload does not import the model code, and triton with it).
+build_model allocates an empty model; load_model builds it and fills it (names resolve on first use,
+so the weights' preload does not import the model code, and triton with it).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -18,9 +19,14 @@ _EXPORTS = {
 }
 __all__ = list(_EXPORTS)
 
-if TYPE_CHECKING:
-    from engine.models.decoder import DecoderModel, build_model
-    from engine.models.weights import iter_safetensors, load_model, preload_weights, safetensors_files
+if TYPE_CHECKING:  # the same names for type checkers ("X as X": a re-export)
+    from engine.models.decoder import DecoderModel as DecoderModel, build_model as build_model
+    from engine.models.weights import (
+        iter_safetensors as iter_safetensors,
+        load_model as load_model,
+        preload_weights as preload_weights,
+        safetensors_files as safetensors_files,
+    )
 
 
 def __getattr__(name: str):

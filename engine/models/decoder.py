@@ -1,12 +1,15 @@
-"""The one decoder template (Llama, Mistral, Qwen2, Qwen3), readable top to bottom, with per-family switches.
+"""The one decoder template (Llama, Mistral, Qwen2, Qwen3), readable top to bottom, with per-family
+switches.
 
-Switches come from ModelConfig: qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3), explicit head_dim, tied lm_head.
+Switches come from ModelConfig: qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3), explicit head_dim,
+tied lm_head.
 
 Under tensor parallelism (a Shard of more than one rank) each rank builds its slice: qkv and gate_up
 keep its rows (heads, MLP columns), o_proj and down_proj its input columns and all-reduce, the
 embedding and lm_head its rows of the vocabulary; hf_weight_map says which slice of each HF tensor a
 rank holds.
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,8 +44,9 @@ class WeightSlot(NamedTuple):
 class Attention(nn.Module):
     """Fused qkv projection -> (q/k norm) -> RoPE -> paged attention backend -> o_proj."""
 
-    def __init__(self, cfg: ModelConfig, backend, dtype: torch.dtype, device: torch.device,
-                 row_linear=Linear) -> None:
+    def __init__(
+        self, cfg: ModelConfig, backend, dtype: torch.dtype, device: torch.device, row_linear=Linear
+    ) -> None:
         """cfg: this rank's slice (engine.distributed.sharding.Shard.local_config); row_linear:
         o_proj's class."""
         super().__init__()
@@ -54,7 +58,9 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.sliding_window
         self.backend = backend
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, dtype, device)
+        self.qkv_proj = Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, dtype, device
+        )
         # Qwen2 biases only q/k/v; Llama/Mistral/Qwen3 with attention_bias bias o_proj too.
         o_bias = cfg.qkv_bias and cfg.family != "qwen2"
         self.o_proj = row_linear(self.q_size, cfg.hidden_size, o_bias, dtype, device)
@@ -78,13 +84,18 @@ class Attention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         kwargs = {"sliding_window": self.sliding_window} if self.sliding_window else {}
-        if getattr(self.backend, "accepts_written_kv", False) and rotary.can_write_cache(q, kv_cache_layer):
-            # one kernel rotates q and k (Qwen3: normalises each head first) and stores k, v in the paged cache
-            q = rotary.rotate_into_cache(positions, q, k, v, kv_cache_layer, meta.slot_mapping, self.q_norm,
-                                         self.k_norm)
+        if getattr(self.backend, "accepts_written_kv", False) and rotary.can_write_cache(
+            q, kv_cache_layer
+        ):
+            # one kernel rotates q and k (Qwen3: normalises each head first) and stores k, v in the
+            # paged cache
+            q = rotary.rotate_into_cache(
+                positions, q, k, v, kv_cache_layer, meta.slot_mapping, self.q_norm, self.k_norm
+            )
             kwargs["kv_written"] = True
         else:
-            q, k = rotary(positions, q, k, self.q_norm, self.k_norm)  # Qwen3 normalises each head before rotating
+            # Qwen3 normalises each head before rotating
+            q, k = rotary(positions, q, k, self.q_norm, self.k_norm)
         out = self.backend.forward(q, k, v, kv_cache_layer, meta, self.scale, **kwargs)
         return self.o_proj(out.reshape(T, self.q_size))
 
@@ -92,8 +103,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one projection."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 row_linear=Linear) -> None:
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, row_linear=Linear
+    ) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype, device)
@@ -104,13 +116,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), with the running sum carried as `residual`.
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), with the running sum carried as
+    `residual`.
 
-    Each residual add is fused with the norm that follows it: norm(x, residual) -> (normed, x + residual).
+    Each residual add is fused with the norm that follows it:
+    norm(x, residual) -> (normed, x + residual).
     """
 
-    def __init__(self, cfg: ModelConfig, backend, dtype: torch.dtype, device: torch.device,
-                 row_linear=Linear) -> None:
+    def __init__(
+        self, cfg: ModelConfig, backend, dtype: torch.dtype, device: torch.device, row_linear=Linear
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.self_attn = Attention(cfg, backend, dtype, device, row_linear)
@@ -126,7 +141,8 @@ class DecoderLayer(nn.Module):
         kv_cache_layer: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's MLP output, the residual stream before it); their sum is the layer's output."""
+        """(this layer's MLP output, the residual stream before it); their sum is the layer's
+        output."""
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
@@ -138,17 +154,25 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """Token ids of one ragged step -> final-normed hidden states; compute_logits maps them to the vocabulary.
+    """Token ids of one ragged step -> final-normed hidden states; compute_logits maps them to the
+    vocabulary.
 
-    Parameter names are HF's without the "model." prefix, except the fused `qkv_proj` and `gate_up_proj`.
+    Parameter names are HF's without the "model." prefix, except the fused `qkv_proj` and
+    `gate_up_proj`.
     """
 
     def __init__(
-        self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, backend,
-        param_device: torch.device | str | None = None, shard: Shard = SINGLE, comm=None,
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        backend,
+        param_device: torch.device | str | None = None,
+        shard: Shard = SINGLE,
+        comm=None,
     ) -> None:
-        """param_device="meta" builds the parameters without memory (a loader then points them into its own
-        buffer); buffers (the rotary cos/sin tables) always live on `device`.
+        """param_device="meta" builds the parameters without memory (a loader then points them into
+        its own buffer); buffers (the rotary cos/sin tables) always live on `device`.
 
         shard: the slice this rank holds; comm: its collectives
         (engine.distributed.comm.Communicator; a shard without one can load, not run)."""
@@ -164,15 +188,20 @@ class DecoderModel(nn.Module):
         row_linear = Linear
         if shard.size > 1:
             first, _, vocab_rows = shard.vocab(cfg)
-            self.embed_tokens = VocabParallelEmbedding(first, vocab_rows, cfg.hidden_size, dtype,
-                                                       params_on, comm)
+            self.embed_tokens = VocabParallelEmbedding(
+                first, vocab_rows, cfg.hidden_size, dtype, params_on, comm
+            )
             row_linear = functools.partial(RowParallelLinear, comm=comm)
         else:
             self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, params_on)
         local = shard.local_config(cfg)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings, dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(local, backend, dtype, params_on, row_linear)
-                                    for _ in range(cfg.num_layers))
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.rope, cfg.max_position_embeddings, dtype, device
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(local, backend, dtype, params_on, row_linear)
+            for _ in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, params_on)
         self.lm_head = (
             None
@@ -187,7 +216,8 @@ class DecoderModel(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """input_ids, positions [T] int64; kv_cache [L, 2, blocks, block_size, Hkv, D] -> hidden [T, hidden]."""
+        """input_ids, positions [T] int64; kv_cache [L, 2, blocks, block_size, Hkv, D]
+        -> hidden [T, hidden]."""
         x = self.embed_tokens(input_ids)
         residual = None
         for i, layer in enumerate(self.layers):
@@ -197,17 +227,20 @@ class DecoderModel(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] float32 (written into `out` [N, vocab] when given)."""
+        """hidden [N, hidden] -> logits [N, vocab] float32 (written into `out` [N, vocab] when
+        given)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.shard.size > 1:  # each rank's vocabulary rows, gathered in the model dtype (rounded
             if self.comm is None:  # as TP=1 rounds them)
-                raise RuntimeError("tensor parallel: this model holds one rank's shard and has no "
-                                   "communicator")
+                raise RuntimeError(
+                    "tensor parallel: this model holds one rank's shard and has no communicator"
+                )
             skinny = skinny_applies(hidden, weight)
             local = skinny_gemm(hidden, weight) if skinny else F.linear(hidden, weight)
             logits = self.comm.gather_vocab(local)[:, : self.config.vocab_size]
             return logits.float() if out is None else out.copy_(logits)
-        if out is not None and skinny_applies(hidden, weight):  # decode: bf16-rounded logits straight into out
+        # decode: bf16-rounded logits straight into out
+        if out is not None and skinny_applies(hidden, weight):
             return skinny_gemm(hidden, weight, out=out)
         logits = F.linear(hidden, weight)
         if out is None:
@@ -229,8 +262,8 @@ class DecoderModel(nn.Module):
         out: dict[str, WeightSlot] = {}
 
         def rows(hf: str, ours: str, start: int, count: int, first: int, total: int) -> None:
-            """Rows [first, first + count) of an HF tensor of `total` rows -> our rows [start, start
-            + count)."""
+            """Rows [first, first + count) of an HF tensor of `total` rows -> our rows
+            [start, start + count)."""
             if ours in params:
                 full = (total, *params[ours].shape[1:])
                 out[hf] = WeightSlot(ours, start, start + count, 0, first, count, full)
@@ -258,23 +291,37 @@ class DecoderModel(nn.Module):
                 rows(f"{hf}.self_attn.q_proj.{kind}", fused, 0, q, q_first * d, q_rows)
                 rows(f"{hf}.self_attn.k_proj.{kind}", fused, q, kv, kv_first * d, kv_rows)
                 rows(f"{hf}.self_attn.v_proj.{kind}", fused, q + kv, kv, kv_first * d, kv_rows)
-            columns(f"{hf}.self_attn.o_proj.weight", f"{ours}.self_attn.o_proj.weight", q_first * d,
-                    cfg.num_heads * d)
+            columns(
+                f"{hf}.self_attn.o_proj.weight",
+                f"{ours}.self_attn.o_proj.weight",
+                q_first * d,
+                cfg.num_heads * d,
+            )
             whole(f"{hf}.self_attn.o_proj.bias", f"{ours}.self_attn.o_proj.bias")
             gate_up = f"{ours}.mlp.gate_up_proj.weight"
             rows(f"{hf}.mlp.gate_proj.weight", gate_up, 0, inter, i_first, cfg.intermediate_size)
             rows(f"{hf}.mlp.up_proj.weight", gate_up, inter, inter, i_first, cfg.intermediate_size)
-            columns(f"{hf}.mlp.down_proj.weight", f"{ours}.mlp.down_proj.weight", i_first,
-                    cfg.intermediate_size)
-            for name in ("input_layernorm.weight", "post_attention_layernorm.weight",
-                         "self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+            columns(
+                f"{hf}.mlp.down_proj.weight",
+                f"{ours}.mlp.down_proj.weight",
+                i_first,
+                cfg.intermediate_size,
+            )
+            for name in (
+                "input_layernorm.weight",
+                "post_attention_layernorm.weight",
+                "self_attn.q_norm.weight",
+                "self_attn.k_norm.weight",
+            ):
                 whole(f"{hf}.{name}", f"{ours}.{name}")
         return out
 
     @torch.no_grad()
-    def load_hf_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                        presliced: bool = False) -> None:
-        """Copy HF-named tensors into our parameters (slices of the fused ones), casting to the model dtype.
+    def load_hf_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], presliced: bool = False
+    ) -> None:
+        """Copy HF-named tensors into our parameters (slices of the fused ones), casting to the
+        model dtype.
 
         Each tensor is whole (this rank's slice is cut here), or with presliced=True already its
         slice (as iter_safetensors(..., slots) reads them). Raises ValueError for a shape mismatch,
@@ -294,18 +341,22 @@ class DecoderModel(nn.Module):
             if not presliced:
                 shape = tuple(tensor.shape)
                 if shape != slot.full:
-                    raise ValueError(f"weights: {name} has shape {shape} but the model expects "
-                                     f"{slot.full}")
+                    raise ValueError(
+                        f"weights: {name} has shape {shape} but the model expects {slot.full}"
+                    )
                 tensor = tensor.narrow(slot.dim, slot.first, slot.count)
             dest = params[slot.param][slot.start : slot.end]
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise ValueError(
-                    f"weights: {name} has shape {tuple(tensor.shape)} but the model expects {tuple(dest.shape)}"
+                    f"weights: {name} has shape {tuple(tensor.shape)} "
+                    f"but the model expects {tuple(dest.shape)}"
                 )
             dest.copy_(tensor)
             seen.add(name)
         if unknown:
-            raise ValueError(f"weights: unexpected tensors for {self.config.architecture}: {_few(unknown)}")
+            raise ValueError(
+                f"weights: unexpected tensors for {self.config.architecture}: {_few(unknown)}"
+            )
         missing = sorted(set(weight_map) - seen)
         if missing:
             raise ValueError(f"weights: missing tensors: {_few(missing)}")
@@ -343,9 +394,9 @@ def build_model(
     shard: Shard = SINGLE,
     comm=None,
 ) -> DecoderModel:
-    """An empty (unloaded) DecoderModel with parameters allocated once, on `device` (or `param_device`), in
-    `dtype`; under tensor parallelism, the slice `shard` of it, with its collectives through
-    `comm`."""
+    """An empty (unloaded) DecoderModel with parameters allocated once, on `device` (or
+    `param_device`), in `dtype`; under tensor parallelism, the slice `shard` of it, with its
+    collectives through `comm`."""
     from engine.config import SUPPORTED_ARCHITECTURES, resolve_dtype
 
     if model_config.family not in SUPPORTED_ARCHITECTURES.values():

@@ -1,12 +1,15 @@
-"""Loads a DecoderModel's weights: from a pack in the final layout through the streaming loader when one exists,
-otherwise from HF safetensors (sharded or not), writing the pack for next time. Never transformers, never pickle.
+"""Loads a DecoderModel's weights: from a pack in the final layout through the streaming loader when
+one exists, otherwise from HF safetensors (sharded or not), writing the pack for next time. Never
+transformers, never pickle.
 
 Under tensor parallelism each rank loads and packs only its own slice (one pack per rank,
 cache.pack.shard_name), so each GPU streams its own bytes at start. load_format "dummy" fills random
 weights on the device (benchmarks).
 """
-# The model code (and triton with it) is imported inside the functions that build a model, so preload_weights can
-# start the stream right after `import torch`, before the rest of the engine imports.
+
+# The model code (and triton with it) is imported inside the functions that build a model, so
+# preload_weights can start the stream right after `import torch`, before the rest of the engine
+# imports.
 from __future__ import annotations
 
 import hashlib
@@ -21,8 +24,16 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from cache.loader import (LoadStats, PackError, PackWriter, discard_preloads, load_pack, preload,
-                          read_pack, shard_name)
+from cache.loader import (
+    LoadStats,
+    PackError,
+    PackWriter,
+    discard_preloads,
+    load_pack,
+    preload,
+    read_pack,
+    shard_name,
+)
 from engine.config import EngineArgs, ModelConfig, resolve_dtype
 from engine.distributed.sharding import SINGLE, Shard
 
@@ -33,15 +44,18 @@ log = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-MANIFEST_FILE = "coldbrew-manifest.json"  # written by cache.snapshot: when present it names the snapshot's bytes
+# Written by cache.snapshot: when present it names the snapshot's bytes.
+MANIFEST_FILE = "coldbrew-manifest.json"
 PACKS_DIR = "packs"
-# Bump when the parameter names, fusions or byte layout of the pack change: old packs then no longer match.
+# Bump when the parameter names, fusions or byte layout of the pack change: old packs then no longer
+# match.
 PACK_LAYOUT_VERSION = 1
 LOAD_FORMATS = ("auto", "pack", "safetensors", "dummy")
 
 
 def safetensors_files(model_dir: str) -> list[str]:
-    """The checkpoint's files: the shards named by the index, else model.safetensors, else every *.safetensors."""
+    """The checkpoint's files: the shards named by the index, else model.safetensors, else every
+    *.safetensors."""
     index = os.path.join(model_dir, INDEX_FILE)
     if os.path.isfile(index):
         with open(index) as f:
@@ -51,19 +65,28 @@ def safetensors_files(model_dir: str) -> list[str]:
         files = [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
         absent = [os.path.basename(p) for p in files if not os.path.isfile(p)]
         if absent:
-            raise ValueError(f"weights: shards named by {INDEX_FILE} are missing in {model_dir!r}: {absent}")
+            raise ValueError(
+                f"weights: shards named by {INDEX_FILE} are missing in {model_dir!r}: {absent}"
+            )
         return files
     single = os.path.join(model_dir, SINGLE_FILE)
     if os.path.isfile(single):
         return [single]
-    found = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors")) if os.path.isdir(model_dir) else []
+    found = (
+        sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
+        if os.path.isdir(model_dir)
+        else []
+    )
     if not found:
-        raise ValueError(f"weights: no safetensors checkpoint in {model_dir!r} (only safetensors are loaded)")
+        raise ValueError(
+            f"weights: no safetensors checkpoint in {model_dir!r} (only safetensors are loaded)"
+        )
     return [os.path.join(model_dir, n) for n in found]
 
 
-def iter_safetensors(model_dir: str, slots: dict[str, "WeightSlot"] | None = None
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(
+    model_dir: str, slots: dict[str, "WeightSlot"] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, CPU tensor) for every tensor of the checkpoint, one at a time. With `slots` (a model's
     hf_weight_map), a tensor it names is read as its slot's slice only (then presliced=True)."""
     for path in safetensors_files(model_dir):
@@ -71,16 +94,19 @@ def iter_safetensors(model_dir: str, slots: dict[str, "WeightSlot"] | None = Non
             f = safe_open(path, framework="pt", device="cpu")
         except Exception as e:  # safetensors' own errors name no file
             size = os.path.getsize(path)
-            raise ValueError(f"weights: {path} ({size} bytes) can't be read as safetensors ({e}): "
-                             "the file is truncated or corrupt; fetch it again") from e
+            raise ValueError(
+                f"weights: {path} ({size} bytes) can't be read as safetensors ({e}): "
+                "the file is truncated or corrupt; fetch it again"
+            ) from e
         with f:
             for name in f.keys():
                 slot = slots.get(name) if slots is not None else None
                 part = f.get_slice(name) if slot is not None else None
                 if part is not None and tuple(part.get_shape()) != slot.full:
                     shape = tuple(part.get_shape())
-                    raise ValueError(f"weights: {name} has shape {shape} but the model expects "
-                                     f"{slot.full}")
+                    raise ValueError(
+                        f"weights: {name} has shape {shape} but the model expects {slot.full}"
+                    )
                 if part is None or slot.count == slot.full[slot.dim]:  # not the model's, or whole
                     yield name, f.get_tensor(name)
                     continue
@@ -88,9 +114,10 @@ def iter_safetensors(model_dir: str, slots: dict[str, "WeightSlot"] | None = Non
                 yield name, part[cut] if slot.dim == 0 else part[:, cut]
 
 
-# ---- which pack belongs to this checkpoint ------------------------------------------------------------------
+# ---- which pack belongs to this checkpoint -------------------------------------------------------
 def model_digest(model_dir: str) -> str:
-    """The snapshot manifest's hash when cache wrote one; else config.json plus the weight files' names/sizes/mtimes."""
+    """The snapshot manifest's hash when cache wrote one; else config.json plus the weight files'
+    names/sizes/mtimes."""
     h = hashlib.sha256()
     manifest = os.path.join(model_dir, MANIFEST_FILE)
     if os.path.isfile(manifest):
@@ -108,15 +135,20 @@ def model_digest(model_dir: str) -> str:
 def pack_key(model_dir: str, dtype: torch.dtype, shard: Shard = SINGLE) -> dict:
     """What a pack must match to be used: the checkpoint's bytes, the final dtype, the engine's
     layout and, for a tensor-parallel rank, which slice it holds."""
-    key = {"format": "coldbrew-weights", "model_digest": model_digest(model_dir),
-           "dtype": _dtype_name(dtype), "layout_version": PACK_LAYOUT_VERSION}
+    key = {
+        "format": "coldbrew-weights",
+        "model_digest": model_digest(model_dir),
+        "dtype": _dtype_name(dtype),
+        "layout_version": PACK_LAYOUT_VERSION,
+    }
     if shard.size > 1:
         key["shard"] = [shard.rank, shard.size]
     return key
 
 
-def pack_path(model_dir: str, dtype: torch.dtype, pack_dir: str | None = None,
-              shard: Shard = SINGLE) -> str:
+def pack_path(
+    model_dir: str, dtype: torch.dtype, pack_dir: str | None = None, shard: Shard = SINGLE
+) -> str:
     """<pack_dir or model_dir/packs>/<digest[:16]>-<dtype>-v<layout>.cbpack (a rank's:
     cache.pack.shard_name)"""
     key = pack_key(model_dir, dtype)
@@ -130,18 +162,21 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _group_of(name: str, num_layers: int) -> int:
-    """Group 0: embeddings; 1..L: decoder layer i-1; L+1: final norm and lm_head (the ready order of a forward)."""
+    """Group 0: embeddings; 1..L: decoder layer i-1; L+1: final norm and lm_head (the ready order of
+    a forward)."""
     if name.startswith("layers."):
         return 1 + int(name.split(".")[1])
     return 0 if name.startswith("embed_tokens.") else num_layers + 1
 
 
-# ---- loading -------------------------------------------------------------------------------------------------
+# ---- loading -------------------------------------------------------------------------------------
 def preload_weights(args: EngineArgs) -> bool:
-    """Start streaming the pack the engine built from `args` will load, to its GPU, now; True if started.
+    """Start streaming the pack the engine built from `args` will load, to its GPU, now; True if
+    started.
 
-    Called right after `import torch` (before the engine imports and builds), so the copy overlaps all of that;
-    load_model then takes the stream over. Nothing happens on CPU, without a matching pack, or for safetensors.
+    Called right after `import torch` (before the engine imports and builds), so the copy overlaps
+    all of that; load_model then takes the stream over. Nothing happens on CPU, without a matching
+    pack, or for safetensors.
     Never raises: the real load reports any problem."""
     try:
         device = args.torch_device()
@@ -173,10 +208,10 @@ def load_model(
     """Build the model on `device` in `dtype` and fill it (a tensor-parallel rank: its `shard`, with
     collectives `comm`).
 
-    load_format "auto": from the pack when a valid one matches (model digest, dtype, layout), else from safetensors,
-    then write the pack (a failure to write logs one line); "pack": the same, but a failure to write the pack
-    raises; "safetensors": never read or write a pack; "dummy": random weights made on the device,
-    nothing read. `model.load_stats` says what happened.
+    load_format "auto": from the pack when a valid one matches (model digest, dtype, layout), else
+    from safetensors, then write the pack (a failure to write logs one line); "pack": the same, but
+    a failure to write the pack raises; "safetensors": never read or write a pack; "dummy": random
+    weights made on the device, nothing read. `model.load_stats` says what happened.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
@@ -200,8 +235,9 @@ def load_model(
     key = pack_key(model_dir, dtype, shard)
     discard_preloads(keep=path)  # a preload of another file would hold device memory for nothing
     try:
-        return load_model_from_pack(path, key, model_config, dtype, device, attn_backend,
-                                    shard=shard, comm=comm)
+        return load_model_from_pack(
+            path, key, model_config, dtype, device, attn_backend, shard=shard, comm=comm
+        )
     except (FileNotFoundError, NotADirectoryError):
         discard_preloads()
     except (PackError, OSError) as e:
@@ -217,29 +253,43 @@ def load_model(
     except Exception as e:  # best effort: the model is loaded; the next start just can't use a pack
         if load_format == "pack":
             raise
-        log.warning("weights: could not write the pack %s (%s: %s); later starts load safetensors", path,
-                    type(e).__name__, e)
+        log.warning(
+            "weights: could not write the pack %s (%s: %s); later starts load safetensors",
+            path,
+            type(e).__name__,
+            e,
+        )
     return model
 
 
 def load_model_from_pack(
-    path: str, key: dict | None, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
-    attn_backend=None, overlap: bool | None = None, shard: Shard = SINGLE, comm=None,
+    path: str,
+    key: dict | None,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    attn_backend=None,
+    overlap: bool | None = None,
+    shard: Shard = SINGLE,
+    comm=None,
     **loader_options,
 ) -> "DecoderModel":
-    """The model with every parameter a view into one device buffer streamed from the pack at `path`.
+    """The model with every parameter a view into one device buffer streamed from the pack at
+    `path`.
 
-    overlap (default: on CUDA) returns while the bytes still stream: each layer's first forward waits for its own
-    group (the GPU waits on the group's copy event), so the first step computes early layers while later ones load;
-    `model.wait_weights()` blocks until all are in. Raises FileNotFoundError when there is no pack and PackError
-    when it is invalid or does not match `key` or the model's parameters (names, dtypes, shapes)."""
+    overlap (default: on CUDA) returns while the bytes still stream: each layer's first forward
+    waits for its own group (the GPU waits on the group's copy event), so the first step computes
+    early layers while later ones load; `model.wait_weights()` blocks until all are in. Raises
+    FileNotFoundError when there is no pack and PackError when it is invalid or does not match `key`
+    or the model's parameters (names, dtypes, shapes)."""
     from engine.models.decoder import build_model
 
     pack = read_pack(path)
     if key is not None and any(pack.metadata.get(k) != v for k, v in key.items()):
         raise PackError(f"pack {path}: built for {pack.metadata}, not for {key}")
-    model = build_model(model_config, dtype, device, attn_backend, param_device="meta", shard=shard,
-                        comm=comm)
+    model = build_model(
+        model_config, dtype, device, attn_backend, param_device="meta", shard=shard, comm=comm
+    )
     params = dict(model.named_parameters())
     want = {n: (_dtype_name(p.dtype), tuple(p.shape)) for n, p in params.items()}
     have = {e.name: (e.dtype, e.shape) for e in pack.entries}
@@ -252,15 +302,34 @@ def load_model_from_pack(
         for leaf, p in list(module._parameters.items()):
             if p is not None:
                 module._parameters[leaf] = nn.Parameter(views[id(p)], requires_grad=False)
-    model.load_stats = {"source": "pack", "path": path, "nbytes": pack.data_nbytes, "streaming": True}
+    model.load_stats = {
+        "source": "pack",
+        "path": path,
+        "nbytes": pack.data_nbytes,
+        "streaming": True,
+    }
 
     def finished(stats: LoadStats) -> None:
-        model.load_stats = {"source": "pack", "path": path, "nbytes": stats.nbytes, "seconds": stats.seconds,
-                            "gbps": stats.gbps, "alloc_seconds": stats.alloc_seconds,
-                            "pin_seconds": stats.pin_seconds, "mode": stats.mode,
-                            "threads": stats.threads, "chunk_bytes": stats.chunk_bytes}
-        log.info("weights: pack %s, %.2f GB in %.2f s (%.1f GB/s, %s reads)", path, stats.nbytes / 1e9,
-                 stats.seconds, stats.gbps, stats.mode)
+        model.load_stats = {
+            "source": "pack",
+            "path": path,
+            "nbytes": stats.nbytes,
+            "seconds": stats.seconds,
+            "gbps": stats.gbps,
+            "alloc_seconds": stats.alloc_seconds,
+            "pin_seconds": stats.pin_seconds,
+            "mode": stats.mode,
+            "threads": stats.threads,
+            "chunk_bytes": stats.chunk_bytes,
+        }
+        log.info(
+            "weights: pack %s, %.2f GB in %.2f s (%.1f GB/s, %s reads)",
+            path,
+            stats.nbytes / 1e9,
+            stats.seconds,
+            stats.gbps,
+            stats.mode,
+        )
 
     if overlap is None:
         overlap = device.type == "cuda"
@@ -271,8 +340,9 @@ def load_model_from_pack(
 
 
 def _wait_hooks(model: "DecoderModel", load, finished):
-    """Forward pre-hooks: embeddings wait for group 0, layer i for group i+1, the final norm for everything (then
-    every hook is removed, so later steps and CUDA graph captures see a plain model). Returns wait_all()."""
+    """Forward pre-hooks: embeddings wait for group 0, layer i for group i+1, the final norm for
+    everything (then every hook is removed, so later steps and CUDA graph captures see a plain
+    model). Returns wait_all()."""
     handles: list = []
     done = threading.Lock()
     state = {"finished": False}
@@ -292,8 +362,12 @@ def _wait_hooks(model: "DecoderModel", load, finished):
             if state["finished"]:
                 return
             if load.cuda and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("weights: still streaming while a CUDA graph captures; call model.wait_weights()")
+                raise RuntimeError(
+                    "weights: still streaming while a CUDA graph captures; "
+                    "call model.wait_weights()"
+                )
             load.wait_group(group)
+
         return hook
 
     groups = set(load.pack.groups)
@@ -318,11 +392,17 @@ def fill_random(model: "DecoderModel", seed: int = 0) -> None:
 
 
 def write_model_pack(model: nn.Module, path: str, key: dict) -> str:
-    """Write the model's parameters, in their final (fused) layout and dtype, as a pack at `path`, atomically."""
+    """Write the model's parameters, in their final (fused) layout and dtype, as a pack at `path`,
+    atomically."""
     num_layers = getattr(getattr(model, "config", None), "num_layers", 0)
     with PackWriter(path, metadata=key) as writer:
         for name, p in model.named_parameters():
             host = p.detach().contiguous().cpu().reshape(-1)
-            writer.add(name, _dtype_name(p.dtype), tuple(p.shape), host.view(torch.uint8).numpy(),
-                       group=_group_of(name, num_layers))
+            writer.add(
+                name,
+                _dtype_name(p.dtype),
+                tuple(p.shape),
+                host.view(torch.uint8).numpy(),
+                group=_group_of(name, num_layers),
+            )
     return path

@@ -1,6 +1,7 @@
 """What the controller reads from successive /health polls of a RunPod endpoint: the arrival rate,
 the idle gaps and how long the oldest queued request has waited.
 """
+
 from __future__ import annotations
 
 import math

@@ -6,6 +6,7 @@ Rooms: `config` (its settings), `jobs` (the job queue), `leases` (what workers t
 with `routes_queue`, `routes_openai` and `routes_worker` (HTTP), `protocol` (what routes share),
 `cli` (`python -m scaling.endpoint`).
 """
+
 from scaling.endpoint.cli import main
 from scaling.endpoint.config import EndpointConfig
 from scaling.endpoint.server import Endpoint

@@ -1,4 +1,5 @@
 """`python -m scaling.endpoint`: see scaling.endpoint.cli."""
+
 from scaling.endpoint.cli import main
 
 main()

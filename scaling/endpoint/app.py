@@ -1,6 +1,7 @@
 """The local endpoint's HTTP app (FastAPI): RunPod's queue API, its OpenAI-compatible route and the
 workers' job routes, served for one Endpoint (kept in app.state; the routes get it as a dependency).
 """
+
 from __future__ import annotations
 
 from fastapi import FastAPI

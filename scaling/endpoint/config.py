@@ -1,6 +1,7 @@
 """The local endpoint's settings (its CLI flags), checked at construction: a bad value raises
 ValueError naming the field and its allowed range.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -40,8 +41,11 @@ class EndpointConfig:
         checks = (
             ("port", 0 <= self.port <= 65535, "in [0, 65535]"),
             ("min_workers", 0 <= self.min_workers <= 256, "in [0, 256]"),
-            ("max_workers", max(1, self.min_workers) <= self.max_workers <= 256,
-             "in [max(1, min_workers), 256]"),
+            (
+                "max_workers",
+                max(1, self.min_workers) <= self.max_workers <= 256,
+                "in [max(1, min_workers), 256]",
+            ),
             ("idle_s", 0 <= self.idle_s <= 86400, "in [0, 86400]"),
             ("latency_budget_s", 0 <= self.latency_budget_s <= 3600, "in [0, 3600]"),
             ("cold_start_s", 0 < self.cold_start_s <= 3600, "in (0, 3600]"),
@@ -53,8 +57,11 @@ class EndpointConfig:
             ("max_boot_failures", 1 <= self.max_boot_failures <= 1000, "in [1, 1000]"),
             ("result_keep_s", 1 <= self.result_keep_s <= 86400, "in [1, 86400]"),
             ("tick_s", 0.01 <= self.tick_s <= 10, "in [0.01, 10]"),
-            ("endpoint_id", self.endpoint_id.replace("-", "").replace("_", "").isalnum(),
-             "made of letters, digits, - and _"),
+            (
+                "endpoint_id",
+                self.endpoint_id.replace("-", "").replace("_", "").isalnum(),
+                "made of letters, digits, - and _",
+            ),
         )
         for name, ok, limit in checks:
             if not ok:

@@ -5,6 +5,7 @@ HTTP routes block on.
 Everything here runs in the endpoint's one event loop (no locks); `changed` wakes every waiter after
 any update.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -103,8 +104,12 @@ class JobQueue:
         return job
 
     def add_probe(self, worker_id: str, probe_input: Any) -> Job:
-        job = Job(id=f"probe-{worker_id}-{uuid.uuid4().hex[:8]}", input=probe_input,
-                  created=time.monotonic(), probe_for=worker_id)
+        job = Job(
+            id=f"probe-{worker_id}-{uuid.uuid4().hex[:8]}",
+            input=probe_input,
+            created=time.monotonic(),
+            probe_for=worker_id,
+        )
         self.jobs[job.id] = job
         return job
 
@@ -150,8 +155,9 @@ class JobQueue:
         return taken
 
     def probe_of(self, worker_id: str) -> Job | None:
-        return next((j for j in self.jobs.values() if j.probe_for == worker_id and not j.final),
-                    None)
+        return next(
+            (j for j in self.jobs.values() if j.probe_for == worker_id and not j.final), None
+        )
 
     def take_stops(self, worker_id: str) -> list[str]:
         return self.stops.pop(worker_id, [])
@@ -196,8 +202,9 @@ class JobQueue:
         outcomes = []
         for job in self.leased_by(worker_id):
             if job.probe_for is not None:
-                self._finish(job, "FAILED",
-                             error=f"worker {worker_id} {reason} before it was ready")
+                self._finish(
+                    job, "FAILED", error=f"worker {worker_id} {reason} before it was ready"
+                )
                 outcomes.append((job, "failed"))
             elif job.attempts < MAX_ATTEMPTS and not job.delivered:
                 job.status, job.stream, job.stream_read = "IN_QUEUE", [], 0
@@ -205,10 +212,16 @@ class JobQueue:
                 self.counts["retried"] += 1
                 outcomes.append((job, "retried"))
             else:
-                why = ("part of its output was already streamed to the client" if job.delivered
-                       else f"this was attempt {job.attempts} of {MAX_ATTEMPTS}")
-                self._finish(job, "FAILED", error=f"worker {worker_id} {reason} while running "
-                                                  f"the job; not retried: {why}")
+                why = (
+                    "part of its output was already streamed to the client"
+                    if job.delivered
+                    else f"this was attempt {job.attempts} of {MAX_ATTEMPTS}"
+                )
+                self._finish(
+                    job,
+                    "FAILED",
+                    error=f"worker {worker_id} {reason} while running the job; not retried: {why}",
+                )
                 outcomes.append((job, "failed"))
         self.stops.pop(worker_id, None)
         return outcomes
@@ -226,13 +239,15 @@ class JobQueue:
         return len(self.waiting)
 
     def in_progress(self) -> int:
-        return sum(1 for j in self.jobs.values()
-                   if j.status == "IN_PROGRESS" and j.probe_for is None)
+        return sum(
+            1 for j in self.jobs.values() if j.status == "IN_PROGRESS" and j.probe_for is None
+        )
 
     def leased_by(self, worker_id: str) -> list[Job]:
         """The jobs the worker holds now (IN_PROGRESS under its lease)."""
-        return [j for j in self.jobs.values()
-                if j.status == "IN_PROGRESS" and j.worker_id == worker_id]
+        return [
+            j for j in self.jobs.values() if j.status == "IN_PROGRESS" and j.worker_id == worker_id
+        ]
 
     def held_by(self, worker_id: str) -> int:
         return len(self.leased_by(worker_id))
@@ -247,8 +262,11 @@ class JobQueue:
 
     def forget_finished(self, now: float, keep_s: float) -> None:
         """Drop final jobs older than keep_s (RunPod keeps /run results for 30 minutes)."""
-        for job_id in [j.id for j in self.jobs.values() if j.final and j.finished is not None
-                       and now - j.finished > keep_s]:
+        for job_id in [
+            j.id
+            for j in self.jobs.values()
+            if j.final and j.finished is not None and now - j.finished > keep_s
+        ]:
             del self.jobs[job_id]
 
     # ---- internals ------------------------------------------------------------------------------
@@ -258,8 +276,9 @@ class JobQueue:
         except ValueError:
             pass
 
-    def _finish(self, job: Job, status: str, *, output: Any = None,
-                error: str | None = None) -> None:
+    def _finish(
+        self, job: Job, status: str, *, output: Any = None, error: str | None = None
+    ) -> None:
         job.status, job.finished, job.output, job.error = status, time.monotonic(), output, error
         if job.probe_for is None:
             if status == "COMPLETED":

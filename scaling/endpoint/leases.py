@@ -6,6 +6,7 @@ these.
 A booting worker gets only its readiness probe; once ready it leases public jobs, oldest first, up
 to the number its SDK asks for. Everything runs in the endpoint's one event loop.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,8 +24,13 @@ class Leases:
     """`on_taken()` runs when jobs leave the queue (the scaler looks again); `on_result(job, now)`
     when a worker's result ends a job."""
 
-    def __init__(self, queue: JobQueue, pool: WorkerPool, on_taken: Callable[[], None],
-                 on_result: Callable[[Job, float], None]):
+    def __init__(
+        self,
+        queue: JobQueue,
+        pool: WorkerPool,
+        on_taken: Callable[[], None],
+        on_result: Callable[[Job, float], None],
+    ):
         self.queue, self.pool = queue, pool
         self.on_taken, self.on_result = on_taken, on_result
 
@@ -88,8 +94,9 @@ class Leases:
     async def result(self, worker_id: str, job_id: str, body: Any, now: float) -> None:
         """A job's result ({"output": ...} or {"error": ...}); stale or repeated posts do
         nothing."""
-        job = self.queue.record_done(worker_id, job_id,
-                                     body if isinstance(body, dict) else {"output": body})
+        job = self.queue.record_done(
+            worker_id, job_id, body if isinstance(body, dict) else {"output": body}
+        )
         if job is not None:
             self.on_result(job, now)
             await self.queue.notify()

@@ -3,6 +3,7 @@ within RunPod's size limits, a /run body's `input`, ?wait=, the OpenAI error sha
 the dependencies that hand a route the Endpoint it serves (checking the endpoint id and the
 workers' token).
 """
+
 from __future__ import annotations
 
 import json
@@ -61,7 +62,7 @@ def job_input(body: Any) -> Any:
         if name not in JOB_FIELDS:
             raise BadRequest(400, f"{name}: unknown field; accepted: input")
     if "input" not in body:
-        raise BadRequest(400, "input: required (the job's input, as {\"input\": {...}})")
+        raise BadRequest(400, 'input: required (the job\'s input, as {"input": {...}})')
     return body["input"]
 
 
@@ -71,8 +72,10 @@ def wait_ms(request: Request) -> int:
     if raw is None:
         return default
     if not raw.isdigit() or not lo <= int(raw) <= hi:
-        raise BadRequest(400, f"wait: must be an integer number of milliseconds in [{lo}, {hi}], "
-                              f"got {raw[:50]!r}")
+        raise BadRequest(
+            400,
+            f"wait: must be an integer number of milliseconds in [{lo}, {hi}], got {raw[:50]!r}",
+        )
     return int(raw)
 
 
@@ -89,7 +92,8 @@ def sse_text(chunk: Any) -> str:
     items = chunk if isinstance(chunk, list) else [chunk]
     return "".join(
         f"data: {item if isinstance(item, str) else json.dumps(item, ensure_ascii=False)}\n\n"
-        for item in items)
+        for item in items
+    )
 
 
 async def submit(endpoint: Endpoint, job_input: Any, prefix: str = "") -> Job:
@@ -103,8 +107,11 @@ def public_job(endpoint: Endpoint, job_id: str) -> Job:
     """A job a client may see (not a worker's readiness probe), or a 404."""
     job = endpoint.queue.jobs.get(job_id)
     if job is None or job.probe_for is not None:
-        raise BadRequest(404, f"job {job_id[:100]!r} not found (finished jobs are kept "
-                              f"{endpoint.config.result_keep_s:.0f} s)")
+        raise BadRequest(
+            404,
+            f"job {job_id[:100]!r} not found (finished jobs are kept "
+            f"{endpoint.config.result_keep_s:.0f} s)",
+        )
     return job
 
 
@@ -112,16 +119,20 @@ def public_job(endpoint: Endpoint, job_id: str) -> Job:
 def served(request: Request, endpoint_id: str) -> Endpoint:
     endpoint: Endpoint = request.app.state.endpoint
     if endpoint_id != endpoint.config.endpoint_id:
-        raise BadRequest(404, f"endpoint {endpoint_id[:100]!r} not found; this one is "
-                              f"{endpoint.config.endpoint_id!r}")
+        raise BadRequest(
+            404,
+            f"endpoint {endpoint_id[:100]!r} not found; this one is "
+            f"{endpoint.config.endpoint_id!r}",
+        )
     return endpoint
 
 
 def worker_served(request: Request, endpoint: Annotated[Endpoint, Depends(served)]) -> Endpoint:
     """The job routes: the worker must send the token its RUNPOD_WEBHOOK_* URLs carry."""
     if request.query_params.get("token") != endpoint.token:
-        raise BadRequest(401, "token: missing or wrong; workers get theirs from "
-                              "RUNPOD_WEBHOOK_GET_JOB")
+        raise BadRequest(
+            401, "token: missing or wrong; workers get theirs from RUNPOD_WEBHOOK_GET_JOB"
+        )
     return endpoint
 
 

@@ -1,6 +1,7 @@
 """RunPod's OpenAI-compatible route on the local endpoint (/openai/v1/...): each call becomes an
 `openai_route` job; the answer is the job's output, or its chunks relayed as server-sent events.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +13,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from scaling.endpoint.jobs import Job
-from scaling.endpoint.protocol import (BASE, RUNSYNC_BODY_LIMIT, BadRequest, Served, json_body,
-                                       openai_error, sse_text, submit)
+from scaling.endpoint.protocol import (
+    BASE,
+    RUNSYNC_BODY_LIMIT,
+    BadRequest,
+    Served,
+    json_body,
+    openai_error,
+    sse_text,
+    submit,
+)
 from scaling.endpoint.server import Endpoint
 
 OPENAI_WAIT_S = 3600.0  # an /openai/v1 call waits this long for its job
@@ -30,8 +39,11 @@ async def models(endpoint: Served, request: Request):
 @router.post(BASE + "/openai/v1/{route:path}")
 async def openai(endpoint: Served, route: str, request: Request):
     if route.strip("/") not in OPENAI_ROUTES:
-        raise BadRequest(404, f"route: /openai/v1/{route[:100]} is not served; use one of "
-                              + ", ".join(f"/openai/v1/{r}" for r in OPENAI_ROUTES))
+        raise BadRequest(
+            404,
+            f"route: /openai/v1/{route[:100]} is not served; use one of "
+            + ", ".join(f"/openai/v1/{r}" for r in OPENAI_ROUTES),
+        )
     body = await json_body(request, RUNSYNC_BODY_LIMIT)
     if not isinstance(body, dict):
         raise BadRequest(400, f"body: must be a JSON object, got {type(body).__name__}")
@@ -54,8 +66,11 @@ async def openai_job(endpoint: Endpoint, request: Request, job_input: dict, *, s
         if not job.final and time.monotonic() - job.created > OPENAI_WAIT_S:
             queue.time_out(job, f"no result within {OPENAI_WAIT_S:.0f} s")
     if stream and (job.stream or job.status == "COMPLETED"):
-        return StreamingResponse(relay_sse(endpoint, request, job), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            relay_sse(endpoint, request, job),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
     if job.status == "COMPLETED":
         output = job.output
         return output[0] if isinstance(output, list) and output else output
@@ -80,8 +95,12 @@ async def relay_sse(endpoint: Endpoint, request: Request, job: Job) -> AsyncIter
             if job.final:
                 finished = True
                 if job.status != "COMPLETED":
-                    error = {"message": f"{job.status}: {job.error}", "type": "server_error",
-                             "param": None, "code": 500}
+                    error = {
+                        "message": f"{job.status}: {job.error}",
+                        "type": "server_error",
+                        "param": None,
+                        "code": 500,
+                    }
                     yield f"data: {json.dumps({'error': error})}\n\n"
                 return
             if await request.is_disconnected():

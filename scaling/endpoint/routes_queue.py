@@ -1,12 +1,22 @@
 """RunPod's public queue API on the local endpoint: /run, /runsync, /status, /stream, /cancel,
 /purge-queue and /health, answered in the shapes RunPod documents.
 """
+
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from scaling.endpoint.protocol import (BASE, RUN_BODY_LIMIT, RUNSYNC_BODY_LIMIT, Served, job_input,
-                                       json_body, public_job, submit, wait_ms)
+from scaling.endpoint.protocol import (
+    BASE,
+    RUN_BODY_LIMIT,
+    RUNSYNC_BODY_LIMIT,
+    Served,
+    job_input,
+    json_body,
+    public_job,
+    submit,
+    wait_ms,
+)
 
 STREAM_HOLD_S = 1.0  # /stream waits this long for a new chunk before answering with none
 
@@ -37,9 +47,10 @@ async def status(endpoint: Served, job_id: str):
 async def stream(endpoint: Served, job_id: str):
     """The chunks streamed since the last /stream call (each handed out once)."""
     job = public_job(endpoint, job_id)
-    await endpoint.queue.wait_until(lambda: job.final or len(job.stream) > job.stream_read,
-                                    STREAM_HOLD_S)
-    chunks = job.stream[job.stream_read:]
+    await endpoint.queue.wait_until(
+        lambda: job.final or len(job.stream) > job.stream_read, STREAM_HOLD_S
+    )
+    chunks = job.stream[job.stream_read :]
     job.stream_read += len(chunks)
     job.delivered = job.delivered or bool(chunks)
     out = {"id": job.id, "status": job.status, "stream": [{"output": c} for c in chunks]}

@@ -1,13 +1,20 @@
 """The job routes the workers' runpod SDK polls and posts to (the RUNPOD_WEBHOOK_* URLs that
 scaling.endpoint.workers hands each worker): take jobs, stop jobs, heartbeat, stream, result.
 """
+
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from scaling.endpoint.protocol import (BASE, RUNSYNC_BODY_LIMIT, BadRequest, PingServed,
-                                       WorkerServed, json_body)
+from scaling.endpoint.protocol import (
+    BASE,
+    RUNSYNC_BODY_LIMIT,
+    BadRequest,
+    PingServed,
+    WorkerServed,
+    json_body,
+)
 
 MAX_BATCH = 100_000
 
@@ -24,8 +31,9 @@ async def job_take(endpoint: WorkerServed, worker_id: str):
 async def job_take_batch(endpoint: WorkerServed, worker_id: str, request: Request):
     raw = request.query_params.get("batch_size", "1")
     if not raw.isdigit() or not 1 <= int(raw) <= MAX_BATCH:
-        raise BadRequest(400, f"batch_size: must be an integer in [1, {MAX_BATCH}], "
-                              f"got {raw[:50]!r}")
+        raise BadRequest(
+            400, f"batch_size: must be an integer in [1, {MAX_BATCH}], got {raw[:50]!r}"
+        )
     jobs = await endpoint.leases.take(worker_id, int(raw))
     return [{"id": j.id, "input": j.input} for j in jobs] if jobs else Response(status_code=204)
 

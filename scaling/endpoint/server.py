@@ -4,6 +4,7 @@ its scaler in a background thread with one event loop, and drains every worker w
 The state the routes read and change: `queue` (jobs), `pool` (worker processes), `leases` (what
 workers take and report), `scaler` (how many workers there should be).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -106,10 +107,14 @@ class Endpoint:
         worker_cmd = (c.worker_command or [sys.executable, "-m", "handler"]) + list(c.worker_args)
         self.pool = WorkerPool(self.base, self.token, Path(log_dir), c.worker_env, worker_cmd)
         self.scaler = Scaler(c, self.queue, self.pool)
-        self.leases = Leases(self.queue, self.pool, on_taken=self.kick,
-                             on_result=self.job_finished)
-        config = uvicorn.Config(build_app(self), log_level="warning", access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=5)
+        self.leases = Leases(self.queue, self.pool, on_taken=self.kick, on_result=self.job_finished)
+        config = uvicorn.Config(
+            build_app(self),
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+        )
         self._server = uvicorn.Server(config)
         started = threading.Event()
 
@@ -123,14 +128,21 @@ class Endpoint:
             finally:
                 scaler.cancel()
 
-        self._thread = threading.Thread(target=asyncio.run, args=(serve(),),
-                                        name="coldbrew-endpoint", daemon=True)
+        self._thread = threading.Thread(
+            target=asyncio.run, args=(serve(),), name="coldbrew-endpoint", daemon=True
+        )
         self._thread.start()
         started.wait()
         while not self._server.started and self._thread.is_alive():
             time.sleep(0.02)
-        log.info("local endpoint on %s (workers: 0..%d, idle keep-alive up to %.0f s, "
-                 "worker logs in %s)", self.base, c.max_workers, c.idle_s, log_dir)
+        log.info(
+            "local endpoint on %s (workers: 0..%d, idle keep-alive up to %.0f s, "
+            "worker logs in %s)",
+            self.base,
+            c.max_workers,
+            c.idle_s,
+            log_dir,
+        )
         return self
 
     async def _drain_all(self, timeout_s: float) -> None:

@@ -5,6 +5,7 @@ variables; started, drained, reaped.
 A worker is booting until its readiness probe (a /v1/models job, which waits for the engine) comes
 back, then ready.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,9 +53,14 @@ class WorkerPool:
     """Starts workers with the RUNPOD_* variables that point the SDK at `job_base`
     (.../v2/<endpoint id>)."""
 
-    def __init__(self, job_base: str, token: str, log_dir: Path,
-                 worker_env: dict[str, str] | None = None,
-                 worker_command: list[str] | None = None):
+    def __init__(
+        self,
+        job_base: str,
+        token: str,
+        log_dir: Path,
+        worker_env: dict[str, str] | None = None,
+        worker_command: list[str] | None = None,
+    ):
         self.job_base = job_base
         self.token = token
         self.log_dir = Path(log_dir)
@@ -93,9 +99,14 @@ class WorkerPool:
         with open(log_path, "wb") as out:
             # Its own session: the SDK's heartbeat is a child process that outlives a killed
             # worker; the group goes.
-            proc = subprocess.Popen(self.worker_command, env=env, stdout=out,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                self.worker_command,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         worker = Worker(worker_id, proc, started=now, log_path=log_path)
         self.workers[worker_id] = worker
         self.pids[worker_id] = proc.pid

@@ -4,6 +4,7 @@ fixed keep-alive, ours.
 Each is a small stateful controller: (now, Observation) every `poll_s` -> (desired workers, idle
 keep-alive).
 """
+
 from __future__ import annotations
 
 import math
@@ -155,24 +156,48 @@ class Ours:
 
 # name -> (knob, default, sweep values, factory(knob value, max_workers) -> controller)
 POLICIES = {
-    "runpod-queue-delay": ("delay_s", 4.0, (0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0),
-                           lambda v, m: RunPodQueueDelay(delay_s=v, max_workers=m)),
-    "runpod-request-count": ("requests_per_worker", 4.0,
-                             (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 96.0, 128.0),
-                             lambda v, m: RunPodRequestCount(requests_per_worker=v, max_workers=m)),
-    "keda": ("target", 32.0, (4.0, 8.0, 16.0, 32.0, 48.0, 64.0, 96.0, 128.0, 192.0),
-             lambda v, m: KedaLike(target=v, max_workers=m)),
-    "knative": ("target", 100.0, (10.0, 25.0, 50.0, 75.0, 100.0, 150.0, 200.0, 300.0),
-                lambda v, m: KnativeLike(target=v, max_workers=m)),
-    "keep-alive": ("keep_alive_s", 600.0,
-                   (15.0, 30.0, 60.0, 120.0, 180.0, 300.0, 450.0, 600.0, 900.0, 1200.0),
-                   lambda v, m: FixedKeepAlive(keep_alive_s=v, max_workers=m)),
+    "runpod-queue-delay": (
+        "delay_s",
+        4.0,
+        (0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0),
+        lambda v, m: RunPodQueueDelay(delay_s=v, max_workers=m),
+    ),
+    "runpod-request-count": (
+        "requests_per_worker",
+        4.0,
+        (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 96.0, 128.0),
+        lambda v, m: RunPodRequestCount(requests_per_worker=v, max_workers=m),
+    ),
+    "keda": (
+        "target",
+        32.0,
+        (4.0, 8.0, 16.0, 32.0, 48.0, 64.0, 96.0, 128.0, 192.0),
+        lambda v, m: KedaLike(target=v, max_workers=m),
+    ),
+    "knative": (
+        "target",
+        100.0,
+        (10.0, 25.0, 50.0, 75.0, 100.0, 150.0, 200.0, 300.0),
+        lambda v, m: KnativeLike(target=v, max_workers=m),
+    ),
+    "keep-alive": (
+        "keep_alive_s",
+        600.0,
+        (15.0, 30.0, 60.0, 120.0, 180.0, 300.0, 450.0, 600.0, 900.0, 1200.0),
+        lambda v, m: FixedKeepAlive(keep_alive_s=v, max_workers=m),
+    ),
     # two knobs, each its own concern: wait_cost_weight (keep-warm through idle gaps) x
     # target_utilization (headroom)
-    "ours": ("wait_cost_weight/target_utilization",
-             (PolicyConfig().wait_cost_weight, PolicyConfig().target_utilization),
-             tuple((w, u) for u in (0.85, 0.5, 0.25)
-                   for w in (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 512.0)),
-             lambda v, m: Ours(PolicyConfig(wait_cost_weight=v[0], target_utilization=v[1],
-                                            max_workers=m))),
+    "ours": (
+        "wait_cost_weight/target_utilization",
+        (PolicyConfig().wait_cost_weight, PolicyConfig().target_utilization),
+        tuple(
+            (w, u)
+            for u in (0.85, 0.5, 0.25)
+            for w in (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 512.0)
+        ),
+        lambda v, m: Ours(
+            PolicyConfig(wait_cost_weight=v[0], target_utilization=v[1], max_workers=m)
+        ),
+    ),
 }

@@ -1,6 +1,7 @@
 """The simulator's figure: billed GPU-seconds against P99 TTFT, one panel per trace and cold start,
 every setting of every policy as a dot and each policy's Pareto front as a line (matplotlib).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -30,23 +31,39 @@ def plot(rows, path: Path, speed: float = 1.0) -> None:
 
     traces = sorted({r["trace"] for r in rows})
     colds = sorted({r["cold_start_s"] for r in rows})
-    fig, axes = plt.subplots(len(traces), len(colds), figsize=(5 * len(colds), 4 * len(traces)),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(traces), len(colds), figsize=(5 * len(colds), 4 * len(traces)), squeeze=False
+    )
     for i, trace in enumerate(traces):
         for j, cold in enumerate(colds):
             ax = axes[i][j]
-            here = [r for r in rows if r["trace"] == trace and r["cold_start_s"] == cold
-                    and r["speed"] == speed]
+            here = [
+                r
+                for r in rows
+                if r["trace"] == trace and r["cold_start_s"] == cold and r["speed"] == speed
+            ]
             for k, name in enumerate(POLICIES):
                 pts = [(r["ttft_p99_s"], r["gpu_s"]) for r in here if r["policy"] == name]
                 if not pts:
                     continue
                 color, ours = f"C{k}", name == "ours"
-                ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=18 if ours else 8,
-                           color=color, alpha=0.5)
+                ax.scatter(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    s=18 if ours else 8,
+                    color=color,
+                    alpha=0.5,
+                )
                 front = pareto(pts)
-                ax.plot([p[0] for p in front], [p[1] for p in front], color=color,
-                        lw=2.5 if ours else 1, marker="o" if ours else None, ms=4, label=name)
+                ax.plot(
+                    [p[0] for p in front],
+                    [p[1] for p in front],
+                    color=color,
+                    lw=2.5 if ours else 1,
+                    marker="o" if ours else None,
+                    ms=4,
+                    label=name,
+                )
             p99s = [r["ttft_p99_s"] for r in here]
             if p99s and max(p99s) > 10 * min(p99s):
                 ax.set_xscale("log")

@@ -4,6 +4,7 @@ autoscaler.
 Arrivals and completions are events; the fleet acts every second; billing is per worker, start to
 stop.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -32,8 +33,18 @@ def arrival_rate(rate: float, rate_t: float, now: float, first: float) -> float:
 
 
 class _Worker:
-    __slots__ = ("wid", "start", "ready_at", "stop", "ready", "load", "busy_since", "busy",
-                 "idle_since", "idle")
+    __slots__ = (
+        "wid",
+        "start",
+        "ready_at",
+        "stop",
+        "ready",
+        "load",
+        "busy_since",
+        "busy",
+        "idle_since",
+        "idle",
+    )
 
     def __init__(self, wid: int, start: float, ready_at: float):
         self.wid, self.start, self.ready_at, self.stop = wid, start, ready_at, math.nan
@@ -63,21 +74,31 @@ class RunResult:
     def metrics(self) -> dict:
         ttft, wait = self.ttft_s, self.queue_wait_s
         return {
-            "gpu_s": self.billed_s, "boot_s": self.boot_s, "busy_s": self.busy_s,
+            "gpu_s": self.billed_s,
+            "boot_s": self.boot_s,
+            "busy_s": self.busy_s,
             "idle_s": self.idle_s,
             "queue_wait_p50_s": float(np.percentile(wait, 50)),
             "queue_wait_p99_s": float(np.percentile(wait, 99)),
             "ttft_p50_s": float(np.percentile(ttft, 50)),
             "ttft_p99_s": float(np.percentile(ttft, 99)),
-            "slo_2s": float(np.mean(ttft <= 2.0)), "slo_5s": float(np.mean(ttft <= 5.0)),
-            "cold_starts": self.cold_starts, "peak_workers": self.peak_workers,
+            "slo_2s": float(np.mean(ttft <= 2.0)),
+            "slo_5s": float(np.mean(ttft <= 5.0)),
+            "cold_starts": self.cold_starts,
+            "peak_workers": self.peak_workers,
             "requests": int(len(ttft)),
         }
 
 
-def simulate_run(trace: Trace, model: WorkerModel, controller, cold_start_s: float,
-                 initial_workers: int = 0, tick_s: float = 1.0,
-                 max_overrun_s: float = 36_000.0) -> RunResult:
+def simulate_run(
+    trace: Trace,
+    model: WorkerModel,
+    controller,
+    cold_start_s: float,
+    initial_workers: int = 0,
+    tick_s: float = 1.0,
+    max_overrun_s: float = 36_000.0,
+) -> RunResult:
     """Replay `trace` under `controller` (callable (now, Observation) -> (desired, keep_alive_s),
     with `poll_s`).
 
@@ -189,24 +210,31 @@ def simulate_run(trace: Trace, model: WorkerModel, controller, cold_start_s: flo
             now = next_tick
             next_tick += tick_s
             if now > limit:
-                raise RuntimeError(f"{controller!r} left {len(queue)} requests waiting past "
-                                   f"{limit:.0f}s")
+                raise RuntimeError(
+                    f"{controller!r} left {len(queue)} requests waiting past {limit:.0f}s"
+                )
             ready = sum(1 for wid in active if workers[wid].ready)
             booting = len(active) - ready
             if now >= next_poll:
                 next_poll += poll
-                idle_ready = sum(1 for wid in active
-                                 if workers[wid].ready and workers[wid].load == 0)
+                idle_ready = sum(
+                    1 for wid in active if workers[wid].ready and workers[wid].load == 0
+                )
                 empty = not queue and in_progress == 0
                 idle_for = (now - empty_since) if empty and not math.isnan(empty_since) else 0.0
                 obs = Observation(
-                    in_queue=len(queue), in_progress=in_progress, workers_ready=ready,
-                    workers_booting=booting, workers_idle=idle_ready,
+                    in_queue=len(queue),
+                    in_progress=in_progress,
+                    workers_ready=ready,
+                    workers_booting=booting,
+                    workers_idle=idle_ready,
                     capacity_per_worker=float(cap),
                     arrival_rate=arrival_rate(rate, rate_t, now, arrival[0] if n else 0.0),
-                    mean_service_s=service, cold_start_s=cold_start_s,
+                    mean_service_s=service,
+                    cold_start_s=cold_start_s,
                     oldest_wait_s=(now - arrival[queue[0]]) if queue else 0.0,
-                    idle_gaps_s=tuple(gaps), idle_for_s=idle_for,
+                    idle_gaps_s=tuple(gaps),
+                    idle_for_s=idle_for,
                 )
                 desired, keep_alive = controller(now, obs)
             total = len(active)
@@ -218,8 +246,13 @@ def simulate_run(trace: Trace, model: WorkerModel, controller, cold_start_s: flo
                     heapq.heappush(events, (w.ready_at, 1, w.wid, -1))
                 peak = max(peak, len(active))
             elif desired < total:
-                idle = [wid for wid in active if workers[wid].ready and workers[wid].load == 0
-                        and now - workers[wid].idle_since >= keep_alive]
+                idle = [
+                    wid
+                    for wid in active
+                    if workers[wid].ready
+                    and workers[wid].load == 0
+                    and now - workers[wid].idle_since >= keep_alive
+                ]
                 idle.sort(key=lambda wid: workers[wid].idle_since)
                 for wid in idle[: total - desired]:
                     w = workers[wid]
@@ -243,8 +276,17 @@ def simulate_run(trace: Trace, model: WorkerModel, controller, cold_start_s: flo
     t_arr = np.asarray(arrival)
     d = np.asarray(dispatch)
     return RunResult(
-        dispatch_s=d, finish_s=np.asarray(finish), ttft_s=np.asarray(ttft), queue_wait_s=d - t_arr,
+        dispatch_s=d,
+        finish_s=np.asarray(finish),
+        ttft_s=np.asarray(ttft),
+        queue_wait_s=d - t_arr,
         worker=np.asarray(who),
-        completions=np.asarray(done), boot_s=boot, busy_s=busy, idle_s=idle, billed_s=billed,
-        cold_starts=len(workers) - initial_workers, end_s=end, peak_workers=peak,
+        completions=np.asarray(done),
+        boot_s=boot,
+        busy_s=busy,
+        idle_s=idle,
+        billed_s=billed,
+        cold_starts=len(workers) - initial_workers,
+        end_s=end,
+        peak_workers=peak,
     )

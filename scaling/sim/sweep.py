@@ -1,6 +1,7 @@
 """The simulator's experiment: every policy's knob swept per trace, speed and cold start, each
 policy's best setting per case, and ours against each baseline's best.
 """
+
 from __future__ import annotations
 
 from scaling.sim.baselines import POLICIES
@@ -10,8 +11,9 @@ P99_SAME_REL, P99_SAME_ABS = 0.05, 0.05  # "same P99": within 5 % or 50 ms of th
 COST_SAME_REL = 0.02  # "equal cost": within 2 %; "cheaper": more than 2 % less
 
 
-def sweep(traces, model, cold_starts, speeds, policies, max_workers, initial_workers=1,
-          quick=False):
+def sweep(
+    traces, model, cold_starts, speeds, policies, max_workers, initial_workers=1, quick=False
+):
     """One row of metrics per (trace, speed, cold start, policy, knob value)."""
     rows = []
     for trace in traces:
@@ -20,12 +22,20 @@ def sweep(traces, model, cold_starts, speeds, policies, max_workers, initial_wor
             for cold in cold_starts:
                 for name in policies:
                     knob, default, values, make = POLICIES[name]
-                    for value in ((default,) if quick else values):
+                    for value in (default,) if quick else values:
                         controller = make(value, max_workers)
                         res = simulate_run(scaled, model, controller, cold, initial_workers)
-                        rows.append({"trace": trace.name, "speed": speed, "cold_start_s": cold,
-                                     "policy": name, "knob": knob, "value": value,
-                                     **res.metrics()})
+                        rows.append(
+                            {
+                                "trace": trace.name,
+                                "speed": speed,
+                                "cold_start_s": cold,
+                                "policy": name,
+                                "knob": knob,
+                                "value": value,
+                                **res.metrics(),
+                            }
+                        )
     return rows
 
 
@@ -37,8 +47,10 @@ def best_setting(runs: list[dict]) -> dict:
     """A policy's best setting in one case: the cheapest of those whose P99 TTFT is the same as
     its lowest."""
     low = min(r["ttft_p99_s"] for r in runs)
-    return min((r for r in runs if same_p99(r["ttft_p99_s"], low)),
-               key=lambda r: (r["gpu_s"], r["ttft_p99_s"]))
+    return min(
+        (r for r in runs if same_p99(r["ttft_p99_s"], low)),
+        key=lambda r: (r["gpu_s"], r["ttft_p99_s"]),
+    )
 
 
 def verdict(ours: list[dict], best: dict) -> tuple[dict | None, str]:
@@ -67,11 +79,19 @@ def compare(rows):
         for name in sorted({r["policy"] for r in case} - {"ours"}):
             best = best_setting([r for r in case if r["policy"] == name])
             match, said = verdict(ours, best)
-            out.append({"trace": key[0], "speed": key[1], "cold_start_s": key[2], "baseline": name,
-                        "baseline_value": best["value"], "baseline_gpu_s": best["gpu_s"],
-                        "baseline_ttft_p99_s": best["ttft_p99_s"],
-                        "ours_value": match["value"] if match else None,
-                        "ours_gpu_s": match["gpu_s"] if match else None,
-                        "ours_ttft_p99_s": match["ttft_p99_s"] if match else None,
-                        "verdict": said})
+            out.append(
+                {
+                    "trace": key[0],
+                    "speed": key[1],
+                    "cold_start_s": key[2],
+                    "baseline": name,
+                    "baseline_value": best["value"],
+                    "baseline_gpu_s": best["gpu_s"],
+                    "baseline_ttft_p99_s": best["ttft_p99_s"],
+                    "ours_value": match["value"] if match else None,
+                    "ours_gpu_s": match["gpu_s"] if match else None,
+                    "ours_ttft_p99_s": match["ttft_p99_s"] if match else None,
+                    "verdict": said,
+                }
+            )
     return out

@@ -4,6 +4,7 @@ counts.
 Reads the CSVs kept with their CC-BY attribution in bench/data/ (plain or gzip); time-scales and
 slices them.
 """
+
 from __future__ import annotations
 
 import csv
@@ -40,14 +41,19 @@ class Trace:
         time)."""
         if not speed > 0:
             raise ValueError(f"speed: must be > 0, got {speed}")
-        return Trace(f"{self.name}@{speed:g}x", self.arrival_s / speed, self.context_tokens,
-                     self.generated_tokens)
+        return Trace(
+            f"{self.name}@{speed:g}x",
+            self.arrival_s / speed,
+            self.context_tokens,
+            self.generated_tokens,
+        )
 
     def head(self, seconds: float) -> "Trace":
         """The requests that arrive in the first `seconds`."""
         n = int(np.searchsorted(self.arrival_s, seconds, side="right"))
-        return Trace(self.name, self.arrival_s[:n], self.context_tokens[:n],
-                     self.generated_tokens[:n])
+        return Trace(
+            self.name, self.arrival_s[:n], self.context_tokens[:n], self.generated_tokens[:n]
+        )
 
 
 def trace_path(name: str, data_dir: Path = DATA_DIR) -> Path:

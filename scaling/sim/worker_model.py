@@ -4,6 +4,7 @@ serving benchmark's JSON (its online levels: concurrency against output tokens/s
 Which benchmark run is named in bench/results/scaling-worker-model.json, so a newer run is chosen
 there, not in code; `--serving-json` overrides it. Nothing here is typed in.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,10 @@ def named_serving_json(source: Path = WORKER_MODEL_SOURCE) -> Path:
     try:
         named = json.loads(Path(source).read_text())["serving_json"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{source}: must be a JSON object naming the worker model's serving run "
-                         f'as {{"serving_json": "<path under {Path(source).parent}>"}} ({exc})')
+        raise ValueError(
+            f"{source}: must be a JSON object naming the worker model's serving run "
+            f'as {{"serving_json": "<path under {Path(source).parent}>"}} ({exc})'
+        )
     return Path(source).parent / named
 
 
@@ -51,8 +54,11 @@ class WorkerModel:
         return self.in_worker_ttft_s(concurrency, context_tokens) + rest
 
 
-def load_worker_model(path: Path = SERVING_JSON, reference_contexts: np.ndarray | None = None,
-                      capacity: int | None = None) -> WorkerModel:
+def load_worker_model(
+    path: Path = SERVING_JSON,
+    reference_contexts: np.ndarray | None = None,
+    capacity: int | None = None,
+) -> WorkerModel:
     """The worker model from a `bench.serving` JSON (its `online` levels and KV size).
 
     capacity defaults to the highest concurrency measured, lowered if the KV cache cannot hold that
@@ -69,8 +75,9 @@ def load_worker_model(path: Path = SERVING_JSON, reference_contexts: np.ndarray 
     max_prompt = int(args["max_prompt"])
     kv_tokens = int(data["kv"]["decode+fixed+online"]["num_kv_blocks"]) * int(args["block_size"])
     if reference_contexts is None or len(reference_contexts) == 0:
-        raise ValueError("reference_contexts: the benchmark's prompt lengths are needed to scale "
-                         "its TTFT")
+        raise ValueError(
+            "reference_contexts: the benchmark's prompt lengths are needed to scale its TTFT"
+        )
     ref = float(np.minimum(np.maximum(reference_contexts, 1), max_prompt).mean())
     kv_cap = int(kv_tokens // max(ref, 1.0))
     cap = capacity if capacity is not None else min(int(conc[-1]), kv_cap)
@@ -85,5 +92,5 @@ def load_worker_model(path: Path = SERVING_JSON, reference_contexts: np.ndarray 
         decode_tok_s=per_request,
         reference_context=ref,
         source=f"{Path(path).name}: online levels {conc.astype(int).tolist()}, "
-               f"KV {kv_tokens} tokens",
+        f"KV {kv_tokens} tokens",
     )
