@@ -2,7 +2,9 @@
 process, and /runsync.
 
 `with local_api(argv, cwd, env) as base:` starts `argv --rp_serve_api ...` on a free port, waits
-until it listens, yields its base URL and stops it (SIGINT, then its whole process group).
+until it listens (and, with `until`, until its output so far satisfies it), yields its base URL and
+stops it (SIGINT, then its whole process group). `output`, when given, receives the process's
+output lines as they come.
 """
 
 from __future__ import annotations
@@ -15,24 +17,23 @@ import subprocess
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from child_process import stop
+from serve_process import free_port
 
 WAIT_S = 240
 
 
-def free_port() -> int:
-    # The SDK's --rp_api_port has no "any port" form, so ask the kernel for a free one just before
-    # starting.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
-def local_api(argv: list[str], cwd, env: dict[str, str]) -> Iterator[str]:
-    port = free_port()
+def local_api(
+    argv: list[str],
+    cwd,
+    env: dict[str, str],
+    until: Callable[[list[str]], bool] | None = None,
+    output: list[str] | None = None,
+) -> Iterator[str]:
+    port = free_port()  # the SDK's --rp_api_port has no "any port" form
     proc = subprocess.Popen(
         argv + ["--rp_serve_api", "--rp_api_host", "127.0.0.1", "--rp_api_port", str(port)],
         cwd=cwd,
@@ -42,7 +43,7 @@ def local_api(argv: list[str], cwd, env: dict[str, str]) -> Iterator[str]:
         text=True,
         start_new_session=True,
     )
-    lines: list[str] = []
+    lines: list[str] = [] if output is None else output
     threading.Thread(
         target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True
     ).start()
@@ -51,8 +52,9 @@ def local_api(argv: list[str], cwd, env: dict[str, str]) -> Iterator[str]:
         while True:
             assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
             with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
+                listening = s.connect_ex(("127.0.0.1", port)) == 0
+            if listening and (until is None or until(lines)):
+                break
             time.sleep(0.2)
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -9,33 +9,30 @@ import json
 import os
 import shlex
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import threading
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from child_process import stop
 from engine import LLM, SamplingParams
-from serve_process import free_port
+from local_api import local_api as worker_local_api, runsync
 
 REPO = Path(__file__).resolve().parent.parent
 WAIT_S = 240
 
 
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
+def _printed_curl(lines: list[str]) -> str | None:
+    """The curl line printed after "coldbrew: model ready", once it is there."""
+    ready = [i for i, line in enumerate(lines) if line.startswith("coldbrew: model ready")]
+    after = (
+        [line for line in lines[ready[0] :] if line.strip().startswith("curl ")] if ready else []
+    )
+    return after[0].strip() if after else None
 
 
 @pytest.fixture(scope="module")
 def local_api(smollm2_dir):
-    port = free_port()  # the SDK's --rp_api_port has no "any port" form
     env = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_")}
     env.update(
         MODEL_NAME=smollm2_dir,
@@ -44,55 +41,14 @@ def local_api(smollm2_dir):
         PYTHONPATH=str(REPO),
         UVICORN_LOG_LEVEL="warning",
     )
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "handler",
-            "--rp_serve_api",
-            "--rp_api_host",
-            "127.0.0.1",
-            "--rp_api_port",
-            str(port),
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
     lines: list[str] = []
-    threading.Thread(
-        target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True
-    ).start()
-    deadline = time.monotonic() + WAIT_S
-
-    def printed_curl() -> str | None:
-        ready = [i for i, line in enumerate(lines) if line.startswith("coldbrew: model ready")]
-        after = (
-            [line for line in lines[ready[0] :] if line.strip().startswith("curl ")]
-            if ready
-            else []
-        )
-        return after[0].strip() if after else None
-
-    while printed_curl() is None or not _listening(port):
-        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
-        time.sleep(0.2)
-    curl = printed_curl()
-    yield f"http://127.0.0.1:{port}", curl
-    stop(proc, signal.SIGINT, 20)
+    argv = [sys.executable, "-m", "handler"]
+    with worker_local_api(argv, REPO, env, until=_printed_curl, output=lines) as base:
+        yield base, _printed_curl(lines)
 
 
 def _runsync(base: str, job_input) -> dict:
-    req = urllib.request.Request(
-        f"{base}/runsync",
-        data=json.dumps({"input": job_input}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=WAIT_S) as resp:
-        return json.loads(resp.read())
+    return runsync(base, job_input)[1]
 
 
 @pytest.mark.slow

@@ -13,7 +13,6 @@ thread named "prefetch" is started. Each line carries the process id and a monot
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from child_process import stop
+from serve_process import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 WAIT_S = 120
@@ -64,12 +64,6 @@ def _start(self):
 
 threading.Thread.start = _start
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _events(log: Path, pid: int) -> list[tuple[float, str, str]]:
@@ -159,7 +153,7 @@ def test_the_entry_modules_import_no_torch():
 
 @pytest.mark.parametrize("entry", ["worker", "serve"])
 def test_the_weights_move_before_torch_and_the_entrys_own_imports(entry, smollm2_dir, tmp_path):
-    port = str(_free_port())
+    port = str(free_port())
     argv = (
         ["serve", "--host", "127.0.0.1", "--port", port]
         if entry == "serve"
@@ -199,7 +193,7 @@ def test_on_a_gpu_the_stream_process_starts_before_torch(tmp_path):
         f"LLM(model={model_dir!r}, dtype='float32', device='cuda', num_kv_blocks=16)\n"
     )
     _python(code)
-    argv = ["serve", "--host", "127.0.0.1", "--port", str(_free_port())]
+    argv = ["serve", "--host", "127.0.0.1", "--port", str(free_port())]
     events = _run_until(argv, "fastapi", model_dir, tmp_path)
     streams = [(t, e) for t, e, _ in events if e in ("stream_process", "prefetch_thread")]
     assert streams and streams[0][1] == "stream_process", events
