@@ -24,9 +24,8 @@ from cache.prefetch import page_residency
 
 log = logging.getLogger(__name__)
 
-GAP_BYTES = (
-    1 << 20
-)  # resident runs closer than this are read as one range (a read is cheaper than a seek)
+# resident runs closer than this are read as one range (a read is cheaper than a seek)
+GAP_BYTES = 1 << 20
 READ_BYTES = 8 << 20
 FORMAT = 1
 WEIGHT_SUFFIXES = (".safetensors", ".cbpack", ".gguf", ".bin", ".pt", ".pth")  # never start pages

@@ -393,9 +393,8 @@ class EngineCore:
         for s in sched.scheduled:
             seq = s.seq
             req = seq.request
-            if (
-                req.metrics.first_scheduled_time is None
-            ):  # first admission: what the prefix cache served
+            if req.metrics.first_scheduled_time is None:
+                # first admission: what the prefix cache served
                 req.metrics.first_scheduled_time = now
                 req.num_cached_tokens = seq.num_computed_tokens
             seq.num_computed_tokens += s.num_new_tokens

@@ -49,9 +49,8 @@ class DecodeGraphs:
         self.stager = stager
         self.sizes = sorted(set(sizes))
         self.max_model_len = max_model_len
-        self.table_width = -(
-            -max_model_len // block_size
-        )  # a sequence can hold at most this many blocks
+        # a sequence can hold at most this many blocks
+        self.table_width = -(-max_model_len // block_size)
         self.device = kv_cache.device
         self.logits = torch.empty(
             self.sizes[-1], vocab_size, dtype=torch.float32, device=self.device
@@ -111,14 +110,14 @@ class DecodeGraphs:
         before = torch.cuda.memory_allocated(self.device)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(
-            self.device
-        )  # capture needs a side stream; torch.cuda.graph's also runs a full
+        # capture needs a side stream; torch.cuda.graph's also runs a full gc.collect() +
+        # empty_cache() per graph, which we skip
+        stream = torch.cuda.Stream(self.device)
         todo = sorted(
             {s for s in (self.sizes if sizes is None else sizes) if s not in self.graphs},
             reverse=True,
         )
-        for size in todo:  # gc.collect() + empty_cache() per graph, which we skip
+        for size in todo:
             _, nbytes = StepLayout(size, size, self.table_width).offsets()
             dest = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
             step = self._stage_padding(size, dest)

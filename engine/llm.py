@@ -302,9 +302,8 @@ class AsyncLLM:
             while not finished:
                 item = await queue_.get()
                 while not queue_.empty() and not isinstance(item, BaseException):
-                    item = (
-                        queue_.get_nowait()
-                    )  # outputs are cumulative: a slow reader skips to the newest
+                    # outputs are cumulative: a slow reader skips to the newest
+                    item = queue_.get_nowait()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished

@@ -100,9 +100,8 @@ class ModelRunner:
                 model_config.vocab_size,
                 "thread_local" if tp is not None else "global",
             )
-            if (
-                args.cuda_graph_capture == "start"
-            ):  # "lazy": each size is captured by its first decode step
+            if args.cuda_graph_capture == "start":
+                # "lazy": each size is captured by its first decode step
                 self.graphs.capture()
 
     def _use_cuda_graphs(self) -> bool:
@@ -144,15 +143,12 @@ class ModelRunner:
             num_tokens = min(self.args.max_num_batched_tokens, self.max_model_len)
             num_rows = min(self.args.max_num_seqs, num_tokens)
             torch.cuda.synchronize(self.device)
-            held = torch.cuda.memory_allocated(
-                self.device
-            )  # the weights' buffer is allocated even while streaming
-            if (
-                self.args.kv_step_bytes is not None
-            ):  # one step's measured peak: fragmentation and slack on top,
-                step = (
-                    int(self.args.kv_step_bytes * FRAGMENTATION) + FIXED_SLACK_BYTES
-                )  # as the analytic bound has
+            # the weights' buffer is allocated even while streaming
+            held = torch.cuda.memory_allocated(self.device)
+            if self.args.kv_step_bytes is not None:
+                # one step's measured peak: fragmentation and slack on top, as the analytic
+                # bound has
+                step = int(self.args.kv_step_bytes * FRAGMENTATION) + FIXED_SLACK_BYTES
                 how = "recorded peak (with margins) of a"
             elif self.args.kv_sizing == "profile":
                 step = self._profile_gpu_blocks(num_tokens, num_rows) - held
@@ -263,9 +259,8 @@ class ModelRunner:
                 logits[row : row + count], targets, seq.params.prompt_logprobs
             )
         if sampled_seqs:
-            if (
-                len(sample_at) == logits.shape[0]
-            ):  # every logits row samples (no prompt-logprob rows)
+            if len(sample_at) == logits.shape[0]:
+                # every logits row samples (no prompt-logprob rows)
                 sample_logits = logits
             else:
                 sample_logits = logits[sample_at]
@@ -319,9 +314,8 @@ class ModelRunner:
                 if last > first:
                     prompt_spans.append((seq, len(logit_rows), last - first, first))
                     logit_rows.extend(range(base + first - start, base + last - start))
-            if (
-                start + n == len(token_ids) + seq.num_pending
-            ):  # s.completes: this step samples its next token
+            if start + n == len(token_ids) + seq.num_pending:
+                # s.completes: this step samples its next token
                 sampled_seqs.append(seq)
                 sample_at.append(len(logit_rows))
                 logit_rows.append(base + n - 1)
@@ -420,9 +414,8 @@ def _write_pending(
         and src[-1] - src[0] == k - 1
         and src == list(range(src[0], src[0] + k))
     ):
-        input_ids[dst[0] : dst[0] + k].copy_(
-            tokens[src[0] : src[0] + k]
-        )  # dst rises by one each: a range too
+        # dst rises by one each: a range too
+        input_ids[dst[0] : dst[0] + k].copy_(tokens[src[0] : src[0] + k])
         return
     pin = input_ids.is_cuda
     index = torch.tensor([dst, src], dtype=torch.int64, pin_memory=pin).to(
