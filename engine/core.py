@@ -11,6 +11,7 @@ import gc
 import logging
 import os
 import random
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Union
@@ -101,6 +102,11 @@ class EngineCore:
         self._undelivered: list[
             RequestOutput
         ] = []  # outputs of a step read back when the next launch failed
+        # A step read back early, inside the next step's launch (its grammar rows needed its
+        # tokens): its outputs go out with that step's.
+        self._read_early: list[RequestOutput] | None = None
+        self._grammars = None  # engine.structured.GrammarBackend, made by the first grammar
+        self._grammars_lock = threading.Lock()
         self._rng = random.Random(args.seed)
         self._next_seq_id = 0
         self._next_arrival = 0
@@ -178,6 +184,24 @@ class EngineCore:
 
     # ---- requests
     # ------------------------------------------------------------------------------------------
+    @property
+    def grammars(self):
+        """The model's engine.structured.GrammarBackend (made on first use; its tokenizer table on
+        the first compile): `grammars.submit(spec)` compiles a request's grammar off the step loop.
+        ValueError for a model without a tokenizer."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise ValueError(
+                        "structured_outputs: this model has no tokenizer.json, so it has no grammar"
+                    )
+                from engine.structured import GrammarBackend
+
+                self._grammars = GrammarBackend.from_tokenizer(
+                    self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
+                )
+            return self._grammars
+
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """A prompt in any accepted form -> (text or None, token ids), validated against the
         vocabulary."""
@@ -228,6 +252,16 @@ class EngineCore:
             raise ValueError(
                 "stop: stop strings need a tokenizer and this model has none; use stop_token_ids"
             )
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in params.logit_bias or {} if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab}), got {bad}")
+        # a grammar compiled already (AsyncLLM submits it first) is taken from the cache
+        grammar = (
+            self.grammars.compile(params.structured_outputs)
+            if params.structured_outputs is not None
+            else None
+        )
         text, ids = self.tokenize(prompt)
         if len(ids) + 1 > self.max_model_len:
             raise ValueError(
@@ -263,6 +297,7 @@ class EngineCore:
                 detokenizer=self._detokenizer(params),
                 parent=req.seqs[0] if index else None,
                 logprobs=[] if params.logprobs is not None else None,
+                grammar=grammar.matcher() if grammar is not None else None,
             )
             self._next_seq_id += 1
             req.seqs.append(seq)
@@ -344,13 +379,17 @@ class EngineCore:
         try:
             launched = self._launch(sched) if sched else None
         except RequestFailed:
-            self._undelivered = (
-                outputs  # one request failed; the others' outputs go out with the next step
-            )
+            if self._read_early is not None:  # the step in flight was read inside the failed launch
+                self._in_flight = None
+                outputs += self._read_early
+                self._read_early = None
+            # one request failed; the others' outputs go out with the next step
+            self._undelivered = outputs
             raise
         if in_flight is not None:
             self._in_flight = None
-            outputs += self._finish_step(in_flight)
+            early, self._read_early = self._read_early, None
+            outputs += early if early is not None else self._finish_step(in_flight)
         if launched is not None:
             if self.async_scheduling:
                 self._in_flight = launched
@@ -367,6 +406,7 @@ class EngineCore:
         result is read."""
         rows: dict[int, SamplingRow] = {}
         needs_host_tokens = False
+        grammar_rows = False
         for s in sched.scheduled:
             if s.completes:
                 seq = s.seq
@@ -378,10 +418,12 @@ class EngineCore:
                     or p.frequency_penalty != 0
                 ):
                     needs_host_tokens = True
+                grammar_rows = grammar_rows or seq.grammar is not None
         if self.ranks is not None and self.ranks.dead is not None:
             raise self.ranks.dead
+        fill_masks = self._fill_masks if grammar_rows else None
         try:
-            launched = self.runner.execute(sched.scheduled, rows, self._in_flight)
+            launched = self.runner.execute(sched.scheduled, rows, self._in_flight, fill_masks)
         except torch.OutOfMemoryError as exc:
             if self.ranks is not None:  # the other ranks are in this step's collectives: no way out
                 raise RuntimeError(
@@ -393,6 +435,8 @@ class EngineCore:
         for s in sched.scheduled:
             seq = s.seq
             req = seq.request
+            if seq.status is SequenceStatus.FINISHED:
+                continue  # stopped by the step read early inside this launch
             if req.metrics.first_scheduled_time is None:
                 # first admission: what the prefix cache served
                 req.metrics.first_scheduled_time = now
@@ -402,8 +446,17 @@ class EngineCore:
             if seq.seq_id in launched.prompt_logprobs:
                 req.prompt_logprobs.extend(self._decoded(launched.prompt_logprobs[seq.seq_id]))
         for seq in launched.seqs:
-            seq.num_pending += 1
+            if seq.status is not SequenceStatus.FINISHED:
+                seq.num_pending += 1
         return launched
+
+    def _fill_masks(self, bitmask, matchers: list) -> bool:
+        """The runner's call, once this step's model is queued: read the step in flight (its tokens
+        are the grammars' next input), then fill the grammar rows of the host bitmask."""
+        in_flight = self._in_flight
+        if in_flight is not None and self._read_early is None:
+            self._read_early = self._finish_step(in_flight)
+        return self.grammars.fill_bitmask(bitmask, matchers)
 
     def _finish_step(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Read a launched step's tokens back, append them, apply the stop rules and build the
@@ -442,6 +495,7 @@ class EngineCore:
             if p.presence_penalty or p.frequency_penalty or (p.repetition_penalty != 1.0)
             else [],  # read only by the penalties
             banned_token_ids=banned,
+            grammar=seq.grammar,
         )
 
     def _append_token(self, seq: Sequence, token: int, logprobs: PositionLogprobs | None) -> None:
@@ -452,6 +506,8 @@ class EngineCore:
         if seq.logprobs is not None and logprobs is not None:
             seq.logprobs.append(self._decoded([logprobs])[0])
             seq.cumulative_logprob += logprobs[token].logprob
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            log.debug("request %s: token %d outside its grammar", req.request_id, token)
         detok = seq.detokenizer
         if detok is not None:
             detok.add(token)

@@ -291,6 +291,12 @@ class AsyncLLM:
     async def generate(
         self, request_id: str, prompt: PromptType, params: SamplingParams | None = None
     ) -> AsyncIterator[RequestOutput]:
+        if params is not None and params.structured_outputs is not None:
+            # Compiled on the grammar engine's threads while this request waits, never on the
+            # engine's step loop; a schema it cannot enforce is refused here (ValueError).
+            params.validate()
+            grammars = await asyncio.to_thread(lambda: self.engine.grammars)
+            await asyncio.wrap_future(grammars.submit(params.structured_outputs))
         queue_: asyncio.Queue = asyncio.Queue()
         stream = (asyncio.get_running_loop(), queue_)
         opened = self._call(self._open, request_id, prompt, params, stream)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -69,6 +70,10 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - t0
         self.stager = InputStager(device, self.block_size)
         self.sampler = Sampler()
+        # structured outputs: the grammar rows' bitmask, on the host (pinned) and on the device
+        self._mask_host: torch.Tensor | None = None
+        self._mask_device: torch.Tensor | None = None
+        self._mask_copied: torch.cuda.Event | None = None
         self.use_graphs = self._use_cuda_graphs()
         self.kv_step_bytes: int | None = None  # the step allowance the KV sizing used (GPU)
         self.num_blocks = args.num_kv_blocks or self._size_kv_cache()
@@ -240,12 +245,18 @@ class ModelRunner:
         scheduled: list[ScheduledSeq],
         rows: dict[int, SamplingRow],
         previous: LaunchedStep | None = None,
+        fill_masks: Callable[[torch.Tensor, list], bool] | None = None,
     ) -> LaunchedStep:
         """Queue one step on the device (inputs, model, sampling, the copy of the sampled ids to the
         host) and return without waiting for it; LaunchedStep.result() waits. rows holds a
         SamplingRow for each sequence that samples this step, by seq_id. A sequence's last token may
         still be pending (sampled by `previous`, whose result is not read yet): its id is taken from
-        previous's tokens on the device."""
+        previous's tokens on the device.
+
+        Rows with a grammar: once the model is queued, fill_masks(host_bitmask, matchers) brings
+        the matchers up to date (it may read `previous`, whose tokens the device has by then) and
+        fills the rows on the host while the device runs the model; the sampler masks the logits
+        with the bitmask's copy on the device."""
         plan, sampled_seqs, sample_at, prompt_spans = self._plan(scheduled, previous)
         if self.tp is not None:
             self.tp.channel.send(STEP, plan.encode())
@@ -264,11 +275,37 @@ class ModelRunner:
                 sample_logits = logits
             else:
                 sample_logits = logits[sample_at]
-            result.sample = self.sampler.sample(
-                sample_logits, [rows[seq.seq_id] for seq in sampled_seqs]
-            )
+            sample_rows = [rows[seq.seq_id] for seq in sampled_seqs]
+            bitmask = self._grammar_bitmask(sample_rows, fill_masks)
+            result.sample = self.sampler.sample(sample_logits, sample_rows, bitmask)
             result.sample.start_copy()
         return result
+
+    def _grammar_bitmask(self, rows: list[SamplingRow], fill_masks) -> torch.Tensor | None:
+        """The bitmask of this step's grammar rows on the device, or None when no row has a grammar
+        (or none constrains its token yet)."""
+        matchers = [r.grammar for r in rows]
+        if fill_masks is None or all(m is None for m in matchers):
+            return None
+        n, words = len(rows), (self.model_config.vocab_size + 31) // 32
+        if self._mask_host is None or self._mask_host.shape[0] < n:
+            pinned = self.device.type == "cuda"
+            size = max(n, self.args.max_num_seqs)
+            self._mask_host = torch.full((size, words), -1, dtype=torch.int32, pin_memory=pinned)
+            self._mask_device = torch.empty_like(self._mask_host, device=self.device)
+        elif self._mask_copied is not None:
+            # The host rows are rewritten only once the last step's copy of them has left.
+            self._mask_copied.synchronize()
+        host = self._mask_host[:n]
+        if not fill_masks(host, matchers):
+            return None
+        if self.device.type != "cuda":
+            return host
+        on_device = self._mask_device[:n]
+        on_device.copy_(host, non_blocking=True)
+        self._mask_copied = torch.cuda.Event()
+        self._mask_copied.record()
+        return on_device
 
     def _plan(self, scheduled: list[ScheduledSeq], previous: LaunchedStep | None):
         """The step's plan (what every rank runs), and what only rank 0 needs: the sequences that

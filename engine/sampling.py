@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -17,6 +18,7 @@ from engine.layers.fused import fused_kernels_available
 from engine.layers.random_race import draw_key, race_sample
 from engine.outputs import Logprob, PositionLogprobs
 from engine.sampling_params import SamplingParams
+from engine.structured import apply_token_bitmask
 
 # Temperatures below this are raised to it before dividing, so logits / T never overflows to inf.
 _MIN_TEMPERATURE = 1e-5
@@ -33,6 +35,8 @@ class SamplingRow:
     output_token_ids: list[int]
     # masked to -inf this step (e.g. EOS under min_tokens)
     banned_token_ids: list[int] = field(default_factory=list)
+    # structured outputs: the sequence's engine.structured.GrammarMatcher (its row of the bitmask)
+    grammar: Any = None
 
 
 @dataclass
@@ -65,6 +69,27 @@ def apply_banned_tokens(
     if rows:
         index = torch.tensor([rows, cols], dtype=torch.long).to(logits.device, non_blocking=True)
         logits[index[0], index[1]] = float("-inf")
+    return logits
+
+
+def apply_logit_bias(
+    logits: torch.Tensor, biases: Sequence[dict[int, float] | None]
+) -> torch.Tensor:
+    """logits[i, t] += biases[i][t] for each row's bias (ids outside the vocabulary are ignored)."""
+    vocab = logits.shape[-1]
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for i, bias in enumerate(biases):
+        for t, v in (bias or {}).items():
+            if 0 <= t < vocab:
+                rows.append(i)
+                cols.append(t)
+                values.append(v)
+    if rows:
+        index = torch.tensor([rows, cols], dtype=torch.long).to(logits.device, non_blocking=True)
+        add = torch.tensor(values, dtype=logits.dtype).to(logits.device, non_blocking=True)
+        logits.index_put_((index[0], index[1]), add, accumulate=True)
     return logits
 
 
@@ -374,17 +399,29 @@ class DeviceSample:
 class Sampler:
     """Samples one token per row of a [N, V] logits batch, each row under its own SamplingParams.
 
-    Order: banned ids -> repetition penalty -> presence/frequency penalties -> greedy rows take the
-    argmax -> temperature -> top-k -> top-p -> min-p -> exponential-race draw. Logprobs come from
-    the raw logits.
+    Order: logit bias -> the grammar's bitmask -> banned ids -> repetition penalty ->
+    presence/frequency penalties -> greedy rows take the argmax -> temperature -> top-k -> top-p ->
+    min-p -> exponential-race draw. Logprobs come from the raw logits.
     """
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        bitmask: torch.Tensor | None = None,
+    ) -> SamplerOutput:
         """Sample and read the result back (waits for the device)."""
-        return self.sample(logits, rows).result()
+        return self.sample(logits, rows, bitmask).result()
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSample:
-        """Sample on the logits' device; nothing is read back (DeviceSample.result() does that)."""
+    def sample(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        bitmask: torch.Tensor | None = None,
+    ) -> DeviceSample:
+        """Sample on the logits' device; nothing is read back (DeviceSample.result() does that).
+        bitmask: int32 [rows, ceil(vocab / 32)] on the logits' device, the tokens each row's grammar
+        allows (engine.structured); None when no row has one."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits: expected shape [{len(rows)}, vocab], got {list(logits.shape)}"
@@ -393,11 +430,12 @@ class Sampler:
             return DeviceSample(torch.zeros(0, dtype=torch.int64, device=logits.device), [], [], [])
         params = [r.params for r in rows]
         raw = logits.float()
-        edits = False
+        edits = bitmask is not None
         for r in rows:
             p = r.params
             if (
-                r.banned_token_ids
+                p.logit_bias
+                or r.banned_token_ids
                 or p.repetition_penalty != 1.0
                 or p.presence_penalty != 0
                 or p.frequency_penalty != 0
@@ -406,6 +444,10 @@ class Sampler:
                 break
         work = raw.clone() if edits else raw  # raw may be the caller's tensor: edit only a copy
         if edits:
+            if any(p.logit_bias for p in params):
+                apply_logit_bias(work, [p.logit_bias for p in params])
+            if bitmask is not None:
+                apply_token_bitmask(work, bitmask)
             apply_banned_tokens(work, [r.banned_token_ids for r in rows])
             apply_penalties(
                 work,

@@ -18,6 +18,8 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # tokens a request may bias
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for each bias: [-100, 100]
 # vLLM asks only > 0; far below 1 a seen token's logit overflows (1e-300 gave only end-of-text).
 MIN_REPETITION_PENALTY = 0.01
 _U64 = 1 << 64
@@ -82,6 +84,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-k logprobs per prompt token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # token id -> a value added to its logit before sampling (OpenAI's logit_bias)
+    logit_bias: dict[int, float] | None = None
+    # an engine.structured.StructuredOutputs: the grammar the output must match
+    structured_outputs: Any = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -139,6 +145,42 @@ class SamplingParams:
                     optional=True,
                 ),
             )
+
+        self._validate_logit_bias()
+        if self.structured_outputs is not None:
+            from engine.structured import StructuredOutputs  # only a request with a grammar pays
+
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                raise ValueError(
+                    "structured_outputs: must be an engine.structured.StructuredOutputs, got "
+                    + _describe(self.structured_outputs)[:200]
+                )
+            if self.min_tokens:
+                raise ValueError(
+                    "min_tokens: cannot be combined with structured_outputs (the grammar decides "
+                    "where the output ends); leave min_tokens at 0"
+                )
+
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise ValueError(
+                f"logit_bias: must be a dict of token id -> bias, got {_describe(bias)}"
+            )
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
+        limit = LOGIT_BIAS_LIMIT
+        self.logit_bias = {
+            _integer("logit_bias", token, ">= 0 (each token id)", lambda v: v >= 0): _number(
+                f"logit_bias[{token}]",
+                value,
+                f"in [-{limit:g}, {limit:g}]",
+                lambda v: abs(v) <= limit,
+            )
+            for token, value in bias.items()
+        } or None
 
     def _validate_stop(self) -> None:
         stop = self.stop

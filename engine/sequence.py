@@ -18,6 +18,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.detokenizer import IncrementalDetokenizer
+    from engine.structured import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -51,6 +52,9 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    grammar: "GrammarMatcher | None" = (
+        None  # structured outputs: where the output is in its grammar
+    )
 
     @property
     def params(self) -> SamplingParams:

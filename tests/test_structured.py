@@ -351,11 +351,11 @@ def test_json_whitespace_is_bounded_so_a_document_must_end(backend, tok):
 
 
 @pytest.mark.slow
-def test_the_engines_sampler_under_a_mask_writes_schema_valid_json(smollm2_dir, vocab):
-    """The hook the GPU benchmark uses (bench/grammar_gpu.py's MaskingSampler around the runner's
-    sampler, with async scheduling): the real SmolLM2 model, sampling at temperature 1, ends every
-    reply with a document the schema accepts."""
-    from bench.grammar_gpu import MaskingSampler
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_the_engine_under_a_grammar_writes_schema_valid_json(smollm2_dir, async_scheduling):
+    """The engine's own path (SamplingParams.structured_outputs): the real SmolLM2 model, sampling
+    at temperature 1 with n=2 and with async scheduling (the step in flight is read inside the next
+    launch) or without, ends every reply with a document the schema accepts."""
     from engine import LLM, SamplingParams
 
     llm = LLM(
@@ -364,23 +364,55 @@ def test_the_engines_sampler_under_a_mask_writes_schema_valid_json(smollm2_dir, 
         device="cpu",
         max_model_len=1024,
         seed=0,
-        async_scheduling=True,
+        async_scheduling=async_scheduling,
     )
-    backend = GrammarBackend.from_tokenizer(
-        llm.engine.tokenizer, vocab, sorted(llm.engine.eos_token_ids)
-    )
-    runner = llm.engine.runner
     spec = StructuredOutputs(json=ORDER_SCHEMA, disable_any_whitespace=True)
-    masking = MaskingSampler(runner.sampler, backend, spec, 8, "cpu")
-    runner.sampler = masking
-    try:
-        prompts = ["Write an order as JSON.", "Order:", "{"]
-        outs = llm.generate(
-            prompts, [SamplingParams(temperature=1.0, seed=i, max_tokens=200) for i in range(3)]
-        )
-    finally:
-        backend.close()
-    assert masking.refused == 0
+    prompts = ["Write an order as JSON.", "Order:", "{"]
+    params = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=200, n=2, structured_outputs=spec)
+        for i in range(3)
+    ]
+    outs = llm.generate(prompts, params)
+    texts = [c.text for out in outs for c in out.outputs]
+    assert len(texts) == 6
     for out in outs:
-        assert out.outputs[0].finish_reason == "stop"
-        jsonschema.validate(json.loads(out.outputs[0].text), ORDER_SCHEMA)
+        for c in out.outputs:
+            assert c.finish_reason == "stop"
+            jsonschema.validate(json.loads(c.text), ORDER_SCHEMA)
+    # unconstrained, the same model and seeds write no such documents
+    free = llm.generate(
+        prompts, [SamplingParams(temperature=1.0, seed=i, max_tokens=40) for i in range(3)]
+    )
+    assert not any(_is_json(out.outputs[0].text) for out in free)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def test_logit_bias_makes_a_token_the_greedy_choice(smollm2_dir):
+    """+100 on one token makes it the first token of a greedy reply; -100 on the greedy first token
+    removes it."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=smollm2_dir, dtype="float32", device="cpu", max_model_len=256)
+    prompt = "The capital of France is"
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))[0]
+    first = plain.outputs[0].token_ids[0]
+    target = llm.engine.tokenizer.encode(" banana")[0]
+    biased = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=1, logit_bias={target: 100})
+    )[0]
+    assert biased.outputs[0].token_ids == [target] != [first]
+    banned = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=1, logit_bias={first: -100})
+    )[0]
+    assert banned.outputs[0].token_ids[0] != first
+    with pytest.raises(ValueError, match=r"logit_bias: token ids must be in \[0, "):
+        llm.generate([prompt], SamplingParams(logit_bias={10**9: 1}))
+    with pytest.raises(ValueError, match=r"logit_bias\[5\]: must be in \[-100, 100\]"):
+        SamplingParams(logit_bias={5: 101})
