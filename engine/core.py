@@ -297,7 +297,9 @@ class EngineCore:
                 detokenizer=self._detokenizer(params),
                 parent=req.seqs[0] if index else None,
                 logprobs=[] if params.logprobs is not None else None,
-                grammar=grammar.matcher() if grammar is not None else None,
+                grammar=grammar.matcher(params.structured_outputs.start_after_token)
+                if grammar is not None
+                else None,
             )
             self._next_seq_id += 1
             req.seqs.append(seq)

@@ -48,6 +48,9 @@ class StructuredOutputs:
     json_object: bool | None = None
     disable_any_whitespace: bool = False
     whitespace_pattern: str | None = None
+    # the grammar applies to the tokens after this one (the end of a reasoning model's thinking);
+    # None: from the first token
+    start_after_token: int | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
@@ -55,6 +58,13 @@ class StructuredOutputs:
             raise ValueError(
                 f"structured_outputs: give exactly one of {', '.join(_KINDS)}; "
                 f"got {', '.join(given) if given else 'none'}"
+            )
+        after = self.start_after_token
+        if after is not None and (
+            isinstance(after, bool) or not isinstance(after, int) or after < 0
+        ):
+            raise ValueError(
+                "structured_outputs.start_after_token: must be a token id, got " + _describe(after)
             )
         if not isinstance(self.disable_any_whitespace, bool):
             raise ValueError(
@@ -127,10 +137,14 @@ class StructuredOutputs:
         object.__setattr__(self, "_text", text)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, StructuredOutputs) and other.key == self.key
+        return (
+            isinstance(other, StructuredOutputs)
+            and other.key == self.key
+            and other.start_after_token == self.start_after_token
+        )
 
     def __hash__(self) -> int:
-        return hash(self.key)
+        return hash((self.key, self.start_after_token))
 
     @property
     def kind(self) -> str:

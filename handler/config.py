@@ -248,6 +248,36 @@ class Settings(BaseSettings):
         max_length=64,
         description=("Role of the generated message in chat completions."),
     )
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "none"] | None = Field(
+        None,
+        description=(
+            "How tool calls are read from a reply (tool_choice auto): hermes (Qwen2.5, Qwen3, "
+            "Hermes), llama3_json (Llama 3.1-3.3), mistral. Unset: from the chat template; none: "
+            "no parser (tool_choice auto is refused; required and named choices still work)."
+        ),
+    )
+    enable_auto_tool_choice: bool | None = Field(
+        None,
+        description=(
+            "Let the model decide whether to call a tool (tool_choice auto, the default with "
+            "tools). Unset: on when TOOL_CALL_PARSER is set or the chat template shows a format."
+        ),
+    )
+    reasoning_parser: Literal["qwen3", "deepseek_r1", "none"] | None = Field(
+        None,
+        description=(
+            "Split <think>...</think> into reasoning_content: qwen3 or deepseek_r1. Unset: from "
+            "the chat template; none: the thinking stays in content."
+        ),
+    )
+    generation_config: Literal["auto", "vllm"] = Field(
+        "auto",
+        description=(
+            "auto: sampling fields a request leaves unset take the model's generation_config.json "
+            "values (temperature, top_p, top_k, min_p, repetition_penalty), as vLLM does; vllm: "
+            "vLLM's neutral defaults."
+        ),
+    )
     max_request_bytes: int = Field(
         16 << 20,
         ge=1024,

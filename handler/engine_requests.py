@@ -7,27 +7,49 @@ EngineRequest.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
 from handler.limits import MAX_CHOICES, MAX_JSON_DEPTH
+from handler.output_rules import ReplyRules, ToolSettings, output_grammar, tool_rules
 from handler.protocol import (
-    UNSUPPORTED_EXTRAS,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
     describe_validation_error,
 )
+from handler.reasoning import THINK_CLOSE, ReasoningParser
 
 MODELS_ROUTE = "/v1/models"
 CHAT_ROUTE = "/v1/chat/completions"
 COMPLETIONS_ROUTE = "/v1/completions"
-ROUTES = (MODELS_ROUTE, CHAT_ROUTE, COMPLETIONS_ROUTE)
+# vLLM's own routes, outside /v1
+TOKENIZE_ROUTE = "/tokenize"
+DETOKENIZE_ROUTE = "/detokenize"
+VERSION_ROUTE = "/version"
+ROUTES = (
+    MODELS_ROUTE,
+    CHAT_ROUTE,
+    COMPLETIONS_ROUTE,
+    TOKENIZE_ROUTE,
+    DETOKENIZE_ROUTE,
+    VERSION_ROUTE,
+)
 # The method each route answers (as the OpenAI API and vLLM do).
-ROUTE_METHODS = {MODELS_ROUTE: "GET", CHAT_ROUTE: "POST", COMPLETIONS_ROUTE: "POST"}
+ROUTE_METHODS = {
+    MODELS_ROUTE: "GET",
+    CHAT_ROUTE: "POST",
+    COMPLETIONS_ROUTE: "POST",
+    TOKENIZE_ROUTE: "POST",
+    DETOKENIZE_ROUTE: "POST",
+    VERSION_ROUTE: "GET",
+}
 _SCHEMAS = {CHAT_ROUTE: ChatCompletionRequest, COMPLETIONS_ROUTE: CompletionRequest}
 # The request fields that become the engine's SamplingParams (a job's sampling_params may set them).
 SAMPLING_FIELDS = (
@@ -57,7 +79,9 @@ _RESERVED_TEMPLATE_KWARGS = {
     "documents",
     "add_generation_prompt",
 }
-_NO_TOOLS = "tool calls are not supported yet (the output is never parsed into tool_calls)"
+
+
+_FIELD_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*|\[\d+\])*")
 
 
 def canonical_route(route: Any, param: str = "route") -> str:
@@ -125,62 +149,83 @@ class EngineRequest:
     params: Any  # engine.SamplingParams
     top_n: int = 0  # logprobs shown per token
     texts: list[str] | None = None  # the prompts as given, when text (echo)
+    reply: ReplyRules | None = None  # chat: how the reply is read (reasoning, tool calls)
 
 
 def _refuse_unsupported(req: SamplingFields) -> None:
-    _refuse_tool_fields({"tools": req.tools, "tool_choice": req.tool_choice})
-    fmt = req.response_format
-    if fmt is not None and fmt.type != "text":
-        raise ApiError(
-            400,
-            f"response_format: type {fmt.type!r} is not supported (this engine "
-            "has no guided decoding); use {'type': 'text'}",
-            "response_format",
-        )
-    for name in UNSUPPORTED_EXTRAS:
-        if getattr(req, name) is not None:
-            raise ApiError(400, f"{name}: guided decoding is not supported by this engine", name)
     if req.use_beam_search:
         raise ApiError(
             400, "use_beam_search: beam search is not supported by this engine", "use_beam_search"
         )
-    if req.logit_bias:
-        raise ApiError(
-            400, "logit_bias: not supported by this engine; leave it empty", "logit_bias"
-        )
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options: only allowed when stream is true", "stream_options")
+    for name in ("guided_whitespace_pattern",):
+        if getattr(req, name) is not None and not any(
+            getattr(req, g) is not None for g in ("guided_json", "guided_choice")
+        ):
+            raise ApiError(400, f"{name}: only applies with guided_json or guided_choice", name)
 
 
-def _refuse_tool_fields(fields: dict[str, Any]) -> None:
-    """Tools reach no parser yet: a request that offers tools (or the older functions) or forces
-    one is refused."""
-    for name in ("tools", "functions"):
-        if fields.get(name) not in (None, []):
-            raise ApiError(400, f"{name}: {_NO_TOOLS}; send the request without {name}", name)
-    for name in ("tool_choice", "function_call"):
-        if fields.get(name) not in (None, "none"):
-            raise ApiError(400, f"{name}: {_NO_TOOLS}; leave it out or send 'none'", name)
-
-
-def _refuse_tools(req: ChatCompletionRequest) -> None:
-    """The older function fields, and a conversation that replays tool calls or their results."""
-    _refuse_tool_fields({"functions": req.functions, "function_call": req.function_call})
-    for i, m in enumerate(req.messages):
-        if m.role in ("tool", "function"):
+def logit_bias(req: SamplingFields, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as JSON object keys) -> {token id: bias}; 400 naming a key
+    that is not a token id of this model."""
+    if not req.logit_bias:
+        return None
+    out = {}
+    for key, value in req.logit_bias.items():
+        if not key.isascii() or not key.isdigit() or int(key) >= vocab_size:
             raise ApiError(
                 400,
-                f"messages[{i}].role: {m.role!r} messages carry tool results, and {_NO_TOOLS}",
-                f"messages[{i}].role",
+                f"logit_bias: keys must be token ids in [0, {vocab_size}), got {key[:20]!r}",
+                "logit_bias",
             )
-        extra = m.model_extra or {}
-        for name in ("tool_calls", "function_call"):
-            if extra.get(name) not in (None, []):
+        out[int(key)] = value
+    return out
+
+
+def _refuse_functions(req: ChatCompletionRequest) -> None:
+    """The deprecated function-calling fields: refused with what to send instead."""
+    for name, instead in (("functions", "tools"), ("function_call", "tool_choice")):
+        if getattr(req, name) is not None:
+            raise ApiError(
+                400, f"{name}: the deprecated form is not supported; send {instead}", name
+            )
+    for i, m in enumerate(req.messages):
+        if m.role == "function" or (m.model_extra or {}).get("function_call") is not None:
+            raise ApiError(
+                400,
+                f"messages[{i}]: function messages and function_call are the deprecated forms; "
+                "send tool messages and tool_calls",
+                f"messages[{i}]",
+            )
+
+
+def template_messages(req: ChatCompletionRequest) -> list[dict]:
+    """The messages as the chat template reads them: content parts stay a list (the template joins
+    text parts with "\n", as vLLM's do, or loops over them); a tool call's arguments, JSON text in
+    the API, become the object templates render with tojson (as vLLM gives them)."""
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    for i, m in enumerate(messages):
+        for j, call in enumerate(m.get("tool_calls") or []):
+            fn = call.get("function") if isinstance(call, dict) else None
+            where = f"messages[{i}].tool_calls[{j}]"
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                 raise ApiError(
                     400,
-                    f"messages[{i}].{name}: {_NO_TOOLS}; send the conversation without them",
-                    f"messages[{i}].{name}",
+                    f'{where}: expected {{"function": {{"name": ..., "arguments": ...}}}}',
+                    where,
                 )
+            args = fn.get("arguments")
+            if isinstance(args, str):
+                try:
+                    fn["arguments"] = json.loads(args) if args.strip() else {}
+                except ValueError:
+                    raise ApiError(
+                        400,
+                        f"{where}.function.arguments: not valid JSON",
+                        f"{where}.function.arguments",
+                    ) from None
+    return messages
 
 
 def _texts(message) -> list[str]:
@@ -191,13 +236,23 @@ def _texts(message) -> list[str]:
 
 
 def _check_chat(req: ChatCompletionRequest) -> None:
-    _refuse_tools(req)
+    _refuse_functions(req)
+    if req.tool_choice not in (None, "none") and not req.tools:
+        raise ApiError(400, "tool_choice: needs tools; send tools or leave it out", "tool_choice")
     if req.continue_final_message:
-        raise ApiError(
-            400,
-            "continue_final_message: not supported; end the conversation with a user turn",
-            "continue_final_message",
-        )
+        if req.add_generation_prompt:
+            raise ApiError(
+                400,
+                "continue_final_message: needs add_generation_prompt false (the reply continues "
+                "the last message instead of starting a new one)",
+                "continue_final_message",
+            )
+        if req.messages[-1].role != "assistant":
+            raise ApiError(
+                400,
+                "continue_final_message: the last message must be the assistant's",
+                "continue_final_message",
+            )
     reserved = sorted(_RESERVED_TEMPLATE_KWARGS & (req.chat_template_kwargs or {}).keys())
     if reserved:
         raise ApiError(
@@ -227,6 +282,21 @@ def _check_completion(req: CompletionRequest) -> None:
         raise ApiError(400, "prompt: must not be empty", "prompt")
 
 
+def _cut_after_final_message(text: str, message) -> str:
+    """continue_final_message: the rendered prompt ends right after the last message's text (the
+    template's end-of-turn after it is cut), so the reply continues that text."""
+    final = "".join(_texts(message))
+    at = text.rfind(final) if final else -1
+    if at < 0:
+        raise ApiError(
+            400,
+            "continue_final_message: the chat template does not render the last message's text "
+            "as given, so it cannot be continued",
+            "continue_final_message",
+        )
+    return text[: at + len(final)]
+
+
 def _check_unicode(text: str, param: str) -> None:
     """JSON escapes can carry lone surrogates (\\ud800): no text, and they can't be tokenized."""
     try:
@@ -241,7 +311,7 @@ def engine_error(exc: ValueError, default_param: str) -> ApiError:
     """An engine refusal as a 400: its ValueErrors start with the field ('temperature: ...')."""
     message = str(exc)
     head = message.split(":", 1)[0]
-    param = head if head and head.replace("_", "").isalnum() and " " not in head else default_param
+    param = head if _FIELD_PATH.fullmatch(head) else default_param
     return ApiError(400, message, param)
 
 
@@ -256,12 +326,21 @@ class RequestBuilder:
         vocab_size: int,
         served_names: list[str],
         default_max_tokens: int | None,
+        tool_settings: ToolSettings | None = None,
+        reasoning: ReasoningParser | None = None,
+        generation_defaults: dict[str, Any] | None = None,
     ):
+        """tool_settings: the parser for tool_choice "auto"; reasoning: the REASONING_PARSER;
+        generation_defaults: sampling fields a request leaves unset take these (the model's
+        generation_config.json)."""
         self.tokenizer = tokenizer
         self.context_limit = context_limit
         self.vocab_size = vocab_size
         self.served_names = served_names
         self.default_max_tokens = default_max_tokens
+        self.tool_settings = tool_settings or ToolSettings(None, "needs TOOL_CALL_PARSER")
+        self.reasoning = reasoning
+        self.generation_defaults = dict(generation_defaults or {})
         # Each token spans at most this many characters: a text of C characters has at least
         # C / this tokens.
         vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
@@ -285,7 +364,7 @@ class RequestBuilder:
             return await self._chat(req)
         return await self._completion(req)
 
-    def _check_chars(self, chars: int, param: str) -> None:
+    def check_chars(self, chars: int, param: str) -> None:
         """Refuse a text that can't fit before spending time tokenizing it."""
         if chars > self.context_limit * self.max_token_chars:
             raise ApiError(
@@ -322,43 +401,78 @@ class RequestBuilder:
         # None: until EOS or the context limit
         return min(default, remaining) if default is not None else None
 
-    @staticmethod
-    def _sampling(req: SamplingFields, max_tokens: int | None, logprobs: int | None):
+    def _sampling(
+        self, req: SamplingFields, max_tokens: int | None, logprobs: int | None, grammar=None
+    ):
         from engine import SamplingParams  # the engine (and torch) load once a request needs them
 
         kwargs: dict[str, Any] = {
             name: getattr(req, name) for name in SAMPLING_FIELDS if getattr(req, name) is not None
         }
+        for name, value in self.generation_defaults.items():
+            kwargs.setdefault(name, value)
         kwargs.update(max_tokens=max_tokens, logprobs=logprobs)
+        kwargs.update(logit_bias=logit_bias(req, self.vocab_size), structured_outputs=grammar)
         try:
             return SamplingParams(**kwargs)
         except ValueError as e:
             raise engine_error(e, "body") from None
 
-    async def _chat(self, req: ChatCompletionRequest) -> EngineRequest:
-        model = self.model(req.model)
-        self._check_chars(sum(len(t) for m in req.messages for t in _texts(m)), "messages")
+    def render_chat(self, req: ChatCompletionRequest, tools: list[dict] | None) -> str:
+        """The prompt text of a chat request (its template, its tools, its kwargs)."""
         kwargs = dict(req.chat_template_kwargs or {})
-        # Content parts stay a list: the chat template joins text parts with "\n" (as vLLM) or
-        # loops over them.
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        if req.reasoning_effort == "none":  # no thinking: the templates' switch for it
+            kwargs.setdefault("enable_thinking", False)
+        elif req.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+        messages = template_messages(req)
         try:
-            prompt_ids = await asyncio.to_thread(
-                self.tokenizer.encode_chat,
+            text = self.tokenizer.apply_chat_template(
                 messages,
                 add_generation_prompt=req.add_generation_prompt,
+                tools=tools,
                 **kwargs,
             )
         except (ValueError, TypeError) as e:
             raise ApiError(400, f"messages: {e}", "messages") from None
+        if req.continue_final_message:
+            text = _cut_after_final_message(text, req.messages[-1])
+        return text
+
+    def _reply_rules(self, prompt_text: str, tool_parser, grammar) -> tuple[ReplyRules, Any]:
+        """How the reply is read, and the grammar adjusted to it: a grammar starts after the
+        reasoning when the reply begins inside it and `</think>` is one token; otherwise the grammar
+        leaves no room to think and the reply is read without a reasoning part."""
+        reasoning = self.reasoning
+        if grammar is not None and reasoning is not None:
+            if reasoning.stream(prompt_text).in_reasoning:
+                end = self.tokenizer.token_to_id(THINK_CLOSE)
+                if end is not None:
+                    grammar = dataclasses.replace(grammar, start_after_token=end)
+                else:
+                    reasoning = None
+            else:
+                reasoning = None
+        return ReplyRules(reasoning, prompt_text, tool_parser), grammar
+
+    async def _chat(self, req: ChatCompletionRequest) -> EngineRequest:
+        model = self.model(req.model)
+        self.check_chars(sum(len(t) for m in req.messages for t in _texts(m)), "messages")
+        tools, forced_schema, tool_parser = tool_rules(req, self.tool_settings)
+        grammar = output_grammar(req, forced_schema)
+        text = await asyncio.to_thread(self.render_chat, req, tools)
+        prompt_ids = await asyncio.to_thread(self.tokenizer.encode, text, False)
         if req.max_completion_tokens is not None:
             param, requested = "max_completion_tokens", req.max_completion_tokens
         else:
             param, requested = "max_tokens", req.max_tokens
         max_tokens = self._max_tokens(requested, param, [len(prompt_ids)], "messages")
         top_n = (req.top_logprobs or 0) if req.logprobs else 0
-        params = self._sampling(req, max_tokens, top_n if req.logprobs else None)
-        return EngineRequest(CHAT_ROUTE, req, model, [prompt_ids], params, top_n)
+        reply, grammar = self._reply_rules(text, tool_parser, grammar)
+        params = self._sampling(req, max_tokens, top_n if req.logprobs else None, grammar)
+        if tool_parser is not None and tool_parser.name == "mistral":
+            params.skip_special_tokens = False  # [TOOL_CALLS] is a special token the parser reads
+        return EngineRequest(CHAT_ROUTE, req, model, [prompt_ids], params, top_n, reply=reply)
 
     async def _completion(self, req: CompletionRequest) -> EngineRequest:
         model = self.model(req.model)
@@ -373,7 +487,7 @@ class RequestBuilder:
             texts, prompts = None, [list(p) for p in raw]
         if texts is not None:
             for i, text in enumerate(texts):
-                self._check_chars(len(text), "prompt" if len(texts) == 1 else f"prompt[{i}]")
+                self.check_chars(len(text), "prompt" if len(texts) == 1 else f"prompt[{i}]")
             prompts = await asyncio.to_thread(lambda: [self.tokenizer.encode(t) for t in texts])
         else:
             for ids in prompts:
@@ -394,7 +508,7 @@ class RequestBuilder:
             )
         lens = [len(p) for p in prompts]
         max_tokens = self._max_tokens(req.max_tokens, "max_tokens", lens, "prompt")
-        params = self._sampling(req, max_tokens, req.logprobs)
+        params = self._sampling(req, max_tokens, req.logprobs, output_grammar(req))
         return EngineRequest(
             COMPLETIONS_ROUTE, req, model, prompts, params, req.logprobs or 0, texts
         )

@@ -86,7 +86,8 @@ class EngineJob(_BatchOverrides):
     # validated as the chat route's messages
     messages: Annotated[list[Any], Field(min_length=1)] | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
-    tools: Any = None  # refused, as on the OpenAI face, until tool calls are parsed
+    # a messages job's tools reach the template (the reply's text is returned as written)
+    tools: Any = None
     tool_choice: Any = None
     stream: StrictBool = False
     apply_chat_template: StrictBool = False  # a string prompt becomes one user message
@@ -271,6 +272,17 @@ def _engine_job(shape: EngineJob) -> Job:
     if shape.apply_chat_template:
         messages = [{"role": "user", "content": shape.prompt}]
         return Job(shape, CHAT_ROUTE, {**body, "messages": messages}, prompt_as_message=True)
+    for name in ("tools", "tool_choice"):
+        if name in body:
+            where = (
+                f"input.{name}"
+                if getattr(shape, name) is not None
+                else f"input.sampling_params.{name}"
+            )
+            raise JobInputError(
+                f"{where}: tools need a chat request; send messages (or apply_chat_template with "
+                "the prompt)"
+            )
     return Job(shape, COMPLETIONS_ROUTE, {**body, "prompt": shape.prompt})
 
 

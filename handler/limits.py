@@ -27,6 +27,7 @@ __all__ = [  # the engine's limits above are re-exported with the handler's own
     "MAX_STOP_CHARS",
     "MAX_STOP_STRINGS",
     "MAX_STOP_TOKEN_IDS",
+    "MAX_TOOLS",
     "MAX_TOKENS_LIMIT",
     "MAX_TOP_LOGPROBS",
     "MIN_REPETITION_PENALTY",
@@ -53,6 +54,7 @@ MAX_JSON_DEPTH = 64
 # taken as they are so the two can never disagree, and the handler's own:
 MAX_CHOICES = 1024  # prompts x n in one completions request
 MAX_MESSAGES = 4096
+MAX_TOOLS = 512  # tools offered in one chat request
 MAX_BATCH_PROMPTS = 256  # prompts in one completions request
 # max_tokens, max_completion_tokens, min_tokens (the context limit applies as well)
 MAX_TOKENS_LIMIT = 1 << 24

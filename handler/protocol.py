@@ -29,6 +29,7 @@ from handler.limits import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     MAX_TOKENS_LIMIT,
+    MAX_TOOLS,
     MAX_TOP_LOGPROBS,
     MIN_REPETITION_PENALTY,
 )
@@ -49,9 +50,54 @@ class StreamOptions(_Model):
     continuous_usage_stats: StrictBool = False
 
 
+class JsonSchemaFormat(_Model):
+    """response_format.json_schema as OpenAI defines it."""
+
+    name: Annotated[StrictStr, Field(max_length=64)] = "response"
+    description: StrictStr | None = None
+    # "schema" is a pydantic BaseModel attribute: the field is schema_ here, "schema" in JSON
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
 class ResponseFormat(_Model):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Model):
+    """vLLM's structured_outputs request field (its StructuredOutputsParams): exactly one of json,
+    regex, choice, grammar, json_object (the engine checks that)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    json_: dict[str, Any] | StrictStr | None = Field(None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+    disable_any_whitespace: StrictBool = False
+    whitespace_pattern: StrictStr | None = None
+
+
+class FunctionDefinition(_Model):
+    name: Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Model):
+    name: StrictStr
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class TextPart(_Model):
@@ -115,26 +161,15 @@ class SamplingFields(_Model):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     user: StrictStr | None = None
-    # vLLM extras worker-vllm users send that this engine lacks: refused by name rather than
-    # silently ignored.
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
+    # vLLM's structured outputs, and the guided_* aliases its older releases (and worker-vllm's
+    # users) send.
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    guided_whitespace_pattern: StrictStr | None = None
     use_beam_search: StrictBool = False
-    # Tool calls are not parsed from the output yet: refused (handler.engine_requests), not ignored.
-    tools: Any = None
-    tool_choice: Any = None
-
-
-UNSUPPORTED_EXTRAS = (
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
-)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -145,7 +180,12 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    functions: Any = None  # the deprecated form of tools, refused as they are
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # the deprecated forms of tools and tool_choice: refused with what to send instead
+    functions: Any = None
     function_call: Any = None
 
 
@@ -163,6 +203,33 @@ class CompletionRequest(SamplingFields):
     echo: StrictBool = False
     suffix: StrictStr | None = None
     best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None
+
+
+class TokenizeRequest(_Model):
+    """vLLM's /tokenize: a prompt, or messages rendered through the chat template."""
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = (
+        None
+    )
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    return_token_strs: StrictBool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Model):
+    model: StrictStr | None = None
+    tokens: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(max_length=MAX_TOKENS_LIMIT)]
 
 
 # ---- errors ---------------------------------------------------------------------------------

@@ -13,21 +13,36 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from handler.chat_reply import (
+    ReplyDelta,
+    ReplyReader,
+    delta_fields,
+    stream_finish_reason,
+    whole_reply,
+)
 from handler.config import Settings
 from handler.engine_requests import (
     CHAT_ROUTE,
+    DETOKENIZE_ROUTE,
     MODELS_ROUTE,
     ROUTE_METHODS,
     ROUTES,
+    TOKENIZE_ROUTE,
+    VERSION_ROUTE,
     EngineRequest,
     RequestBuilder,
     canonical_route,
     engine_error,
     parse_body,
 )
+from handler.generation_defaults import generation_defaults
 from handler.metrics import Metrics
+from handler.output_rules import ToolSettings
 from handler.protocol import ApiError
+from handler.reasoning import ReasoningParser, detect_reasoning_parser, reasoning_parser
 from handler.request_streams import ChunkStream, RequestStreams, drain
+from handler.token_routes import TokenRoutes
+from handler.tool_parsers import detect_tool_parser, tool_call_parser
 
 log = logging.getLogger(__name__)
 
@@ -84,14 +99,19 @@ class OpenAIRoutes:
             raise ValueError("model: the OpenAI routes need a model with a tokenizer")
         core = engine.engine
         self.max_model_len: int = core.max_model_len
+        template = self.tokenizer.chat_template
         self.requests = RequestBuilder(
             self.tokenizer,
             core.context_limit,
             core.model_config.vocab_size,
             self.served_names,
             settings.default_max_tokens,
+            tool_settings(settings, template),
+            reasoning_rules(settings, template),
+            generation_defaults(core.args.model) if settings.generation_config == "auto" else {},
         )
         self.created = int(time.time())
+        self.tokens = TokenRoutes(self.requests, self.max_model_len)
 
     # ---- entry point -----------------------------------------------------------------------------
     async def dispatch(
@@ -116,6 +136,10 @@ class OpenAIRoutes:
             )
         if path == MODELS_ROUTE:
             return self.models()
+        if path == VERSION_ROUTE:
+            return {"version": coldbrew_version()}
+        if path in (TOKENIZE_ROUTE, DETOKENIZE_ROUTE):
+            return await self.tokens.answer(path, body)
         return await self._counted(path, self._serve(path, body))
 
     async def _counted(self, route: str, work):
@@ -174,8 +198,8 @@ class OpenAIRoutes:
         top_n = request.top_n
         if route == CHAT_ROUTE:
             if req.stream:
-                return ChunkStream(self._chat_stream(streams, head, req, lens, top_n, t0), streams)
-            return await self._chat_full(streams, head, req, lens, top_n, t0)
+                return ChunkStream(self._chat_stream(streams, head, request, lens, t0), streams)
+            return await self._chat_full(streams, head, request, lens, t0)
         echo = None
         if req.echo:
             echo = request.texts or [
@@ -271,22 +295,25 @@ class OpenAIRoutes:
 
     # ---- /v1/chat/completions --------------------------------------------------------------------
     async def _chat_full(
-        self, streams: RequestStreams, head: dict, req, prompt_lens, top_n, t0
+        self, streams: RequestStreams, head: dict, request: EngineRequest, prompt_lens, t0
     ) -> dict:
+        req, top_n = request.parsed, request.top_n
         first_token = await drain(streams)
         out = streams.latest[0]
         choices = []
+        role = self.settings.openai_response_role
         for c in out.outputs:
+            message, finish_reason = whole_reply(request.reply, c.text, role, c.finish_reason)
             choices.append(
                 {
                     "index": c.index,
-                    "message": {"role": self.settings.openai_response_role, "content": c.text},
+                    "message": message,
                     "logprobs": {
                         "content": self._chat_logprobs(c.token_ids, c.logprobs or [], top_n)
                     }
                     if req.logprobs
                     else None,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": finish_reason,
                 }
             )
         usage = self._usage(prompt_lens, streams.latest)
@@ -294,12 +321,14 @@ class OpenAIRoutes:
         return {**head, "object": "chat.completion", "choices": choices, "usage": usage}
 
     async def _chat_stream(
-        self, streams: RequestStreams, head: dict, req, prompt_lens, top_n, t0
+        self, streams: RequestStreams, head: dict, request: EngineRequest, prompt_lens, t0
     ) -> AsyncIterator[dict]:
+        req, top_n = request.parsed, request.top_n
         head = {**head, "object": "chat.completion.chunk"}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
         states = [_ChoiceState() for _ in range(req.n)]
+        readers = [ReplyReader(request.reply) for _ in range(req.n)]
         role = self.settings.openai_response_role
         first_token = None
 
@@ -330,11 +359,15 @@ class OpenAIRoutes:
                     if sent is None:
                         continue
                     delta_text, new_ids, tokens_before, _ = sent
+                    reader = readers[c.index]
+                    delta = reader.feed(delta_text)
+                    if st.finished:
+                        delta = _joined(delta, reader.finish())
                     choice: dict[str, Any] = {
                         "index": c.index,
-                        "delta": {"content": delta_text} if delta_text else {},
+                        "delta": delta_fields(reader, delta),
                         "logprobs": None,
-                        "finish_reason": c.finish_reason,
+                        "finish_reason": stream_finish_reason(reader, c.finish_reason),
                     }
                     if req.logprobs and new_ids:
                         choice["logprobs"] = {
@@ -342,7 +375,7 @@ class OpenAIRoutes:
                                 new_ids, (c.logprobs or [])[tokens_before:], top_n
                             )
                         }
-                    if delta_text or st.finished or choice["logprobs"]:
+                    if choice["delta"] or st.finished or choice["logprobs"]:
                         choices.append(choice)
                 if first_token is None and any(st.tokens for st in states):
                     first_token = time.monotonic()
@@ -436,6 +469,49 @@ class OpenAIRoutes:
                 yield {**head, "choices": [], "usage": usage}
         finally:
             await streams.close()
+
+
+def _joined(a: ReplyDelta, b: ReplyDelta) -> ReplyDelta:
+    return ReplyDelta(a.reasoning + b.reasoning, a.content + b.content, a.tool_calls + b.tool_calls)
+
+
+def tool_settings(settings: Settings, chat_template: str | None) -> ToolSettings:
+    """The parser for tool_choice "auto": TOOL_CALL_PARSER, else the template's format, unless
+    ENABLE_AUTO_TOOL_CHOICE is false."""
+    name = settings.tool_call_parser or detect_tool_parser(chat_template)
+    if settings.enable_auto_tool_choice is False:
+        return ToolSettings(
+            None,
+            "is off (ENABLE_AUTO_TOOL_CHOICE=false); send tool_choice "
+            '"required" or a named function, or set it true',
+        )
+    if name in (None, "none"):
+        if settings.enable_auto_tool_choice:
+            raise ValueError(
+                "ENABLE_AUTO_TOOL_CHOICE: true needs a TOOL_CALL_PARSER (hermes, llama3_json, "
+                "mistral); this model's chat template shows no format to read calls in"
+            )
+        return ToolSettings(
+            None,
+            "needs TOOL_CALL_PARSER (hermes, llama3_json, mistral); send "
+            'tool_choice "required" or a named function instead',
+        )
+    return ToolSettings(tool_call_parser(name))
+
+
+def reasoning_rules(settings: Settings, chat_template: str | None) -> ReasoningParser | None:
+    """REASONING_PARSER, else the one the template calls for; None: thinking stays in content."""
+    name = settings.reasoning_parser or detect_reasoning_parser(chat_template)
+    return None if name in (None, "none") else reasoning_parser(name)
+
+
+def coldbrew_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("coldbrew")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def sse(chunk: dict) -> str:

@@ -29,7 +29,7 @@ from handler.job_timing import TimedEngine
 from handler.limits import MAX_JSON_DEPTH, MAX_REQUEST_LINE_BYTES
 from handler.metrics import Metrics
 from handler.request_streams import Interrupted
-from handler.routes import ROUTES, SSE_DONE, ApiError, ChunkStream, OpenAIRoutes, sse
+from handler.routes import ROUTE_METHODS, ROUTES, SSE_DONE, ApiError, ChunkStream, OpenAIRoutes, sse
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +298,7 @@ def build_app(settings: Settings, boot: EngineBoot, metrics: Metrics | None = No
 
     for prefix in ("", "/openai"):
         for route in ROUTES:
-            methods = ["GET"] if route == "/v1/models" else ["POST"]
+            methods = [ROUTE_METHODS[route]]
 
             async def endpoint(request: Request, _route: str = route) -> Response:
                 return await server.handle(request, _route)
