@@ -81,7 +81,10 @@ def whole_reply(rules: ReplyRules, text: str, role: str, finish_reason: str | No
     reasoning = first.reasoning + last.reasoning
     content = first.content + last.content
     calls = reader.api_calls(first.tool_calls + last.tool_calls)
-    message: dict[str, Any] = {"role": role, "content": content or (None if calls else "")}
+    message: dict[str, Any] = {
+        "role": role,
+        "content": content or (None if calls or reasoning else ""),
+    }
     if rules.reasoning is not None:
         message["reasoning_content"] = message["reasoning"] = reasoning or None
     if rules.tools is not None:

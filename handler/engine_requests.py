@@ -16,7 +16,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from handler.limits import MAX_CHOICES, MAX_JSON_DEPTH
-from handler.output_rules import ReplyRules, ToolSettings, output_grammar, tool_rules
+from handler.output_rules import (
+    ReplyRules,
+    ToolSettings,
+    output_grammar,
+    renamed_grammar_error,
+    tool_rules,
+)
 from handler.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -150,6 +156,12 @@ class EngineRequest:
     top_n: int = 0  # logprobs shown per token
     texts: list[str] | None = None  # the prompts as given, when text (echo)
     reply: ReplyRules | None = None  # chat: how the reply is read (reasoning, tool calls)
+    grammar_field: str | None = None  # the request field that asked for params' grammar
+
+    def engine_error(self, exc: ValueError) -> ApiError:
+        """The engine's refusal of this request as a 400 naming the request's own field."""
+        message = renamed_grammar_error(str(exc), self.grammar_field)
+        return engine_error(ValueError(message), "prompt")
 
 
 def _refuse_unsupported(req: SamplingFields) -> None:
@@ -203,9 +215,11 @@ def _refuse_functions(req: ChatCompletionRequest) -> None:
 def template_messages(req: ChatCompletionRequest) -> list[dict]:
     """The messages as the chat template reads them: content parts stay a list (the template joins
     text parts with "\n", as vLLM's do, or loops over them); a tool call's arguments, JSON text in
-    the API, become the object templates render with tojson (as vLLM gives them)."""
+    the API, become the object templates render with tojson; null content is empty text (as vLLM
+    gives both)."""
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     for i, m in enumerate(messages):
+        m.setdefault("content", "")  # null content (an assistant turn of calls) renders as empty
         for j, call in enumerate(m.get("tool_calls") or []):
             fn = call.get("function") if isinstance(call, dict) else None
             where = f"messages[{i}].tool_calls[{j}]"
@@ -459,7 +473,7 @@ class RequestBuilder:
         model = self.model(req.model)
         self.check_chars(sum(len(t) for m in req.messages for t in _texts(m)), "messages")
         tools, forced_schema, tool_parser = tool_rules(req, self.tool_settings)
-        grammar = output_grammar(req, forced_schema)
+        grammar, grammar_field = output_grammar(req, forced_schema)
         text = await asyncio.to_thread(self.render_chat, req, tools)
         prompt_ids = await asyncio.to_thread(self.tokenizer.encode, text, False)
         if req.max_completion_tokens is not None:
@@ -472,7 +486,16 @@ class RequestBuilder:
         params = self._sampling(req, max_tokens, top_n if req.logprobs else None, grammar)
         if tool_parser is not None and tool_parser.name == "mistral":
             params.skip_special_tokens = False  # [TOOL_CALLS] is a special token the parser reads
-        return EngineRequest(CHAT_ROUTE, req, model, [prompt_ids], params, top_n, reply=reply)
+        return EngineRequest(
+            CHAT_ROUTE,
+            req,
+            model,
+            [prompt_ids],
+            params,
+            top_n,
+            reply=reply,
+            grammar_field=grammar_field,
+        )
 
     async def _completion(self, req: CompletionRequest) -> EngineRequest:
         model = self.model(req.model)
@@ -508,7 +531,15 @@ class RequestBuilder:
             )
         lens = [len(p) for p in prompts]
         max_tokens = self._max_tokens(req.max_tokens, "max_tokens", lens, "prompt")
-        params = self._sampling(req, max_tokens, req.logprobs, output_grammar(req))
+        grammar, grammar_field = output_grammar(req)
+        params = self._sampling(req, max_tokens, req.logprobs, grammar)
         return EngineRequest(
-            COMPLETIONS_ROUTE, req, model, prompts, params, req.logprobs or 0, texts
+            COMPLETIONS_ROUTE,
+            req,
+            model,
+            prompts,
+            params,
+            req.logprobs or 0,
+            texts,
+            grammar_field=grammar_field,
         )

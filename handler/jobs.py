@@ -328,7 +328,7 @@ async def run_engine_job(
     each choice's finish_reason. on_finish(prompt_tokens, output_tokens) is called once the request
     is done (admission learns request sizes)."""
     request = await routes.prepare(job.route, job.body)
-    stream = engine.generate(request_id, request.prompts[0], request.params)
+    stream = _outputs(engine, request_id, request)
     n = request.params.n
     streaming = job.stream
     sizes = BatchSizes.for_job(job.shape, settings).sizes()
@@ -365,6 +365,16 @@ async def run_engine_job(
     if on_finish is not None:
         on_finish(len(last.prompt_token_ids), total)
     yield batch
+
+
+async def _outputs(engine, request_id: str, request) -> AsyncIterator[Any]:
+    """The engine's outputs for a job's request; its refusals name the job's own field."""
+    try:
+        async with aclosing(engine.generate(request_id, request.prompts[0], request.params)) as out:
+            async for item in out:
+                yield item
+    except ValueError as e:
+        raise ValueError(request.engine_error(e).message) from None
 
 
 async def run_openai_job(routes, job: Job, settings, on_finish=None) -> AsyncIterator[Any]:

@@ -36,9 +36,10 @@ class ToolSettings:
     why_no_auto: str = ""
 
 
-def output_grammar(req: SamplingFields, extra_json: dict | None = None) -> Any:
-    """The StructuredOutputs the request's fields ask for, or None; a 400 naming the field when
-    two ask at once or one is invalid. extra_json: a schema a forced tool_choice adds."""
+def output_grammar(req: SamplingFields, extra_json: dict | None = None) -> tuple[Any, str | None]:
+    """(the StructuredOutputs the request's fields ask for, the field that asked), or (None, None);
+    a 400 naming the field when two ask at once or one is invalid. extra_json: a schema a forced
+    tool_choice adds."""
     from engine.structured import StructuredOutputs  # a request with a grammar loads the engine
 
     asked: list[tuple[str, dict]] = []
@@ -65,7 +66,7 @@ def output_grammar(req: SamplingFields, extra_json: dict | None = None) -> Any:
     if extra_json is not None:
         asked.append(("tool_choice", {"json": extra_json}))
     if not asked:
-        return None
+        return None, None
     if len(asked) > 1:
         names = [name for name, _ in asked]
         raise ApiError(
@@ -75,12 +76,20 @@ def output_grammar(req: SamplingFields, extra_json: dict | None = None) -> Any:
         )
     name, fields = asked[0]
     try:
-        return StructuredOutputs(**fields)
+        return StructuredOutputs(**fields), name
     except ValueError as e:
         message = str(e)
         if name != "structured_outputs":
             message = message.replace("structured_outputs", name, 1)
         raise ApiError(400, message, name) from None
+
+
+def renamed_grammar_error(message: str, field: str | None) -> str:
+    """The engine names a grammar it cannot compile `structured_outputs.<kind>`: say instead the
+    request field that asked for it."""
+    if field and field != "structured_outputs" and message.startswith("structured_outputs."):
+        return field + message[message.index(":") :]
+    return message
 
 
 def tool_rules(

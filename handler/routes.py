@@ -32,7 +32,6 @@ from handler.engine_requests import (
     EngineRequest,
     RequestBuilder,
     canonical_route,
-    engine_error,
     parse_body,
 )
 from handler.generation_defaults import generation_defaults
@@ -192,7 +191,7 @@ class OpenAIRoutes:
         request = await self.prepare(route, body)
         req = request.parsed
         rid = f"{'chatcmpl' if route == CHAT_ROUTE else 'cmpl'}-{uuid.uuid4().hex}"
-        streams = await self._start(rid, request.prompts, request.params)
+        streams = await self._start(rid, request)
         head = {"id": rid, "created": int(time.time()), "model": request.model}
         lens = [len(p) for p in request.prompts]
         top_n = request.top_n
@@ -210,12 +209,12 @@ class OpenAIRoutes:
             return ChunkStream(chunks, streams)
         return await self._completion_full(streams, head, req, lens, top_n, echo, t0)
 
-    async def _start(self, request_id: str, prompts: list[list[int]], params) -> RequestStreams:
-        streams = RequestStreams(self.engine, request_id, prompts, params)
+    async def _start(self, request_id: str, request: EngineRequest) -> RequestStreams:
+        streams = RequestStreams(self.engine, request_id, request.prompts, request.params)
         try:
             await streams.start()
         except ValueError as e:
-            raise engine_error(e, "prompt") from None
+            raise request.engine_error(e) from None
         return streams
 
     def _usage(self, prompt_lens: list[int], latest: dict[int, Any]) -> dict:

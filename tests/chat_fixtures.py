@@ -135,7 +135,7 @@ def _write_weights(out: Path, family: str, tok, stops: list[str], special: dict,
 
     from tests.tiny_models import FAMILIES, _randomize, hf_config
 
-    cfg = hf_config(family)
+    cfg = hf_config(family, max_position_embeddings=4096)  # room for prompts that list tools
     cfg.vocab_size = tok.get_vocab_size(with_added_tokens=True)
     cfg.eos_token_id = [tok.token_to_id(t) for t in stops]
     cfg.bos_token_id = tok.token_to_id(special.get("bos_token", stops[0]))
