@@ -22,6 +22,8 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
     triton = None
 
 
+# The largest BLOCK_M moe_tiles picks: the sorted rows' padding is at most BLOCK_M - 1 per expert.
+MAX_BLOCK_M = 64
 # Up to this many (token, slot) pairs the sort by expert is one Triton program (decode batches);
 # more go through torch's sort.
 ONE_PROGRAM_PAIRS = 512
@@ -222,7 +224,7 @@ def moe_tiles(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter:
         return MoeTiles(16, (32, 256), (64 if hidden >= 4096 else 32, 256), 4, 3)
     if rows_per_expert <= 64:
         return MoeTiles(32, (64, 64), (64, 64), 4, 3)
-    return MoeTiles(64, (64, 64), (128, 64), 4, 3)
+    return MoeTiles(MAX_BLOCK_M, (64, 64), (128, 64), 4, 3)
 
 
 def route_topk(
