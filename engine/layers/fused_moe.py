@@ -215,13 +215,13 @@ if triton is not None:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=real[:, None] & (rn < N)[None, :])
 
 
-def moe_tiles(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int) -> MoeTiles:
+def moe_tiles(num_tokens: int, num_experts: int, top_k: int) -> MoeTiles:
     """Tiles by the expected rows per expert: decode (a few rows per expert) takes BLOCK_M 16 and
     narrow, deep weight tiles, so many programs stream the few selected experts at bandwidth;
     prefill takes tensor-core tiles."""
     rows_per_expert = num_tokens * top_k / max(num_experts, 1)
     if rows_per_expert <= 16:
-        return MoeTiles(16, (32, 256), (64 if hidden >= 4096 else 32, 256), 4, 3)
+        return MoeTiles(16, (32, 256), (32, 256), 4, 3)
     if rows_per_expert <= 64:
         return MoeTiles(32, (64, 64), (64, 64), 4, 3)
     return MoeTiles(MAX_BLOCK_M, (64, 64), (128, 64), 4, 3)
@@ -298,7 +298,7 @@ def _align_with_torch(
     expert_of = longs[order]
     rank = torch.arange(pairs, device=device) - (counts.cumsum(0) - counts)[expert_of]
     sorted_pairs = torch.full((capacity,), pairs, dtype=torch.int32, device=device)
-    sorted_pairs[(ends - padded)[expert_of] + rank] = order.to(torch.int32)
+    sorted_pairs.scatter_(0, (ends - padded)[expert_of] + rank, order.to(torch.int32))
     block_starts = torch.arange(0, capacity, block_m, device=device)
     block_expert = torch.searchsorted(ends, block_starts, right=True).to(torch.int32)
     return sorted_pairs, block_expert
@@ -323,7 +323,7 @@ def fused_experts(
         return torch.empty_like(x)
     if gate_up.stride(-1) != 1 or down.stride(-1) != 1:
         raise ValueError("fused_experts: expert weights must be contiguous along their last dim")
-    tiles = tiles or moe_tiles(t, num_experts, top_k, hidden, inter)
+    tiles = tiles or moe_tiles(t, num_experts, top_k)
     x = x if x.stride(-1) == 1 else x.contiguous()
     flat_ids = ids.reshape(-1).to(torch.int32).contiguous()
     route = weights.reshape(-1).to(torch.float32).contiguous()
