@@ -1,7 +1,8 @@
 """Batch-1 decode of a mixture-of-experts model on one GPU against the roofline of the bytes a token
 actually reads (the dense part plus the top_k selected experts of every sparse layer), with the
 fused Triton MoE (engine/layers/fused_moe.py) and with a per-expert loop of plain matmuls (the torch
-reference); then the MoE layer alone at a few batch sizes.
+reference); then the MoE layer alone at a few batch sizes, and a sweep of the experts' tiles at
+decode batches.
 
 `python -m bench.moe_decode --out DIR` (default: the Qwen3-30B-A3B shape, random bf16 weights made
 on the GPU, nothing downloaded or written but DIR/moe_decode.json); prints a table.
@@ -26,7 +27,15 @@ from bench.roofline import copy_bandwidth
 from bench.serving import config_path
 from engine import LLM
 from engine.config import ModelConfig
-from engine.layers.moe import SparseMoeBlock
+from engine.layers.fused_moe import MoeTiles, fused_experts, moe_tiles
+from engine.layers.moe import SparseMoeBlock, route_reference
+
+# Tiles the sweep tries at decode batches: (BLOCK_N, BLOCK_K) of both GEMMs x (num_warps, stages).
+SWEEP_TILES = list(
+    itertools.product(
+        [(16, 256), (32, 128), (32, 256), (32, 512), (64, 128), (64, 256)], [(4, 2), (4, 3), (8, 3)]
+    )
+)
 
 
 def config_only_dir(config: dict, name: str, root: str) -> str:
@@ -145,6 +154,62 @@ def layer_rows(cfg: ModelConfig, bandwidth: float, batches: list[int], copies: i
     return rows
 
 
+def _normal(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """N(0, 0.02) bf16 weights on the GPU."""
+    return (0.02 * torch.randn(shape, device="cuda", generator=gen)).to(torch.bfloat16)
+
+
+def sweep_rows(cfg: ModelConfig, bandwidth: float, batches: list[int], copies: int) -> list[dict]:
+    """The experts alone (fused_experts, routing fixed) in a CUDA graph, for each of SWEEP_TILES at
+    BLOCK_M 16, the default tiles first; `copies` layers' experts cycled so they come from HBM."""
+    moe, hidden = cfg.moe, cfg.hidden_size
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    inter = moe.expert_intermediate_size
+    layers = [
+        (
+            _normal((moe.num_experts, 2 * inter, hidden), gen),
+            _normal((moe.num_experts, hidden, inter), gen),
+        )
+        for _ in range(copies)
+    ]
+    per_expert = 3 * moe.expert_intermediate_size * hidden * 2
+    rows = []
+    for batch in batches:
+        x = torch.randn(batch, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+        logits = torch.randn(batch, moe.num_experts, device="cuda", generator=gen)
+        weights, ids = route_reference(logits, moe.top_k, moe.norm_topk_prob)
+        nbytes = int(ids.unique().numel()) * per_expert
+        default = moe_tiles(batch, moe.num_experts, moe.top_k)
+        swept = [MoeTiles(16, tile, tile, warps, stages) for tile, (warps, stages) in SWEEP_TILES]
+        candidates = [default] + [tiles for tiles in swept if tiles != default]
+        for tiles in candidates:
+            turn = itertools.cycle(layers)
+            row = {"batch": batch, "tiles": list(tiles), "default": tiles == default}
+            try:
+                seconds = time_call(
+                    lambda: fused_experts(x, *next(turn), weights, ids, tiles=tiles),
+                    True,
+                    calls=4 * copies,
+                )
+            except Exception as e:  # noqa: BLE001 - a tile that does not compile is a finding
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+                rows.append(row)
+                continue
+            row.update(us=seconds * 1e6, of_roofline=nbytes / bandwidth / seconds)
+            rows.append(row)
+        done = [r for r in rows if r["batch"] == batch and "us" in r]
+        best = min(done, key=lambda r: r["us"])
+        first = next(r for r in done if r["default"])
+        print(
+            f"sweep b={batch}: default {first['us']:.1f} us ({first['of_roofline']:.0%}), "
+            f"best {best['tiles']} {best['us']:.1f} us ({best['of_roofline']:.0%})",
+            flush=True,
+        )
+    del layers
+    torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--config", default="qwen3-30b-a3b.json")
@@ -154,7 +219,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--layer-batches", default="1,2,4,8,16,32,64,256,1024,4096")
     ap.add_argument("--layer-copies", type=int, default=4)
-    ap.add_argument("--skip-engine", action="store_true", help="only the layer microbenchmark")
+    ap.add_argument("--sweep-batches", default="1,8", help="tile sweep of the experts alone")
+    ap.add_argument("--skip-engine", action="store_true", help="only the layer microbenchmarks")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     config = json.loads(config_path(args.config).read_text())
@@ -171,6 +237,8 @@ def main() -> None:
     }
     batches = [int(b) for b in args.layer_batches.split(",") if b]
     result["layer"] = layer_rows(cfg, bandwidth, batches, args.layer_copies)
+    sweep = [int(b) for b in args.sweep_batches.split(",") if b]
+    result["tile_sweep"] = sweep_rows(cfg, bandwidth, sweep, args.layer_copies)
     if not args.skip_engine:
         t0 = time.perf_counter()
         llm = LLM(

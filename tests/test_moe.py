@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from engine.config import ModelConfig
 from engine.distributed.sharding import Shard
@@ -175,6 +176,21 @@ def test_prefix_cache_hits_match_hf(tmp_path):
         assert row[token].item() >= row.max().item() - BOUND  # greedy took HF's argmax
         for top, lp in logprobs.items():
             assert abs(lp.logprob - row[top].item()) < BOUND
+
+
+def test_missing_expert_tensor_is_named(tmp_path):
+    make_tiny_model("qwen2-moe", str(tmp_path / "m"))
+    tensors = load_file(str(tmp_path / "m" / "model.safetensors"))
+    # transformers' save_pretrained writes one tensor per expert and projection, as Hub repos do
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in tensors
+    assert not any("gate_up_proj" in name for name in tensors)
+    del tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, str(tmp_path / "m" / "model.safetensors"), metadata={"format": "pt"})
+    cfg = ModelConfig.from_dir(str(tmp_path / "m"))
+    with pytest.raises(
+        ValueError, match=r"missing tensors: model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight \(1"
+    ):
+        load_model(str(tmp_path / "m"), cfg, torch.float32, "cpu", load_format="safetensors")
 
 
 def test_pack_round_trip_keeps_stacked_experts(tmp_path):
