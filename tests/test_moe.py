@@ -262,6 +262,66 @@ def test_fused_moe_under_the_triton_interpreter_matches_torch():
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
+def _nvidia_backend() -> bool:
+    spec = importlib.util.find_spec("triton")
+    if spec is None or spec.origin is None:
+        return False
+    return (Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "ptxas").is_file()
+
+
+@pytest.mark.skipif(not _nvidia_backend(), reason="triton without its CUDA backend (ptxas)")
+def test_fused_moe_kernels_compile_for_hopper(tmp_path):
+    """Each kernel compiled ahead of time for sm_90 (no GPU needed): what the interpreter cannot
+    catch (types across branches, shared memory, ptxas) fails here, in CI."""
+    script = textwrap.dedent("""
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        import engine.layers.fused_moe as fm
+
+        def build(fn, signature, constexprs, tiles=None):
+            options = {}
+            if tiles:
+                options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
+            source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+            kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+            assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
+
+        i32 = "i32"
+        build(
+            fm._route_topk_kernel,
+            dict(logits_ptr="*bf16", weights_ptr="*fp32", ids_ptr="*i32", num_experts=i32,
+                 stride_lm=i32, TOP_K="constexpr", K_P2="constexpr", E_P2="constexpr",
+                 RENORMALISE="constexpr"),
+            dict(TOP_K=8, K_P2=8, E_P2=128, RENORMALISE=True),
+        )
+        build(
+            fm._moe_align_kernel,
+            dict(ids_ptr="*i32", sorted_ptr="*i32", block_expert_ptr="*i32", num_pairs=i32,
+                 num_blocks=i32, BLOCK_M="constexpr", E_P2="constexpr", CHUNK="constexpr"),
+            dict(BLOCK_M=16, E_P2=128, CHUNK=64),
+        )
+        gemm = dict(a_ptr="*bf16", w_ptr="*bf16", c_ptr="*bf16", sorted_ptr="*i32",
+                    block_expert_ptr="*i32", route_weights_ptr="*fp32", num_pairs=i32, N=i32,
+                    K=i32, num_experts=i32, stride_am=i32, stride_we=i32, stride_wn=i32,
+                    stride_cm=i32, TOP_K="constexpr", GATE_UP="constexpr", BLOCK_M="constexpr",
+                    BLOCK_N="constexpr", BLOCK_K="constexpr", EVEN_K="constexpr", IEEE="constexpr")
+        for tiles, gate_up, even in [
+            (fm.moe_tiles(1, 128, 8), True, True), (fm.moe_tiles(8192, 128, 8), False, False)
+        ]:
+            block_n, block_k = tiles.gate_up if gate_up else tiles.down
+            build(fm._moe_gemm_kernel, gemm, dict(TOP_K=8, GATE_UP=gate_up,
+                  BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=even,
+                  IEEE=False), tiles)
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(REPO))
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
 def _routing(m: int, e: int, k: int, spread: str, gen: torch.Generator):
     """Router logits [m, e]: "all" spreads tokens over every expert, "few" sends every token to the
     same k experts (the first ones)."""

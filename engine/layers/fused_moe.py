@@ -180,11 +180,11 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
+            k_ok = (k0 + rk) < K
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=real[:, None], other=0.0)
                 w = tl.load(w_ptrs)
             else:
-                k_ok = (k0 + rk) < K
                 a = tl.load(a_ptrs, mask=real[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
             if IEEE:
