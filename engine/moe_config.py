@@ -67,6 +67,12 @@ def read_moe_config(cfg: dict[str, Any], family: str) -> MoeConfig | None:
     if act != "silu":
         raise ValueError(f"hidden_act: {act!r} experts are not supported: supported is 'silu'")
     num_layers = _int("num_hidden_layers", cfg.get("num_hidden_layers"), 1)
+    windowed = [t for t in cfg.get("layer_types") or [] if t != "full_attention"]
+    if family != "mixtral" and windowed:  # Qwen MoE: per-layer windows, as use_sliding_window
+        raise ValueError(
+            f"layer_types: {windowed[0]!r} layers of {family} are not supported: "
+            "supported is 'full_attention'"
+        )
     if family == "mixtral":
         num_experts = _int("num_local_experts", field("num_local_experts"), 1)
         width = _int("intermediate_size", cfg.get("intermediate_size"), 1)

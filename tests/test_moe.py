@@ -51,6 +51,7 @@ def _hf_dict(family: str, **extra) -> dict:
         ("qwen2-moe", dict(decoder_sparse_step=0), "decoder_sparse_step"),
         ("qwen3-moe", dict(use_sliding_window=True), "use_sliding_window"),
         ("qwen2-moe", dict(moe_intermediate_size=None, num_experts=-1), "num_experts"),
+        ("qwen2-moe", dict(layer_types=["sliding_attention", "full_attention"]), "layer_types"),
     ],
 )
 def test_unrunnable_moe_config_is_refused_naming_the_field(family, edit, field):
