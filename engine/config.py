@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from engine.model_support import SUPPORTED_ARCHITECTURES, check_model_config, rope_settings  # noqa: F401 (decoder.py reads it here)
+from engine.moe_config import MoeConfig, read_moe_config
 
 _DTYPES = {
     "float32": torch.float32,
@@ -58,6 +59,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     torch_dtype: str | None
+    moe: MoeConfig | None = None  # Qwen2/Qwen3-MoE, Mixtral: the sparse MLP (engine/moe_config.py)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -70,7 +72,7 @@ class ModelConfig:
         # Mistral's default window is 4096 when the key is absent; Qwen applies a window only when
         # asked to.
         sliding = cfg.get("sliding_window", 4096 if family == "mistral" else None)
-        if family in ("qwen2", "qwen3"):
+        if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
             sliding = None
         return cls(
             architecture=arch,
@@ -86,12 +88,15 @@ class ModelConfig:
             rope=_read_rope(cfg),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=family == "qwen3",
+            qkv_bias=family == "qwen2"
+            or bool(cfg.get("attention_bias", False))
+            or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True))),
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             sliding_window=int(sliding) if sliding else None,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            moe=read_moe_config(cfg, family),
         )
 
     @classmethod

@@ -33,7 +33,26 @@ def layer_activation_bytes(cfg: ModelConfig, itemsize: int, num_tokens: int) -> 
     attention_half = (q + 2 * kv) + (q + kv) + q + h
     mlp_half = 2 * inter + inter + h  # gate_up, silu(gate) * up, down_proj output
     stream = 3 * h  # the residual stream in and out, and its normed copy
-    return num_tokens * (stream + max(attention_half, mlp_half)) * itemsize
+    dense = num_tokens * (stream + max(attention_half, mlp_half)) * itemsize
+    if cfg.moe is None:
+        return dense
+    return max(dense, num_tokens * stream * itemsize + moe_mlp_bytes(cfg, itemsize, num_tokens))
+
+
+def moe_mlp_bytes(cfg: ModelConfig, itemsize: int, num_tokens: int) -> int:
+    """A sparse MLP's tensors (engine/layers/fused_moe.py): router logits, weights and ids, the
+    sort by expert (its torch path's int64 temporaries), the sorted rows' SiLU(gate) * up, each
+    (token, expert) pair's output, their sum, and the shared expert's gate_up, product, output."""
+    from engine.layers.fused_moe import MAX_BLOCK_M
+
+    moe, h = cfg.moe, cfg.hidden_size
+    pairs = num_tokens * moe.top_k
+    rows = pairs + min(moe.num_experts, pairs) * (MAX_BLOCK_M - 1)
+    router = num_tokens * moe.num_experts * itemsize + pairs * 8
+    sort = pairs * 6 * 8 + rows * 4
+    experts = rows * moe.expert_intermediate_size * itemsize + (pairs + num_tokens) * h * itemsize
+    shared = num_tokens * (3 * moe.shared_expert_intermediate_size + 2 * h + 1) * itemsize
+    return router + sort + experts + shared
 
 
 def attention_scratch_bytes(

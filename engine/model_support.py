@@ -8,12 +8,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.moe_config import read_moe_config
+
 # HF architecture name -> family switch of the one decoder template (engine/models/decoder.py).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_WEIGHTS = "unquantized float32, bfloat16 or float16 weights"
@@ -54,10 +59,13 @@ def check_model_config(cfg: dict[str, Any]) -> tuple[str, str]:
     family = SUPPORTED_ARCHITECTURES[arch]
     if cfg.get("mlp_bias"):
         raise ValueError(f"mlp_bias: {arch} checkpoints with MLP biases are not supported")
-    if family in ("qwen2", "qwen3") and cfg.get("use_sliding_window", False):
+    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and cfg.get(
+        "use_sliding_window", False
+    ):
         # HF windows only the layers past max_window_layers
         raise ValueError(
             f"use_sliding_window: per-layer sliding windows of {arch} are not supported"
         )
     rope_settings(cfg)
+    read_moe_config(cfg, family)  # the expert fields (engine/moe_config.py)
     return arch, family

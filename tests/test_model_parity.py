@@ -97,7 +97,7 @@ def test_prefill_and_decode_match_hf(tiny, family: str) -> None:
     assert (ours - ref).abs().max().item() < BOUND
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "qwen2-moe", "mixtral"])
 def test_mixed_batch_matches_each_alone(tiny, family: str) -> None:
     """A chunked prefill after a cached prefix and a decode in one step give the same logits as
     apart."""

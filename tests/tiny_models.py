@@ -91,6 +91,56 @@ FAMILIES: dict[str, tuple[str, dict]] = {
             rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         ),
     ),
+    # Mixture of experts: top-2 of 8 renormalised, a dense MLP in the middle (mlp_only_layers).
+    "qwen3-moe": (
+        "Qwen3MoeForCausalLM",
+        dict(
+            head_dim=32,
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        ),
+    ),
+    # top-8 of 16 not renormalised, experts on every second layer (decoder_sparse_step 2).
+    "qwen3-moe-top8": (
+        "Qwen3MoeForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            num_experts=16,
+            num_experts_per_tok=8,
+            moe_intermediate_size=16,
+            norm_topk_prob=False,
+            decoder_sparse_step=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        ),
+    ),
+    # top-1 (its softmax weight, not 1) plus the sigmoid-gated shared expert; q/k/v biases.
+    "qwen2-moe": (
+        "Qwen2MoeForCausalLM",
+        dict(
+            num_experts=8,
+            num_experts_per_tok=1,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        ),
+    ),
+    # top-2 of 4 renormalised, experts as wide as intermediate_size, MQA.
+    "mixtral": (
+        "MixtralForCausalLM",
+        dict(
+            num_key_value_heads=1,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=48,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        ),
+    ),
 }
 
 

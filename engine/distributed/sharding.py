@@ -28,6 +28,11 @@ class Shard:
         n = self.size
         if n == 1:
             return
+        if cfg.moe is not None:
+            raise ValueError(
+                f"tensor_parallel_size: {n}: mixture-of-experts models ({cfg.architecture}) "
+                "are not split over GPUs yet; use tensor_parallel_size 1"
+            )
         problem = None
         if cfg.num_heads % n:
             problem = f"does not divide the model's {cfg.num_heads} attention heads"

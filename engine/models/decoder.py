@@ -2,7 +2,7 @@
 switches.
 
 Switches come from ModelConfig: qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3), explicit head_dim,
-tied lm_head.
+tied lm_head, experts in place of the MLP (Qwen2/Qwen3-MoE, Mixtral: engine/layers/moe.py).
 
 Under tensor parallelism (a Shard of more than one rank) each rank builds its slice: qkv and gate_up
 keep its rows (heads, MLP columns), o_proj and down_proj its input columns and all-reduce, the
@@ -24,8 +24,10 @@ from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
 from engine.distributed.sharding import SINGLE, Shard
 from engine.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, silu_and_mul
+from engine.layers.moe import SparseMoeBlock
 from engine.layers.parallel import RowParallelLinear, VocabParallelEmbedding
 from engine.layers.skinny_gemm import skinny_applies, skinny_gemm
+from engine.models.moe_weights import moe_weight_rows
 
 
 class WeightSlot(NamedTuple):
@@ -62,7 +64,7 @@ class Attention(nn.Module):
             cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, dtype, device
         )
         # Qwen2 biases only q/k/v; Llama/Mistral/Qwen3 with attention_bias bias o_proj too.
-        o_bias = cfg.qkv_bias and cfg.family != "qwen2"
+        o_bias = cfg.qkv_bias and cfg.family not in ("qwen2", "qwen2_moe")
         self.o_proj = row_linear(self.q_size, cfg.hidden_size, o_bias, dtype, device)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
@@ -124,13 +126,22 @@ class DecoderLayer(nn.Module):
     """
 
     def __init__(
-        self, cfg: ModelConfig, backend, dtype: torch.dtype, device: torch.device, row_linear=Linear
+        self,
+        cfg: ModelConfig,
+        backend,
+        dtype: torch.dtype,
+        device: torch.device,
+        row_linear=Linear,
+        layer_index: int = 0,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.self_attn = Attention(cfg, backend, dtype, device, row_linear)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = MLP(cfg, dtype, device, row_linear)
+        if cfg.moe is not None and cfg.moe.is_sparse(layer_index):  # experts (engine/layers/moe.py)
+            self.mlp = SparseMoeBlock(cfg, dtype, device)
+        else:
+            self.mlp = MLP(cfg, dtype, device, row_linear)
 
     def forward(
         self,
@@ -199,8 +210,8 @@ class DecoderModel(nn.Module):
             cfg.head_dim, cfg.rope, cfg.max_position_embeddings, dtype, device
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(local, backend, dtype, params_on, row_linear)
-            for _ in range(cfg.num_layers)
+            DecoderLayer(local, backend, dtype, params_on, row_linear, i)
+            for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, params_on)
         self.lm_head = (
@@ -307,6 +318,10 @@ class DecoderModel(nn.Module):
                 i_first,
                 cfg.intermediate_size,
             )
+            for hf_name, ours_name, start, count in moe_weight_rows(cfg, i):
+                if ours_name in params:  # experts, router, shared expert: rows of our parameter
+                    full = (count, params[ours_name].shape[-1])
+                    out[hf_name] = WeightSlot(ours_name, start, start + count, 0, 0, count, full)
             for name in (
                 "input_layernorm.weight",
                 "post_attention_layernorm.weight",
@@ -345,7 +360,7 @@ class DecoderModel(nn.Module):
                         f"weights: {name} has shape {shape} but the model expects {slot.full}"
                     )
                 tensor = tensor.narrow(slot.dim, slot.first, slot.count)
-            dest = params[slot.param][slot.start : slot.end]
+            dest = _rows_of(params[slot.param])[slot.start : slot.end]
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise ValueError(
                     f"weights: {name} has shape {tuple(tensor.shape)} "
@@ -370,6 +385,11 @@ class DecoderModel(nn.Module):
         for table in (self.embed_tokens, self.lm_head):
             if table is not None and table.weight.shape[0] > real:
                 table.weight[real:].zero_()
+
+
+def _rows_of(param: torch.Tensor) -> torch.Tensor:
+    """A parameter as the rows a WeightSlot counts: stacked experts [E, R, C] as [E * R, C]."""
+    return param.flatten(0, -2) if param.dim() > 2 else param
 
 
 def _ignorable(name: str, cfg: ModelConfig) -> bool:

@@ -1,0 +1,503 @@
+"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral): config checks before download, the
+real configs' sizes, HF parity under a skewed router, prefix-cache hits through the engine, the pack
+round trip; the fused Triton kernels against the torch reference (interpreter on CPU, compiled on
+GPU).
+
+The logit parity of every tiny MoE family (prefill, 16 decodes, chunked prefill, the whole engine)
+is in test_model_parity.py and test_engine_parity.py, which run every family of tiny_models.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.config import ModelConfig
+from engine.distributed.sharding import Shard
+from engine.layers.moe import SparseMoeBlock, experts_reference, route_reference
+from engine.model_support import check_model_config
+from engine.models import build_model, load_model
+from test_model_parity import prefill_then_decode
+from tiny_models import FAMILIES, hf_config, hf_logits, make_tiny_model
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "bench" / "configs"
+BOUND = 1e-4
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _hf_dict(family: str, **extra) -> dict:
+    cfg = hf_config(family, **extra).to_dict()
+    cfg["architectures"] = [FAMILIES[family][0]]
+    return cfg
+
+
+# ---- config checks, before any weight moves ------------------------------------------------------
+@pytest.mark.parametrize(
+    "family,edit,field",
+    [
+        ("qwen3-moe", dict(hidden_act="gelu"), "hidden_act"),
+        ("mixtral", dict(num_experts_per_tok=5), "num_experts_per_tok"),
+        ("qwen3-moe", dict(mlp_only_layers=[0, 7]), "mlp_only_layers"),
+        ("qwen2-moe", dict(decoder_sparse_step=0), "decoder_sparse_step"),
+        ("qwen3-moe", dict(use_sliding_window=True), "use_sliding_window"),
+        ("qwen2-moe", dict(moe_intermediate_size=None, num_experts=-1), "num_experts"),
+        ("qwen2-moe", dict(layer_types=["sliding_attention", "full_attention"]), "layer_types"),
+    ],
+)
+def test_unrunnable_moe_config_is_refused_naming_the_field(family, edit, field):
+    cfg = {**_hf_dict(family), **edit}
+    with pytest.raises(ValueError, match=rf"^{field}: "):
+        check_model_config(cfg)
+
+
+def test_both_spellings_of_the_expert_count_read_the_same():
+    """transformers 5 saves Qwen3-MoE's num_experts as num_local_experts; Hub configs say
+    num_experts."""
+    saved = _hf_dict("qwen3-moe")
+    assert "num_local_experts" in saved and "num_experts" not in saved
+    hub = {k: v for k, v in saved.items() if k != "num_local_experts"} | {"num_experts": 8}
+    assert ModelConfig.from_dict(saved).moe == ModelConfig.from_dict(hub).moe
+    assert ModelConfig.from_dict(hub).moe.num_experts == 8
+
+
+def test_dense_layers_follow_sparse_step_and_mlp_only_layers():
+    cfg = _hf_dict("qwen3-moe", num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3])
+    moe = ModelConfig.from_dict(cfg).moe
+    assert moe.dense_layers == (0, 2, 3, 4)
+    model = build_model(ModelConfig.from_dict(cfg), torch.float32, "meta")
+    kinds = [isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers]
+    assert kinds == [False, True, False, False, False, True]
+
+
+@pytest.mark.parametrize(
+    "name,billions,experts,top_k",
+    [
+        ("qwen3-30b-a3b", 30.53, 128, 8),
+        ("mixtral-8x7b", 46.70, 8, 2),
+        ("qwen1.5-moe-a2.7b", 14.32, 60, 4),
+    ],
+)
+def test_bench_configs_have_the_published_sizes(name, billions, experts, top_k):
+    cfg = ModelConfig.from_dict(json.loads((CONFIGS / f"{name}.json").read_text()))
+    model = build_model(cfg, torch.bfloat16, "meta")
+    params = sum(p.numel() for p in model.parameters())
+    assert abs(params / 1e9 - billions) < 0.01
+    assert (cfg.moe.num_experts, cfg.moe.top_k) == (experts, top_k)
+    gate_up = model.layers[0].mlp.experts.gate_up_proj
+    assert gate_up.shape == (experts, 2 * cfg.moe.expert_intermediate_size, cfg.hidden_size)
+
+
+def test_bench_counts_the_published_active_parameters_per_token():
+    """Qwen3-30B-A3B activates 3.3B parameters per token (its model card); a batch-1 decode step
+    reads all of them but the embedding table, which is only gathered, plus the KV cache."""
+    from bench.moe_decode import bytes_per_token
+
+    cfg = ModelConfig.from_dict(json.loads((CONFIGS / "qwen3-30b-a3b.json").read_text()))
+    read = bytes_per_token(build_model(cfg, torch.bfloat16, "meta"), context=100)
+    active = (read["dense"] + read["experts_selected"]) / 2 + cfg.vocab_size * cfg.hidden_size
+    assert abs(active / 1e9 - 3.35) < 0.05
+    assert read["experts_selected"] * cfg.moe.num_experts == read["experts_all"] * cfg.moe.top_k
+    assert read["kv"] == 100 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+
+
+def test_tensor_parallel_is_refused_for_moe():
+    cfg = ModelConfig.from_dict(_hf_dict("mixtral"))
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size: 2: mixture-of-experts"):
+        Shard(0, 2).check(cfg)
+
+
+# ---- parity with transformers --------------------------------------------------------------------
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_skewed_router_matches_hf_and_loads_experts_unevenly(tmp_path):
+    """Router rows of two experts pointed along the tokens' mean hidden state: most tokens pick
+    them, the other experts share what is left."""
+    hf = make_tiny_model("qwen3-moe", str(tmp_path))
+    toks = _tokens(36, seed=4)
+    router = hf.model.layers[0].mlp.gate
+    seen = []
+    hook = hf.model.layers[0].mlp.register_forward_hook(lambda m, args, out: seen.append(args[0]))
+    hf_logits(hf, toks)
+    hook.remove()
+    mean = seen[0].reshape(-1, seen[0].shape[-1]).mean(0)
+    with torch.no_grad():
+        router.weight[:2] += 4.0 * mean / mean.norm() ** 2
+    hf.save_pretrained(str(tmp_path))
+    cfg = ModelConfig.from_dir(str(tmp_path))
+    model = load_model(str(tmp_path), cfg, torch.float32, "cpu", load_format="safetensors")
+    counts = torch.zeros(cfg.moe.num_experts, dtype=torch.int64)
+    block = model.layers[0].mlp
+    route = block.route
+
+    def counting_route(x):
+        weights, ids = route(x)
+        counts.add_(torch.bincount(ids.reshape(-1), minlength=cfg.moe.num_experts))
+        return weights, ids
+
+    block.route = counting_route
+
+    ours = prefill_then_decode(model, cfg, toks)
+    assert (ours - hf_logits(hf, toks)).abs().max().item() < BOUND
+    assert counts.sum() == 36 * cfg.moe.top_k
+    assert counts[:2].sum() > counts.sum() // 2  # the two hot experts take most of the load
+    assert counts.max() >= 4 * counts[2:].min()
+
+
+def test_prefix_cache_hits_match_hf(tmp_path):
+    """A second prompt sharing 24 tokens with the first reuses its cached blocks; logprobs still
+    match HF."""
+    from engine import LLM, SamplingParams
+
+    hf = make_tiny_model("qwen2-moe", str(tmp_path))
+    llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", block_size=4, num_kv_blocks=64)
+    shared = _tokens(24, seed=5)
+    # (prompt_logprobs would recompute the whole prompt: no cache hit)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+    first = llm.generate([shared + _tokens(5, seed=6)], params)[0]
+    second_prompt = shared + _tokens(7, seed=7)
+    second = llm.generate([second_prompt], params)[0]
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens >= 20
+    ref = torch.log_softmax(hf_logits(hf, second_prompt + second.outputs[0].token_ids), dim=-1)
+    for s, (token, logprobs) in enumerate(
+        zip(second.outputs[0].token_ids, second.outputs[0].logprobs)
+    ):
+        row = ref[len(second_prompt) - 1 + s]
+        assert row[token].item() >= row.max().item() - BOUND  # greedy took HF's argmax
+        for top, lp in logprobs.items():
+            assert abs(lp.logprob - row[top].item()) < BOUND
+
+
+def test_missing_expert_tensor_is_named(tmp_path):
+    make_tiny_model("qwen2-moe", str(tmp_path / "m"))
+    tensors = load_file(str(tmp_path / "m" / "model.safetensors"))
+    # transformers' save_pretrained writes one tensor per expert and projection, as Hub repos do
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in tensors
+    assert not any("gate_up_proj" in name for name in tensors)
+    del tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, str(tmp_path / "m" / "model.safetensors"), metadata={"format": "pt"})
+    cfg = ModelConfig.from_dir(str(tmp_path / "m"))
+    with pytest.raises(
+        ValueError, match=r"missing tensors: model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight \(1"
+    ):
+        load_model(str(tmp_path / "m"), cfg, torch.float32, "cpu", load_format="safetensors")
+
+
+def test_pack_round_trip_keeps_stacked_experts(tmp_path):
+    make_tiny_model("mixtral", str(tmp_path / "m"))
+    path = str(tmp_path / "m")
+    cfg = ModelConfig.from_dir(path)
+    first = load_model(path, cfg, torch.float32, "cpu", load_format="pack")
+    assert first.load_stats["source"] == "safetensors" and first.load_stats["pack_written"]
+    again = load_model(path, cfg, torch.float32, "cpu", load_format="pack")
+    assert again.load_stats["source"] == "pack"
+    ours, theirs = dict(first.named_parameters()), dict(again.named_parameters())
+    assert ours.keys() == theirs.keys()
+    for name, p in ours.items():
+        assert torch.equal(p, theirs[name]), name
+    assert theirs["layers.1.mlp.experts.down_proj"].shape == (4, 64, 48)
+
+
+# ---- the fused kernels ---------------------------------------------------------------------------
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None,
+    reason="triton is not installed (CPU torch has none)",
+)
+def test_fused_moe_under_the_triton_interpreter_matches_torch():
+    """Router top-k, both sorts by expert, both GEMMs, on CPU in float32 under TRITON_INTERPRET."""
+    script = textwrap.dedent("""
+        # numpy >= 2.3 refuses int() of a 1-element array, which triton 3.6's interpreter uses
+        # for range() bounds
+        import triton.runtime.interpreter as interp
+        _patch = interp._patch_lang_tensor
+        def _patched(tensor, scope):
+            _patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+        interp._patch_lang_tensor = _patched
+        import torch
+        import engine.layers.fused_moe as fm
+        from engine.layers.moe import experts_reference, route_reference
+        torch.manual_seed(0)
+        for t, e, k, h, i, renorm, tiles in [
+            (5, 8, 2, 32, 48, True, None),
+            (3, 16, 8, 40, 24, False, fm.MoeTiles(16, (16, 16), (16, 32), 4, 2)),
+            (9, 4, 1, 64, 32, False, None),
+        ]:
+            x, logits = torch.randn(t, h), torch.randn(t, e)
+            w_ref, i_ref = route_reference(logits, k, renorm)
+            w, ids = fm.route_topk(logits, k, renorm)
+            assert torch.equal(ids.long(), i_ref), (ids, i_ref)
+            torch.testing.assert_close(w, w_ref)
+            gu, dn = 0.2 * torch.randn(e, 2 * i, h), 0.2 * torch.randn(e, h, i)
+            ref = experts_reference(x, gu, dn, w_ref, i_ref)
+            for one_program in (True, False):
+                fm.ONE_PROGRAM_PAIRS = 1 << 20 if one_program else 0
+                out = fm.fused_experts(x, gu, dn, w, ids, tiles=tiles)
+                torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        # every pair to one expert; the two sorts agree on the blocks in use
+        for ids in (torch.full((37,), 3, dtype=torch.int32), torch.randint(0, 8, (50,)).int()):
+            a = fm.align_by_expert(ids, 8, 16, one_program=True)
+            b = fm.align_by_expert(ids, 8, 16, one_program=False)
+            used = int((a[1] < 8).sum()) * 16
+            assert torch.equal(a[1], b[1]) and torch.equal(a[0][:used], b[0][:used])
+            real = a[0][:used][a[0][:used] < ids.numel()]
+            assert sorted(real.tolist()) == list(range(ids.numel()))
+            assert torch.equal(ids[real.long()], ids[real.long()].sort().values)
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def _nvidia_backend() -> bool:
+    spec = importlib.util.find_spec("triton")
+    if spec is None or spec.origin is None:
+        return False
+    return (Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "ptxas").is_file()
+
+
+@pytest.mark.skipif(not _nvidia_backend(), reason="triton without its CUDA backend (ptxas)")
+def test_fused_moe_kernels_compile_for_hopper(tmp_path):
+    """Each kernel compiled ahead of time for sm_90 (no GPU needed): what the interpreter cannot
+    catch (types across branches, shared memory, ptxas) fails here, in CI."""
+    script = textwrap.dedent("""
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        import engine.layers.fused_moe as fm
+
+        def build(fn, signature, constexprs, tiles=None):
+            options = {}
+            if tiles:
+                options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
+            source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+            kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+            assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
+
+        i32 = "i32"
+        build(
+            fm._route_topk_kernel,
+            dict(logits_ptr="*bf16", weights_ptr="*fp32", ids_ptr="*i32", num_experts=i32,
+                 stride_lm=i32, TOP_K="constexpr", K_P2="constexpr", E_P2="constexpr",
+                 RENORMALISE="constexpr"),
+            dict(TOP_K=8, K_P2=8, E_P2=128, RENORMALISE=True),
+        )
+        build(
+            fm._moe_align_kernel,
+            dict(ids_ptr="*i32", sorted_ptr="*i32", block_expert_ptr="*i32", num_pairs=i32,
+                 num_blocks=i32, BLOCK_M="constexpr", E_P2="constexpr", CHUNK="constexpr"),
+            dict(BLOCK_M=16, E_P2=128, CHUNK=64),
+        )
+        gemm = dict(a_ptr="*bf16", w_ptr="*bf16", c_ptr="*bf16", sorted_ptr="*i32",
+                    block_expert_ptr="*i32", route_weights_ptr="*fp32", num_pairs=i32, N=i32,
+                    K=i32, num_experts=i32, stride_am=i32, stride_we=i32, stride_wn=i32,
+                    stride_cm=i32, TOP_K="constexpr", GATE_UP="constexpr", BLOCK_M="constexpr",
+                    BLOCK_N="constexpr", BLOCK_K="constexpr", EVEN_K="constexpr", IEEE="constexpr")
+        for tiles, gate_up, even in [
+            (fm.moe_tiles(1, 128, 8), True, True), (fm.moe_tiles(8192, 128, 8), False, False)
+        ]:
+            block_n, block_k = tiles.gate_up if gate_up else tiles.down
+            build(fm._moe_gemm_kernel, gemm, dict(TOP_K=8, GATE_UP=gate_up,
+                  BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=even,
+                  IEEE=False), tiles)
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(REPO))
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def _routing(m: int, e: int, k: int, spread: str, gen: torch.Generator):
+    """Router logits [m, e]: "all" spreads tokens over every expert, "few" sends every token to the
+    same k experts (the first ones)."""
+    logits = torch.randn(m, e, device="cuda", generator=gen)
+    if spread == "few":
+        logits[:, :k] += 20.0
+    return logits
+
+
+GPU_CASES = [  # (experts, top_k, tokens)
+    (8, 2, 1),
+    (8, 2, 8192),
+    (8, 1, 37),
+    (64, 8, 1),
+    (64, 6, 512),
+    (128, 8, 1),
+    (128, 8, 4),
+    (128, 8, 64),
+    (128, 8, 1000),
+    (128, 8, 8192),
+    (60, 4, 3),
+    (16, 1, 2048),
+]
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("spread", ["all", "few"])
+@pytest.mark.parametrize("experts,top_k,tokens", GPU_CASES)
+def test_fused_experts_match_torch_reference(experts, top_k, tokens, spread):
+    from engine.layers.fused_moe import fused_experts, route_topk
+
+    hidden, inter = 1024, 352  # inter not a multiple of the tiles: masked columns
+    gen = torch.Generator(device="cuda").manual_seed(experts * 1000 + top_k * 10 + tokens)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    gu = (torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen) / hidden**0.5).to(
+        torch.bfloat16
+    )
+    dn = (torch.randn(experts, hidden, inter, device="cuda", generator=gen) / inter**0.5).to(
+        torch.bfloat16
+    )
+    logits = _routing(tokens, experts, top_k, spread, gen)  # float32: no ties among the top k
+    w_ref, i_ref = route_reference(logits, top_k, True)
+    w, ids = route_topk(logits, top_k, True)
+    assert torch.equal(ids.long().sort(-1).values, i_ref.sort(-1).values)
+    torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-5)
+    out = fused_experts(x, gu, dn, w, ids)
+    ref = experts_reference(x.float(), gu.float(), dn.float(), w_ref, i_ref)
+    assert out.dtype == torch.bfloat16 and out.shape == (tokens, hidden)
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("renormalise", [False, True])
+@pytest.mark.parametrize("experts,top_k", [(128, 8), (60, 4), (8, 2), (16, 1)])
+def test_router_picks_what_torch_picks_up_to_ties(experts, top_k, renormalise):
+    """bf16 router logits tie often; where torch and the kernel pick different experts, the picks
+    have equal probability, and so the same weights."""
+    from engine.layers.fused_moe import route_topk
+
+    gen = torch.Generator(device="cuda").manual_seed(experts + top_k)
+    logits = torch.randn(4096, experts, device="cuda", generator=gen).to(torch.bfloat16)
+    w_ref, i_ref = route_reference(logits, top_k, renormalise)
+    w, ids = route_topk(logits, top_k, renormalise)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32
+    probs = torch.softmax(logits.float(), dim=-1)
+    assert (ids.long().sort(-1).values.diff(dim=-1) > 0).all()  # k distinct experts
+    picked = probs.gather(1, ids.long())
+    assert (picked.diff(dim=-1) <= 0).all()  # in descending order
+    torch.testing.assert_close(picked, probs.gather(1, i_ref), atol=0, rtol=0)
+    torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-5)
+    same = (ids.long().sort(-1).values == i_ref.sort(-1).values).all(-1)
+    assert same.float().mean() > 0.5
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("tokens", [1, 16, 300, 2048])
+def test_both_sorts_by_expert_agree_on_gpu(tokens):
+    from engine.layers.fused_moe import align_by_expert
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    ids = torch.randint(0, 128, (tokens * 8,), device="cuda", generator=gen, dtype=torch.int32)
+    for block_m in (16, 64):
+        a = align_by_expert(ids, 128, block_m, one_program=True)
+        b = align_by_expert(ids, 128, block_m, one_program=False)
+        used = int((a[1] < 128).sum()) * block_m
+        assert torch.equal(a[1], b[1]) and torch.equal(a[0][:used], b[0][:used])
+
+
+def _random_block(config: str, seed: int = 0) -> tuple[ModelConfig, SparseMoeBlock]:
+    """A sparse MLP of a bench config's shape on the GPU, bf16, N(0, 0.02) weights."""
+    cfg = ModelConfig.from_dict(json.loads((CONFIGS / config).read_text()))
+    block = SparseMoeBlock(cfg, torch.bfloat16, "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    for p in block.parameters():
+        p.data.normal_(0.0, 0.02, generator=gen)
+    return cfg, block
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize(
+    "config", ["qwen3-30b-a3b.json", "mixtral-8x7b.json", "qwen1.5-moe-a2.7b.json"]
+)
+@pytest.mark.parametrize("tokens", [1, 16, 512])
+def test_moe_block_at_real_shapes_matches_torch_reference(config, tokens):
+    """Router, experts (and Qwen2-MoE's shared expert) at the real models' widths, whose tiles
+    differ from the small shapes'."""
+    cfg, block = _random_block(config, seed=tokens)
+    x = torch.randn(tokens, cfg.hidden_size, device="cuda").to(torch.bfloat16)
+    with torch.inference_mode():
+        out = block(x)
+        weights, ids = block.route(x)  # (bf16 logits tie often: the router is checked apart)
+        ref = experts_reference(
+            x.float(),
+            block.experts.gate_up_proj.float(),
+            block.experts.down_proj.float(),
+            weights,
+            ids,
+        )
+        if block.shared_expert is not None:
+            ref = ref + torch.sigmoid(block.shared_expert_gate(x)).float() * block.shared_expert(x)
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(out.float(), ref, atol=2e-2 * scale, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("tokens", [1, 2048, 8192])
+def test_moe_layer_stays_within_its_memory_bound(tokens):
+    """The KV cache is sized with engine.memory_budget's bound: the fused layer's peak stays under
+    it."""
+    from engine.memory_budget import moe_mlp_bytes
+
+    cfg, block = _random_block("qwen3-30b-a3b.json")
+    x = torch.randn(tokens, cfg.hidden_size, device="cuda").to(torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with torch.inference_mode():
+        block(x)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before <= moe_mlp_bytes(cfg, 2, tokens)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("tokens", [1, 256])
+def test_moe_block_replays_from_a_cuda_graph(tokens):
+    """The decode path reads nothing back to the host (either sort by expert): a captured step
+    equals eager."""
+    cfg, block = _random_block("qwen3-30b-a3b.json")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(tokens, cfg.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
+    with torch.inference_mode():
+        eager = block(x)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            block(x)  # compile outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = block(x)
+        x.copy_(torch.randn(tokens, cfg.hidden_size, device="cuda", generator=gen))
+        graph.replay()
+        torch.testing.assert_close(captured, block(x), atol=0, rtol=0)
+        assert not torch.equal(captured, eager)
+        ref = experts_reference(
+            x.float(),
+            block.experts.gate_up_proj.float(),
+            block.experts.down_proj.float(),
+            *block.route(x),
+        )
+        scale = ref.abs().max().item()
+        torch.testing.assert_close(captured.float(), ref, atol=2e-2 * scale, rtol=3e-2)
