@@ -509,7 +509,13 @@ class EngineCore:
             seq.logprobs.append(self._decoded([logprobs])[0])
             seq.cumulative_logprob += logprobs[token].logprob
         if seq.grammar is not None and not seq.grammar.accept(token):
-            log.debug("request %s: token %d outside its grammar", req.request_id, token)
+            log.warning(
+                "request %s: token %d was allowed by its grammar's mask but refused by its "
+                "matcher (%s); the rest of the reply is not constrained",
+                req.request_id,
+                token,
+                seq.grammar.error,
+            )
         detok = seq.detokenizer
         if detok is not None:
             detok.add(token)
