@@ -36,6 +36,7 @@ from cache.loader import (
 )
 from engine.config import EngineArgs, ModelConfig, resolve_dtype
 from engine.distributed.sharding import SINGLE, Shard
+from engine.models.checkpoint_names import text_decoder_name
 
 if TYPE_CHECKING:
     from engine.models.decoder import DecoderModel, WeightSlot
@@ -100,7 +101,7 @@ def iter_safetensors(
             ) from e
         with f:
             for name in f.keys():
-                slot = slots.get(name) if slots is not None else None
+                slot = slots.get(text_decoder_name(name)) if slots is not None else None
                 part = f.get_slice(name) if slot is not None else None
                 if part is not None and tuple(part.get_shape()) != slot.full:
                     shape = tuple(part.get_shape())
