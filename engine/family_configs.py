@@ -35,9 +35,16 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "rope_theta": 1_000_000.0,
     "rope_local_base_freq": 10_000.0,
 }
-# Fields of the wrapper's top level that describe its text decoder too.
-_WRAPPER_FIELDS = ("architectures", "eos_token_id", "bos_token_id", "torch_dtype", "dtype")
-_WRAPPER_FIELDS_OVER_TEXT = ("architectures", "quantization_config")
+# Fields of the wrapper's top level that hold for its text decoder too (over the text config's own:
+# its token ids are the chat model's, e.g. Gemma 3's eos [1, 106], end_of_turn included).
+_WRAPPER_FIELDS = (
+    "architectures",
+    "eos_token_id",
+    "bos_token_id",
+    "torch_dtype",
+    "dtype",
+    "quantization_config",
+)
 
 # Gemma 3's two kinds of layer, as transformers names them in `layer_types`.
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -54,9 +61,7 @@ def language_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
         nested = cfg.get("text_config")
         if not isinstance(nested, dict):
             raise ValueError(f"text_config: {archs[0]} checkpoints need a text_config object")
-        text = {k: cfg[k] for k in _WRAPPER_FIELDS if k in cfg}
-        text.update(nested)
-        text.update({k: cfg[k] for k in _WRAPPER_FIELDS_OVER_TEXT if k in cfg})
+        text = {**nested, **{k: cfg[k] for k in _WRAPPER_FIELDS if cfg.get(k) is not None}}
     if any(a.startswith("Gemma3") for a in archs):
         text = {**GEMMA3_TEXT_DEFAULTS, **{k: v for k, v in text.items() if v is not None}}
     return text
