@@ -121,6 +121,8 @@ class ModelConfig:
         num_layers = int(cfg["num_hidden_layers"])
         max_positions = int(cfg.get("max_position_embeddings", 2048))
         window = int(sliding) if sliding else None
+        if window is not None and window >= max_positions:  # never reached: no mask to apply
+            window = None
         kinds = layer_kinds(cfg, family, num_layers)
         windows = tuple(
             window if k == SLIDING or family in ("llama", "mistral", "phi3") else None
