@@ -189,12 +189,13 @@ def make_tiny_model(
 @torch.no_grad()
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     """Non-trivial weights: norms around 1 with noise, matrices N(0, 0.05), embeddings N(0, 0.1),
-    biases N(0, 0.1)."""
+    biases N(0, 0.1). Gemma stores its norms as offsets from 1: around 0 there."""
     gen = torch.Generator().manual_seed(seed + 1)
+    norm_center = 0.0 if model.config.model_type.startswith("gemma") else 1.0
     for name, p in model.named_parameters():
         noise = torch.randn(p.shape, generator=gen)
         if "norm" in name:
-            p.copy_(1.0 + 0.2 * noise)
+            p.copy_(norm_center + 0.2 * noise)
         elif name.endswith("bias") or "embed_tokens" in name or "lm_head" in name:
             p.copy_(0.1 * noise)
         else:

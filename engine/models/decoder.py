@@ -250,11 +250,6 @@ class DecoderModel(nn.Module):
         (engine.distributed.comm.Communicator; a shard without one can load, not run)."""
         super().__init__()
         shard.check(cfg)
-        if cfg.family == "phi3" and shard.size > 1:
-            raise ValueError(
-                f"tensor_parallel_size: {shard.size} is not supported for {cfg.architecture} yet "
-                "(its checkpoint fuses qkv_proj and gate_up_proj; the engine runs it on one GPU)"
-            )
         device = torch.device(device)
         params_on = torch.device(param_device) if param_device is not None else device
         self.config = cfg
