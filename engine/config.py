@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from engine.family_configs import (
-    SLIDING,
     gemma3_rope_settings,
     hidden_activation,
     language_model_config,
-    layer_kinds,
+    layer_windows,
+    local_layers,
     with_top_level_rope_keys,
 )
 from engine.model_support import SUPPORTED_ARCHITECTURES, check_model_config, rope_settings  # noqa: F401 (decoder.py reads it here)
@@ -78,7 +78,8 @@ class ModelConfig:
     # --- Phi-3 and Gemma 3 switches (defaults: the Llama template) ---
     rotary_dim: int | None = None  # rotate the first rotary_dim dims of a head (None: all)
     layer_windows: tuple[int | None, ...] = ()  # per-layer window (empty: sliding_window for all)
-    local_rope: RopeConfig | None = None  # rope of the windowed layers (Gemma 3's local layers)
+    local_layers: tuple[int, ...] = ()  # the windowed kind of an interleaved model (Gemma 3's)
+    local_rope: RopeConfig | None = None  # rope of the local layers (Gemma 3's own base)
     hidden_act: str = "silu"  # the MLP gate's activation
     attn_scale: float | None = None  # softmax scale (None: head_dim ** -0.5)
     embed_scale: float = 1.0  # token embeddings are multiplied by it (Gemma: sqrt(hidden))
@@ -87,12 +88,6 @@ class ModelConfig:
     def window_of(self, layer: int) -> int | None:
         """The sliding window of layer `layer` (None: it attends to the whole context)."""
         return self.layer_windows[layer] if self.layer_windows else self.sliding_window
-
-    def rope_of(self, layer: int) -> RopeConfig:
-        """The rope settings of layer `layer` (Gemma 3's windowed layers have their own)."""
-        if self.local_rope is not None and self.window_of(layer) is not None:
-            return self.local_rope
-        return self.rope
 
     def serving(self, max_model_len: int) -> "ModelConfig":
         """This config for an engine serving contexts up to max_model_len: longrope then takes one
@@ -123,11 +118,7 @@ class ModelConfig:
         window = int(sliding) if sliding else None
         if window is not None and window >= max_positions:  # never reached: no mask to apply
             window = None
-        kinds = layer_kinds(cfg, family, num_layers)
-        windows = tuple(
-            window if k == SLIDING or family in ("llama", "mistral", "phi3") else None
-            for k in kinds
-        )
+        local = local_layers(cfg, family, num_layers)
         return cls(
             architecture=arch,
             family=family,
@@ -149,7 +140,8 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             rotary_dim=_rotary_dim(cfg, family, int(head_dim)),
-            layer_windows=windows,
+            layer_windows=layer_windows(local, family, num_layers, window),
+            local_layers=local,
             local_rope=(
                 _rope_from(gemma3_rope_settings(cfg)[1], max_positions)
                 if family == "gemma3"

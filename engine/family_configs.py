@@ -48,6 +48,8 @@ _WRAPPER_FIELDS = (
 
 # Gemma 3's two kinds of layer, as transformers names them in `layer_types`.
 SLIDING, FULL = "sliding_attention", "full_attention"
+# Families whose layers come in those two kinds (the others window every layer alike).
+_INTERLEAVED = ("gemma3", "qwen2", "qwen3")
 # rope keys that may sit at the top level of a config instead of inside its rope settings
 _TOP_LEVEL_ROPE_KEYS = ("original_max_position_embeddings", "partial_rotary_factor")
 
@@ -93,6 +95,26 @@ def layer_kinds(cfg: dict[str, Any], family: str, num_layers: int) -> list[str]:
         first = int(cfg.get("max_window_layers", 28))
         return [SLIDING if i >= first else FULL for i in range(num_layers)]
     return [FULL] * num_layers
+
+
+def local_layers(cfg: dict[str, Any], family: str, num_layers: int) -> tuple[int, ...]:
+    """The indices of the SLIDING layers of a model that interleaves two kinds (Gemma 3, Qwen with
+    use_sliding_window); () for the others (Mistral windows every layer alike)."""
+    if family not in _INTERLEAVED:
+        return ()
+    return tuple(
+        i for i, kind in enumerate(layer_kinds(cfg, family, num_layers)) if kind == SLIDING
+    )
+
+
+def layer_windows(
+    local: tuple[int, ...], family: str, num_layers: int, window: int | None
+) -> tuple[int | None, ...]:
+    """Each layer's window: `window` on the local layers of an interleaved model, on every layer
+    of the others."""
+    if family not in _INTERLEAVED:
+        return (window,) * num_layers
+    return tuple(window if i in local else None for i in range(num_layers))
 
 
 def gemma3_rope_settings(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -480,3 +480,16 @@ def test_windows_and_local_rope_change_the_result(tiny) -> None:
     ):
         model = load_model(path, changed, torch.float32, "cpu", load_format="safetensors")
         assert (_prefill_then_decode(model, changed, toks, 12) - ref).abs().max().item() > 1e-2
+
+
+def test_gemma3_local_layers_keep_their_rope_when_the_window_masks_nothing(tmp_path) -> None:
+    """A window past max_position_embeddings (200 > 128) masks nothing and is dropped, yet the local
+    layers still rotate with their own base, as HF's do."""
+    hf = make_tiny_model("gemma3", str(tmp_path), sliding_window=200)
+    cfg = ModelConfig.from_dir(str(tmp_path))
+    assert cfg.layer_windows == (None,) * 4 and cfg.local_layers == (0, 2)
+    model = load_model(str(tmp_path), cfg, torch.float32, "cpu", load_format="safetensors")
+    toks = tokens(20, seed=13)
+    assert (
+        _prefill_then_decode(model, cfg, toks, 12) - hf_logits(hf, toks)
+    ).abs().max().item() < BOUND

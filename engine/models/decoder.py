@@ -313,8 +313,8 @@ class DecoderModel(nn.Module):
         return self.norm(x, residual)[0]
 
     def rotary_of(self, layer: int) -> RotaryEmbedding:
-        """The rotary embedding of layer `layer` (Gemma 3's windowed layers have their own)."""
-        if self.local_rotary is not None and self.config.window_of(layer) is not None:
+        """The rotary embedding of layer `layer` (Gemma 3's local layers have their own)."""
+        if self.local_rotary is not None and layer in self.config.local_layers:
             return self.local_rotary
         return self.rotary
 
