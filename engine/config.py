@@ -70,7 +70,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool  # Qwen2 / Qwen2.5
-    qk_norm: bool  # Qwen3: per-head RMSNorm on q and k before RoPE
+    qk_norm: bool  # Qwen3, Gemma 3: per-head RMSNorm on q and k before RoPE
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
@@ -84,6 +84,8 @@ class ModelConfig:
     attn_scale: float | None = None  # softmax scale (None: head_dim ** -0.5)
     embed_scale: float = 1.0  # token embeddings are multiplied by it (Gemma: sqrt(hidden))
     gemma_norms: bool = False  # (1 + w) RMSNorms, norms after attention and MLP too
+    attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of layer `layer` (None: it attends to the whole context)."""
@@ -119,6 +121,7 @@ class ModelConfig:
         if window is not None and window >= max_positions:  # never reached: no mask to apply
             window = None
         local = local_layers(cfg, family, num_layers)
+        gemma = family.startswith("gemma")
         return cls(
             architecture=arch,
             family=family,
@@ -134,7 +137,7 @@ class ModelConfig:
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "gemma3"),
             sliding_window=window,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
@@ -148,9 +151,11 @@ class ModelConfig:
                 else None
             ),
             hidden_act=hidden_activation(cfg, family),
-            attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if family == "gemma3" else None,
-            embed_scale=hidden**0.5 if family == "gemma3" else 1.0,
-            gemma_norms=family == "gemma3",
+            attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if gemma else None,
+            embed_scale=hidden**0.5 if gemma else 1.0,
+            gemma_norms=gemma,
+            attn_softcap=_positive_or_none(cfg, "attn_logit_softcapping"),
+            final_softcap=_positive_or_none(cfg, "final_logit_softcapping"),
         )
 
     @classmethod
@@ -190,6 +195,16 @@ def _rope_from(settings: dict[str, Any], max_positions: int) -> RopeConfig:
         long_factor=tuple(float(f) for f in merged.get("long_factor") or ()),
         attention_factor=None if attention_factor is None else float(attention_factor),
     )
+
+
+def _positive_or_none(cfg: dict[str, Any], field: str) -> float | None:
+    """A soft-cap: None when absent or null; ValueError naming `field` unless positive."""
+    value = cfg.get(field)
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{field}: must be a positive number or null, got {value!r}")
+    return float(value)
 
 
 def _longrope_attention_factor(settings: dict[str, Any], max_positions: int) -> float:

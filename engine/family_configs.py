@@ -1,5 +1,6 @@
 """Config.json details of the families beyond the Llama template's fields: a multimodal checkpoint's
-nested text config, Gemma 3's defaults and per-layer rope, Phi-3's longrope, per-layer windows.
+nested text config, Gemma's defaults and Gemma 3's per-layer rope, Phi-3's longrope, per-layer
+windows.
 
 Plain dict arithmetic, no torch: engine.model_support asks it before a weight is downloaded and
 ModelConfig at load, so both read a config.json the same way.
@@ -35,6 +36,19 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "rope_theta": 1_000_000.0,
     "rope_local_base_freq": 10_000.0,
 }
+# Gemma2Config's defaults, likewise.
+GEMMA2_DEFAULTS: dict[str, Any] = {
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 2,
+    "final_logit_softcapping": 30.0,
+    "attn_logit_softcapping": 50.0,
+}
 # Fields of the wrapper's top level that hold for its text decoder too (over the text config's own:
 # its token ids are the chat model's, e.g. Gemma 3's eos [1, 106], end_of_turn included).
 _WRAPPER_FIELDS = (
@@ -46,17 +60,17 @@ _WRAPPER_FIELDS = (
     "quantization_config",
 )
 
-# Gemma 3's two kinds of layer, as transformers names them in `layer_types`.
+# Gemma's (and Qwen's) two kinds of layer, as transformers names them in `layer_types`.
 SLIDING, FULL = "sliding_attention", "full_attention"
 # Families whose layers come in those two kinds (the others window every layer alike).
-_INTERLEAVED = ("gemma3", "qwen2", "qwen3")
+_INTERLEAVED = ("gemma2", "gemma3", "qwen2", "qwen3")
 # rope keys that may sit at the top level of a config instead of inside its rope settings
 _TOP_LEVEL_ROPE_KEYS = ("original_max_position_embeddings", "partial_rotary_factor")
 
 
 def language_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The config of the decoder the engine runs: a multimodal wrapper's `text_config` (with the
-    wrapper's architectures, token ids, dtype and quantization), Gemma 3's defaults filled in."""
+    wrapper's architectures, token ids, dtype and quantization), Gemma's defaults filled in."""
     archs = cfg.get("architectures") or []
     text = cfg
     if any(a in MULTIMODAL_WRAPPERS for a in archs):
@@ -66,18 +80,20 @@ def language_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
         text = {**nested, **{k: cfg[k] for k in _WRAPPER_FIELDS if cfg.get(k) is not None}}
     if any(a.startswith("Gemma3") for a in archs):
         text = {**GEMMA3_TEXT_DEFAULTS, **{k: v for k, v in text.items() if v is not None}}
+    if any(a.startswith("Gemma2") for a in archs):  # a null soft-cap stays null: it turns it off
+        text = {**GEMMA2_DEFAULTS, **text}
     return text
 
 
 def hidden_activation(cfg: dict[str, Any], family: str) -> str:
     """The MLP's gate activation, as transformers names it (Gemma's field is hidden_activation)."""
-    if family == "gemma3":
+    if family.startswith("gemma"):
         return cfg.get("hidden_activation") or "gelu_pytorch_tanh"
     return cfg.get("hidden_act") or "silu"
 
 
 def layer_kinds(cfg: dict[str, Any], family: str, num_layers: int) -> list[str]:
-    """SLIDING or FULL for every layer: `layer_types` when the config lists them, else Gemma 3's
+    """SLIDING or FULL for every layer: `layer_types` when the config lists them, else Gemma's
     `sliding_window_pattern` (every n-th layer global), else Qwen's `max_window_layers` (the layers
     from there on windowed) when `use_sliding_window`; otherwise all FULL."""
     kinds = cfg.get("layer_types")
@@ -88,8 +104,11 @@ def layer_kinds(cfg: dict[str, Any], family: str, num_layers: int) -> list[str]:
                 f"got {kinds!r}"
             )
         return list(kinds)
-    if family == "gemma3":
-        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+    if family.startswith("gemma"):  # Gemma 2 alternates (pattern 2), Gemma 3 has 5 local to 1
+        default = 6 if family == "gemma3" else 2
+        pattern = int(
+            cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or default
+        )
         return [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
     if family in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
         first = int(cfg.get("max_window_layers", 28))
@@ -98,7 +117,7 @@ def layer_kinds(cfg: dict[str, Any], family: str, num_layers: int) -> list[str]:
 
 
 def local_layers(cfg: dict[str, Any], family: str, num_layers: int) -> tuple[int, ...]:
-    """The indices of the SLIDING layers of a model that interleaves two kinds (Gemma 3, Qwen with
+    """The indices of the SLIDING layers of a model that interleaves two kinds (Gemma, Qwen with
     use_sliding_window); () for the others (Mistral windows every layer alike)."""
     if family not in _INTERLEAVED:
         return ()

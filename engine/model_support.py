@@ -17,23 +17,28 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",  # its text decoder; the vision tower is not loaded
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 # MLP gate activations the engine runs, per family ("gelu" is the exact, erf one)
 SUPPORTED_ACTIVATIONS = {
-    family: ("gelu_pytorch_tanh", "gelu") if family == "gemma3" else ("silu",)
+    family: ("gelu_pytorch_tanh", "gelu") if family.startswith("gemma") else ("silu",)
     for family in SUPPORTED_ARCHITECTURES.values()
 }
 # Older spellings transformers still reads as longrope (Phi-3's first 128k checkpoints say "su").
 _ROPE_TYPE_ALIASES = {"su": "longrope"}
-# Gemma 3 settings the engine does not implement, and the value it runs.
-_GEMMA3_FIXED = {
-    "final_logit_softcapping": None,
-    "attn_logit_softcapping": None,
-    "use_bidirectional_attention": False,
-    "attention_bias": False,
+# Gemma settings the engine does not implement, and the value it runs (Gemma 2 soft-caps its
+# attention scores and logits; Gemma 3 does neither).
+_GEMMA_FIXED = {
+    "gemma2": {"attention_bias": False},
+    "gemma3": {
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "use_bidirectional_attention": False,
+        "attention_bias": False,
+    },
 }
 SUPPORTED_WEIGHTS = "unquantized float32, bfloat16 or float16 weights"
 
@@ -75,15 +80,16 @@ def check_model_config(cfg: dict[str, Any]) -> tuple[str, str]:
     family = SUPPORTED_ARCHITECTURES[arch]
     if cfg.get("mlp_bias"):
         raise ValueError(f"mlp_bias: {arch} checkpoints with MLP biases are not supported")
+    if family in _GEMMA_FIXED:
+        _check_gemma(cfg, arch, _GEMMA_FIXED[family])
     if family == "gemma3":
-        _check_gemma3(cfg, arch)
         for settings in gemma3_rope_settings(cfg):
             rope_settings({"rope_parameters": settings})
     else:
         rope_settings(cfg)
     activation = hidden_activation(cfg, family)
     if activation not in SUPPORTED_ACTIVATIONS[family]:
-        field = "hidden_activation" if family == "gemma3" else "hidden_act"
+        field = "hidden_activation" if family.startswith("gemma") else "hidden_act"
         supported = ", ".join(SUPPORTED_ACTIVATIONS[family])
         raise ValueError(
             f"{field}: {arch} with {activation!r} is not supported: supported are {supported}"
@@ -91,9 +97,9 @@ def check_model_config(cfg: dict[str, Any]) -> tuple[str, str]:
     return arch, family
 
 
-def _check_gemma3(cfg: dict[str, Any], arch: str) -> None:
-    """Refuse the Gemma 3 (and Gemma 2) settings the engine does not implement, naming the field."""
-    for field, runs in _GEMMA3_FIXED.items():
+def _check_gemma(cfg: dict[str, Any], arch: str, fixed: dict[str, Any]) -> None:
+    """Refuse the Gemma settings the engine does not implement, naming the field."""
+    for field, runs in fixed.items():
         value = cfg.get(field, runs)
         if value != runs and not (runs is False and value is None):
             raise ValueError(f"{field}: {arch} with {field}={value!r} is not supported")

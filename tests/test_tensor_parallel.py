@@ -96,7 +96,13 @@ def test_tp2_matches_tp1_through_the_engine(llama_dir):
 
 @pytest.mark.parametrize(
     "family, config",
-    [("mistral", {}), ("qwen3-tied", {}), ("llama", {"attention_bias": True}), ("gemma3", {})],
+    [
+        ("mistral", {}),
+        ("qwen3-tied", {}),
+        ("llama", {"attention_bias": True}),
+        ("gemma3", {}),
+        ("gemma2", {}),
+    ],
 )
 def test_each_family_splits(family, config, tmp_path):
     """mistral: one KV head (replicated on both ranks) and a sliding window; qwen3-tied: per-head

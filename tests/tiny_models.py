@@ -138,6 +138,22 @@ FAMILIES: dict[str, tuple[str, dict]] = {
             pad_token_id=0,
         ),
     ),
+    # Gemma 2: alternating local (window 8) and global layers, soft-capped attention scores and
+    # logits (caps small enough to bite on these weights), no q/k norm.
+    "gemma2": (
+        "Gemma2ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            head_dim=32,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=1.0,
+            final_logit_softcapping=2.0,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            pad_token_id=0,
+        ),
+    ),
 }
 # HF architecture -> its config class, where the name does not follow from the architecture's
 _CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}

@@ -1,10 +1,10 @@
-"""The one decoder template (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3), readable top to bottom,
-with per-family switches.
+"""The one decoder template (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3), readable top to
+bottom, with per-family switches.
 
 Switches come from ModelConfig: qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3, Gemma 3), explicit
 head_dim, tied lm_head, partial rotary and longrope (Phi-3), per-layer windows and rope (Gemma 3,
 Qwen's max_window_layers), Gemma's (1 + w) norms around attention and MLP, GELU gate, scaled
-embeddings and query_pre_attn_scalar.
+embeddings and query_pre_attn_scalar, Gemma 2's soft-capped scores and logits.
 
 Under tensor parallelism (a Shard of more than one rank) each rank builds its slice: qkv and gate_up
 keep its rows (heads, MLP columns), o_proj and down_proj its input columns and all-reduce, the
@@ -74,6 +74,7 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.attn_scale or cfg.head_dim**-0.5
         self.sliding_window = cfg.window_of(layer)
+        self.softcap = cfg.attn_softcap
         self.backend = backend
         self.qkv_proj = Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, dtype, device
@@ -81,7 +82,7 @@ class Attention(nn.Module):
         # Qwen2 biases only q/k/v; Llama/Mistral/Qwen3 with attention_bias bias o_proj too.
         o_bias = cfg.qkv_bias and cfg.family != "qwen2"
         self.o_proj = row_linear(self.q_size, cfg.hidden_size, o_bias, dtype, device)
-        if cfg.qk_norm or cfg.gemma_norms:
+        if cfg.qk_norm:
             self.q_norm = norm_class(cfg)(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
             self.k_norm = norm_class(cfg)(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
         else:
@@ -101,6 +102,8 @@ class Attention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         kwargs = {"sliding_window": self.sliding_window} if self.sliding_window else {}
+        if self.softcap is not None:  # Gemma 2
+            kwargs["softcap"] = self.softcap
         if getattr(self.backend, "accepts_written_kv", False) and rotary.can_write_cache(
             q, kv_cache_layer, self.q_norm
         ):
@@ -320,7 +323,15 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32 (written into `out` [N, vocab] when
-        given)."""
+        given), soft-capped where the model asks (Gemma 2: cap * tanh(logits / cap))."""
+        logits = self._vocab_logits(hidden, out)
+        cap = self.config.final_softcap
+        if cap is not None:
+            logits.div_(cap).tanh_().mul_(cap)
+        return logits
+
+    def _vocab_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The lm_head's projection of compute_logits, before any soft-cap."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.shard.size > 1:  # each rank's vocabulary rows, gathered in the model dtype (rounded
             if self.comm is None:  # as TP=1 rounds them)
