@@ -273,7 +273,7 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.rope, cfg.max_position_embeddings, dtype, device, cfg.rotary_dim
         )
-        # Gemma 3's windowed layers rotate with their own base
+        # Gemma 3's local layers rotate with their own base
         self.local_rotary = (
             None
             if cfg.local_rope is None
@@ -419,9 +419,8 @@ class DecoderModel(nn.Module):
                 "post_feedforward_layernorm.weight",
             ):
                 whole(f"{hf}.{name}", f"{ours}.{name}")
-        if (
-            cfg.family == "phi3"
-        ):  # fused in the checkpoint already, in our order (q, k, v; gate, up)
+        # Phi-3's checkpoints hold them fused already, in our order (q, k, v; gate, up)
+        if cfg.family == "phi3":
             for i in range(cfg.num_layers):
                 for fused, parts in _PHI3_FUSED:
                     for part in parts:
