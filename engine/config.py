@@ -7,13 +7,23 @@ refuses what the engine cannot run.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from engine.family_configs import (
+    gemma3_rope_settings,
+    hidden_activation,
+    language_model_config,
+    layer_windows,
+    local_layers,
+    with_top_level_rope_keys,
+)
 from engine.model_support import SUPPORTED_ARCHITECTURES, check_model_config, rope_settings  # noqa: F401 (decoder.py reads it here)
 from engine.moe_config import MoeConfig, read_moe_config
 
@@ -34,6 +44,13 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    # longrope (Phi-3): per-frequency divisors below and above original_max_position_embeddings,
+    # the cos/sin scale (None: HF's default from the length ratio), and the context the engine
+    # serves, which picks one set for every position (None: max_position_embeddings).
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float | None = None
+    serving_len: int | None = None
 
 
 @dataclass(frozen=True)
@@ -54,16 +71,42 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool  # Qwen2 / Qwen2.5
-    qk_norm: bool  # Qwen3: per-head RMSNorm on q and k before RoPE
+    qk_norm: bool  # Qwen3, Gemma 3: per-head RMSNorm on q and k before RoPE
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     torch_dtype: str | None
+    # --- Phi-3 and Gemma 3 switches (defaults: the Llama template) ---
+    rotary_dim: int | None = None  # rotate the first rotary_dim dims of a head (None: all)
+    layer_windows: tuple[int | None, ...] = ()  # per-layer window (empty: sliding_window for all)
+    local_layers: tuple[int, ...] = ()  # the windowed kind of an interleaved model (Gemma 3's)
+    local_rope: RopeConfig | None = None  # rope of the local layers (Gemma 3's own base)
+    hidden_act: str = "silu"  # the MLP gate's activation
+    attn_scale: float | None = None  # softmax scale (None: head_dim ** -0.5)
+    embed_scale: float = 1.0  # token embeddings are multiplied by it (Gemma: sqrt(hidden))
+    gemma_norms: bool = False  # (1 + w) RMSNorms, norms after attention and MLP too
+    attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
     moe: MoeConfig | None = None  # Qwen2/Qwen3-MoE, Mixtral: the sparse MLP (engine/moe_config.py)
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (None: it attends to the whole context)."""
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
+
+    def serving(self, max_model_len: int) -> "ModelConfig":
+        """This config for an engine serving contexts up to max_model_len: longrope then takes one
+        set of factors for every position (long ones when max_model_len passes
+        original_max_position_embeddings), so cached keys never mix the two."""
+        if self.rope.rope_type != "longrope":
+            return self
+        return dataclasses.replace(
+            self, rope=dataclasses.replace(self.rope, serving_len=max_model_len)
+        )
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         arch, family = check_model_config(cfg)  # as the cache checks it before fetching weights
+        cfg = language_model_config(cfg)  # a multimodal checkpoint's text decoder
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // num_heads
@@ -72,30 +115,53 @@ class ModelConfig:
         # Mistral's default window is 4096 when the key is absent; Qwen applies a window only when
         # asked to.
         sliding = cfg.get("sliding_window", 4096 if family == "mistral" else None)
-        if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
-            sliding = None
+        if family in ("qwen2", "qwen3"):
+            sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+        elif family in ("qwen2_moe", "qwen3_moe"):
+            sliding = None  # refused when asked for (model_support)
+        num_layers = int(cfg["num_hidden_layers"])
+        max_positions = int(cfg.get("max_position_embeddings", 2048))
+        window = int(sliding) if sliding else None
+        if window is not None and window >= max_positions:  # never reached: no mask to apply
+            window = None
+        local = local_layers(cfg, family, num_layers)
+        gemma = family.startswith("gemma")
         return cls(
             architecture=arch,
             family=family,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=_read_rope(cfg),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rope=_read_rope(cfg, family, max_positions),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2"
             or bool(cfg.get("attention_bias", False))
             or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True))),
-            qk_norm=family in ("qwen3", "qwen3_moe"),
-            sliding_window=int(sliding) if sliding else None,
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
+            sliding_window=window,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            rotary_dim=_rotary_dim(cfg, family, int(head_dim)),
+            layer_windows=layer_windows(local, family, num_layers, window),
+            local_layers=local,
+            local_rope=(
+                _rope_from(gemma3_rope_settings(cfg)[1], max_positions)
+                if family == "gemma3"
+                else None
+            ),
+            hidden_act=hidden_activation(cfg, family),
+            attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if gemma else None,
+            embed_scale=hidden**0.5 if gemma else 1.0,
+            gemma_norms=gemma,
+            attn_softcap=_positive_or_none(cfg, "attn_logit_softcapping"),
+            final_softcap=_positive_or_none(cfg, "final_logit_softcapping"),
             moe=read_moe_config(cfg, family),
         )
 
@@ -108,11 +174,23 @@ class ModelConfig:
             return cls.from_dict(json.load(f))
 
 
-def _read_rope(cfg: dict[str, Any]) -> RopeConfig:
+def _read_rope(cfg: dict[str, Any], family: str, max_positions: int) -> RopeConfig:
     """Rope settings live in `rope_parameters` (transformers 5), or before that in `rope_theta`
-    and `rope_scaling`."""
-    merged = rope_settings(cfg)
-    theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    and `rope_scaling`; Gemma 3's global layers read theirs from the per-layer-kind settings."""
+    if family == "gemma3":
+        return _rope_from(gemma3_rope_settings(cfg)[0], max_positions)
+    merged = with_top_level_rope_keys(cfg, rope_settings(cfg))
+    merged.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    return _rope_from(merged, max_positions)
+
+
+def _rope_from(settings: dict[str, Any], max_positions: int) -> RopeConfig:
+    """A RopeConfig from one rope settings dict (rope_theta included)."""
+    merged = rope_settings({"rope_parameters": settings})
+    theta = merged.get("rope_theta", 10000.0)
+    attention_factor = merged.get("attention_factor")
+    if merged["rope_type"] == "longrope" and attention_factor is None:
+        attention_factor = _longrope_attention_factor(merged, max_positions)
     return RopeConfig(
         theta=float(theta),
         rope_type=merged["rope_type"],
@@ -120,7 +198,53 @@ def _read_rope(cfg: dict[str, Any]) -> RopeConfig:
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=merged.get("original_max_position_embeddings"),
+        short_factor=tuple(float(f) for f in merged.get("short_factor") or ()),
+        long_factor=tuple(float(f) for f in merged.get("long_factor") or ()),
+        attention_factor=None if attention_factor is None else float(attention_factor),
     )
+
+
+def _positive_or_none(cfg: dict[str, Any], field: str) -> float | None:
+    """A soft-cap: None when absent or null; ValueError naming `field` unless positive."""
+    value = cfg.get(field)
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{field}: must be a positive number or null, got {value!r}")
+    return float(value)
+
+
+def _longrope_attention_factor(settings: dict[str, Any], max_positions: int) -> float:
+    """The cos/sin scale longrope applies when the config names none (as transformers computes it):
+    sqrt(1 + ln(factor) / ln(original length)), factor defaulting to the ratio of lengths."""
+    original = settings.get("original_max_position_embeddings") or max_positions
+    factor = settings.get("factor") or max_positions / original
+    if factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def _rotary_dim(cfg: dict[str, Any], family: str, head_dim: int) -> int | None:
+    """How many dims of each head rotate (`partial_rotary_factor`, at the top level or in the rope
+    settings); None for all. Raises ValueError when longrope's factor lists do not match it."""
+    settings = {} if family == "gemma3" else with_top_level_rope_keys(cfg, rope_settings(cfg))
+    factor = float(settings.get("partial_rotary_factor") or 1.0)
+    rotary_dim = int(head_dim * factor)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise ValueError(
+            f"partial_rotary_factor: {factor} of head_dim {head_dim} must give an even number of "
+            "dims in (0, head_dim]"
+        )
+    if settings.get("rope_type") == "longrope":
+        if not settings.get("original_max_position_embeddings"):
+            raise ValueError("original_max_position_embeddings: longrope needs it")
+        for name in ("short_factor", "long_factor"):
+            if len(settings.get(name) or ()) != rotary_dim // 2:
+                raise ValueError(
+                    f"{name}: longrope needs {rotary_dim // 2} factors (rotary dims / 2), "
+                    f"got {len(settings.get(name) or ())}"
+                )
+    return None if rotary_dim == head_dim else rotary_dim
 
 
 def resolve_dtype(

@@ -64,6 +64,7 @@ def model_limits(args: EngineArgs, device: torch.device) -> tuple[ModelConfig, i
             f"max_model_len: {max_model_len} exceeds the model's max_position_embeddings "
             f"({m.max_position_embeddings})"
         )
+    m = m.serving(max_model_len)  # longrope picks its factors by the context served
     return m, max_model_len, resolve_dtype(args.dtype, m, device)
 
 

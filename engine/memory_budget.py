@@ -33,6 +33,12 @@ def layer_activation_bytes(cfg: ModelConfig, itemsize: int, num_tokens: int) -> 
     attention_half = (q + 2 * kv) + (q + kv) + q + h
     mlp_half = 2 * inter + inter + h  # gate_up, silu(gate) * up, down_proj output
     stream = 3 * h  # the residual stream in and out, and its normed copy
+    if cfg.hidden_act != "silu":  # the unfused GELU gate: its output and the product apart
+        mlp_half += inter
+    if cfg.gemma_norms:  # unfused (1 + w) norms: float32 copies of the stream
+        stream += 3 * h * 4 // itemsize
+    if cfg.gemma_norms or cfg.rotary_dim:  # rotation in torch: halves and their products
+        attention_half += 2 * (q + kv)
     dense = num_tokens * (stream + max(attention_half, mlp_half)) * itemsize
     if cfg.moe is None:
         return dense

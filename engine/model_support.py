@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.family_configs import gemma3_rope_settings, hidden_activation, language_model_config
 from engine.moe_config import read_moe_config
 
 # HF architecture name -> family switch of the one decoder template (engine/models/decoder.py).
@@ -19,8 +20,30 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",  # its text decoder; the vision tower is not loaded
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+# MLP gate activations the engine runs, per family ("gelu" is the exact, erf one)
+SUPPORTED_ACTIVATIONS = {
+    family: ("gelu_pytorch_tanh", "gelu") if family.startswith("gemma") else ("silu",)
+    for family in SUPPORTED_ARCHITECTURES.values()
+}
+# Older spellings transformers still reads as longrope (Phi-3's first 128k checkpoints say "su").
+_ROPE_TYPE_ALIASES = {"su": "longrope"}
+# Gemma settings the engine does not implement, and the value it runs (Gemma 2 soft-caps its
+# attention scores and logits; Gemma 3 does neither).
+_GEMMA_FIXED = {
+    "gemma2": {"attention_bias": False},
+    "gemma3": {
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "use_bidirectional_attention": False,
+        "attention_bias": False,
+    },
+}
 SUPPORTED_WEIGHTS = "unquantized float32, bfloat16 or float16 weights"
 
 
@@ -29,6 +52,7 @@ def rope_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     (before), with "rope_type" set; ValueError for a rope type the engine does not implement."""
     merged = {**dict(cfg.get("rope_scaling") or {}), **dict(cfg.get("rope_parameters") or {})}
     rope_type = merged.get("rope_type") or merged.get("type") or "default"
+    rope_type = _ROPE_TYPE_ALIASES.get(rope_type, rope_type)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"rope type {rope_type!r} is not supported: "
@@ -42,6 +66,7 @@ def check_model_config(cfg: dict[str, Any]) -> tuple[str, str]:
     field and what is supported."""
     if not isinstance(cfg, dict):
         raise ValueError(f"config.json: must be a JSON object, got {type(cfg).__name__}")
+    cfg = language_model_config(cfg)
     quant = cfg.get("quantization_config")
     if quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
@@ -59,13 +84,31 @@ def check_model_config(cfg: dict[str, Any]) -> tuple[str, str]:
     family = SUPPORTED_ARCHITECTURES[arch]
     if cfg.get("mlp_bias"):
         raise ValueError(f"mlp_bias: {arch} checkpoints with MLP biases are not supported")
-    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and cfg.get(
-        "use_sliding_window", False
-    ):
-        # HF windows only the layers past max_window_layers
+    if family in ("qwen2_moe", "qwen3_moe") and cfg.get("use_sliding_window", False):
         raise ValueError(
             f"use_sliding_window: per-layer sliding windows of {arch} are not supported"
         )
-    rope_settings(cfg)
+    if family in _GEMMA_FIXED:
+        _check_gemma(cfg, arch, _GEMMA_FIXED[family])
+    if family == "gemma3":
+        for settings in gemma3_rope_settings(cfg):
+            rope_settings({"rope_parameters": settings})
+    else:
+        rope_settings(cfg)
+    activation = hidden_activation(cfg, family)
+    if activation not in SUPPORTED_ACTIVATIONS[family]:
+        field = "hidden_activation" if family.startswith("gemma") else "hidden_act"
+        supported = ", ".join(SUPPORTED_ACTIVATIONS[family])
+        raise ValueError(
+            f"{field}: {arch} with {activation!r} is not supported: supported are {supported}"
+        )
     read_moe_config(cfg, family)  # the expert fields (engine/moe_config.py)
     return arch, family
+
+
+def _check_gemma(cfg: dict[str, Any], arch: str, fixed: dict[str, Any]) -> None:
+    """Refuse the Gemma settings the engine does not implement, naming the field."""
+    for field, runs in fixed.items():
+        value = cfg.get(field, runs)
+        if value != runs and not (runs is False and value is None):
+            raise ValueError(f"{field}: {arch} with {field}={value!r} is not supported")

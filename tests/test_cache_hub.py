@@ -211,14 +211,14 @@ def test_an_unsupported_model_is_refused_before_any_weight_request(revisions, tm
 def test_the_handler_refuses_an_unsupported_model_before_any_weight_request(revisions, tmp_path):
     files = dict(revisions[1])
     files["config.json"] = json.dumps(
-        {**json.loads(files["config.json"]), "architectures": ["Phi3ForCausalLM"]}
+        {**json.loads(files["config.json"]), "architectures": ["GPTNeoXForCausalLM"]}
     ).encode()
     with FakeHub() as hub:
-        hub.repos["org/phi"] = repo = FakeRepo()
+        hub.repos["org/neox"] = repo = FakeRepo()
         repo.add_commit(files)
         env = _env(
             HF_ENDPOINT=hub.url,
-            MODEL_NAME="org/phi",
+            MODEL_NAME="org/neox",
             CACHE_DIR=str(tmp_path / "cache"),
             BASE_PATH=str(tmp_path / "volume"),
             DEVICE="cpu",
@@ -233,7 +233,7 @@ def test_the_handler_refuses_an_unsupported_model_before_any_weight_request(revi
             timeout=300,
         )
         assert done.returncode != 0
-        assert "unsupported architecture ['Phi3ForCausalLM']" in done.stderr, done.stderr[-3000:]
+        assert "unsupported architecture ['GPTNeoXForCausalLM']" in done.stderr, done.stderr[-3000:]
         assert hub.requests_for(".safetensors") == []
         assert hub.requests_for("config.json")
 

@@ -205,7 +205,7 @@ def test_an_s3_source_is_refused_before_its_weights_move(model_files, tmp_path):
 
     files = dict(model_files)
     files["config.json"] = json.dumps(
-        {**json.loads(files["config.json"]), "architectures": ["Gemma3ForCausalLM"]}
+        {**json.loads(files["config.json"]), "architectures": ["GPTNeoXForCausalLM"]}
     ).encode()
     with S3Server() as s3:
         upload_tree(s3.client(), s3.bucket, "models/gemma", files)

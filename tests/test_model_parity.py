@@ -251,7 +251,9 @@ def test_loads_in_bfloat16(tiny) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("family", ["llama3-rope", "qwen2", "qwen3-tied"])
+@pytest.mark.parametrize(
+    "family", ["llama3-rope", "qwen2", "qwen3-tied", "phi3", "gemma3", "gemma2", "qwen2-window"]
+)
 def test_cuda_matches_hf(tiny, family: str) -> None:
     path, hf = tiny(family)
     cfg = ModelConfig.from_dir(path)

@@ -95,13 +95,21 @@ def test_tp2_matches_tp1_through_the_engine(llama_dir):
 
 
 @pytest.mark.parametrize(
-    "family, config", [("mistral", {}), ("qwen3-tied", {}), ("llama", {"attention_bias": True})]
+    "family, config",
+    [
+        ("mistral", {}),
+        ("qwen3-tied", {}),
+        ("llama", {"attention_bias": True}),
+        ("gemma3", {}),
+        ("gemma2", {}),
+    ],
 )
 def test_each_family_splits(family, config, tmp_path):
     """mistral: one KV head (replicated on both ranks) and a sliding window; qwen3-tied: per-head
     q/k norms, head_dim 32, a vocabulary-parallel lm_head tied to the embedding; llama with
     attention_bias: q/k/v biases split with their heads, o_proj's bias added once, after the
-    all-reduce."""
+    all-reduce; gemma3: (1 + w) q/k norms per head, local and global layers, scaled embeddings
+    gathered from the vocabulary shards."""
     make_tiny_model(family, str(tmp_path), **config)
     prompts = [list(range(5, 30)), [9, 10, 11]]
     kwargs = _engine_kwargs(num_kv_blocks=None)
@@ -203,6 +211,12 @@ def test_a_model_that_does_not_split_is_refused(llama_dir):
         LLM(model=llama_dir, tensor_parallel_size=3, **_engine_kwargs())
     with pytest.raises(ValueError, match="device"):
         LLM(model=llama_dir, tensor_parallel_size=2, **_engine_kwargs(device="cuda:1"))
+
+
+def test_phi3_is_refused_before_the_ranks_start(tmp_path):
+    make_tiny_model("phi3", str(tmp_path))
+    with pytest.raises(ValueError, match="tensor_parallel_size: 2 is not supported for Phi3"):
+        LLM(model=str(tmp_path), tensor_parallel_size=2, **_engine_kwargs())
 
 
 # ---- a rank's death ------------------------------------------------------------------------------

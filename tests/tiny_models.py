@@ -141,7 +141,72 @@ FAMILIES: dict[str, tuple[str, dict]] = {
             rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         ),
     ),
+    # Qwen's per-layer windows: layers from max_window_layers on are windowed (window 8).
+    "qwen2-window": (
+        "Qwen2ForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            use_sliding_window=True,
+            sliding_window=8,
+            max_window_layers=1,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        ),
+    ),
+    # Phi-3 past the longrope switch (every test sequence is longer than 16 tokens: the long
+    # factors, as HF takes them), half the head rotated, fused qkv / gate_up in the checkpoint.
+    "phi3": (
+        "Phi3ForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            original_max_position_embeddings=16,
+            partial_rotary_factor=0.5,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.3, 1.9, 2.6],
+                "long_factor": [1.0, 2.5, 4.0, 9.0],
+            },
+            pad_token_id=0,
+        ),
+    ),
+    # Gemma 3: local (window 8, theta 10k) and global (linear rope, theta 1M) layers, two of each
+    # kind, head_dim 32 (not hidden / heads), query_pre_attn_scalar 24, tied embeddings.
+    "gemma3": (
+        "Gemma3ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            head_dim=32,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            query_pre_attn_scalar=24,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            },
+            pad_token_id=0,
+        ),
+    ),
+    # Gemma 2: alternating local (window 8) and global layers, soft-capped attention scores and
+    # logits (caps small enough to bite on these weights), no q/k norm.
+    "gemma2": (
+        "Gemma2ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            head_dim=32,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=1.0,
+            final_logit_softcapping=2.0,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            pad_token_id=0,
+        ),
+    ),
 }
+# HF architecture -> its config class, where the name does not follow from the architecture's
+_CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
 
 
 def hf_config(family: str, **extra):
@@ -149,7 +214,8 @@ def hf_config(family: str, **extra):
     import transformers
 
     arch, overrides = FAMILIES[family]
-    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    config_name = _CONFIG_CLASSES.get(arch, arch.replace("ForCausalLM", "Config"))
+    config_cls = getattr(transformers, config_name)
     cfg = config_cls(**{**_COMMON, **overrides, **extra})
     cfg._attn_implementation = "eager"
     return cfg
@@ -189,12 +255,13 @@ def make_tiny_model(
 @torch.no_grad()
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     """Non-trivial weights: norms around 1 with noise, matrices N(0, 0.05), embeddings N(0, 0.1),
-    biases N(0, 0.1)."""
+    biases N(0, 0.1). Gemma stores its norms as offsets from 1: around 0 there."""
     gen = torch.Generator().manual_seed(seed + 1)
+    norm_center = 0.0 if model.config.model_type.startswith("gemma") else 1.0
     for name, p in model.named_parameters():
         noise = torch.randn(p.shape, generator=gen)
         if "norm" in name:
-            p.copy_(1.0 + 0.2 * noise)
+            p.copy_(norm_center + 0.2 * noise)
         elif name.endswith("bias") or "embed_tokens" in name or "lm_head" in name:
             p.copy_(0.1 * noise)
         else:

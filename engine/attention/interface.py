@@ -76,10 +76,12 @@ class AttentionBackend(ABC):
         scale: float,
         sliding_window: int | None = None,
         kv_written: bool = False,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D].
 
         Writes k/v at meta.slot_mapping (unless kv_written: the caller already stored them there,
         and k, v only give shapes), then attends: query token j of sequence i sits at context
         position seq_len_i - query_len_i + j and sees the context positions p <= its own (and, with
-        a sliding window W, p > its own - W, as HF Mistral does), scores scaled by `scale`."""
+        a sliding window W, p > its own - W, as HF Mistral does), scores scaled by `scale` (and
+        with `softcap`, Gemma 2's, mapped to softcap * tanh(score / softcap) before the mask)."""

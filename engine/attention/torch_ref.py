@@ -27,6 +27,7 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         kv_written: bool = False,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """See AttentionBackend.forward."""
         num_heads, head_dim = q.shape[1], q.shape[2]
@@ -41,7 +42,7 @@ class TorchAttentionBackend(AttentionBackend):
         starts = meta.query_start_loc_cpu
         decodes = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
         if decodes:
-            _decode_batch(q, k_cache, v_cache, meta, decodes, scale, sliding_window, out)
+            _decode_batch(q, k_cache, v_cache, meta, decodes, scale, sliding_window, out, softcap)
         for i, seq_len in enumerate(meta.seq_lens_cpu):
             q_start, q_end = starts[i], starts[i + 1]
             q_len = q_end - q_start
@@ -57,7 +58,7 @@ class TorchAttentionBackend(AttentionBackend):
             qi = q[q_start:q_end].view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
             qi = qi.reshape(num_kv_heads, group * q_len, head_dim)
             # [Hkv, group * q_len, S]
-            scores = torch.matmul(qi, keys.permute(1, 2, 0)).float() * scale
+            scores = _capped(torch.matmul(qi, keys.permute(1, 2, 0)).float() * scale, softcap)
 
             # [q_len, S], True = masked
             mask = _context_mask(seq_len, q_len, sliding_window, q.device)
@@ -80,6 +81,7 @@ def _decode_batch(
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor,
+    softcap: float | None = None,
 ) -> None:
     """All one-token queries at once: gather each context padded to the longest, mask the
     padding."""
@@ -97,6 +99,7 @@ def _decode_batch(
     token = torch.tensor([meta.query_start_loc_cpu[i] for i in rows], device=q.device)
     qd = q[token].view(b, num_kv_heads, group, head_dim)
     scores = torch.einsum("bkgd,bskd->bkgs", qd, keys).float() * scale  # [b, Hkv, group, S]
+    scores = _capped(scores, softcap)
     k_pos = torch.arange(width, device=q.device)[None, :]
     seq_len = torch.tensor(lens, device=q.device)[:, None]
     mask = k_pos >= seq_len  # padding past each context
@@ -109,6 +112,11 @@ def _decode_batch(
     values = values.masked_fill(mask[:, :, None, None], 0)
     od = torch.einsum("bkgs,bskd->bkgd", probs, values)
     out[token] = od.reshape(b, num_heads, head_dim)
+
+
+def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma 2's soft-cap of scaled scores, softcap * tanh(scores / softcap); unchanged without."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
 
 
 def write_kv(

@@ -72,10 +72,11 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         kv_written: bool = False,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """See AttentionBackend.forward; with kv_written the caller stored this step's K/V
         (RotaryEmbedding.rotate_into_cache)."""
-        _check_inputs(q, k, v, kv_cache_layer, sliding_window)
+        _check_inputs(q, k, v, kv_cache_layer, sliding_window, softcap)
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         group = num_heads // num_kv_heads
@@ -155,6 +156,7 @@ class TritonAttentionBackend(AttentionBackend):
             meta.block_tables,
             scale * LOG2_E,
             sliding_window or 0,
+            softcap / scale if softcap else 1.0,  # the kernel's cap (see _attend_tile)
             q.stride(0),
             q.stride(1),
             out.stride(0),
@@ -173,6 +175,7 @@ class TritonAttentionBackend(AttentionBackend):
             PAGE=block_size,
             NUM_SPLITS=num_splits,
             USE_WINDOW=sliding_window is not None,
+            SOFTCAP=softcap is not None,
             IEEE=kv_cache_layer.dtype == torch.float32,
             FUSED_MERGE=fused_merge,
             BLOCK_S=triton.next_power_of_2(num_splits),
@@ -213,7 +216,7 @@ class TritonAttentionBackend(AttentionBackend):
         return max(1, min(triton.cdiv(self.target_programs, programs), max_tiles, MAX_SPLITS))
 
 
-def _check_inputs(q, k, v, kv_cache_layer, sliding_window) -> None:
+def _check_inputs(q, k, v, kv_cache_layer, sliding_window, softcap=None) -> None:
     """Refuse what the kernels cannot do, naming the field and its limit."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(
@@ -241,6 +244,8 @@ def _check_inputs(q, k, v, kv_cache_layer, sliding_window) -> None:
         )
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window={sliding_window} must be >= 1")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap={softcap} must be > 0")
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:

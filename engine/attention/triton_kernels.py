@@ -45,6 +45,12 @@ def write_kv_kernel(
 
 
 @triton.jit
+def _tanh(x):
+    """tanh(x) = 1 - 2 / (exp(2x) + 1), exact at both ends (exp overflowing to inf gives 1)."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
 def _attend_tile(
     acc,
     m_i,
@@ -60,6 +66,7 @@ def _attend_tile(
     d_mask,
     scale_log2,
     window,
+    cap,
     stride_cb,
     stride_cs,
     PAGE: tl.constexpr,
@@ -69,6 +76,7 @@ def _attend_tile(
     MASKED: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     IEEE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Fold keys [start, start + BLOCK_N) (those < end) into the running softmax (log2 domain,
     fp32).
@@ -94,6 +102,10 @@ def _attend_tile(
         s = tl.dot(q, tl.trans(key), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(key))
+    if (
+        SOFTCAP
+    ):  # Gemma 2: s * scale -> softcap * tanh(s * scale / softcap), with cap = softcap / scale
+        s = cap * _tanh(s / cap)
     if MASKED:
         visible = (n[None, :] <= q_pos[:, None]) & in_range[None, :]
         if USE_WINDOW:
@@ -131,6 +143,7 @@ def paged_attention_kernel(
     block_tables_ptr,
     scale_log2,
     window,
+    cap,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -150,6 +163,7 @@ def paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     IEEE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     FUSED_MERGE: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
@@ -235,6 +249,7 @@ def paged_attention_kernel(
             d_mask,
             scale_log2,
             window,
+            cap,
             stride_cb,
             stride_cs,
             PAGE,
@@ -244,6 +259,7 @@ def paged_attention_kernel(
             False,
             USE_WINDOW,
             IEEE,
+            SOFTCAP,
         )
     for start in range(tl.maximum(full, lo), hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
@@ -261,6 +277,7 @@ def paged_attention_kernel(
             d_mask,
             scale_log2,
             window,
+            cap,
             stride_cb,
             stride_cs,
             PAGE,
@@ -270,6 +287,7 @@ def paged_attention_kernel(
             True,
             USE_WINDOW,
             IEEE,
+            SOFTCAP,
         )
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

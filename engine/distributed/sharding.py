@@ -40,6 +40,8 @@ class Shard:
             problem = f"and the model's {cfg.num_kv_heads} KV heads: one must divide the other"
         elif cfg.intermediate_size % n:
             problem = f"does not divide the model's intermediate size {cfg.intermediate_size}"
+        elif cfg.family == "phi3":  # one HF tensor would fill three slices of each rank's
+            problem = f"is not supported for {cfg.architecture} yet (checkpoint-fused qkv_proj)"
         if problem:
             raise ValueError(f"tensor_parallel_size: {n} {problem}")
 

@@ -1,4 +1,5 @@
-"""Fused activations of the MLP: SiLU(gate) * up on the output of one fused gate_up projection.
+"""Fused activations of the MLP: SiLU(gate) * up (or Gemma's GELU(gate) * up) on the output of one
+fused gate_up projection.
 
 The fused tensor holds the gate in its first half and the up projection in its second half (last
 dim); on CUDA one Triton kernel computes it.
@@ -23,3 +24,18 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     """The plain torch computation (the CPU path)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+# transformers' activation names -> F.gelu's `approximate`
+_GELU_APPROXIMATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
+
+
+def gate_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """[..., 2 * I] -> [..., I]: activation(gate) * up, `activation` as transformers names it
+    ("silu", "gelu_pytorch_tanh", "gelu")."""
+    if activation == "silu":
+        return silu_and_mul(gate_up)
+    if activation not in _GELU_APPROXIMATIONS:
+        raise ValueError(f"hidden_act: {activation!r} is not supported")
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate=_GELU_APPROXIMATIONS[activation]) * up

@@ -2,7 +2,7 @@
 the weight.
 
 Optionally adds a residual first (one fused Triton kernel on CUDA); also Qwen3's per-head q/k norms
-(last dim).
+(last dim), and Gemma's (1 + w) variant (OffsetRMSNorm).
 """
 
 from __future__ import annotations
@@ -50,3 +50,23 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the weight is stored as an offset from 1 and applied in float32,
+    (normalised(x) * (1 + w)) cast back; plain torch on every device (the fused kernel is
+    Llama's)."""
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with a residual: (norm(x + residual), x + residual)."""
+        if residual is None:
+            return self.reference(x)
+        residual = x + residual
+        return self.reference(residual), residual
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)

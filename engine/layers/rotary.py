@@ -1,9 +1,10 @@
 """Rotary position embeddings (neox-style rotate-half, as HF Llama/Qwen): a cos/sin cache for every
 position.
 
-Supports the rope types of ModelConfig.rope: "default", "linear" (positions / factor) and "llama3"
-(banded rescale); on CUDA one Triton kernel rotates q and k (after Qwen3's per-head q/k norm when
-given), or writes k, v to the cache.
+Supports the rope types of ModelConfig.rope: "default", "linear" (positions / factor), "llama3"
+(banded rescale) and "longrope" (Phi-3: per-frequency factors, scaled cos/sin), and partial rotary
+(the first rotary_dim dims of a head); on CUDA one Triton kernel rotates whole heads q and k (after
+Qwen3's per-head q/k norm when given), or writes k, v to the cache.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ def compute_inv_freq(head_dim: int, rope: RopeConfig, max_position_embeddings: i
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
         return _llama3_scale(inv_freq, rope, max_position_embeddings)
+    if rope.rope_type == "longrope":
+        factors = torch.tensor(_longrope_factors(rope, max_position_embeddings))
+        return 1.0 / (factors * rope.theta**exponents)
     raise ValueError(f"rope type {rope.rope_type!r} is not supported")
 
 
@@ -50,6 +54,21 @@ def _llama3_scale(
     return torch.where(in_band, interpolated, scaled)
 
 
+def _longrope_factors(rope: RopeConfig, max_position_embeddings: int) -> tuple[float, ...]:
+    """Phi-3's longrope: the long factors when the engine serves contexts past
+    original_max_position_embeddings, else the short ones, for every position alike."""
+    served = rope.serving_len or max_position_embeddings
+    original = rope.original_max_position_embeddings or max_position_embeddings
+    return rope.long_factor if served > original else rope.short_factor
+
+
+def cos_sin_scale(rope: RopeConfig) -> float:
+    """The factor cos and sin are multiplied by (longrope's attention factor; 1 otherwise)."""
+    if rope.rope_type == "longrope" and rope.attention_factor is not None:
+        return rope.attention_factor
+    return 1.0
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D], cos/sin [T, D/2] -> x rotated:
     (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
@@ -60,8 +79,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class RotaryEmbedding(nn.Module):
-    """Holds cos/sin [max_positions, head_dim // 2] in the model dtype; rotates q [T, H, D] and
-    k [T, Hkv, D]."""
+    """Holds cos/sin [max_positions, rotary_dim // 2] in the model dtype; rotates q [T, H, D] and
+    k [T, Hkv, D] (their first rotary_dim dims; all by default, as Phi-3's partial rotary asks)."""
 
     def __init__(
         self,
@@ -70,18 +89,27 @@ class RotaryEmbedding(nn.Module):
         max_positions: int,
         dtype: torch.dtype,
         device: torch.device | str | None = None,
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim
         self.max_positions = max_positions
-        inv_freq = compute_inv_freq(head_dim, rope, max_positions).to(device)
+        inv_freq = compute_inv_freq(self.rotary_dim, rope, max_positions).to(device)
         freqs = (
             torch.arange(max_positions, dtype=torch.float32, device=device)[:, None]
             * inv_freq[None, :]
         )
-        # Computed in float32 then cast, as HF does before rotating in the activations' dtype.
-        self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
+        # Computed (and scaled) in float32 then cast, as HF does before rotating in the
+        # activations' dtype.
+        scale = cos_sin_scale(rope)
+        self.register_buffer("cos", (freqs.cos() * scale).to(dtype), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * scale).to(dtype), persistent=False)
+
+    def _fusable(self, q: torch.Tensor, q_norm) -> bool:
+        """The fused kernel rotates whole heads and applies the plain RMSNorm only."""
+        plain_norm = q_norm is None or type(q_norm) is RMSNorm
+        return self.rotary_dim == self.head_dim and plain_norm and fused_kernels_available(q)
 
     def forward(
         self,
@@ -93,7 +121,7 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, H, D] and k [T, Hkv, D] by position; with q_norm/k_norm, normalise each head
         first."""
-        if fused_kernels_available(q):
+        if self._fusable(q, q_norm):
             if q_norm is None:
                 return rope_fused(positions, q, k, self.cos, self.sin)
             return rope_fused(
@@ -103,13 +131,22 @@ class RotaryEmbedding(nn.Module):
             q, k = q_norm(q), k_norm(k)
         cos = self.cos[positions]
         sin = self.sin[positions]
+        if self.rotary_dim < self.head_dim:
+            return self._rotate_part(q, cos, sin), self._rotate_part(k, cos, sin)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
-    def can_write_cache(self, q: torch.Tensor, kv_cache_layer: torch.Tensor) -> bool:
-        """True when rotate_into_cache can serve this layer (CUDA kernels, a contiguous cache in q's
-        dtype)."""
+    def _rotate_part(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x with its first rotary_dim dims rotated and the rest passed through."""
+        rotated = apply_rotary(x[..., : self.rotary_dim], cos, sin)
+        return torch.cat((rotated, x[..., self.rotary_dim :]), dim=-1)
+
+    def can_write_cache(
+        self, q: torch.Tensor, kv_cache_layer: torch.Tensor, q_norm: RMSNorm | None = None
+    ) -> bool:
+        """True when rotate_into_cache can serve this layer (CUDA kernels, whole heads rotated, a
+        plain q/k RMSNorm if any, a contiguous cache in q's dtype)."""
         return (
-            fused_kernels_available(q)
+            self._fusable(q, q_norm)
             and kv_cache_layer.dtype == q.dtype
             and kv_cache_layer.is_contiguous()
         )

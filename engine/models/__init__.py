@@ -1,4 +1,4 @@
-"""Models of the engine: one decoder template for the Llama / Mistral / Qwen2 / Qwen3 families.
+"""Models of the engine: one decoder template for the Llama, Mistral, Qwen, Phi-3, Gemma families.
 
 build_model allocates an empty model; load_model builds it and fills it (names resolve on first use,
 so the weights' preload does not import the model code, and triton with it).

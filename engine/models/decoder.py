@@ -1,8 +1,11 @@
-"""The one decoder template (Llama, Mistral, Qwen2, Qwen3), readable top to bottom, with per-family
-switches.
+"""The one decoder template (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3), readable top to
+bottom, with per-family switches.
 
-Switches come from ModelConfig: qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3), explicit head_dim,
-tied lm_head, experts in place of the MLP (Qwen2/Qwen3-MoE, Mixtral: engine/layers/moe.py).
+Switches come from ModelConfig: qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3, Gemma 3), explicit
+head_dim, tied lm_head, experts in place of the MLP (Qwen2/Qwen3-MoE, Mixtral:
+engine/layers/moe.py), partial rotary and longrope (Phi-3), per-layer windows and rope (Gemma 3,
+Qwen's max_window_layers), Gemma's (1 + w) norms around attention and MLP, GELU gate, scaled
+embeddings and query_pre_attn_scalar, Gemma 2's soft-capped scores and logits.
 
 Under tensor parallelism (a Shard of more than one rank) each rank builds its slice: qkv and gate_up
 keep its rows (heads, MLP columns), o_proj and down_proj its input columns and all-reduce, the
@@ -23,11 +26,20 @@ from torch import nn
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
 from engine.distributed.sharding import SINGLE, Shard
-from engine.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, silu_and_mul
+from engine.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
+from engine.layers.activation import gate_and_mul
 from engine.layers.moe import SparseMoeBlock
+from engine.layers.norm import OffsetRMSNorm
 from engine.layers.parallel import RowParallelLinear, VocabParallelEmbedding
 from engine.layers.skinny_gemm import skinny_applies, skinny_gemm
+from engine.models.checkpoint_names import is_vision_tensor, text_decoder_name
 from engine.models.moe_weights import moe_weight_rows
+
+# Phi-3 checkpoints' fused tensors and the HF parts they stand for
+_PHI3_FUSED = (
+    ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+)
 
 
 class WeightSlot(NamedTuple):
@@ -47,18 +59,25 @@ class Attention(nn.Module):
     """Fused qkv projection -> (q/k norm) -> RoPE -> paged attention backend -> o_proj."""
 
     def __init__(
-        self, cfg: ModelConfig, backend, dtype: torch.dtype, device: torch.device, row_linear=Linear
+        self,
+        cfg: ModelConfig,
+        backend,
+        dtype: torch.dtype,
+        device: torch.device,
+        row_linear=Linear,
+        layer: int = 0,
     ) -> None:
         """cfg: this rank's slice (engine.distributed.sharding.Shard.local_config); row_linear:
-        o_proj's class."""
+        o_proj's class; layer: its index (windows may differ per layer)."""
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
-        self.sliding_window = cfg.sliding_window
+        self.scale = cfg.attn_scale or cfg.head_dim**-0.5
+        self.sliding_window = cfg.window_of(layer)
+        self.softcap = cfg.attn_softcap
         self.backend = backend
         self.qkv_proj = Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, dtype, device
@@ -67,8 +86,8 @@ class Attention(nn.Module):
         o_bias = cfg.qkv_bias and cfg.family not in ("qwen2", "qwen2_moe")
         self.o_proj = row_linear(self.q_size, cfg.hidden_size, o_bias, dtype, device)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.q_norm = norm_class(cfg)(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = norm_class(cfg)(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
         else:
             self.q_norm = self.k_norm = None
 
@@ -86,8 +105,10 @@ class Attention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         kwargs = {"sliding_window": self.sliding_window} if self.sliding_window else {}
+        if self.softcap is not None:  # Gemma 2
+            kwargs["softcap"] = self.softcap
         if getattr(self.backend, "accepts_written_kv", False) and rotary.can_write_cache(
-            q, kv_cache_layer
+            q, kv_cache_layer, self.q_norm
         ):
             # one kernel rotates q and k (Qwen3: normalises each head first) and stores k, v in the
             # paged cache
@@ -103,18 +124,20 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one projection."""
+    """down(act(gate(x)) * up(x)) with gate and up fused into one projection (act: SiLU, Gemma's
+    GELU)."""
 
     def __init__(
         self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, row_linear=Linear
     ) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
+        self.activation = cfg.hidden_act
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype, device)
         self.down_proj = row_linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(gate_and_mul(self.gate_up_proj(x), self.activation))
 
 
 class DecoderLayer(nn.Module):
@@ -132,13 +155,13 @@ class DecoderLayer(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         row_linear=Linear,
-        layer_index: int = 0,
+        layer: int = 0,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, backend, dtype, device, row_linear)
+        self.self_attn = Attention(cfg, backend, dtype, device, row_linear, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        if cfg.moe is not None and cfg.moe.is_sparse(layer_index):  # experts (engine/layers/moe.py)
+        if cfg.moe is not None and cfg.moe.is_sparse(layer):  # experts (engine/layers/moe.py)
             self.mlp = SparseMoeBlock(cfg, dtype, device)
         else:
             self.mlp = MLP(cfg, dtype, device, row_linear)
@@ -162,6 +185,53 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, positions, rotary, kv_cache_layer, meta)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+
+class SandwichDecoderLayer(nn.Module):
+    """Gemma's block, each sublayer normed before and after:
+    x + post_attn_norm(attn(input_norm(x))), then x + post_ff_norm(mlp(pre_ff_norm(x))), with
+    (1 + w) norms; the same (output, residual) contract as DecoderLayer."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        backend,
+        dtype: torch.dtype,
+        device: torch.device,
+        row_linear=Linear,
+        layer: int = 0,
+    ) -> None:
+        super().__init__()
+
+        def norm() -> OffsetRMSNorm:
+            return OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+        self.input_layernorm = norm()
+        self.self_attn = Attention(cfg, backend, dtype, device, row_linear, layer)
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm()
+        self.post_feedforward_layernorm = norm()
+        self.mlp = MLP(cfg, dtype, device, row_linear)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache_layer: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's normed MLP output, the residual stream before it)."""
+        residual = x if residual is None else x + residual
+        h = self.self_attn(self.input_layernorm(residual), positions, rotary, kv_cache_layer, meta)
+        h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
+
+
+def norm_class(cfg: ModelConfig) -> type[RMSNorm]:
+    """Gemma's (1 + w) RMSNorm or the Llama one."""
+    return OffsetRMSNorm if cfg.gemma_norms else RMSNorm
 
 
 class DecoderModel(nn.Module):
@@ -207,13 +277,25 @@ class DecoderModel(nn.Module):
             self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, params_on)
         local = shard.local_config(cfg)
         self.rotary = RotaryEmbedding(
-            cfg.head_dim, cfg.rope, cfg.max_position_embeddings, dtype, device
+            cfg.head_dim, cfg.rope, cfg.max_position_embeddings, dtype, device, cfg.rotary_dim
         )
+        # Gemma 3's local layers rotate with their own base
+        self.local_rotary = (
+            None
+            if cfg.local_rope is None
+            else RotaryEmbedding(
+                cfg.head_dim, cfg.local_rope, cfg.max_position_embeddings, dtype, device
+            )
+        )
+        self.register_buffer(
+            "embed_scale", torch.tensor(cfg.embed_scale, dtype=dtype, device=device), False
+        )
+        layer_class = SandwichDecoderLayer if cfg.gemma_norms else DecoderLayer
         self.layers = nn.ModuleList(
-            DecoderLayer(local, backend, dtype, params_on, row_linear, i)
+            layer_class(local, backend, dtype, params_on, row_linear, i)
             for i in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, params_on)
+        self.norm = norm_class(cfg)(cfg.hidden_size, cfg.rms_norm_eps, dtype, params_on)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
@@ -230,16 +312,32 @@ class DecoderModel(nn.Module):
         """input_ids, positions [T] int64; kv_cache [L, 2, blocks, block_size, Hkv, D]
         -> hidden [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        if self.config.embed_scale != 1.0:  # rounded to the model dtype, as HF Gemma scales
+            x = x * self.embed_scale
         residual = None
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, self.rotary, kv_cache[i], meta)
+            x, residual = layer(x, residual, positions, self.rotary_of(i), kv_cache[i], meta)
         if residual is None:
             return self.norm(x)
         return self.norm(x, residual)[0]
 
+    def rotary_of(self, layer: int) -> RotaryEmbedding:
+        """The rotary embedding of layer `layer` (Gemma 3's local layers have their own)."""
+        if self.local_rotary is not None and layer in self.config.local_layers:
+            return self.local_rotary
+        return self.rotary
+
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32 (written into `out` [N, vocab] when
-        given)."""
+        given), soft-capped where the model asks (Gemma 2: cap * tanh(logits / cap))."""
+        logits = self._vocab_logits(hidden, out)
+        cap = self.config.final_softcap
+        if cap is not None:
+            logits.div_(cap).tanh_().mul_(cap)
+        return logits
+
+    def _vocab_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The lm_head's projection of compute_logits, before any soft-cap."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.shard.size > 1:  # each rank's vocabulary rows, gathered in the model dtype (rounded
             if self.comm is None:  # as TP=1 rounds them)
@@ -327,8 +425,18 @@ class DecoderModel(nn.Module):
                 "post_attention_layernorm.weight",
                 "self_attn.q_norm.weight",
                 "self_attn.k_norm.weight",
+                "pre_feedforward_layernorm.weight",
+                "post_feedforward_layernorm.weight",
             ):
                 whole(f"{hf}.{name}", f"{ours}.{name}")
+        # Phi-3's checkpoints hold them fused already, in our order (q, k, v; gate, up)
+        if cfg.family == "phi3":
+            for i in range(cfg.num_layers):
+                for fused, parts in _PHI3_FUSED:
+                    for part in parts:
+                        out.pop(f"model.layers.{i}.{part}.weight")
+                        out.pop(f"model.layers.{i}.{part}.bias", None)
+                    whole(f"model.layers.{i}.{fused}.weight", f"layers.{i}.{fused}.weight")
         return out
 
     @torch.no_grad()
@@ -348,6 +456,7 @@ class DecoderModel(nn.Module):
         seen: set[str] = set()
         unknown: list[str] = []
         for name, tensor in named_tensors:
+            name = text_decoder_name(name)  # a multimodal checkpoint's text decoder
             slot = weight_map.get(name)
             if slot is None:
                 if not _ignorable(name, self.config):
@@ -396,6 +505,8 @@ def _ignorable(name: str, cfg: ModelConfig) -> bool:
     """Tensors a checkpoint may carry that the engine does not need."""
     if name.endswith("rotary_emb.inv_freq"):
         return True
+    if is_vision_tensor(name):  # a multimodal checkpoint's vision tower: text only here
+        return cfg.architecture.endswith("ForConditionalGeneration")
     return name == "lm_head.weight" and cfg.tie_word_embeddings
 
 

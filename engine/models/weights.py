@@ -36,6 +36,7 @@ from cache.loader import (
 )
 from engine.config import EngineArgs, ModelConfig, resolve_dtype
 from engine.distributed.sharding import SINGLE, Shard
+from engine.models.checkpoint_names import is_vision_tensor, text_decoder_name
 
 if TYPE_CHECKING:
     from engine.models.decoder import DecoderModel, WeightSlot
@@ -84,11 +85,17 @@ def safetensors_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, n) for n in found]
 
 
+# What iter_safetensors yields for a tensor the model never takes (a multimodal checkpoint's vision
+# tower): the loader only needs its name.
+_UNREAD = torch.empty(0)
+
+
 def iter_safetensors(
     model_dir: str, slots: dict[str, "WeightSlot"] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, CPU tensor) for every tensor of the checkpoint, one at a time. With `slots` (a model's
-    hf_weight_map), a tensor it names is read as its slot's slice only (then presliced=True)."""
+    hf_weight_map), a tensor it names is read as its slot's slice only (then presliced=True), and a
+    vision tower's tensor not at all (an empty tensor stands for it)."""
     for path in safetensors_files(model_dir):
         try:
             f = safe_open(path, framework="pt", device="cpu")
@@ -100,7 +107,10 @@ def iter_safetensors(
             ) from e
         with f:
             for name in f.keys():
-                slot = slots.get(name) if slots is not None else None
+                slot = slots.get(text_decoder_name(name)) if slots is not None else None
+                if slots is not None and slot is None and is_vision_tensor(name):
+                    yield name, _UNREAD  # a vision tower's tensor: named, never read
+                    continue
                 part = f.get_slice(name) if slot is not None else None
                 if part is not None and tuple(part.get_shape()) != slot.full:
                     shape = tuple(part.get_shape())
