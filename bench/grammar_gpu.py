@@ -87,6 +87,26 @@ def _decode_ms(llm, batch: int, tokens: int, spec) -> tuple[float, list]:
     return 1e3 * (last - first) / (tokens - 1), outs
 
 
+def _host_profile(llm, batch: int, tokens: int, spec, out_dir: str) -> str:
+    """cProfile of the host over one decode run at `batch` with the grammar: where the step loop's
+    time goes, by cumulative time, written to grammar_host_profile.txt."""
+    import cProfile
+    import io
+    import pstats
+
+    _decode_ms(llm, batch, tokens, spec)  # warm: graphs captured, masks' lexer states computed
+    prof = cProfile.Profile()
+    prof.enable()
+    _decode_ms(llm, batch, tokens, spec)
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(45)
+    path = os.path.join(out_dir, "grammar_host_profile.txt")
+    with open(path, "w") as f:
+        f.write(text.getvalue())
+    return path
+
+
 def engine_decode(args, tokenizer_json: str) -> dict:
     """The engine's own decode (SamplingParams.structured_outputs, async scheduling, CUDA graphs)
     at each batch, alternating runs without and with the 20-field schema on every sequence."""
@@ -107,6 +127,8 @@ def engine_decode(args, tokenizer_json: str) -> dict:
     )
     spec = StructuredOutputs(json=NESTED_20_FIELDS)
     out = {}
+    if args.profile:
+        out["profile"] = _host_profile(llm, max(args.batch), args.tokens, spec, args.out)
     for b in args.batch:
         runs: dict[str, list[float]] = {"plain_ms": [], "grammar_ms": []}
         for _ in range(args.repeats):
@@ -142,6 +164,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128, help="new tokens per decode run")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--parts", default="device,engine,engines", help="which parts to run")
+    ap.add_argument("--profile", action="store_true", help="cProfile one grammar run first")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
