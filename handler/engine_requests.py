@@ -75,6 +75,7 @@ SAMPLING_FIELDS = (
     "min_tokens",
     "skip_special_tokens",
     "include_stop_str_in_output",
+    "prompt_logprobs",
 )
 # Keys of chat_template_kwargs that would change more than template variables (e.g. load a
 # template from a path).
@@ -168,6 +169,12 @@ def _refuse_unsupported(req: SamplingFields) -> None:
     if req.use_beam_search:
         raise ApiError(
             400, "use_beam_search: beam search is not supported by this engine", "use_beam_search"
+        )
+    if req.prompt_logprobs is not None and req.stream:
+        raise ApiError(
+            400,
+            "prompt_logprobs: not supported with stream: true; send the request unstreamed",
+            "prompt_logprobs",
         )
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options: only allowed when stream is true", "stream_options")

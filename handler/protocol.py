@@ -153,6 +153,8 @@ class SamplingFields(_Model):
     frequency_penalty: Annotated[Number, Field(ge=-2, le=2)] | None = None
     repetition_penalty: RepetitionPenalty | None = None
     min_tokens: Annotated[StrictInt, Field(ge=0, le=MAX_TOKENS_LIMIT)] = 0
+    # vLLM's: the top logprobs of each prompt token, in the response's prompt_logprobs
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False

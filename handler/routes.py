@@ -317,7 +317,10 @@ class OpenAIRoutes:
             )
         usage = self._usage(prompt_lens, streams.latest)
         self._record(t0, first_token, usage)
-        return {**head, "object": "chat.completion", "choices": choices, "usage": usage}
+        response = {**head, "object": "chat.completion", "choices": choices, "usage": usage}
+        if req.prompt_logprobs is not None:
+            response["prompt_logprobs"] = prompt_logprobs_entries(out.prompt_logprobs)
+        return response
 
     async def _chat_stream(
         self, streams: RequestStreams, head: dict, request: EngineRequest, prompt_lens, t0
@@ -408,6 +411,10 @@ class OpenAIRoutes:
                         "finish_reason": c.finish_reason,
                     }
                 )
+                if req.prompt_logprobs is not None:
+                    choices[-1]["prompt_logprobs"] = prompt_logprobs_entries(
+                        streams.latest[i].prompt_logprobs
+                    )
         usage = self._usage(prompt_lens, streams.latest)
         self._record(t0, first_token, usage)
         return {**head, "object": "text_completion", "choices": choices, "usage": usage}
@@ -468,6 +475,24 @@ class OpenAIRoutes:
                 yield {**head, "choices": [], "usage": usage}
         finally:
             await streams.close()
+
+
+def prompt_logprobs_entries(positions: list | None) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token, None for the first, else {token id: {"logprob",
+    "rank", "decoded_token"}} (the prompt's own token and the top candidates)."""
+    return [
+        None
+        if pos is None
+        else {
+            str(tid): {
+                "logprob": _logprob(lp.logprob),
+                "rank": lp.rank,
+                "decoded_token": lp.decoded_token,
+            }
+            for tid, lp in pos.items()
+        }
+        for pos in positions or []
+    ]
 
 
 def _joined(a: ReplyDelta, b: ReplyDelta) -> ReplyDelta:

@@ -475,3 +475,28 @@ def test_a_model_that_fails_to_load_exits_non_zero(tmp_path):
     assert done.returncode == 1
     assert missing in done.stderr + done.stdout
     assert "hf_DONOTPRINTME" not in done.stderr + done.stdout
+
+
+def test_prompt_logprobs_on_both_routes_match_the_engine(client, llm):
+    """vLLM's prompt_logprobs: per prompt token, None first, then the token's own logprob and the
+    top candidates, as the engine computes them."""
+    prompt = "The capital of France is Paris"
+    ref = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+    resp = client.completions.create(
+        model=SERVED, prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 2}
+    )
+    got = resp.choices[0].model_extra["prompt_logprobs"]
+    assert len(got) == len(ref.prompt_token_ids) and got[0] is None
+    for token, pos, want in zip(ref.prompt_token_ids[1:], got[1:], ref.prompt_logprobs[1:]):
+        assert str(token) in pos and len(pos) <= 3
+        assert pos[str(token)]["logprob"] == pytest.approx(want[token].logprob, abs=1e-4)
+    chat = client.chat.completions.create(
+        model=SERVED, messages=QUESTION, max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
+    entries = chat.model_extra["prompt_logprobs"]
+    assert entries[0] is None and all(len(e) == 1 for e in entries[1:])
+    with pytest.raises(BadRequestError) as err:
+        client.chat.completions.create(
+            model=SERVED, messages=QUESTION, stream=True, extra_body={"prompt_logprobs": 1}
+        )
+    assert err.value.body["param"] == "prompt_logprobs"
