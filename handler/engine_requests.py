@@ -35,6 +35,7 @@ from handler.reasoning import THINK_CLOSE, ReasoningParser
 MODELS_ROUTE = "/v1/models"
 CHAT_ROUTE = "/v1/chat/completions"
 COMPLETIONS_ROUTE = "/v1/completions"
+RESPONSES_ROUTE = "/v1/responses"  # text, mapped onto a chat completion (handler.responses_api)
 # vLLM's own routes, outside /v1
 TOKENIZE_ROUTE = "/tokenize"
 DETOKENIZE_ROUTE = "/detokenize"
@@ -43,6 +44,7 @@ ROUTES = (
     MODELS_ROUTE,
     CHAT_ROUTE,
     COMPLETIONS_ROUTE,
+    RESPONSES_ROUTE,
     TOKENIZE_ROUTE,
     DETOKENIZE_ROUTE,
     VERSION_ROUTE,
@@ -52,6 +54,7 @@ ROUTE_METHODS = {
     MODELS_ROUTE: "GET",
     CHAT_ROUTE: "POST",
     COMPLETIONS_ROUTE: "POST",
+    RESPONSES_ROUTE: "POST",
     TOKENIZE_ROUTE: "POST",
     DETOKENIZE_ROUTE: "POST",
     VERSION_ROUTE: "GET",

@@ -207,6 +207,63 @@ class CompletionRequest(SamplingFields):
     best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None
 
 
+class InputText(_Model):
+    type: Literal["input_text", "output_text", "text"]
+    text: StrictStr
+
+
+class InputItem(_Model):
+    """A message of the Responses API's input list (the only item kind served: function calls,
+    their outputs, images and files are refused, naming the item)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[InputText]
+    id: StrictStr | None = None
+    status: StrictStr | None = None
+
+
+class TextFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    name: Annotated[StrictStr, Field(max_length=64)] = "response"
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+    description: StrictStr | None = None
+
+
+class TextOptions(_Model):
+    format: TextFormat | None = None
+
+
+class ReasoningOptions(_Model):
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+
+
+class ResponsesRequest(_Model):
+    """/v1/responses, text only, as far as it maps onto a chat completion."""
+
+    model: StrictStr | None = None
+    input: StrictStr | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_MESSAGES)]
+    instructions: StrictStr | None = None
+    max_output_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
+    temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
+    stream: StrictBool = False
+    text: TextOptions | None = None
+    reasoning: ReasoningOptions | None = None
+    user: StrictStr | None = None
+    metadata: dict[str, StrictStr] | None = None
+    store: StrictBool | None = None
+    # what a stateless text server cannot honour: refused by name
+    previous_response_id: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    background: Any = None
+    conversation: Any = None
+    prompt: Any = None
+
+
 class TokenizeRequest(_Model):
     """vLLM's /tokenize: a prompt, or messages rendered through the chat template."""
 

@@ -135,6 +135,11 @@ class ChunkStream:
         """The next (or pending) chunk raises Interrupted instead of waiting for the engine."""
         self._streams.interrupt()
 
+    def mapped(self, convert) -> "ChunkStream":
+        """The same request's stream with its chunks turned into others by convert (an async
+        generator over these chunks)."""
+        return ChunkStream(convert(self._chunks), self._streams)
+
 
 async def drain(streams: RequestStreams) -> float | None:
     """Run a non-streaming request to its end (closing its streams whatever happens); when its first

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from handler import responses_api
 from handler.chat_reply import (
     ReplyDelta,
     ReplyReader,
@@ -25,6 +26,7 @@ from handler.engine_requests import (
     CHAT_ROUTE,
     DETOKENIZE_ROUTE,
     MODELS_ROUTE,
+    RESPONSES_ROUTE,
     ROUTE_METHODS,
     ROUTES,
     TOKENIZE_ROUTE,
@@ -139,7 +141,20 @@ class OpenAIRoutes:
             return {"version": coldbrew_version()}
         if path in (TOKENIZE_ROUTE, DETOKENIZE_ROUTE):
             return await self.tokens.answer(path, body)
+        if path == RESPONSES_ROUTE:
+            return await self._counted(path, self._responses(body))
         return await self._counted(path, self._serve(path, body))
+
+    async def _responses(self, body: Any) -> dict | ChunkStream:
+        """/v1/responses: served as the chat completion it stands for."""
+        req = responses_api.parse_request(body)
+        answer = await self._serve(CHAT_ROUTE, responses_api.chat_body(req))
+        if isinstance(answer, ChunkStream):
+            model = self.requests.model(req.model)
+            return answer.mapped(
+                lambda chunks: responses_api.events_from_chunks(req, model, chunks)
+            )
+        return responses_api.from_chat(req, answer)
 
     async def _counted(self, route: str, work):
         """Count the request in the metrics; a stream is counted when it ends."""

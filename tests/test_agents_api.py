@@ -424,3 +424,35 @@ def test_generation_config_defaults_apply_when_a_request_leaves_them_unset(clien
         for s in range(3)
     }
     assert len(sampled) > 1
+
+
+def test_responses_api_text_whole_and_streamed(client):
+    """/v1/responses as the openai client calls it: instructions and input become a chat, the
+    answer an output_text; streamed, the events' deltas join into the same text."""
+    fields = dict(
+        model=SERVED,
+        instructions="answer briefly",
+        input=[{"role": "user", "content": "what is the weather in paris today?"}],
+        max_output_tokens=12,
+        temperature=1.0,
+    )
+    whole = client.responses.create(**fields)
+    assert whole.status in ("completed", "incomplete") and whole.output_text
+    assert whole.usage.output_tokens <= 12 and whole.id.startswith("resp_")
+    kinds, deltas, done = [], [], None
+    for ev in client.responses.create(stream=True, **fields):
+        kinds.append(ev.type)
+        if ev.type == "response.output_text.delta":
+            deltas.append(ev.delta)
+        if ev.type == "response.completed":
+            done = ev.response
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "".join(deltas) == done.output_text and done.usage.total_tokens > 0
+    fmt = {"format": {"type": "json_schema", "name": "order", "schema": ORDER}}
+    doc = client.responses.create(
+        model=SERVED, input="an order", text=fmt, temperature=1.0, max_output_tokens=400
+    )
+    jsonschema.validate(json.loads(doc.output_text), ORDER)
+    with pytest.raises(BadRequestError) as err:
+        client.responses.create(model=SERVED, input="hi", previous_response_id="resp_1")
+    assert err.value.body["param"] == "previous_response_id"

@@ -220,6 +220,53 @@ def test_cancelled_job_stops_and_the_worker_goes_on(worker, reference):
 
 
 @pytest.mark.slow
+def test_agent_requests_through_jobs(worker, smollm2_dir):
+    """What agents send works through RunPod jobs too: a JSON schema (openai_route), a required
+    tool call (route/body), /v1/responses and /tokenize."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"enum": ["paris", "rome"]}, "n": {"type": "integer"}},
+        "required": ["city", "n"],
+        "additionalProperties": False,
+    }
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": schema}}
+    base = {"model": smollm2_dir, "messages": MESSAGES, "max_tokens": 60, "temperature": 0}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    worker.put(
+        "ag-json",
+        {"openai_route": "/v1/chat/completions", "openai_input": {**base, "response_format": fmt}},
+    )
+    worker.put(
+        "ag-tool",
+        {
+            "route": "/v1/chat/completions",
+            "body": {
+                **base,
+                "tools": [tool],
+                "tool_choice": "required",
+                "parallel_tool_calls": False,
+            },
+        },
+    )
+    worker.put(
+        "ag-resp", {"route": "/v1/responses", "body": {"input": "hi", "max_output_tokens": 4}}
+    )
+    worker.put("ag-tok", {"route": "/tokenize", "body": {"prompt": PROMPT}})
+    res_json, res_tool, res_resp, res_tok = _wait_done(
+        worker, "ag-json", "ag-tool", "ag-resp", "ag-tok"
+    )
+    doc = json.loads(res_json["output"][0]["choices"][0]["message"]["content"])
+    assert set(doc) == {"city", "n"} and doc["city"] in ("paris", "rome")
+    choice = res_tool["output"][0]["choices"][0]
+    (call,) = choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == "tool_calls" and call["function"]["name"] == "get_weather"
+    assert set(json.loads(call["function"]["arguments"])) == {"city", "n"}
+    assert res_resp["output"][0]["object"] == "response"
+    assert res_resp["output"][0]["output"][0]["content"][0]["type"] == "output_text"
+    assert res_tok["output"][0]["count"] == len(res_tok["output"][0]["tokens"]) > 0
+
+
+@pytest.mark.slow
 def test_v2_24_route_jobs_answer_as_worker_vllm(worker, reference, smollm2_dir):
     """worker-vllm v2.24+'s `{"route", "body", "method"}`: a body POSTs, no body GETs; not
     streamed, the response object; streamed, SSE text; an error, the OpenAI error object (the SDK
