@@ -518,12 +518,15 @@ class EngineCore:
                 seq.grammar.error,
             )
         detok = seq.detokenizer
-        if detok is not None:
-            detok.add(token)
         p = req.params
+        ends = token in self.eos_token_ids and not p.ignore_eos
+        if detok is not None and not (ends and not p.include_stop_str_in_output):
+            # the end-of-sequence token that ends the output is not part of its text (as in vLLM),
+            # whether or not special tokens are skipped
+            detok.add(token)
         if detok is not None and detok.stop_reason is not None:
             self.scheduler.finish(seq, "stop", detok.stop_reason)
-        elif token in self.eos_token_ids and not p.ignore_eos:
+        elif ends:
             self.scheduler.finish(seq, "stop")
         elif p.stop_token_ids and token in p.stop_token_ids:
             self.scheduler.finish(seq, "stop", token)

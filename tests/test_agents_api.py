@@ -456,3 +456,12 @@ def test_responses_api_text_whole_and_streamed(client):
     with pytest.raises(BadRequestError) as err:
         client.responses.create(model=SERVED, input="hi", previous_response_id="resp_1")
     assert err.value.body["param"] == "previous_response_id"
+
+
+def test_the_end_of_sequence_token_is_not_text_even_with_special_tokens_kept(client):
+    """skip_special_tokens false (how Mistral's [TOOL_CALLS] replies are read): the reply's text
+    still ends before the end-of-sequence token that ended it, as in vLLM."""
+    extra = {"structured_outputs": {"choice": ["paris"]}, "skip_special_tokens": False}
+    resp = _chat(client, extra_body=extra)
+    assert resp.choices[0].message.content == "paris"
+    assert resp.choices[0].finish_reason == "stop"
