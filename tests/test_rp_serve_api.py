@@ -102,7 +102,7 @@ def test_runsync_serves_both_job_shapes_and_survives_bad_input(local_api, smollm
 def test_runsync_serves_the_v2_24_route_form(local_api, smollm2_dir):
     """worker-vllm v2.24+'s `{"route", "body", "method"}` through the SDK's local API: the response
     object, the model list for a body-less GET, and an OpenAI error object (in the output, as the
-    local API keeps it) for tools."""
+    local API keeps it) for tools without a parser, and a named tool call."""
     base, _ = local_api
     parts = [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}]
     messages = [{"role": "user", "content": parts}]
@@ -142,10 +142,25 @@ def test_runsync_serves_the_v2_24_route_form(local_api, smollm2_dir):
     )
     error = tools["output"][0]["error"]
     assert (error["code"], error["param"], error["type"]) == (400, "tools", "invalid_request_error")
-    assert "tool calls are not supported" in error["message"]
+    assert "needs TOOL_CALL_PARSER" in error["message"]
     tool = {"type": "function", "function": {"name": "f"}}
+    named = _runsync(
+        base,
+        {
+            "route": "/v1/chat/completions",
+            "body": {
+                "messages": messages,
+                "max_tokens": 32,
+                "tools": [tool],
+                "tool_choice": {"type": "function", "function": {"name": "f"}},
+            },
+        },
+    )
+    choice = named["output"][0]["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["f"]
     job_tools = _runsync(base, {"messages": messages, "tools": [tool]})
-    assert job_tools["output"][0]["error"].startswith("input.tools: tool calls are not supported")
+    assert job_tools["output"][0]["error"].startswith('input.tools: tool_choice "auto"')
 
 
 @pytest.mark.slow
