@@ -56,7 +56,7 @@ class RotatingFp8:
 
 
 def skinny_candidates() -> list[tuple[int, int, int, int]]:
-    grid = itertools.product((16, 32, 64), (256, 512, 1024), ((4, 3), (4, 4), (8, 4)))
+    grid = itertools.product((16, 32, 64), (512, 1024), ((4, 3), (4, 4), (8, 4)))
     return [(bn, bk, w, s) for bn, bk, (w, s) in grid]
 
 
