@@ -3,7 +3,10 @@ bf16 in the same run, each against the roofline of the bytes its token reads (be
 count: every parameter at its stored size but the gathered embedding table, plus the KV cache), with
 random weights made on the GPU (load_format "dummy"), CUDA graphs on.
 
-`python -m bench.fp8_decode --out DIR` writes DIR/fp8_decode.json and prints a table.
+`python -m bench.fp8_decode --out DIR` writes DIR/fp8_decode.json and prints a table. --paths
+measures FP8 once per decode kernel choice (engine/quant/fp8_kernels.py: ONE_ROW_PATH, and
+SKINNY_VARIANT for "skinny:<variant>"); --tiles takes bench/fp8_gemm.py's JSON and uses its swept
+best tiles.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from bench.reference_decode import decode_step_seconds, graph_replay_seconds
 from bench.roofline import copy_bandwidth
 from bench.serving import config_path
 from engine import LLM
+from engine.quant import fp8_kernels as fk
 
 
 def decode_row(
@@ -75,13 +79,37 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--paths", default="", help="e.g. skinny:w8a16,gemv,scaled_mm (default: as is)")
+    ap.add_argument("--tiles", default="", help="fp8_gemm.json whose best_tiles to use")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.tiles:
+        best = json.loads(Path(args.tiles).read_text())["best_tiles"]
+        for key, tiles in best.items():
+            variant, n, k = key.split(":")
+            fk.TILE_OVERRIDES[(variant, int(n), int(k))] = tuple(map(int, tiles.split(":")))
     bandwidth = copy_bandwidth("cuda", 2 << 30)
-    rows = [
-        decode_row(args.config, args.model_dir, q, bandwidth, args.prompt_len, args.new_tokens)
-        for q in (None, "fp8")
-    ]
+
+    def measure(q):
+        return decode_row(
+            args.config, args.model_dir, q, bandwidth, args.prompt_len, args.new_tokens
+        )
+
+    rows = [measure(None)]
+    for path in [p for p in args.paths.split(",") if p] or [""]:
+        if path:
+            fk.ONE_ROW_PATH, _, variant = path.partition(":")
+            fk.SKINNY_VARIANT = variant or fk.SKINNY_VARIANT
+        try:
+            row = measure("fp8")
+        except Exception as exc:  # a kernel choice that fails to build: recorded, the rest run
+            print(f"fp8 {path}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            rows.append({"fp8_path": path, "error": str(exc)[:500]})
+            continue
+        row["fp8_one_row_path"] = fk.ONE_ROW_PATH
+        row["fp8_skinny_variant"] = fk.SKINNY_VARIANT
+        row["quantization"] = f"fp8 ({fk.ONE_ROW_PATH}, {fk.SKINNY_VARIANT})"
+        rows.append(row)
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -89,6 +117,7 @@ def main() -> None:
         "batch": 1,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
+        "tile_overrides": {":".join(map(str, k)): v for k, v in fk.TILE_OVERRIDES.items()},
         "rows": rows,
     }
     with open(os.path.join(args.out, "fp8_decode.json"), "w") as f:
@@ -97,6 +126,8 @@ def main() -> None:
     print("| weights | GB read per token | ms/step | tok/s | floor ms | of roofline |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
+        if "error" in r:
+            continue
         print(
             f"| {r['quantization']} | {r['gb_per_token']:.2f} | {r['ms_per_step']:.2f} "
             f"| {r['tokens_per_s']:.0f} | {r['floor_ms']:.2f} | {r['of_roofline']:.0%} |"

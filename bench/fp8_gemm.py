@@ -55,8 +55,14 @@ class RotatingFp8:
         return self.weights[self.turn % len(self.weights)]
 
 
-def skinny_candidates() -> list[tuple[int, int, int, int]]:
-    grid = itertools.product((16, 32, 64), (512, 1024), ((4, 3), (4, 4), (8, 4)))
+def skinny_candidates(variant: str) -> list[tuple[int, int, int, int]]:
+    """Tiles to sweep per variant (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    if variant == "gemv":
+        grid = itertools.product((4, 8, 16), (256, 512, 1024), ((4, 2), (8, 3)))
+    elif variant.startswith("swap_"):
+        grid = itertools.product((64, 128), (128, 256, 512), ((4, 3), (4, 4), (8, 3)))
+    else:
+        grid = itertools.product((16, 32, 64), (512, 1024), ((4, 3), (4, 4), (8, 4)))
     return [(bn, bk, w, s) for bn, bk, (w, s) in grid]
 
 
@@ -102,23 +108,30 @@ def measure(name: str, n: int, k: int, m: int, sweep: bool, bandwidth: float) ->
         graph=True,
     )
     times["quant_only"] = time_call(lambda: fk.quantize_per_token(x), graph=True)
+    if m == 1:
+        times["scaled_mm_one_row"] = time_call(
+            lambda: fk.scaled_mm_one_row(x, *fp8.next()), graph=True
+        )
+        errors["scaled_mm_one_row"] = rel_err(fk.scaled_mm_one_row(x, w, ws), ref_w8a8)
     if m <= SKINNY_ROWS_MAX:
-        for quantize_x, label in ((False, "skinny_w8a16"), (True, "skinny_w8a8")):
-            ref = ref_w8a8 if quantize_x else ref_w8a16
-            configs = skinny_candidates() if sweep else [fk.default_skinny_config(n, k)]
-            default = fk.default_skinny_config(n, k)
-            if default not in configs:
-                configs = [default] + configs
+        variants = list(fk.SKINNY_VARIANTS) + (["gemv"] if m == 1 else [])
+        for variant in variants:
+            label = f"skinny_{variant}"
+            ref = ref_w8a8 if variant.endswith("w8a8") else ref_w8a16
+            default = fk.default_skinny_config(n, k, variant)
+            configs = [default]
+            if sweep:
+                configs += [c for c in skinny_candidates(variant) if c != default]
             tried = {}
             for config in configs:
 
-                def skinny(config=config, quantize_x=quantize_x):
+                def skinny(config=config, variant=variant):
                     wq, wsc = fp8.next()
-                    return fk.fp8_skinny_gemm(x, wq, wsc, quantize_x=quantize_x, config=config)
+                    return fk.fp8_skinny_gemm(x, wq, wsc, variant=variant, config=config)
 
                 key = ":".join(map(str, config))
                 try:
-                    y = fk.fp8_skinny_gemm(x, w, ws, quantize_x=quantize_x, config=config)
+                    y = fk.fp8_skinny_gemm(x, w, ws, variant=variant, config=config)
                     tried[key] = {"s": time_call(skinny, graph=True), "rel_err": rel_err(y, ref)}
                 except Exception as exc:  # a tile that does not fit: recorded, skipped
                     tried[key] = {"s": float("inf"), "error": str(exc)[:200]}
@@ -129,6 +142,7 @@ def measure(name: str, n: int, k: int, m: int, sweep: bool, bandwidth: float) ->
                 best = min(tried, key=lambda c: tried[c]["s"])
                 row[f"{label}_best"] = best
                 row[f"{label}_best_s"] = tried[best]["s"]
+                row[f"{label}_best_rel_err"] = tried[best].get("rel_err")
                 row[f"{label}_sweep"] = tried
 
     def engine():
@@ -136,13 +150,19 @@ def measure(name: str, n: int, k: int, m: int, sweep: bool, bandwidth: float) ->
         return fk.fp8_linear(x, wq, wsc)
 
     times["engine_fp8_linear"] = time_call(engine, graph=True)
+    engine_w8a16 = m <= fk.SKINNY_MAX_ROWS and (
+        (m == 1 and fk.ONE_ROW_PATH == "gemv")
+        or (fk.SKINNY_VARIANT.endswith("w8a16") and not (m == 1 and fk.ONE_ROW_PATH != "skinny"))
+    )
     errors["engine_fp8_linear"] = rel_err(
-        fk.fp8_linear(x, w, ws), ref_w8a16 if m <= fk.SKINNY_MAX_ROWS else ref_w8a8
+        fk.fp8_linear(x, w, ws), ref_w8a16 if engine_w8a16 else ref_w8a8
     )
     row["times_s"] = times
     row["rel_err_vs_fp64"] = errors
     row["of_fp8_floor"] = {key: row["floor_fp8_s"] / t for key, t in times.items() if t > 0}
-    fp8_paths = [p for p in times if p.startswith(("skinny_", "scaled_mm_rowwise+"))]
+    fp8_paths = [
+        p for p in times if p.startswith(("skinny_", "scaled_mm_rowwise+", "scaled_mm_one_row"))
+    ]
     row["fastest_fp8"] = min(fp8_paths, key=lambda p: times[p])
     torch.cuda.empty_cache()
     return row
@@ -152,7 +172,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ap.add_argument("--rows", default=ROWS)
-    ap.add_argument("--sweep-rows", default="1,16", help="rows at which skinny tiles are swept")
+    ap.add_argument("--sweep-rows", default="1", help="rows at which skinny tiles are swept")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     bandwidth = copy_bandwidth("cuda", 2 << 30)
@@ -169,7 +189,7 @@ def main() -> None:
             + f" | floor {r['floor_fp8_s'] * 1e6:.1f}us | fastest {r['fastest_fp8']}"
             + "".join(
                 f" | {lbl} best {r[lbl + '_best']} {r[lbl + '_best_s'] * 1e6:.1f}us"
-                for lbl in ("skinny_w8a16", "skinny_w8a8")
+                for lbl in [f"skinny_{v}" for v in (*fk.SKINNY_VARIANTS, "gemv")]
                 if lbl + "_best" in r
             ),
             flush=True,
@@ -188,12 +208,26 @@ def main() -> None:
                 "floor_bf16_s": NUM_LAYERS * sum(r["floor_bf16_s"] for r in per),
             }
         )
+    # the sweep's best tiles per (variant, N, K): bench/fp8_decode.py --tiles installs them
+    best_tiles = {}
+    for r in rows:
+        for v in (*fk.SKINNY_VARIANTS, "gemv"):
+            if f"skinny_{v}_best" in r:
+                best_tiles[f"{v}:{r['n']}:{r['k']}"] = r[f"skinny_{v}_best"]
+    for t in totals:
+        t["layers_best_tiles_s"] = {
+            v: NUM_LAYERS * sum(r[f"skinny_{v}_best_s"] for r in rows if r["rows"] == t["rows"])
+            for v in (*fk.SKINNY_VARIANTS, "gemv")
+            if all(f"skinny_{v}_best_s" in r for r in rows if r["rows"] == t["rows"])
+        }
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "copy_bandwidth": bandwidth,
         "engine_skinny_max_rows": fk.SKINNY_MAX_ROWS,
-        "engine_skinny_quantize_x": fk.SKINNY_QUANTIZE_X,
+        "engine_skinny_variant": fk.SKINNY_VARIANT,
+        "engine_one_row_path": fk.ONE_ROW_PATH,
+        "best_tiles": best_tiles,
         "rows": rows,
         "layer_totals": totals,
     }
@@ -207,8 +241,8 @@ def main() -> None:
         "scaled_mm_per_tensor",
         "scaled_mm_rowwise",
         "scaled_mm_rowwise+quant",
-        "skinny_w8a16",
-        "skinny_w8a8",
+        "scaled_mm_one_row",
+        *[f"skinny_{v}" for v in (*fk.SKINNY_VARIANTS, "gemv")],
         "engine_fp8_linear",
     ]
     print("| rows | " + " | ".join(cols) + " | fp8 floor | bf16 floor |")
@@ -220,6 +254,10 @@ def main() -> None:
             + " | ".join(cells)
             + f" | {t['floor_fp8_s'] * 1e3:.2f} | {t['floor_bf16_s'] * 1e3:.2f} |"
         )
+    for t in totals:
+        if t["layers_best_tiles_s"]:
+            best = ", ".join(f"{v} {s * 1e3:.2f}" for v, s in t["layers_best_tiles_s"].items())
+            print(f"rows {t['rows']}, each shape at its best tiles (ms per step): {best}")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,16 @@ def rel(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.double() - ref).norm() / ref.norm()).item()
 
 
+def activations_stay_bf16(m: int) -> bool:
+    """Whether the engine's path for m rows multiplies bf16 activations (W8A16 decode kernels)
+    rather than quantizing them per token."""
+    if m > fk.SKINNY_MAX_ROWS:
+        return False
+    if m == 1 and fk.ONE_ROW_PATH != "skinny":
+        return fk.ONE_ROW_PATH == "gemv"
+    return fk.SKINNY_VARIANT.endswith("w8a16")
+
+
 def operands(n: int, k: int, m: int, seed: int):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     w = 0.02 * torch.randn(n, k, device="cuda", generator=gen)
@@ -44,7 +54,7 @@ def test_fp8_linear_matches_fp64_of_the_quantized_operands(n, k):
         y = fk.fp8_linear(x, wq, ws, bias)
         assert y.dtype == torch.bfloat16 and y.shape == (m, n)
         w64 = wq.double() * ws.double()[:, None]
-        if m <= fk.SKINNY_MAX_ROWS and not fk.SKINNY_QUANTIZE_X:
+        if activations_stay_bf16(m):
             x64 = x.double()  # decode: bf16 activations against the FP8 weights
         else:
             xq, xs = fk.quantize_rows_reference(x)
@@ -57,19 +67,23 @@ def test_fp8_linear_matches_fp64_of_the_quantized_operands(n, k):
         assert rel(y, full) < QUANT_NOISE, (m, rel(y, full))
 
 
-@pytest.mark.parametrize("quantize_x", [False, True])
+@pytest.mark.parametrize("variant", [*fk.SKINNY_VARIANTS, "gemv", "scaled_mm_one_row"])
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_fp8_skinny_variants(n, k, quantize_x):
-    for m in (1, 2, 5, 16, 32, 64):
+def test_each_decode_kernel(n, k, variant):
+    one_row = variant in ("gemv", "scaled_mm_one_row")
+    for m in (1,) if one_row else (1, 2, 5, 16):
         x, _, wq, ws, bias = operands(n, k, m, seed=100 + m)
-        y = fk.fp8_skinny_gemm(x, wq, ws, bias, quantize_x=quantize_x)
-        if quantize_x:
+        if variant == "scaled_mm_one_row":
+            y = fk.scaled_mm_one_row(x, wq, ws) + bias
+        else:
+            y = fk.fp8_skinny_gemm(x, wq, ws, bias, variant=variant)
+        if variant.endswith("w8a16") or variant == "gemv":
+            x64 = x.double()
+        else:
             xq, xs = fk.quantize_rows_reference(x)
             x64 = xq.double() * xs.double()
-        else:
-            x64 = x.double()
         ref = x64 @ (wq.double() * ws.double()[:, None]).t() + bias.double()
-        assert rel(y, ref) < 5e-3, (m, quantize_x, rel(y, ref))
+        assert rel(y, ref) < 5e-3, (m, variant, rel(y, ref))
 
 
 def test_per_token_quantizer_matches_the_reference():
@@ -124,15 +138,38 @@ def test_fp8_decode_in_cuda_graphs_matches_eager(tmp_path):
     assert sum(a == 32 for a in agree) >= 7, agree
 
 
-def test_fp8_engine_greedy_agreement_on_gpu(tmp_path):
+def test_fp8_engine_agreement_on_gpu(tmp_path):
+    """The fp32 engine's greedy continuations, scored by each engine: how often its own top token
+    is the reference's (teacher-forced, so one early split does not hide the rest). On CPU the same
+    tiny model gives bf16 0.99, FP8 0.90 (fp32 activations) and 0.91 (bf16)."""
     make_tiny_model("llama", str(tmp_path))
     ref = _greedy(str(tmp_path), dtype="float32", device="cuda", enforce_eager=True)
-    bf16 = _greedy(str(tmp_path), dtype="bfloat16", device="cuda")
-    fp8 = _greedy(str(tmp_path), dtype="bfloat16", device="cuda", quantization="fp8")
-    bf16_agree = [leading(a, b) for a, b in zip(bf16, ref)]
-    fp8_agree = [leading(a, b) for a, b in zip(fp8, ref)]
-    print("leading agreement with fp32: bf16", bf16_agree, "fp8", fp8_agree)
-    assert sum(a >= 8 for a in fp8_agree) >= 5, fp8_agree
+    full = [p + r for p, r in zip(PROMPTS, ref)]
+    scores = {}
+    for name, kw in [("bf16", {}), ("fp8", {"quantization": "fp8"})]:
+        llm = LLM(
+            model=str(tmp_path),
+            block_size=4,
+            num_kv_blocks=512,
+            max_model_len=128,
+            dtype="bfloat16",
+            device="cuda",
+            **kw,
+        )
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+            outs = llm.generate([{"prompt_token_ids": f} for f in full], params)
+        finally:
+            _free(llm)
+        hits = []
+        for f, o, p in zip(full, outs, PROMPTS):
+            for pos in range(len(p), len(f)):
+                entry = o.prompt_logprobs[pos]
+                hits.append(min(entry, key=lambda t: entry[t].rank) == f[pos])
+        scores[name] = sum(hits) / len(hits)
+    print("top-1 agreement with the fp32 engine's greedy tokens:", scores)
+    assert scores["bf16"] >= 0.95
+    assert scores["fp8"] >= 0.8
 
 
 def test_gpu_without_fp8_tensor_cores_is_refused_at_start(tmp_path, monkeypatch):

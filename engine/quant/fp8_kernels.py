@@ -4,8 +4,11 @@ output channel)^T, scaled back, in x's dtype.
 Weights: float8_e4m3fn [N, K] with fp32 scales [N] (one per output channel: amax / 448). Activations
 are quantized dynamically, one fp32 scale per token (row), the same way. On CUDA:
 - rows <= SKINNY_MAX_ROWS (decode): a skinny Triton kernel in the spirit of
-  engine/layers/skinny_gemm.py that reads each FP8 weight byte once, widening it to x's dtype for
-  the dot (SKINNY_QUANTIZE_X False) or quantizing x per token inside the kernel for an fp8 dot;
+  engine/layers/skinny_gemm.py that reads each FP8 weight byte once. Variants (SKINNY_VARIANTS):
+  the weights widened to x's dtype for a bf16 dot ("w8a16"), or x quantized per token inside the
+  kernel for an fp8 dot ("w8a8"); each with the weight tile as the dot's first operand ("swap_",
+  y^T = W x^T: Hopper's wgmma wants 64 rows there, which the weight has and x does not); one row
+  alone as a dot-free GEMV ("gemv": fp32 multiply-adds, one reduction at the end).
 - more rows: a Triton kernel quantizes the activations per token, then torch._scaled_mm with
   row-wise scales (cuBLAS/CUTLASS FP8 tensor cores).
 Which path and tiles: bench/fp8_gemm.py (bench/results/2026-11-26-h100-fp8/), docs/engine.md.
@@ -29,7 +32,15 @@ MIN_AMAX = 1e-12  # an all-zero row still gets a finite scale
 SKINNY_MAX_ROWS = (
     16  # above this the per-token quantizer + _scaled_mm path wins (bench/fp8_gemm.py)
 )
-SKINNY_QUANTIZE_X = False  # decode: fp8 weights widened to bf16 for a bf16 dot (see docs/engine.md)
+SKINNY_VARIANTS = ("w8a16", "w8a8", "swap_w8a16", "swap_w8a8")
+SKINNY_VARIANT = "w8a16"  # which one decode rows take (bench/fp8_gemm.py; docs/engine.md)
+# One row (batch-1 decode): "skinny" (SKINNY_VARIANT), "gemv", or "scaled_mm" (its per-token scale
+# is a per-tensor one: _scaled_mm's per-tensor kernel, then the channel scales in one multiply)
+ONE_ROW_PATHS = ("skinny", "gemv", "scaled_mm")
+ONE_ROW_PATH = "skinny"
+_ONES: dict[torch.device, torch.Tensor] = {}
+# (variant, N, K) -> tiles that replace the defaults (benchmarks install their sweep's best here)
+TILE_OVERRIDES: dict[tuple[str, int, int], Fp8SkinnyConfig] = {}
 Fp8SkinnyConfig = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 
 
@@ -136,6 +147,115 @@ if triton is not None:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=rows_ok[:, None] & (rn < N)[None, :])
 
 
+if triton is not None:
+
+    @triton.jit
+    def _fp8_skinny_swap_kernel(
+        x_ptr,
+        w_ptr,
+        ws_ptr,
+        b_ptr,
+        y_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_ym,
+        HAS_BIAS: tl.constexpr,
+        QUANTIZE_X: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr,
+    ):
+        """As _fp8_skinny_kernel with the operands swapped: acc [BLOCK_N, BLOCK_M] = W x^T, the FP8
+        weight tile straight from memory as the dot's first operand, stored transposed."""
+        pid_n = tl.program_id(0)
+        rm = tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        rows_ok = rm < M
+        rn_safe = tl.where(rn < N, rn, 0).to(tl.int64)
+        x_base = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+        if QUANTIZE_X:
+            peak = tl.zeros([BLOCK_M], dtype=tl.float32)
+            x_ptrs = x_base
+            for k0 in range(0, K, BLOCK_K):
+                x_mask = rows_ok[:, None] & ((k0 + rk) < K)[None, :]
+                x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+                peak = tl.maximum(peak, tl.max(tl.abs(x), axis=1))
+                x_ptrs += BLOCK_K
+            x_scale = tl.maximum(peak, 1e-12) / 448.0
+        w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
+        x_ptrs = x_base
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                x_mask = rows_ok[:, None]
+            else:
+                k_ok = (k0 + rk) < K
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+                x_mask = rows_ok[:, None] & k_ok[None, :]
+            x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+            if QUANTIZE_X:
+                xq = tl.clamp(x.to(tl.float32) / x_scale[:, None], -448.0, 448.0)
+                acc += tl.dot(w, tl.trans(xq.to(w_ptr.dtype.element_ty)))
+            else:
+                acc += tl.dot(w.to(x_ptr.dtype.element_ty), tl.trans(x))
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        acc = acc * tl.load(ws_ptr + rn_safe)[:, None]
+        if QUANTIZE_X:
+            acc = acc * x_scale[None, :]
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + rn, mask=rn < N, other=0.0)
+            acc = acc + bias.to(tl.float32)[:, None]
+        y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=rows_ok[None, :] & (rn < N)[:, None])
+
+    @triton.jit
+    def _fp8_gemv_kernel(
+        x_ptr,
+        w_ptr,
+        ws_ptr,
+        b_ptr,
+        y_ptr,
+        N,
+        K,
+        stride_wn,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr,
+    ):
+        """One row: y[n] = scale[n] * sum_k W[n, k] x[k], fp32 multiply-adds into a [BLOCK_N,
+        BLOCK_K] accumulator, reduced once at the end."""
+        pid_n = tl.program_id(0)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        rn_safe = tl.where(rn < N, rn, 0).to(tl.int64)
+        w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
+        x_ptrs = x_ptr + rk
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                x = tl.load(x_ptrs)
+            else:
+                k_ok = (k0 + rk) < K
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+                x = tl.load(x_ptrs, mask=k_ok, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        y = tl.sum(acc, axis=1) * tl.load(ws_ptr + rn_safe)
+        if HAS_BIAS:
+            y = y + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], fp32 scales [M, 1]); one Triton kernel on CUDA, the reference
     elsewhere."""
@@ -154,15 +274,19 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def default_skinny_config(n: int, k: int) -> Fp8SkinnyConfig:
-    """Tiles per shape (Llama-3.1-8B's; bench/fp8_gemm.py sweeps them)."""
-    if n >= 16384:  # gate_up
-        return (32, 1024, 4, 4)
-    if n >= 6144:  # fused qkv
-        return (64, 512, 4, 3)
+def default_skinny_config(n: int, k: int, variant: str | None = None) -> Fp8SkinnyConfig:
+    """Tiles per shape and variant ("gemv" too), Llama-3.1-8B's shapes (bench/fp8_gemm.py sweeps
+    them)."""
+    variant = variant or SKINNY_VARIANT
+    if (variant, n, k) in TILE_OVERRIDES:
+        return TILE_OVERRIDES[(variant, n, k)]
+    if variant == "gemv":
+        return (16, 512, 4, 3) if n >= 16384 else (8, 512, 4, 3)
+    if variant.startswith("swap_"):  # the weight tile is the dot's 64-row operand
+        return (64, 256, 4, 4) if k >= 8192 or n >= 16384 else (64, 128, 4, 4)
     if k >= 8192:  # down_proj
         return (32, 1024, 4, 3)
-    return (32, 512, 4, 4)  # o_proj
+    return (32, 512, 4, 3)  # qkv, o_proj, gate_up
 
 
 def fp8_skinny_gemm(
@@ -170,24 +294,51 @@ def fp8_skinny_gemm(
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
-    quantize_x: bool | None = None,
+    variant: str | None = None,
     config: Fp8SkinnyConfig | None = None,
 ) -> torch.Tensor:
     """x [M, K] (bf16/fp16, M small) @ dequant(weight [N, K] e4m3, weight_scale [N])^T (+ bias)
-    -> [M, N] in x's dtype. quantize_x: W8A8 with per-token activation scales inside the kernel
-    (default SKINNY_QUANTIZE_X); config: tiles (the benchmark sweeps them)."""
+    -> [M, N] in x's dtype. variant: one of SKINNY_VARIANTS or "gemv" (one row); default
+    SKINNY_VARIANT, or "gemv" for one row when ONE_ROW_PATH says so. config: tiles (the benchmark
+    sweeps them)."""
     n, k = weight.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
     m = x.shape[0]
+    if variant is None:
+        variant = "gemv" if m == 1 and ONE_ROW_PATH == "gemv" else SKINNY_VARIANT
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_n, block_k, num_warps, num_stages = config or default_skinny_config(n, k)
+    block_n, block_k, num_warps, num_stages = config or default_skinny_config(n, k, variant)
     block_k = min(block_k, max(32, triton.next_power_of_2(k)))
-    _fp8_skinny_kernel[(triton.cdiv(n, block_n),)](
+    b = bias if bias is not None else weight_scale
+    if variant == "gemv":
+        if m != 1:
+            raise ValueError(f"fp8 gemv: one row, got {m}")
+        _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
+            x,
+            weight,
+            weight_scale,
+            b,
+            y,
+            n,
+            k,
+            weight.stride(0),
+            HAS_BIAS=bias is not None,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            EVEN_K=k % block_k == 0,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+        return y
+    if variant not in SKINNY_VARIANTS:
+        raise ValueError(f"fp8 skinny variant {variant!r}: one of {SKINNY_VARIANTS} or 'gemv'")
+    kernel = _fp8_skinny_swap_kernel if variant.startswith("swap_") else _fp8_skinny_kernel
+    kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
         weight_scale,
-        bias if bias is not None else weight_scale,
+        b,
         y,
         m,
         n,
@@ -196,7 +347,7 @@ def fp8_skinny_gemm(
         weight.stride(0),
         y.stride(0),
         HAS_BIAS=bias is not None,
-        QUANTIZE_X=SKINNY_QUANTIZE_X if quantize_x is None else quantize_x,
+        QUANTIZE_X=variant.endswith("w8a8"),
         BLOCK_M=max(16, triton.next_power_of_2(m)),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -221,6 +372,21 @@ def scaled_mm_rowwise(
         xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), out_dtype=mm_dtype
     )
     return y if y.dtype == out_dtype else y.to(out_dtype)
+
+
+def scaled_mm_one_row(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+) -> torch.Tensor:
+    """One row: its per-token scale is a per-tensor scale, so _scaled_mm's per-tensor kernel
+    serves it (weight scale 1), then the per-channel scales multiply the bf16 result."""
+    xq, x_scale = quantize_per_token(x)
+    one = _ONES.get(x.device)
+    if one is None:
+        one = _ONES[x.device] = torch.ones((), dtype=torch.float32, device=x.device)
+    y = torch._scaled_mm(
+        xq, weight.t(), scale_a=x_scale.view(()), scale_b=one, out_dtype=torch.bfloat16
+    )
+    return y.mul_(weight_scale)
 
 
 def _scaled_mm_fits(weight: torch.Tensor) -> bool:
@@ -250,6 +416,15 @@ def fp8_linear(
     x2 = x.reshape(-1, k)
     if not x.is_cuda or triton is None:
         y = fp8_linear_reference(x2, weight, weight_scale, bias)
+    elif (
+        ONE_ROW_PATH == "scaled_mm"
+        and x2.shape[0] == 1
+        and x2.dtype == torch.bfloat16
+        and _scaled_mm_fits(weight)
+    ):
+        y = scaled_mm_one_row(x2, weight, weight_scale)
+        if bias is not None:
+            y = y + bias
     elif skinny_fp8_applies(x2, weight):
         y = fp8_skinny_gemm(x2, weight, weight_scale, bias)
     elif x2.shape[0] == 0 or not _scaled_mm_fits(weight):
