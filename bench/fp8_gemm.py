@@ -34,6 +34,7 @@ SHAPES = [
 ]
 ROWS = "1,2,4,8,16,32,64,128,256,512,2048,8192"
 NUM_LAYERS = 32
+GEMV_ROWS_MAX = 8  # the GEMV kernel is timed up to here
 SKINNY_ROWS_MAX = (
     64  # the skinny kernel is timed up to here (the engine uses it up to SKINNY_MAX_ROWS)
 )
@@ -150,12 +151,10 @@ def measure(name: str, n: int, k: int, m: int, sweep: bool, bandwidth: float) ->
         return fk.fp8_linear(x, wq, wsc)
 
     times["engine_fp8_linear"] = time_call(engine, graph=True)
-    engine_w8a16 = m <= fk.SKINNY_MAX_ROWS and (
-        (m == 1 and fk.ONE_ROW_PATH == "gemv")
-        or (fk.SKINNY_VARIANT.endswith("w8a16") and not (m == 1 and fk.ONE_ROW_PATH != "skinny"))
-    )
+    path = fk.cuda_path(m, x.dtype)
+    row["engine_path"] = path
     errors["engine_fp8_linear"] = rel_err(
-        fk.fp8_linear(x, w, ws), ref_w8a16 if engine_w8a16 else ref_w8a8
+        fk.fp8_linear(x, w, ws), ref_w8a8 if fk.quantizes_activations(path) else ref_w8a16
     )
     row["times_s"] = times
     row["rel_err_vs_fp64"] = errors
@@ -172,7 +171,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ap.add_argument("--rows", default=ROWS)
-    ap.add_argument("--sweep-rows", default="1", help="rows at which skinny tiles are swept")
+    ap.add_argument("--sweep-rows", default="1,4", help="rows at which skinny tiles are swept")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     bandwidth = copy_bandwidth("cuda", 2 << 30)
@@ -212,7 +211,7 @@ def main() -> None:
     best_tiles = {}
     for r in rows:
         for v in (*fk.SKINNY_VARIANTS, "gemv"):
-            if f"skinny_{v}_best" in r:
+            if f"skinny_{v}_best" in r and r["rows"] == 1:
                 best_tiles[f"{v}:{r['n']}:{r['k']}"] = r[f"skinny_{v}_best"]
     for t in totals:
         t["layers_best_tiles_s"] = {
@@ -227,6 +226,7 @@ def main() -> None:
         "engine_skinny_max_rows": fk.SKINNY_MAX_ROWS,
         "engine_skinny_variant": fk.SKINNY_VARIANT,
         "engine_one_row_path": fk.ONE_ROW_PATH,
+        "engine_gemv_max_rows": fk.GEMV_MAX_ROWS,
         "best_tiles": best_tiles,
         "rows": rows,
         "layer_totals": totals,

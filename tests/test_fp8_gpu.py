@@ -31,11 +31,7 @@ def rel(y: torch.Tensor, ref: torch.Tensor) -> float:
 def activations_stay_bf16(m: int) -> bool:
     """Whether the engine's path for m rows multiplies bf16 activations (W8A16 decode kernels)
     rather than quantizing them per token."""
-    if m > fk.SKINNY_MAX_ROWS:
-        return False
-    if m == 1 and fk.ONE_ROW_PATH != "skinny":
-        return fk.ONE_ROW_PATH == "gemv"
-    return fk.SKINNY_VARIANT.endswith("w8a16")
+    return not fk.quantizes_activations(fk.cuda_path(m, torch.bfloat16))
 
 
 def operands(n: int, k: int, m: int, seed: int):
@@ -70,8 +66,8 @@ def test_fp8_linear_matches_fp64_of_the_quantized_operands(n, k):
 @pytest.mark.parametrize("variant", [*fk.SKINNY_VARIANTS, "gemv", "scaled_mm_one_row"])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_each_decode_kernel(n, k, variant):
-    one_row = variant in ("gemv", "scaled_mm_one_row")
-    for m in (1,) if one_row else (1, 2, 5, 16):
+    rows = {"gemv": (1, 2, 3, 4, 8), "scaled_mm_one_row": (1,)}.get(variant, (1, 2, 5, 16))
+    for m in rows:
         x, _, wq, ws, bias = operands(n, k, m, seed=100 + m)
         if variant == "scaled_mm_one_row":
             y = fk.scaled_mm_one_row(x, wq, ws) + bias

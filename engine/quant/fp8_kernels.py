@@ -7,8 +7,9 @@ are quantized dynamically, one fp32 scale per token (row), the same way. On CUDA
   engine/layers/skinny_gemm.py that reads each FP8 weight byte once. Variants (SKINNY_VARIANTS):
   the weights widened to x's dtype for a bf16 dot ("w8a16"), or x quantized per token inside the
   kernel for an fp8 dot ("w8a8"); each with the weight tile as the dot's first operand ("swap_",
-  y^T = W x^T: Hopper's wgmma wants 64 rows there, which the weight has and x does not); one row
-  alone as a dot-free GEMV ("gemv": fp32 multiply-adds, one reduction at the end).
+  y^T = W x^T: Hopper's wgmma wants 64 rows there, which the weight has and x does not); and a
+  dot-free GEMV for one row or a few ("gemv": fp32 multiply-adds, one reduction at the end), the
+  fastest at batch-1 decode.
 - more rows: a Triton kernel quantizes the activations per token, then torch._scaled_mm with
   row-wise scales (cuBLAS/CUTLASS FP8 tensor cores).
 Which path and tiles: bench/fp8_gemm.py (bench/results/2026-11-26-h100-fp8/), docs/engine.md.
@@ -33,11 +34,12 @@ SKINNY_MAX_ROWS = (
     16  # above this the per-token quantizer + _scaled_mm path wins (bench/fp8_gemm.py)
 )
 SKINNY_VARIANTS = ("w8a16", "w8a8", "swap_w8a16", "swap_w8a8")
-SKINNY_VARIANT = "w8a16"  # which one decode rows take (bench/fp8_gemm.py; docs/engine.md)
-# One row (batch-1 decode): "skinny" (SKINNY_VARIANT), "gemv", or "scaled_mm" (its per-token scale
+SKINNY_VARIANT = "w8a16"  # decode rows above GEMV_MAX_ROWS (bench/fp8_gemm.py; docs/engine.md)
+# One row (batch-1 decode): "gemv", "skinny" (SKINNY_VARIANT), or "scaled_mm" (its per-token scale
 # is a per-tensor one: _scaled_mm's per-tensor kernel, then the channel scales in one multiply)
-ONE_ROW_PATHS = ("skinny", "gemv", "scaled_mm")
-ONE_ROW_PATH = "skinny"
+ONE_ROW_PATHS = ("gemv", "skinny", "scaled_mm")
+ONE_ROW_PATH = "gemv"
+GEMV_MAX_ROWS = 1  # 2..GEMV_MAX_ROWS rows take the few-row GEMV too
 _ONES: dict[torch.device, torch.Tensor] = {}
 # (variant, N, K) -> tiles that replace the defaults (benchmarks install their sweep's best here)
 TILE_OVERRIDES: dict[tuple[str, int, int], Fp8SkinnyConfig] = {}
@@ -255,6 +257,53 @@ if triton is not None:
             y = y + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
         tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
 
+    @triton.jit
+    def _fp8_gemv_rows_kernel(
+        x_ptr,
+        w_ptr,
+        ws_ptr,
+        b_ptr,
+        y_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_ym,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr,
+    ):
+        """A few rows: each weight tile widened to fp32 once and multiplied into every row's
+        [BLOCK_N, BLOCK_K] accumulator, reduced once at the end."""
+        pid_n = tl.program_id(0)
+        rm = tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        rows_ok = rm < M
+        rn_safe = tl.where(rn < N, rn, 0).to(tl.int64)
+        w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
+        x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                x = tl.load(x_ptrs, mask=rows_ok[:, None], other=0.0)
+            else:
+                k_ok = (k0 + rk) < K
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+                x = tl.load(x_ptrs, mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        y = tl.sum(acc, axis=2) * tl.load(ws_ptr + rn_safe)[None, :]
+        if HAS_BIAS:
+            y = y + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=rows_ok[:, None] & (rn < N)[None, :])
+
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], fp32 scales [M, 1]); one Triton kernel on CUDA, the reference
@@ -274,19 +323,27 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def default_skinny_config(n: int, k: int, variant: str | None = None) -> Fp8SkinnyConfig:
-    """Tiles per shape and variant ("gemv" too), Llama-3.1-8B's shapes (bench/fp8_gemm.py sweeps
-    them)."""
+def default_skinny_config(
+    n: int, k: int, variant: str | None = None, rows: int = 1
+) -> Fp8SkinnyConfig:
+    """Tiles per shape and variant ("gemv" too), the fastest of bench/fp8_gemm.py's sweep at one
+    row on Llama-3.1-8B's shapes (bench/results/2026-11-26-h100-fp8/fp8_gemm.json)."""
     variant = variant or SKINNY_VARIANT
     if (variant, n, k) in TILE_OVERRIDES:
         return TILE_OVERRIDES[(variant, n, k)]
     if variant == "gemv":
-        return (16, 512, 4, 3) if n >= 16384 else (8, 512, 4, 3)
+        if rows > 1:  # every row keeps its own accumulator
+            return (8, 256, 4, 2)
+        if n >= 16384:  # gate_up
+            return (16, 256, 4, 2)
+        if n >= 6144:  # qkv
+            return (16, 512, 8, 3)
+        return (8, 1024, 4, 2)  # o_proj, down_proj
     if variant.startswith("swap_"):  # the weight tile is the dot's 64-row operand
-        return (64, 256, 4, 4) if k >= 8192 or n >= 16384 else (64, 128, 4, 4)
-    if k >= 8192:  # down_proj
+        return (64, 256, 4, 3)
+    if k >= 8192 or n == k:  # down_proj, o_proj
         return (32, 1024, 4, 3)
-    return (32, 512, 4, 3)  # qkv, o_proj, gate_up
+    return (32, 512, 4, 3)  # qkv, gate_up
 
 
 def fp8_skinny_gemm(
@@ -306,14 +363,35 @@ def fp8_skinny_gemm(
         x = x.contiguous()
     m = x.shape[0]
     if variant is None:
-        variant = "gemv" if m == 1 and ONE_ROW_PATH == "gemv" else SKINNY_VARIANT
+        gemv = ONE_ROW_PATH == "gemv" if m == 1 else m <= GEMV_MAX_ROWS
+        variant = "gemv" if gemv else SKINNY_VARIANT
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_n, block_k, num_warps, num_stages = config or default_skinny_config(n, k, variant)
+    block_n, block_k, num_warps, num_stages = config or default_skinny_config(n, k, variant, m)
     block_k = min(block_k, max(32, triton.next_power_of_2(k)))
     b = bias if bias is not None else weight_scale
+    if variant == "gemv" and m > 1:
+        _fp8_gemv_rows_kernel[(triton.cdiv(n, block_n),)](
+            x,
+            weight,
+            weight_scale,
+            b,
+            y,
+            m,
+            n,
+            k,
+            x.stride(0),
+            weight.stride(0),
+            y.stride(0),
+            HAS_BIAS=bias is not None,
+            BLOCK_M=triton.next_power_of_2(m),
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            EVEN_K=k % block_k == 0,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+        return y
     if variant == "gemv":
-        if m != 1:
-            raise ValueError(f"fp8 gemv: one row, got {m}")
         _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
             x,
             weight,
@@ -395,13 +473,21 @@ def _scaled_mm_fits(weight: torch.Tensor) -> bool:
     return n % 16 == 0 and k % 16 == 0
 
 
-def skinny_fp8_applies(x2: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (
-        triton is not None
-        and x2.is_cuda
-        and x2.dtype in (torch.bfloat16, torch.float16)
-        and 0 < x2.shape[0] <= SKINNY_MAX_ROWS
-    )
+def cuda_path(rows: int, dtype: torch.dtype) -> str:
+    """Which kernel fp8_linear runs for `rows` rows of `dtype` on CUDA: "gemv", a skinny variant,
+    "scaled_mm_one_row", or "scaled_mm_rowwise" (per-token quantizer + _scaled_mm)."""
+    if dtype not in (torch.bfloat16, torch.float16) or not 0 < rows <= SKINNY_MAX_ROWS:
+        return "scaled_mm_rowwise"
+    if rows == 1:
+        if ONE_ROW_PATH == "scaled_mm" and dtype == torch.bfloat16:
+            return "scaled_mm_one_row"
+        return "gemv" if ONE_ROW_PATH == "gemv" else SKINNY_VARIANT
+    return "gemv" if rows <= GEMV_MAX_ROWS else SKINNY_VARIANT
+
+
+def quantizes_activations(path: str) -> bool:
+    """Whether a cuda_path multiplies per-token-quantized activations (W8A8) or keeps x (W8A16)."""
+    return not (path == "gemv" or path.endswith("w8a16"))
 
 
 def fp8_linear(
@@ -414,21 +500,17 @@ def fp8_linear(
     kernel for decode rows, per-token quantization + _scaled_mm for more, the reference on CPU."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
-    if not x.is_cuda or triton is None:
+    path = cuda_path(x2.shape[0], x2.dtype) if x.is_cuda and triton is not None else "reference"
+    if x2.shape[0] == 0 or (path.startswith("scaled_mm") and not _scaled_mm_fits(weight)):
+        path = "reference"
+    if path == "reference":
         y = fp8_linear_reference(x2, weight, weight_scale, bias)
-    elif (
-        ONE_ROW_PATH == "scaled_mm"
-        and x2.shape[0] == 1
-        and x2.dtype == torch.bfloat16
-        and _scaled_mm_fits(weight)
-    ):
+    elif path == "scaled_mm_one_row":
         y = scaled_mm_one_row(x2, weight, weight_scale)
         if bias is not None:
             y = y + bias
-    elif skinny_fp8_applies(x2, weight):
-        y = fp8_skinny_gemm(x2, weight, weight_scale, bias)
-    elif x2.shape[0] == 0 or not _scaled_mm_fits(weight):
-        y = fp8_linear_reference(x2, weight, weight_scale, bias)
+    elif path != "scaled_mm_rowwise":
+        y = fp8_skinny_gemm(x2, weight, weight_scale, bias, variant=path)
     else:
         xq, x_scale = quantize_per_token(x2)
         y = scaled_mm_rowwise(xq, x_scale, weight, weight_scale, x.dtype)
