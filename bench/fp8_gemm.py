@@ -35,6 +35,7 @@ SHAPES = [
 ROWS = "1,2,4,8,16,32,64,128,256,512,2048,8192"
 NUM_LAYERS = 32
 GEMV_ROWS_MAX = 8  # the GEMV kernel is timed up to here
+GEMV_ROWS_MAX = 8  # the GEMV kernel is timed up to here
 SKINNY_ROWS_MAX = (
     64  # the skinny kernel is timed up to here (the engine uses it up to SKINNY_MAX_ROWS)
 )
@@ -60,6 +61,8 @@ def skinny_candidates(variant: str) -> list[tuple[int, int, int, int]]:
     """Tiles to sweep per variant (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
     if variant == "gemv":
         grid = itertools.product((4, 8, 16), (256, 512, 1024), ((4, 2), (8, 3)))
+    elif variant == "gemv_rows":
+        grid = itertools.product((4, 8, 16), (128, 256, 512), ((4, 2), (8, 3)))
     elif variant.startswith("swap_"):
         grid = itertools.product((64, 128), (128, 256, 512), ((4, 3), (4, 4), (8, 3)))
     else:
@@ -71,7 +74,10 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.double() - ref).norm() / ref.norm()).item()
 
 
-def measure(name: str, n: int, k: int, m: int, sweep: bool, bandwidth: float) -> dict:
+def measure(
+    name: str, n: int, k: int, m: int, sweep: bool, bandwidth: float, only: tuple = ()
+) -> dict:
+    """One shape at m rows; `only`: the skinny variants to time (default all)."""
     fp8 = RotatingFp8(n, k)
     w, ws = fp8.weights[0]
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
@@ -115,14 +121,16 @@ def measure(name: str, n: int, k: int, m: int, sweep: bool, bandwidth: float) ->
         )
         errors["scaled_mm_one_row"] = rel_err(fk.scaled_mm_one_row(x, w, ws), ref_w8a8)
     if m <= SKINNY_ROWS_MAX:
-        variants = list(fk.SKINNY_VARIANTS) + (["gemv"] if m == 1 else [])
+        variants = [*fk.SKINNY_VARIANTS, "gemv"] if m <= GEMV_ROWS_MAX else fk.SKINNY_VARIANTS
+        variants = [v for v in variants if not only or v in only]
         for variant in variants:
             label = f"skinny_{variant}"
             ref = ref_w8a8 if variant.endswith("w8a8") else ref_w8a16
-            default = fk.default_skinny_config(n, k, variant)
+            default = fk.default_skinny_config(n, k, variant, m)
             configs = [default]
             if sweep:
-                configs += [c for c in skinny_candidates(variant) if c != default]
+                grid = "gemv_rows" if variant == "gemv" and m > 1 else variant
+                configs += [c for c in skinny_candidates(grid) if c != default]
             tried = {}
             for config in configs:
 
@@ -172,14 +180,16 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ap.add_argument("--rows", default=ROWS)
     ap.add_argument("--sweep-rows", default="1,4", help="rows at which skinny tiles are swept")
+    ap.add_argument("--variants", default="", help="skinny variants to time (default all)")
     args = ap.parse_args()
+    only = tuple(v for v in args.variants.split(",") if v)
     os.makedirs(args.out, exist_ok=True)
     bandwidth = copy_bandwidth("cuda", 2 << 30)
     sweep_rows = {int(r) for r in args.sweep_rows.split(",") if r}
     row_counts = [int(r) for r in args.rows.split(",") if r]
     rows = []
     for (name, n, k), m in itertools.product(SHAPES, row_counts):
-        r = measure(name, n, k, m, m in sweep_rows, bandwidth)
+        r = measure(name, n, k, m, m in sweep_rows, bandwidth, only)
         rows.append(r)
         t = r["times_s"]
         print(
