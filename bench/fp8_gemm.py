@@ -34,8 +34,7 @@ SHAPES = [
 ]
 ROWS = "1,2,4,8,16,32,64,128,256,512,2048,8192"
 NUM_LAYERS = 32
-GEMV_ROWS_MAX = 8  # the GEMV kernel is timed up to here
-GEMV_ROWS_MAX = 8  # the GEMV kernel is timed up to here
+GEMV_ROWS_MAX = 1  # the one-row GEMV (bench/results/.../fp8_gemm_few_row_gemv.json tried up to 8)
 SKINNY_ROWS_MAX = (
     64  # the skinny kernel is timed up to here (the engine uses it up to SKINNY_MAX_ROWS)
 )
@@ -61,8 +60,6 @@ def skinny_candidates(variant: str) -> list[tuple[int, int, int, int]]:
     """Tiles to sweep per variant (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
     if variant == "gemv":
         grid = itertools.product((4, 8, 16), (256, 512, 1024), ((4, 2), (8, 3)))
-    elif variant == "gemv_rows":
-        grid = itertools.product((4, 8, 16), (128, 256, 512), ((4, 2), (8, 3)))
     elif variant.startswith("swap_"):
         grid = itertools.product((64, 128), (128, 256, 512), ((4, 3), (4, 4), (8, 3)))
     else:
@@ -126,11 +123,10 @@ def measure(
         for variant in variants:
             label = f"skinny_{variant}"
             ref = ref_w8a8 if variant.endswith("w8a8") else ref_w8a16
-            default = fk.default_skinny_config(n, k, variant, m)
+            default = fk.default_skinny_config(n, k, variant)
             configs = [default]
             if sweep:
-                grid = "gemv_rows" if variant == "gemv" and m > 1 else variant
-                configs += [c for c in skinny_candidates(grid) if c != default]
+                configs += [c for c in skinny_candidates(variant) if c != default]
             tried = {}
             for config in configs:
 
@@ -236,7 +232,6 @@ def main() -> None:
         "engine_skinny_max_rows": fk.SKINNY_MAX_ROWS,
         "engine_skinny_variant": fk.SKINNY_VARIANT,
         "engine_one_row_path": fk.ONE_ROW_PATH,
-        "engine_gemv_max_rows": fk.GEMV_MAX_ROWS,
         "best_tiles": best_tiles,
         "rows": rows,
         "layer_totals": totals,

@@ -66,7 +66,7 @@ def test_fp8_linear_matches_fp64_of_the_quantized_operands(n, k):
 @pytest.mark.parametrize("variant", [*fk.SKINNY_VARIANTS, "gemv", "scaled_mm_one_row"])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_each_decode_kernel(n, k, variant):
-    rows = {"gemv": (1, 2, 3, 4, 8), "scaled_mm_one_row": (1,)}.get(variant, (1, 2, 5, 16))
+    rows = {"gemv": (1,), "scaled_mm_one_row": (1,)}.get(variant, (1, 2, 5, 16))
     for m in rows:
         x, _, wq, ws, bias = operands(n, k, m, seed=100 + m)
         if variant == "scaled_mm_one_row":

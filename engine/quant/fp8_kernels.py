@@ -8,8 +8,8 @@ are quantized dynamically, one fp32 scale per token (row), the same way. On CUDA
   the weights widened to x's dtype for a bf16 dot ("w8a16"), or x quantized per token inside the
   kernel for an fp8 dot ("w8a8"); each with the weight tile as the dot's first operand ("swap_",
   y^T = W x^T: Hopper's wgmma wants 64 rows there, which the weight has and x does not); and a
-  dot-free GEMV for one row or a few ("gemv": fp32 multiply-adds, one reduction at the end), the
-  fastest at batch-1 decode.
+  dot-free GEMV for one row ("gemv": fp32 multiply-adds, one reduction at the end), the fastest
+  at batch-1 decode.
 - more rows: a Triton kernel quantizes the activations per token, then torch._scaled_mm with
   row-wise scales (cuBLAS/CUTLASS FP8 tensor cores).
 Which path and tiles: bench/fp8_gemm.py (bench/results/2026-11-26-h100-fp8/), docs/engine.md.
@@ -34,12 +34,11 @@ SKINNY_MAX_ROWS = (
     16  # above this the per-token quantizer + _scaled_mm path wins (bench/fp8_gemm.py)
 )
 SKINNY_VARIANTS = ("w8a16", "w8a8", "swap_w8a16", "swap_w8a8")
-SKINNY_VARIANT = "w8a16"  # decode rows above GEMV_MAX_ROWS (bench/fp8_gemm.py; docs/engine.md)
+SKINNY_VARIANT = "w8a16"  # decode rows 2..SKINNY_MAX_ROWS (bench/fp8_gemm.py; docs/engine.md)
 # One row (batch-1 decode): "gemv", "skinny" (SKINNY_VARIANT), or "scaled_mm" (its per-token scale
 # is a per-tensor one: _scaled_mm's per-tensor kernel, then the channel scales in one multiply)
 ONE_ROW_PATHS = ("gemv", "skinny", "scaled_mm")
 ONE_ROW_PATH = "gemv"
-GEMV_MAX_ROWS = 1  # 2..GEMV_MAX_ROWS rows take the few-row GEMV too
 _ONES: dict[torch.device, torch.Tensor] = {}
 # (variant, N, K) -> tiles that replace the defaults (benchmarks install their sweep's best here)
 TILE_OVERRIDES: dict[tuple[str, int, int], Fp8SkinnyConfig] = {}
@@ -257,53 +256,6 @@ if triton is not None:
             y = y + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
         tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
 
-    @triton.jit
-    def _fp8_gemv_rows_kernel(
-        x_ptr,
-        w_ptr,
-        ws_ptr,
-        b_ptr,
-        y_ptr,
-        M,
-        N,
-        K,
-        stride_xm,
-        stride_wn,
-        stride_ym,
-        HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        EVEN_K: tl.constexpr,
-    ):
-        """A few rows: each weight tile widened to fp32 once and multiplied into every row's
-        [BLOCK_N, BLOCK_K] accumulator, reduced once at the end."""
-        pid_n = tl.program_id(0)
-        rm = tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        rows_ok = rm < M
-        rn_safe = tl.where(rn < N, rn, 0).to(tl.int64)
-        w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
-        x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
-        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                w = tl.load(w_ptrs)
-                x = tl.load(x_ptrs, mask=rows_ok[:, None], other=0.0)
-            else:
-                k_ok = (k0 + rk) < K
-                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-                x = tl.load(x_ptrs, mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
-        y = tl.sum(acc, axis=2) * tl.load(ws_ptr + rn_safe)[None, :]
-        if HAS_BIAS:
-            y = y + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
-        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=rows_ok[:, None] & (rn < N)[None, :])
-
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], fp32 scales [M, 1]); one Triton kernel on CUDA, the reference
@@ -323,17 +275,13 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def default_skinny_config(
-    n: int, k: int, variant: str | None = None, rows: int = 1
-) -> Fp8SkinnyConfig:
+def default_skinny_config(n: int, k: int, variant: str | None = None) -> Fp8SkinnyConfig:
     """Tiles per shape and variant ("gemv" too), the fastest of bench/fp8_gemm.py's sweep at one
     row on Llama-3.1-8B's shapes (bench/results/2026-11-26-h100-fp8/fp8_gemm.json)."""
     variant = variant or SKINNY_VARIANT
     if (variant, n, k) in TILE_OVERRIDES:
         return TILE_OVERRIDES[(variant, n, k)]
     if variant == "gemv":
-        if rows > 1:  # every row keeps its own accumulator
-            return (8, 256, 4, 2)
         if n >= 16384:  # gate_up
             return (16, 256, 4, 2)
         if n >= 6144:  # qkv
@@ -363,35 +311,14 @@ def fp8_skinny_gemm(
         x = x.contiguous()
     m = x.shape[0]
     if variant is None:
-        gemv = ONE_ROW_PATH == "gemv" if m == 1 else m <= GEMV_MAX_ROWS
-        variant = "gemv" if gemv else SKINNY_VARIANT
+        variant = "gemv" if m == 1 and ONE_ROW_PATH == "gemv" else SKINNY_VARIANT
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_n, block_k, num_warps, num_stages = config or default_skinny_config(n, k, variant, m)
+    block_n, block_k, num_warps, num_stages = config or default_skinny_config(n, k, variant)
     block_k = min(block_k, max(32, triton.next_power_of_2(k)))
     b = bias if bias is not None else weight_scale
-    if variant == "gemv" and m > 1:
-        _fp8_gemv_rows_kernel[(triton.cdiv(n, block_n),)](
-            x,
-            weight,
-            weight_scale,
-            b,
-            y,
-            m,
-            n,
-            k,
-            x.stride(0),
-            weight.stride(0),
-            y.stride(0),
-            HAS_BIAS=bias is not None,
-            BLOCK_M=triton.next_power_of_2(m),
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-            EVEN_K=k % block_k == 0,
-            num_warps=num_warps,
-            num_stages=num_stages,
-        )
-        return y
     if variant == "gemv":
+        if m != 1:
+            raise ValueError(f"fp8 gemv: one row, got {m}")
         _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
             x,
             weight,
@@ -482,7 +409,7 @@ def cuda_path(rows: int, dtype: torch.dtype) -> str:
         if ONE_ROW_PATH == "scaled_mm" and dtype == torch.bfloat16:
             return "scaled_mm_one_row"
         return "gemv" if ONE_ROW_PATH == "gemv" else SKINNY_VARIANT
-    return "gemv" if rows <= GEMV_MAX_ROWS else SKINNY_VARIANT
+    return SKINNY_VARIANT
 
 
 def quantizes_activations(path: str) -> bool:
