@@ -13,8 +13,9 @@ are quantized dynamically, one fp32 scale per token (row), the same way. On CUDA
 - more rows: a Triton kernel quantizes the activations per token, then torch._scaled_mm with
   row-wise scales (cuBLAS/CUTLASS FP8 tensor cores).
 Which path and tiles: bench/fp8_gemm.py (bench/results/2026-11-26-h100-fp8/), docs/engine.md.
-On CPU fp8_linear_reference: torch._scaled_mm in fp32 (the CPU build runs it) with the same
-quantization, so CI checks the numerics.
+On CPU fp8_linear_reference: the W8A8 numerics (the many-row path's) as torch._scaled_mm in fp32
+(the CPU build runs it), so CI checks them; the one-row GEMV and the w8a16 skinny kernel keep x in
+bf16, so GPU decode differs from it only by being closer to the unquantized product.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 MIN_AMAX = 1e-12  # an all-zero row still gets a finite scale
-SKINNY_MAX_ROWS = (
-    16  # above this the per-token quantizer + _scaled_mm path wins (bench/fp8_gemm.py)
-)
+Fp8SkinnyConfig = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
+# above this many rows the per-token quantizer + _scaled_mm path wins (bench/fp8_gemm.py)
+SKINNY_MAX_ROWS = 16
 SKINNY_VARIANTS = ("w8a16", "w8a8", "swap_w8a16", "swap_w8a8")
 SKINNY_VARIANT = "w8a16"  # decode rows 2..SKINNY_MAX_ROWS (bench/fp8_gemm.py; docs/engine.md)
 # One row (batch-1 decode): "gemv", "skinny" (SKINNY_VARIANT), or "scaled_mm" (its per-token scale
@@ -42,7 +43,6 @@ ONE_ROW_PATH = "gemv"
 _ONES: dict[torch.device, torch.Tensor] = {}
 # (variant, N, K) -> tiles that replace the defaults (benchmarks install their sweep's best here)
 TILE_OVERRIDES: dict[tuple[str, int, int], Fp8SkinnyConfig] = {}
-Fp8SkinnyConfig = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 
 
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
