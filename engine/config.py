@@ -26,6 +26,7 @@ from engine.family_configs import (
 )
 from engine.model_support import SUPPORTED_ARCHITECTURES, check_model_config, rope_settings  # noqa: F401 (decoder.py reads it here)
 from engine.moe_config import MoeConfig, read_moe_config
+from engine.quant import check_quantization
 
 _DTYPES = {
     "float32": torch.float32,
@@ -327,6 +328,10 @@ class EngineArgs:
     # where the machine can't map peer memory).
     tensor_parallel_size: int = 1
     all_reduce_backend: str = "nccl"
+    # Weights: None serves the checkpoint's dtype; "fp8" quantizes the linears of a bf16/fp16
+    # checkpoint to FP8 (e4m3, per output channel) as it loads, activations per token at run time
+    # (engine/quant; GPUs of compute capability >= 8.9, or CPU).
+    quantization: str | None = None
 
     def validate(self) -> None:
         _check_int("block_size", self.block_size, 1, 1024)
@@ -368,6 +373,7 @@ class EngineArgs:
             raise ValueError(
                 f"kv_sizing: must be one of {', '.join(KV_SIZING_MODES)}, got {self.kv_sizing!r}"
             )
+        check_quantization(self.quantization)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, MAX_TENSOR_PARALLEL_SIZE)
         if self.all_reduce_backend not in ALL_REDUCE_BACKENDS:
             choices = ", ".join(ALL_REDUCE_BACKENDS)

@@ -65,6 +65,7 @@ class ModelRunner:
             pack_dir=args.pack_dir,
             load_format=args.load_format,
             shard=self.shard,
+            quantization=args.quantization,
             comm=tp.comm if tp is not None else None,
         )
         self.load_seconds = time.perf_counter() - t0

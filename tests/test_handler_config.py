@@ -282,7 +282,6 @@ def test_the_markdown_table_is_printed_by_the_module():
 @pytest.mark.parametrize(
     "name, value",
     [
-        ("QUANTIZATION", "awq"),
         ("PIPELINE_PARALLEL_SIZE", "2"),
         ("TRUST_REMOTE_CODE", "true"),
         ("KV_CACHE_DTYPE", "fp8"),
@@ -292,6 +291,18 @@ def test_worker_vllm_variables_we_cannot_honour_stop_the_start(name, value):
     with pytest.raises(SettingsError) as err:
         load_settings({name: value})
     assert f"{name}:" in str(err.value) and "allowed: unset" in str(err.value)
+
+
+@pytest.mark.parametrize("value", ["awq", "gptq", "bitsandbytes", "fp4"])
+def test_quantization_is_fp8_or_unset_and_other_schemes_are_refused_by_name(value):
+    assert load_settings({"QUANTIZATION": "fp8"}).engine_args("/m").quantization == "fp8"
+    assert load_settings({"QUANTIZATION": "FP8"}).quantization == "fp8"
+    for unset in ("", "none"):
+        assert load_settings({"QUANTIZATION": unset}).engine_args("/m").quantization is None
+    with pytest.raises(SettingsError) as err:
+        load_settings({"QUANTIZATION": value})
+    assert "QUANTIZATION: this scheme is not supported" in str(err.value)
+    assert f"got '{value}'" in str(err.value) and "allowed: one of fp8" in str(err.value)
 
 
 def test_harmless_worker_vllm_values_pass():

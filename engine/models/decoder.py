@@ -66,9 +66,11 @@ class Attention(nn.Module):
         device: torch.device,
         row_linear=Linear,
         layer: int = 0,
+        linear=Linear,
     ) -> None:
         """cfg: this rank's slice (engine.distributed.sharding.Shard.local_config); row_linear:
-        o_proj's class; layer: its index (windows may differ per layer)."""
+        o_proj's class; layer: its index (windows may differ per layer); linear: qkv_proj's class
+        (a quantization scheme's)."""
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
@@ -79,7 +81,7 @@ class Attention(nn.Module):
         self.sliding_window = cfg.window_of(layer)
         self.softcap = cfg.attn_softcap
         self.backend = backend
-        self.qkv_proj = Linear(
+        self.qkv_proj = linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, dtype, device
         )
         # Qwen2 biases only q/k/v; Llama/Mistral/Qwen3 with attention_bias bias o_proj too.
@@ -128,12 +130,17 @@ class MLP(nn.Module):
     GELU)."""
 
     def __init__(
-        self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, row_linear=Linear
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        row_linear=Linear,
+        linear=Linear,
     ) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
         self.activation = cfg.hidden_act
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype, device)
+        self.gate_up_proj = linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype, device)
         self.down_proj = row_linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -156,15 +163,16 @@ class DecoderLayer(nn.Module):
         device: torch.device,
         row_linear=Linear,
         layer: int = 0,
+        linear=Linear,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, backend, dtype, device, row_linear, layer)
+        self.self_attn = Attention(cfg, backend, dtype, device, row_linear, layer, linear)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         if cfg.moe is not None and cfg.moe.is_sparse(layer):  # experts (engine/layers/moe.py)
             self.mlp = SparseMoeBlock(cfg, dtype, device)
         else:
-            self.mlp = MLP(cfg, dtype, device, row_linear)
+            self.mlp = MLP(cfg, dtype, device, row_linear, linear)
 
     def forward(
         self,
@@ -200,6 +208,7 @@ class SandwichDecoderLayer(nn.Module):
         device: torch.device,
         row_linear=Linear,
         layer: int = 0,
+        linear=Linear,
     ) -> None:
         super().__init__()
 
@@ -207,11 +216,11 @@ class SandwichDecoderLayer(nn.Module):
             return OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
         self.input_layernorm = norm()
-        self.self_attn = Attention(cfg, backend, dtype, device, row_linear, layer)
+        self.self_attn = Attention(cfg, backend, dtype, device, row_linear, layer, linear)
         self.post_attention_layernorm = norm()
         self.pre_feedforward_layernorm = norm()
         self.post_feedforward_layernorm = norm()
-        self.mlp = MLP(cfg, dtype, device, row_linear)
+        self.mlp = MLP(cfg, dtype, device, row_linear, linear)
 
     def forward(
         self,
@@ -251,12 +260,15 @@ class DecoderModel(nn.Module):
         param_device: torch.device | str | None = None,
         shard: Shard = SINGLE,
         comm=None,
+        quant=None,
     ) -> None:
         """param_device="meta" builds the parameters without memory (a loader then points them into
         its own buffer); buffers (the rotary cos/sin tables) always live on `device`.
 
         shard: the slice this rank holds; comm: its collectives
-        (engine.distributed.comm.Communicator; a shard without one can load, not run)."""
+        (engine.distributed.comm.Communicator; a shard without one can load, not run); quant: an
+        engine.quant.QuantConfig whose linears serve attention's qkv/o and the MLP's gate_up/down
+        (embeddings, lm_head, norms and MoE routers stay in `dtype`)."""
         super().__init__()
         shard.check(cfg)
         device = torch.device(device)
@@ -265,8 +277,9 @@ class DecoderModel(nn.Module):
         self.shard = shard
         self.comm = comm
         self.dtype = dtype
+        self.quant = quant
         vocab_rows = cfg.vocab_size
-        row_linear = Linear
+        row_linear = linear = Linear
         if shard.size > 1:
             first, _, vocab_rows = shard.vocab(cfg)
             self.embed_tokens = VocabParallelEmbedding(
@@ -275,6 +288,10 @@ class DecoderModel(nn.Module):
             row_linear = functools.partial(RowParallelLinear, comm=comm)
         else:
             self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, params_on)
+        if quant is not None:
+            quant.check_model(cfg)
+            linear = quant.linear
+            row_linear = functools.partial(quant.linear, comm=comm, row_parallel=shard.size > 1)
         local = shard.local_config(cfg)
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.rope, cfg.max_position_embeddings, dtype, device, cfg.rotary_dim
@@ -292,7 +309,7 @@ class DecoderModel(nn.Module):
         )
         layer_class = SandwichDecoderLayer if cfg.gemma_norms else DecoderLayer
         self.layers = nn.ModuleList(
-            layer_class(local, backend, dtype, params_on, row_linear, i)
+            layer_class(local, backend, dtype, params_on, row_linear, i, linear)
             for i in range(cfg.num_layers)
         )
         self.norm = norm_class(cfg)(cfg.hidden_size, cfg.rms_norm_eps, dtype, params_on)
@@ -453,6 +470,7 @@ class DecoderModel(nn.Module):
         """
         weight_map = self.hf_weight_map()
         params = dict(self.named_parameters())
+        quantized = self.quantized_linears()
         seen: set[str] = set()
         unknown: list[str] = []
         for name, tensor in named_tensors:
@@ -475,7 +493,10 @@ class DecoderModel(nn.Module):
                     f"weights: {name} has shape {tuple(tensor.shape)} "
                     f"but the model expects {tuple(dest.shape)}"
                 )
-            dest.copy_(tensor)
+            if slot.param in quantized:  # whole rows: each output channel quantized with its scale
+                quantized[slot.param].load_weight_rows(slot.start, slot.end, tensor)
+            else:
+                dest.copy_(tensor)
             seen.add(name)
         if unknown:
             raise ValueError(
@@ -485,6 +506,17 @@ class DecoderModel(nn.Module):
         if missing:
             raise ValueError(f"weights: missing tensors: {_few(missing)}")
         self.zero_vocab_padding()
+
+    def quantized_linears(self) -> dict:
+        """Weight parameter name -> its quantized linear (engine.quant.base.QuantizedLinear), which
+        quantizes high-precision rows into place."""
+        from engine.quant.base import QuantizedLinear
+
+        return {
+            f"{name}.weight": m
+            for name, m in self.named_modules()
+            if isinstance(m, QuantizedLinear)
+        }
 
     @torch.no_grad()
     def zero_vocab_padding(self) -> None:
@@ -524,10 +556,12 @@ def build_model(
     param_device: torch.device | str | None = None,
     shard: Shard = SINGLE,
     comm=None,
+    quant=None,
 ) -> DecoderModel:
     """An empty (unloaded) DecoderModel with parameters allocated once, on `device` (or
     `param_device`), in `dtype`; under tensor parallelism, the slice `shard` of it, with its
-    collectives through `comm`."""
+    collectives through `comm`; quant: an engine.quant.QuantConfig or its EngineArgs name ("fp8"),
+    refused here for a GPU or model it can't serve."""
     from engine.config import SUPPORTED_ARCHITECTURES, resolve_dtype
 
     if model_config.family not in SUPPORTED_ARCHITECTURES.values():
@@ -542,4 +576,12 @@ def build_model(
         from engine.attention import select_backend
 
         attn_backend = select_backend(device, attn_backend or "auto")
-    return DecoderModel(model_config, dtype, device, attn_backend, param_device, shard, comm).eval()
+    if quant is None or isinstance(quant, str):
+        from engine.quant import quant_config
+
+        quant = quant_config(quant)
+    if quant is not None:
+        quant.check_device(device)
+    return DecoderModel(
+        model_config, dtype, device, attn_backend, param_device, shard, comm, quant
+    ).eval()

@@ -142,27 +142,37 @@ def model_digest(model_dir: str) -> str:
     return h.hexdigest()
 
 
-def pack_key(model_dir: str, dtype: torch.dtype, shard: Shard = SINGLE) -> dict:
+def pack_key(
+    model_dir: str, dtype: torch.dtype, shard: Shard = SINGLE, quantization: str | None = None
+) -> dict:
     """What a pack must match to be used: the checkpoint's bytes, the final dtype, the engine's
-    layout and, for a tensor-parallel rank, which slice it holds."""
+    layout, the quantization scheme (absent for none) and, for a tensor-parallel rank, which slice
+    it holds."""
     key = {
         "format": "coldbrew-weights",
         "model_digest": model_digest(model_dir),
         "dtype": _dtype_name(dtype),
         "layout_version": PACK_LAYOUT_VERSION,
     }
+    if quantization is not None:
+        key["quantization"] = quantization
     if shard.size > 1:
         key["shard"] = [shard.rank, shard.size]
     return key
 
 
 def pack_path(
-    model_dir: str, dtype: torch.dtype, pack_dir: str | None = None, shard: Shard = SINGLE
+    model_dir: str,
+    dtype: torch.dtype,
+    pack_dir: str | None = None,
+    shard: Shard = SINGLE,
+    quantization: str | None = None,
 ) -> str:
-    """<pack_dir or model_dir/packs>/<digest[:16]>-<dtype>-v<layout>.cbpack (a rank's:
-    cache.pack.shard_name)"""
+    """<pack_dir or model_dir/packs>/<digest[:16]>-<dtype>[-<quantization>]-v<layout>.cbpack (a
+    rank's: cache.pack.shard_name)"""
     key = pack_key(model_dir, dtype)
-    whole = f"{key['model_digest'][:16]}-{key['dtype']}-v{PACK_LAYOUT_VERSION}.cbpack"
+    quant = f"-{quantization}" if quantization is not None else ""
+    whole = f"{key['model_digest'][:16]}-{key['dtype']}{quant}-v{PACK_LAYOUT_VERSION}.cbpack"
     name = shard_name(whole, shard.rank, shard.size)
     return os.path.join(pack_dir or os.path.join(model_dir, PACKS_DIR), name)
 
@@ -194,7 +204,8 @@ def preload_weights(args: EngineArgs) -> bool:
             return False
         cfg = ModelConfig.from_dir(args.model)
         shard = Shard(0, args.tensor_parallel_size)  # this process is rank 0
-        path = pack_path(args.model, resolve_dtype(args.dtype, cfg, device), args.pack_dir, shard)
+        dtype = resolve_dtype(args.dtype, cfg, device)
+        path = pack_path(args.model, dtype, args.pack_dir, shard, args.quantization)
         if not os.path.isfile(path):
             return False
         return preload(path, device) is not None
@@ -214,9 +225,11 @@ def load_model(
     load_format: str = "auto",
     shard: Shard = SINGLE,
     comm=None,
+    quantization: str | None = None,
 ) -> "DecoderModel":
     """Build the model on `device` in `dtype` and fill it (a tensor-parallel rank: its `shard`, with
-    collectives `comm`).
+    collectives `comm`); quantization (EngineArgs.quantization, e.g. "fp8"): its linears quantized
+    as the bf16/fp16 checkpoint loads, one tensor at a time, and the pack holds them quantized.
 
     load_format "auto": from the pack when a valid one matches (model digest, dtype, layout), else
     from safetensors, then write the pack (a failure to write logs one line); "pack": the same, but
@@ -232,7 +245,9 @@ def load_model(
 
     if load_format in ("safetensors", "dummy"):
         discard_preloads()
-        model = build_model(model_config, dtype, device, attn_backend, shard=shard, comm=comm)
+        model = build_model(
+            model_config, dtype, device, attn_backend, shard=shard, comm=comm, quant=quantization
+        )
         if load_format == "dummy":
             fill_random(model)
         else:
@@ -241,19 +256,29 @@ def load_model(
         model.load_stats = {"source": load_format}
         model.wait_weights = lambda: None
         return model
-    path = pack_path(model_dir, dtype, pack_dir, shard)
-    key = pack_key(model_dir, dtype, shard)
+    path = pack_path(model_dir, dtype, pack_dir, shard, quantization)
+    key = pack_key(model_dir, dtype, shard, quantization)
     discard_preloads(keep=path)  # a preload of another file would hold device memory for nothing
     try:
         return load_model_from_pack(
-            path, key, model_config, dtype, device, attn_backend, shard=shard, comm=comm
+            path,
+            key,
+            model_config,
+            dtype,
+            device,
+            attn_backend,
+            shard=shard,
+            comm=comm,
+            quantization=quantization,
         )
     except (FileNotFoundError, NotADirectoryError):
         discard_preloads()
     except (PackError, OSError) as e:
         discard_preloads()
         log.warning("weights: %s; loading safetensors and rebuilding the pack", e)
-    model = build_model(model_config, dtype, device, attn_backend, shard=shard, comm=comm)
+    model = build_model(
+        model_config, dtype, device, attn_backend, shard=shard, comm=comm, quant=quantization
+    )
     model.load_hf_weights(iter_safetensors(model_dir, model.hf_weight_map()), presliced=True)
     model.load_stats = {"source": "safetensors", "pack_written": None}
     model.wait_weights = lambda: None
@@ -282,6 +307,7 @@ def load_model_from_pack(
     overlap: bool | None = None,
     shard: Shard = SINGLE,
     comm=None,
+    quantization: str | None = None,
     **loader_options,
 ) -> "DecoderModel":
     """The model with every parameter a view into one device buffer streamed from the pack at
@@ -297,8 +323,19 @@ def load_model_from_pack(
     pack = read_pack(path)
     if key is not None and any(pack.metadata.get(k) != v for k, v in key.items()):
         raise PackError(f"pack {path}: built for {pack.metadata}, not for {key}")
+    if pack.metadata.get("quantization") != quantization:  # also without a key
+        raise PackError(
+            f"pack {path}: quantization {pack.metadata.get('quantization')!r}, not {quantization!r}"
+        )
     model = build_model(
-        model_config, dtype, device, attn_backend, param_device="meta", shard=shard, comm=comm
+        model_config,
+        dtype,
+        device,
+        attn_backend,
+        param_device="meta",
+        shard=shard,
+        comm=comm,
+        quant=quantization,
     )
     params = dict(model.named_parameters())
     want = {n: (_dtype_name(p.dtype), tuple(p.shape)) for n, p in params.items()}
@@ -390,10 +427,16 @@ def _wait_hooks(model: "DecoderModel", load, finished):
 @torch.no_grad()
 def fill_random(model: "DecoderModel", seed: int = 0) -> None:
     """Benchmark weights made where the parameters live: norms 1, everything else N(0, 0.02) (as
-    bench/checkpoint.py synthesizes checkpoints); the vocabulary padding stays zero."""
+    bench/checkpoint.py synthesizes checkpoints; quantized linears quantize theirs); the vocabulary
+    padding stays zero."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed + model.shard.rank)
+    quantized = model.quantized_linears()
+    for name, linear in quantized.items():
+        linear.fill_random(0.02, gen)
     for name, p in model.named_parameters():
+        if name in quantized or name.removesuffix("_scale") in quantized:
+            continue
         if name.endswith("norm.weight"):
             p.fill_(1.0)
         else:

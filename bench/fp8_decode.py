@@ -1,0 +1,138 @@
+"""Batch-1 decode of a Llama-3.1-8B-shaped model, FP8 W8A8 (EngineArgs.quantization "fp8") beside
+bf16 in the same run, each against the roofline of the bytes its token reads (bench/moe_decode.py's
+count: every parameter at its stored size but the gathered embedding table, plus the KV cache), with
+random weights made on the GPU (load_format "dummy"), CUDA graphs on.
+
+`python -m bench.fp8_decode --out DIR` writes DIR/fp8_decode.json and prints a table. --paths
+measures FP8 once per decode kernel choice (engine/quant/fp8_kernels.py: ONE_ROW_PATH, and
+SKINNY_VARIANT for "skinny:<variant>"); --tiles takes bench/fp8_gemm.py's JSON and uses its swept
+best tiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from bench.moe_decode import bytes_per_token, config_only_dir
+from bench.reference_decode import decode_step_seconds, graph_replay_seconds
+from bench.roofline import copy_bandwidth
+from bench.serving import config_path
+from engine import LLM
+from engine.quant import fp8_kernels as fk
+
+
+def decode_row(
+    name: str, root: str, quantization: str | None, bandwidth: float, prompt_len: int, new: int
+) -> dict:
+    config = json.loads(config_path(name).read_text())
+    llm = LLM(
+        model=config_only_dir(config, Path(name).stem, root),
+        load_format="dummy",
+        dtype="bfloat16",
+        device="cuda",
+        max_model_len=4096,
+        max_num_seqs=8,
+        cuda_graph_sizes=[1],
+        quantization=quantization,
+    )
+    try:
+        read = bytes_per_token(llm.engine.runner.model, prompt_len + new // 2)
+        step = decode_step_seconds(llm, 1, prompt_len=prompt_len, new_tokens=new)
+        replay = graph_replay_seconds(llm, 1)
+    finally:
+        llm.shutdown()
+        del llm
+        gc.unfreeze()
+        gc.collect()
+        torch.cuda.empty_cache()
+    floor = read["total"] / bandwidth
+    row = {
+        "config": name,
+        "quantization": quantization or "none (bf16)",
+        "gb_per_token": read["total"] / 1e9,
+        "ms_per_step": step * 1e3,
+        "tokens_per_s": 1 / step,
+        "floor_ms": floor * 1e3,
+        "roofline_tokens_per_s": 1 / floor,
+        "of_roofline": floor / step,
+        "graph_replay_ms": None if replay is None else replay * 1e3,
+    }
+    print(
+        f"{name} {row['quantization']}: {step * 1e3:.2f} ms/step ({1 / step:.0f} tok/s), "
+        f"{row['of_roofline']:.0%} of the {floor * 1e3:.2f} ms floor "
+        f"({read['total'] / 1e9:.2f} GB/token), graph replay {row['graph_replay_ms']} ms",
+        flush=True,
+    )
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="llama-3.1-8b.json")
+    ap.add_argument("--model-dir", default="/tmp/coldbrew-bench/model")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--paths", default="", help="e.g. skinny:w8a16,gemv,scaled_mm (default: as is)")
+    ap.add_argument("--tiles", default="", help="fp8_gemm.json whose best_tiles to use")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if args.tiles:
+        best = json.loads(Path(args.tiles).read_text())["best_tiles"]
+        for key, tiles in best.items():
+            variant, n, k = key.split(":")
+            fk.TILE_OVERRIDES[(variant, int(n), int(k))] = tuple(map(int, tiles.split(":")))
+    bandwidth = copy_bandwidth("cuda", 2 << 30)
+
+    def measure(q):
+        return decode_row(
+            args.config, args.model_dir, q, bandwidth, args.prompt_len, args.new_tokens
+        )
+
+    rows = [measure(None)]
+    for path in [p for p in args.paths.split(",") if p] or [""]:
+        if path:
+            fk.ONE_ROW_PATH, _, variant = path.partition(":")
+            fk.SKINNY_VARIANT = variant or fk.SKINNY_VARIANT
+        try:
+            row = measure("fp8")
+        except Exception as exc:  # a kernel choice that fails to build: recorded, the rest run
+            print(f"fp8 {path}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            rows.append({"fp8_path": path, "error": str(exc)[:500]})
+            continue
+        row["fp8_one_row_path"] = fk.ONE_ROW_PATH
+        row["fp8_skinny_variant"] = fk.SKINNY_VARIANT
+        row["quantization"] = f"fp8 ({fk.ONE_ROW_PATH}, {fk.SKINNY_VARIANT})"
+        rows.append(row)
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "copy_bandwidth": bandwidth,
+        "batch": 1,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "tile_overrides": {":".join(map(str, k)): v for k, v in fk.TILE_OVERRIDES.items()},
+        "rows": rows,
+    }
+    with open(os.path.join(args.out, "fp8_decode.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\n{result['device']}, batch 1, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    print("| weights | GB read per token | ms/step | tok/s | floor ms | of roofline |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        if "error" in r:
+            continue
+        print(
+            f"| {r['quantization']} | {r['gb_per_token']:.2f} | {r['ms_per_step']:.2f} "
+            f"| {r['tokens_per_s']:.0f} | {r['floor_ms']:.2f} | {r['of_roofline']:.0%} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""The interface every quantization scheme implements: what the model builder, the weight loader,
+the pack and the start-up checks ask of it. Holds no kernels and no model knowledge."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class QuantConfig:
+    """A quantization scheme. `name` goes into the pack's key and file name, so a pack written for
+    one scheme (or none) is never read for another."""
+
+    name: str = ""
+
+    def linear(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+        comm=None,
+        row_parallel: bool = False,
+    ) -> nn.Module:
+        """A quantized y = x @ W^T (+ b) with activations in `dtype`; row_parallel: the input
+        columns are this rank's slice and the partial products are all-reduced through `comm`."""
+        raise NotImplementedError
+
+    def check_device(self, device: torch.device) -> None:
+        """Raise ValueError (naming the GPU) when the scheme can't run on `device`."""
+
+    def check_model(self, model_config) -> None:
+        """Raise ValueError when the scheme can't serve this model (one message naming both)."""
+
+
+class QuantizedLinear(nn.Module):
+    """What the loader asks of a quantized linear: its high-precision weight rows, quantized into
+    place (load_weight_rows), and random weights (fill_random) for load_format "dummy"."""
+
+    def load_weight_rows(self, start: int, end: int, rows: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def fill_random(self, std: float, generator: torch.Generator) -> None:
+        raise NotImplementedError

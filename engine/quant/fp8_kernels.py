@@ -1,0 +1,473 @@
+"""FP8 (e4m3) GEMM kernels and their torch reference: y = (x quantized per token) @ (W quantized per
+output channel)^T, scaled back, in x's dtype.
+
+Weights: float8_e4m3fn [N, K] with fp32 scales [N] (one per output channel: amax / 448). Activations
+are quantized dynamically, one fp32 scale per token (row), the same way. On CUDA:
+- rows <= SKINNY_MAX_ROWS (decode): a skinny Triton kernel in the spirit of
+  engine/layers/skinny_gemm.py that reads each FP8 weight byte once. Variants (SKINNY_VARIANTS):
+  the weights widened to x's dtype for a bf16 dot ("w8a16"), or x quantized per token inside the
+  kernel for an fp8 dot ("w8a8"); each with the weight tile as the dot's first operand ("swap_",
+  y^T = W x^T: Hopper's wgmma wants 64 rows there, which the weight has and x does not); and a
+  dot-free GEMV for one row ("gemv": fp32 multiply-adds, one reduction at the end), the fastest
+  at batch-1 decode.
+- more rows: a Triton kernel quantizes the activations per token, then torch._scaled_mm with
+  row-wise scales (cuBLAS/CUTLASS FP8 tensor cores).
+Which path and tiles: bench/fp8_gemm.py (bench/results/2026-11-26-h100-fp8/), docs/engine.md.
+On CPU fp8_linear_reference: the W8A8 numerics (the many-row path's) as torch._scaled_mm in fp32
+(the CPU build runs it), so CI checks them; the one-row GEMV and the w8a16 skinny kernel keep x in
+bf16, so GPU decode differs from it only by being closer to the unquantized product.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # a CPU-only install may have no triton; the reference path never needs it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only on installs without triton
+    triton = None
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+MIN_AMAX = 1e-12  # an all-zero row still gets a finite scale
+Fp8SkinnyConfig = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
+# above this many rows the per-token quantizer + _scaled_mm path wins (bench/fp8_gemm.py)
+SKINNY_MAX_ROWS = 16
+SKINNY_VARIANTS = ("w8a16", "w8a8", "swap_w8a16", "swap_w8a8")
+SKINNY_VARIANT = "w8a16"  # decode rows 2..SKINNY_MAX_ROWS (bench/fp8_gemm.py; docs/engine.md)
+# One row (batch-1 decode): "gemv", "skinny" (SKINNY_VARIANT), or "scaled_mm" (its per-token scale
+# is a per-tensor one: _scaled_mm's per-tensor kernel, then the channel scales in one multiply)
+ONE_ROW_PATHS = ("gemv", "skinny", "scaled_mm")
+ONE_ROW_PATH = "gemv"
+_ONES: dict[torch.device, torch.Tensor] = {}
+# (variant, N, K) -> tiles that replace the defaults (benchmarks install their sweep's best here)
+TILE_OVERRIDES: dict[tuple[str, int, int], Fp8SkinnyConfig] = {}
+
+
+def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (float8_e4m3fn [..., K], fp32 scales [..., 1]): one scale per row, amax / 448,
+    values x / scale rounded to nearest. Used for the weights (once) and for CPU activations."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
+    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 values of rows quantized by quantize_rows_reference (scale [..., 1] or [N])."""
+    return q.float() * (scale if scale.dim() == q.dim() else scale.unsqueeze(-1))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr):
+        """Program r: row r's amax, its scale amax / 448, and the row as e4m3."""
+        row = tl.program_id(0).to(tl.int64)
+        rk = tl.arange(0, BLOCK_K)
+        x_row = x_ptr + row * stride_xm
+        peak = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_row + k0 + rk, mask=(k0 + rk) < K, other=0.0).to(tl.float32)
+            peak = tl.maximum(peak, tl.abs(x))
+        scale = tl.maximum(tl.max(peak, axis=0), 1e-12) / 448.0
+        tl.store(s_ptr + row, scale)
+        for k0 in range(0, K, BLOCK_K):
+            ok = (k0 + rk) < K
+            x = tl.load(x_row + k0 + rk, mask=ok, other=0.0).to(tl.float32)
+            q = tl.clamp(x / scale, -448.0, 448.0)
+            tl.store(q_ptr + row * stride_qm + k0 + rk, q.to(q_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _fp8_skinny_kernel(
+        x_ptr,
+        w_ptr,
+        ws_ptr,
+        b_ptr,
+        y_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_ym,
+        HAS_BIAS: tl.constexpr,
+        QUANTIZE_X: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr,
+    ):
+        """Program n: output columns [n * BLOCK_N, +BLOCK_N) of every row; the main loop walks the
+        FP8 weight rows once. QUANTIZE_X: a first pass over x (few rows, from L2) finds each row's
+        scale, the main loop quantizes x to e4m3 for an fp8 dot; else the weights are widened to
+        x's dtype for the dot. Scales apply to the fp32 accumulator at the end."""
+        pid_n = tl.program_id(0)
+        rm = tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        rows_ok = rm < M
+        rn_safe = tl.where(rn < N, rn, 0).to(tl.int64)  # out-of-range columns re-read row 0
+        x_base = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+        if QUANTIZE_X:
+            peak = tl.zeros([BLOCK_M], dtype=tl.float32)
+            x_ptrs = x_base
+            for k0 in range(0, K, BLOCK_K):
+                x_mask = rows_ok[:, None] & ((k0 + rk) < K)[None, :]
+                x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+                peak = tl.maximum(peak, tl.max(tl.abs(x), axis=1))
+                x_ptrs += BLOCK_K
+            x_scale = tl.maximum(peak, 1e-12) / 448.0
+        w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
+        x_ptrs = x_base
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                x_mask = rows_ok[:, None]
+            else:
+                k_ok = (k0 + rk) < K
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+                x_mask = rows_ok[:, None] & k_ok[None, :]
+            x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+            if QUANTIZE_X:
+                xq = tl.clamp(x.to(tl.float32) / x_scale[:, None], -448.0, 448.0)
+                acc += tl.dot(xq.to(w_ptr.dtype.element_ty), tl.trans(w))
+            else:
+                acc += tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)))
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        acc = acc * tl.load(ws_ptr + rn_safe)[None, :]
+        if QUANTIZE_X:
+            acc = acc * x_scale[:, None]
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + rn, mask=rn < N, other=0.0)
+            acc = acc + bias.to(tl.float32)[None, :]
+        y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=rows_ok[:, None] & (rn < N)[None, :])
+
+
+if triton is not None:
+
+    @triton.jit
+    def _fp8_skinny_swap_kernel(
+        x_ptr,
+        w_ptr,
+        ws_ptr,
+        b_ptr,
+        y_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_ym,
+        HAS_BIAS: tl.constexpr,
+        QUANTIZE_X: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr,
+    ):
+        """As _fp8_skinny_kernel with the operands swapped: acc [BLOCK_N, BLOCK_M] = W x^T, the FP8
+        weight tile straight from memory as the dot's first operand, stored transposed."""
+        pid_n = tl.program_id(0)
+        rm = tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        rows_ok = rm < M
+        rn_safe = tl.where(rn < N, rn, 0).to(tl.int64)
+        x_base = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+        if QUANTIZE_X:
+            peak = tl.zeros([BLOCK_M], dtype=tl.float32)
+            x_ptrs = x_base
+            for k0 in range(0, K, BLOCK_K):
+                x_mask = rows_ok[:, None] & ((k0 + rk) < K)[None, :]
+                x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+                peak = tl.maximum(peak, tl.max(tl.abs(x), axis=1))
+                x_ptrs += BLOCK_K
+            x_scale = tl.maximum(peak, 1e-12) / 448.0
+        w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
+        x_ptrs = x_base
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                x_mask = rows_ok[:, None]
+            else:
+                k_ok = (k0 + rk) < K
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+                x_mask = rows_ok[:, None] & k_ok[None, :]
+            x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+            if QUANTIZE_X:
+                xq = tl.clamp(x.to(tl.float32) / x_scale[:, None], -448.0, 448.0)
+                acc += tl.dot(w, tl.trans(xq.to(w_ptr.dtype.element_ty)))
+            else:
+                acc += tl.dot(w.to(x_ptr.dtype.element_ty), tl.trans(x))
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        acc = acc * tl.load(ws_ptr + rn_safe)[:, None]
+        if QUANTIZE_X:
+            acc = acc * x_scale[None, :]
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + rn, mask=rn < N, other=0.0)
+            acc = acc + bias.to(tl.float32)[:, None]
+        y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=rows_ok[None, :] & (rn < N)[:, None])
+
+    @triton.jit
+    def _fp8_gemv_kernel(
+        x_ptr,
+        w_ptr,
+        ws_ptr,
+        b_ptr,
+        y_ptr,
+        N,
+        K,
+        stride_wn,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr,
+    ):
+        """One row: y[n] = scale[n] * sum_k W[n, k] x[k], fp32 multiply-adds into a [BLOCK_N,
+        BLOCK_K] accumulator, reduced once at the end."""
+        pid_n = tl.program_id(0)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        rn_safe = tl.where(rn < N, rn, 0).to(tl.int64)
+        w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
+        x_ptrs = x_ptr + rk
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                x = tl.load(x_ptrs)
+            else:
+                k_ok = (k0 + rk) < K
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+                x = tl.load(x_ptrs, mask=k_ok, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        y = tl.sum(acc, axis=1) * tl.load(ws_ptr + rn_safe)
+        if HAS_BIAS:
+            y = y + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], fp32 scales [M, 1]); one Triton kernel on CUDA, the reference
+    elsewhere."""
+    if triton is None or not x.is_cuda:
+        return quantize_rows_reference(x)
+    m, k = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    q = torch.empty((m, k), dtype=FP8, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        block_k = min(triton.next_power_of_2(k), 4096)
+        _quantize_rows_kernel[(m,)](
+            x, q, scale, k, x.stride(0), q.stride(0), BLOCK_K=block_k, num_warps=4
+        )
+    return q, scale
+
+
+def default_skinny_config(n: int, k: int, variant: str | None = None) -> Fp8SkinnyConfig:
+    """Tiles per shape and variant ("gemv" too), the fastest of bench/fp8_gemm.py's sweep at one
+    row on Llama-3.1-8B's shapes (bench/results/2026-11-26-h100-fp8/fp8_gemm.json)."""
+    variant = variant or SKINNY_VARIANT
+    if (variant, n, k) in TILE_OVERRIDES:
+        return TILE_OVERRIDES[(variant, n, k)]
+    if variant == "gemv":
+        if n >= 16384:  # gate_up
+            return (16, 256, 4, 2)
+        if n >= 6144:  # qkv
+            return (16, 512, 8, 3)
+        return (8, 1024, 4, 2)  # o_proj, down_proj
+    if variant.startswith("swap_"):  # the weight tile is the dot's 64-row operand
+        return (64, 256, 4, 3)
+    if k >= 8192 or n == k:  # down_proj, o_proj
+        return (32, 1024, 4, 3)
+    return (32, 512, 4, 3)  # qkv, gate_up
+
+
+def fp8_skinny_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    variant: str | None = None,
+    config: Fp8SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """x [M, K] (bf16/fp16, M small) @ dequant(weight [N, K] e4m3, weight_scale [N])^T (+ bias)
+    -> [M, N] in x's dtype. variant: one of SKINNY_VARIANTS or "gemv" (one row); default
+    SKINNY_VARIANT, or "gemv" for one row when ONE_ROW_PATH says so. config: tiles (the benchmark
+    sweeps them)."""
+    n, k = weight.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m = x.shape[0]
+    if variant is None:
+        variant = "gemv" if m == 1 and ONE_ROW_PATH == "gemv" else SKINNY_VARIANT
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block_n, block_k, num_warps, num_stages = config or default_skinny_config(n, k, variant)
+    block_k = min(block_k, max(32, triton.next_power_of_2(k)))
+    b = bias if bias is not None else weight_scale
+    if variant == "gemv":
+        if m != 1:
+            raise ValueError(f"fp8 gemv: one row, got {m}")
+        _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
+            x,
+            weight,
+            weight_scale,
+            b,
+            y,
+            n,
+            k,
+            weight.stride(0),
+            HAS_BIAS=bias is not None,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            EVEN_K=k % block_k == 0,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+        return y
+    if variant not in SKINNY_VARIANTS:
+        raise ValueError(f"fp8 skinny variant {variant!r}: one of {SKINNY_VARIANTS} or 'gemv'")
+    kernel = _fp8_skinny_swap_kernel if variant.startswith("swap_") else _fp8_skinny_kernel
+    kernel[(triton.cdiv(n, block_n),)](
+        x,
+        weight,
+        weight_scale,
+        b,
+        y,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        HAS_BIAS=bias is not None,
+        QUANTIZE_X=variant.endswith("w8a8"),
+        BLOCK_M=max(16, triton.next_power_of_2(m)),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return y
+
+
+def scaled_mm_rowwise(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """torch._scaled_mm with per-token x scales [M, 1] and per-channel weight scales [N]; CUDA's
+    row-wise kernels write bf16, so another dtype is cast after."""
+    mm_dtype = torch.bfloat16 if xq.is_cuda else torch.float32
+    y = torch._scaled_mm(
+        xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), out_dtype=mm_dtype
+    )
+    return y if y.dtype == out_dtype else y.to(out_dtype)
+
+
+def scaled_mm_one_row(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+) -> torch.Tensor:
+    """One row: its per-token scale is a per-tensor scale, so _scaled_mm's per-tensor kernel
+    serves it (weight scale 1), then the per-channel scales multiply the bf16 result."""
+    xq, x_scale = quantize_per_token(x)
+    one = _ONES.get(x.device)
+    if one is None:
+        one = _ONES[x.device] = torch.ones((), dtype=torch.float32, device=x.device)
+    y = torch._scaled_mm(
+        xq, weight.t(), scale_a=x_scale.view(()), scale_b=one, out_dtype=torch.bfloat16
+    )
+    return y.mul_(weight_scale)
+
+
+def _scaled_mm_fits(weight: torch.Tensor) -> bool:
+    """torch._scaled_mm's shape rule on CUDA: both dimensions of the weight multiples of 16."""
+    n, k = weight.shape
+    return n % 16 == 0 and k % 16 == 0
+
+
+def cuda_path(rows: int, dtype: torch.dtype) -> str:
+    """Which kernel fp8_linear runs for `rows` rows of `dtype` on CUDA: "gemv", a skinny variant,
+    "scaled_mm_one_row", or "scaled_mm_rowwise" (per-token quantizer + _scaled_mm)."""
+    if dtype not in (torch.bfloat16, torch.float16) or not 0 < rows <= SKINNY_MAX_ROWS:
+        return "scaled_mm_rowwise"
+    if rows == 1:
+        if ONE_ROW_PATH == "scaled_mm" and dtype == torch.bfloat16:
+            return "scaled_mm_one_row"
+        return "gemv" if ONE_ROW_PATH == "gemv" else SKINNY_VARIANT
+    return SKINNY_VARIANT
+
+
+def quantizes_activations(path: str) -> bool:
+    """Whether a cuda_path multiplies per-token-quantized activations (W8A8) or keeps x (W8A16)."""
+    return not (path == "gemv" or path.endswith("w8a16"))
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., K] @ dequant(weight, weight_scale)^T (+ bias) -> [..., N] in x's dtype: the skinny
+    kernel for decode rows, per-token quantization + _scaled_mm for more, the reference on CPU."""
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    path = cuda_path(x2.shape[0], x2.dtype) if x.is_cuda and triton is not None else "reference"
+    if x2.shape[0] == 0 or (path.startswith("scaled_mm") and not _scaled_mm_fits(weight)):
+        path = "reference"
+    if path == "reference":
+        y = fp8_linear_reference(x2, weight, weight_scale, bias)
+    elif path == "scaled_mm_one_row":
+        y = scaled_mm_one_row(x2, weight, weight_scale)
+        if bias is not None:
+            y = y + bias
+    elif path != "scaled_mm_rowwise":
+        y = fp8_skinny_gemm(x2, weight, weight_scale, bias, variant=path)
+    else:
+        xq, x_scale = quantize_per_token(x2)
+        y = scaled_mm_rowwise(xq, x_scale, weight, weight_scale, x.dtype)
+        if bias is not None:
+            y = y + bias
+    return y.view(*x.shape[:-1], n)
+
+
+def fp8_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The same W8A8 numerics in torch: per-token quantization (quantize_rows_reference), the fp8
+    product accumulated in fp32 (torch._scaled_mm on CPU, dequantized fp32 matmul elsewhere), scaled
+    per row and per channel, bias added in fp32, rounded to x's dtype."""
+    if x.shape[0] == 0:
+        return x.new_empty((0, weight.shape[0]))
+    xq, x_scale = quantize_rows_reference(x)
+    if x.is_cuda:
+        y = (xq.float() * x_scale) @ dequantize_rows(weight, weight_scale).t()
+    else:
+        y = torch._scaled_mm(
+            xq,
+            weight.t(),
+            scale_a=x_scale,
+            scale_b=weight_scale.view(1, -1).float(),
+            out_dtype=torch.float32,
+        )
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
