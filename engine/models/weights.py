@@ -37,6 +37,7 @@ from cache.loader import (
 from engine.config import EngineArgs, ModelConfig, resolve_dtype
 from engine.distributed.sharding import SINGLE, Shard
 from engine.models.checkpoint_names import is_vision_tensor, text_decoder_name
+from engine.models.prequantized import dequantized
 
 if TYPE_CHECKING:
     from engine.models.decoder import DecoderModel, WeightSlot
@@ -122,6 +123,21 @@ def iter_safetensors(
                     continue
                 cut = slice(slot.first, slot.first + slot.count)
                 yield name, part[cut] if slot.dim == 0 else part[:, cut]
+
+
+def checkpoint_tensors(
+    model_dir: str, model: "DecoderModel", dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """What load_hf_weights reads for `model`: its slices of the checkpoint, an FP8 checkpoint's
+    weights dequantized to `dtype` (engine/models/prequantized.py)."""
+    fmt = model.config.checkpoint_fp8
+    if fmt is not None and model.shard.size > 1:
+        raise ValueError(
+            "tensor_parallel_size: FP8 checkpoints are loaded on one GPU only for now; "
+            "set tensor_parallel_size to 1 or serve the bf16 checkpoint"
+        )
+    tensors = iter_safetensors(model_dir, model.hf_weight_map())
+    return dequantized(tensors, fmt, dtype) if fmt is not None else tensors
 
 
 # ---- which pack belongs to this checkpoint -------------------------------------------------------
@@ -236,8 +252,7 @@ def load_model(
         if load_format == "dummy":
             fill_random(model)
         else:
-            slices = iter_safetensors(model_dir, model.hf_weight_map())
-            model.load_hf_weights(slices, presliced=True)
+            model.load_hf_weights(checkpoint_tensors(model_dir, model, dtype), presliced=True)
         model.load_stats = {"source": load_format}
         model.wait_weights = lambda: None
         return model
@@ -254,7 +269,7 @@ def load_model(
         discard_preloads()
         log.warning("weights: %s; loading safetensors and rebuilding the pack", e)
     model = build_model(model_config, dtype, device, attn_backend, shard=shard, comm=comm)
-    model.load_hf_weights(iter_safetensors(model_dir, model.hf_weight_map()), presliced=True)
+    model.load_hf_weights(checkpoint_tensors(model_dir, model, dtype), presliced=True)
     model.load_stats = {"source": "safetensors", "pack_written": None}
     model.wait_weights = lambda: None
     try:
