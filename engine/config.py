@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from engine.checkpoint_quant import CheckpointFp8, checkpoint_quantization
 from engine.family_configs import (
     gemma3_rope_settings,
     hidden_activation,
@@ -89,6 +90,8 @@ class ModelConfig:
     attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
     final_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
     moe: MoeConfig | None = None  # Qwen2/Qwen3-MoE, Mixtral: the sparse MLP (engine/moe_config.py)
+    # An FP8 checkpoint's weight format (engine/checkpoint_quant.py); None: unquantized weights.
+    checkpoint_fp8: CheckpointFp8 | None = None
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of layer `layer` (None: it attends to the whole context)."""
@@ -164,6 +167,7 @@ class ModelConfig:
             attn_softcap=_positive_or_none(cfg, "attn_logit_softcapping"),
             final_softcap=_positive_or_none(cfg, "final_logit_softcapping"),
             moe=read_moe_config(cfg, family),
+            checkpoint_fp8=checkpoint_quantization(cfg),
         )
 
     @classmethod

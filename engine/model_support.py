@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.checkpoint_quant import checkpoint_quantization
 from engine.family_configs import gemma3_rope_settings, hidden_activation, language_model_config
 from engine.moe_config import read_moe_config
 
@@ -44,7 +45,6 @@ _GEMMA_FIXED = {
         "attention_bias": False,
     },
 }
-SUPPORTED_WEIGHTS = "unquantized float32, bfloat16 or float16 weights"
 
 
 def rope_settings(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -67,13 +67,7 @@ def check_model_config(cfg: dict[str, Any]) -> tuple[str, str]:
     if not isinstance(cfg, dict):
         raise ValueError(f"config.json: must be a JSON object, got {type(cfg).__name__}")
     cfg = language_model_config(cfg)
-    quant = cfg.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-        raise ValueError(
-            f"quantization_config: quantized checkpoints ({method!r}) are not "
-            f"supported: supported are {SUPPORTED_WEIGHTS}"
-        )
+    fp8 = checkpoint_quantization(cfg)
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
@@ -82,6 +76,11 @@ def check_model_config(cfg: dict[str, Any]) -> tuple[str, str]:
             f"supported are {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
         )
     family = SUPPORTED_ARCHITECTURES[arch]
+    if fp8 is not None and family in ("qwen2_moe", "qwen3_moe", "mixtral"):
+        raise ValueError(
+            f"quantization_config: FP8 {arch} checkpoints (FP8 experts) are not supported yet; "
+            "serve the bf16 checkpoint"
+        )
     if cfg.get("mlp_bias"):
         raise ValueError(f"mlp_bias: {arch} checkpoints with MLP biases are not supported")
     if family in ("qwen2_moe", "qwen3_moe") and cfg.get("use_sliding_window", False):

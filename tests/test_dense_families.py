@@ -165,7 +165,7 @@ def _edited(name: str, path: str, value) -> dict:
         ("gemma-3-4b-it", "text_config.hidden_activation", "relu", "hidden_activation"),
         ("gemma-3-4b-it", "text_config.layer_types", ["full_attention"], "layer_types"),
         ("gemma-3-4b-it", "text_config", None, "text_config"),
-        ("gemma-3-27b-it", "quantization_config", {"quant_method": "fp8"}, "quantization_config"),
+        ("gemma-3-27b-it", "quantization_config", {"quant_method": "gptq"}, "quant_method"),
         ("phi-4-mini-instruct", "rope_scaling.type", "yarn", "rope type 'yarn'"),
         ("phi-4-mini-instruct", "rope_scaling.short_factor", [1.0] * 64, "short_factor"),
         ("phi-4-mini-instruct", "partial_rotary_factor", 0.2, "partial_rotary_factor"),

@@ -34,6 +34,7 @@ from engine.layers.parallel import RowParallelLinear, VocabParallelEmbedding
 from engine.layers.skinny_gemm import skinny_applies, skinny_gemm
 from engine.models.checkpoint_names import is_vision_tensor, text_decoder_name
 from engine.models.moe_weights import moe_weight_rows
+from engine.quant.base import QuantizedRows
 
 # Phi-3 checkpoints' fused tensors and the HF parts they stand for
 _PHI3_FUSED = (
@@ -495,6 +496,8 @@ class DecoderModel(nn.Module):
                 )
             if slot.param in quantized:  # whole rows: each output channel quantized with its scale
                 quantized[slot.param].load_weight_rows(slot.start, slot.end, tensor)
+            elif isinstance(tensor, QuantizedRows):  # an FP8 checkpoint's rows, into a plain one
+                dest.copy_(tensor.dequantize())
             else:
                 dest.copy_(tensor)
             seen.add(name)

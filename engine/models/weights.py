@@ -37,6 +37,8 @@ from cache.loader import (
 from engine.config import EngineArgs, ModelConfig, resolve_dtype
 from engine.distributed.sharding import SINGLE, Shard
 from engine.models.checkpoint_names import is_vision_tensor, text_decoder_name
+from engine.models.prequantized import checkpoint_weights
+from engine.quant import model_quantization
 
 if TYPE_CHECKING:
     from engine.models.decoder import DecoderModel, WeightSlot
@@ -124,6 +126,19 @@ def iter_safetensors(
                 yield name, part[cut] if slot.dim == 0 else part[:, cut]
 
 
+def checkpoint_tensors(model_dir: str, model: "DecoderModel") -> Iterator[tuple[str, torch.Tensor]]:
+    """What load_hf_weights reads for `model`: its slices of the checkpoint, an FP8 checkpoint's
+    weights paired with their scales (engine/models/prequantized.py)."""
+    fmt = model.config.checkpoint_fp8
+    if fmt is not None and model.shard.size > 1:
+        raise ValueError(
+            "tensor_parallel_size: FP8 checkpoints are loaded on one GPU only for now; "
+            "set tensor_parallel_size to 1 or serve the bf16 checkpoint"
+        )
+    tensors = iter_safetensors(model_dir, model.hf_weight_map())
+    return checkpoint_weights(tensors, fmt) if fmt is not None else tensors
+
+
 # ---- which pack belongs to this checkpoint -------------------------------------------------------
 def model_digest(model_dir: str) -> str:
     """The snapshot manifest's hash when cache wrote one; else config.json plus the weight files'
@@ -205,7 +220,8 @@ def preload_weights(args: EngineArgs) -> bool:
         cfg = ModelConfig.from_dir(args.model)
         shard = Shard(0, args.tensor_parallel_size)  # this process is rank 0
         dtype = resolve_dtype(args.dtype, cfg, device)
-        path = pack_path(args.model, dtype, args.pack_dir, shard, args.quantization)
+        quantization = model_quantization(args.quantization, cfg)
+        path = pack_path(args.model, dtype, args.pack_dir, shard, quantization)
         if not os.path.isfile(path):
             return False
         return preload(path, device) is not None
@@ -241,6 +257,7 @@ def load_model(
     device = torch.device(device)
     if isinstance(dtype, str):
         dtype = resolve_dtype(dtype, model_config, device)
+    quantization = model_quantization(quantization, model_config)
     from engine.models.decoder import build_model
 
     if load_format in ("safetensors", "dummy"):
@@ -251,8 +268,7 @@ def load_model(
         if load_format == "dummy":
             fill_random(model)
         else:
-            slices = iter_safetensors(model_dir, model.hf_weight_map())
-            model.load_hf_weights(slices, presliced=True)
+            model.load_hf_weights(checkpoint_tensors(model_dir, model), presliced=True)
         model.load_stats = {"source": load_format}
         model.wait_weights = lambda: None
         return model
@@ -279,7 +295,7 @@ def load_model(
     model = build_model(
         model_config, dtype, device, attn_backend, shard=shard, comm=comm, quant=quantization
     )
-    model.load_hf_weights(iter_safetensors(model_dir, model.hf_weight_map()), presliced=True)
+    model.load_hf_weights(checkpoint_tensors(model_dir, model), presliced=True)
     model.load_stats = {"source": "safetensors", "pack_written": None}
     model.wait_weights = lambda: None
     try:

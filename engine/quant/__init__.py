@@ -44,6 +44,16 @@ def check_quantization(name: str | None) -> None:
     raise ValueError(f"quantization: must be one of {supported} or unset, got {name!r}")
 
 
+def model_quantization(requested: str | None, model_config) -> str | None:
+    """The scheme a model runs: `requested` (EngineArgs.quantization), or "fp8" for an FP8
+    checkpoint (its quantization_config, engine/checkpoint_quant.py), whose weights load
+    dequantized and quantized again by the scheme."""
+    check_quantization(requested)
+    if getattr(model_config, "checkpoint_fp8", None) is None or requested == "fp8":
+        return requested
+    return "fp8"  # requested is None: the checkpoint decides
+
+
 def quant_config(name: str | None) -> QuantConfig | None:
     """The scheme object for an EngineArgs.quantization value (None: no quantization)."""
     check_quantization(name)
@@ -59,5 +69,6 @@ __all__ = [
     "SUPPORTED_QUANTIZATION",
     "QuantConfig",
     "check_quantization",
+    "model_quantization",
     "quant_config",
 ]

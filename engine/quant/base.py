@@ -34,11 +34,29 @@ class QuantConfig:
         """Raise ValueError when the scheme can't serve this model (one message naming both)."""
 
 
-class QuantizedLinear(nn.Module):
-    """What the loader asks of a quantized linear: its high-precision weight rows, quantized into
-    place (load_weight_rows), and random weights (fill_random) for load_format "dummy"."""
+class QuantizedRows:
+    """Weight rows that arrive already quantized (an FP8 checkpoint's): FP8 values [rows, in] and
+    one fp32 scale per row. A quantized linear takes them as they are; anything else reads the
+    high-precision values."""
 
-    def load_weight_rows(self, start: int, end: int, rows: torch.Tensor) -> None:
+    def __init__(self, values: torch.Tensor, scales: torch.Tensor) -> None:
+        self.values = values
+        self.scales = scales.float().reshape(-1).expand(values.shape[0])
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def dequantize(self) -> torch.Tensor:
+        return self.values.float() * self.scales[:, None]
+
+
+class QuantizedLinear(nn.Module):
+    """What the loader asks of a quantized linear: its weight rows, high precision (quantized into
+    place) or QuantizedRows (kept as they are) (load_weight_rows), and random weights (fill_random)
+    for load_format "dummy"."""
+
+    def load_weight_rows(self, start: int, end: int, rows: torch.Tensor | QuantizedRows) -> None:
         raise NotImplementedError
 
     def fill_random(self, std: float, generator: torch.Generator) -> None:

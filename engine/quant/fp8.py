@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.quant.base import QuantConfig, QuantizedLinear
+from engine.quant.base import QuantConfig, QuantizedLinear, QuantizedRows
 from engine.quant.fp8_kernels import FP8, fp8_linear, quantize_rows_reference
 
 MIN_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) have FP8 tensor cores
@@ -27,8 +27,8 @@ def fp8_device_error(capability: tuple[int, int], gpu_name: str) -> str | None:
     return (
         f"quantization: fp8 needs FP8 tensor cores (compute capability 8.9 or newer: L4, L40S, "
         f"RTX 4090, H100, H200), but {gpu_name} has compute capability {major}.{minor}; "
-        "unset QUANTIZATION to serve the bf16/fp16 weights on this GPU, or use an Ada or Hopper "
-        "GPU"
+        "unset QUANTIZATION to serve the bf16/fp16 weights on this GPU (for an FP8 checkpoint: "
+        "serve its bf16 original), or use an Ada or Hopper GPU"
     )
 
 
@@ -98,15 +98,20 @@ class Fp8Linear(QuantizedLinear):
         return fp8_linear(x, self.weight, self.weight_scale, self.bias)
 
     @torch.no_grad()
-    def load_weight_rows(self, start: int, end: int, rows: torch.Tensor) -> None:
+    def load_weight_rows(self, start: int, end: int, rows: torch.Tensor | QuantizedRows) -> None:
         """Quantize high-precision weight rows [end - start, in] into rows [start, end), each with
-        its own scale."""
+        its own scale; e4m3 QuantizedRows (an FP8 checkpoint's) are kept with their scales."""
         if tuple(rows.shape) != (end - start, self.in_features):
             raise ValueError(
                 f"weights: {tuple(rows.shape)} rows for an fp8 linear expecting "
                 f"{(end - start, self.in_features)}"
             )
-        q, scale = quantize_rows_reference(rows.to(self.weight.device))
+        if isinstance(rows, QuantizedRows) and rows.values.dtype == FP8:
+            q, scale = rows.values, rows.scales
+        else:
+            if isinstance(rows, QuantizedRows):  # e5m2 values: quantized again as e4m3
+                rows = rows.dequantize()
+            q, scale = quantize_rows_reference(rows.to(self.weight.device))
         self.weight[start:end].copy_(q)
         self.weight_scale[start:end].copy_(scale.view(-1))
 

@@ -1,0 +1,81 @@
+"""Turns the tensors of an FP8 checkpoint (engine.checkpoint_quant names its format) into what the
+engine's FP8 linears load, as they stream out of safetensors: each FP8 weight paired with its scale
+tensor, the static activation scales dropped.
+
+Weights with one scale per tensor or per output channel arrive as QuantizedRows, which an FP8
+linear keeps as they are (the same FP8 values, one scale per row); block-scaled weights are
+multiplied out in float32 and quantized again per output channel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from engine.checkpoint_quant import CheckpointFp8
+from engine.quant.base import QuantizedRows
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Activation and KV scales a checkpoint may carry: the engine quantizes activations dynamically
+# per token.
+_DROPPED_SUFFIXES = (".input_scale", ".output_scale", ".k_scale", ".v_scale")
+
+
+def checkpoint_weights(
+    tensors: Iterator[tuple[str, torch.Tensor]], fmt: CheckpointFp8
+) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
+    """(name, tensor) of a checkpoint, with every FP8 weight paired with its scale tensor (in any
+    order, across shards) and yielded once (weight_rows); other tensors pass through. Raises
+    ValueError for an FP8 weight without a scale, or a scale without a weight."""
+    scale_suffix = "." + fmt.scale_name
+    weights: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors:
+        if name.endswith(_DROPPED_SUFFIXES):
+            continue
+        if name.endswith(scale_suffix):
+            prefix = name.removesuffix(scale_suffix)
+            if prefix in weights:
+                yield prefix + ".weight", weight_rows(weights.pop(prefix), tensor, fmt)
+            else:
+                scales[prefix] = tensor
+        elif name.endswith(".weight") and tensor.dtype in FP8_DTYPES:
+            prefix = name.removesuffix(".weight")
+            if prefix in scales:
+                yield name, weight_rows(tensor, scales.pop(prefix), fmt)
+            else:
+                weights[prefix] = tensor
+        else:
+            yield name, tensor
+    if weights or scales:
+        lone = sorted(weights)[:1] + sorted(scales)[:1]
+        raise ValueError(
+            f"weights: FP8 weights and their {fmt.scale_name} tensors don't pair up "
+            f"(e.g. {lone}): the checkpoint is incomplete; fetch it again"
+        )
+
+
+def weight_rows(
+    weight: torch.Tensor, scale: torch.Tensor, fmt: CheckpointFp8
+) -> torch.Tensor | QuantizedRows:
+    """An FP8 weight [N, K] with its scale: one value or one per output channel ([N] or [N, 1]) ->
+    QuantizedRows; one per block ([ceil(N/bn), ceil(K/bk)]) -> the float32 product."""
+    n, k = weight.shape
+    s = scale.float()
+    if fmt.weight_scales == "block":
+        bn, bk = fmt.block
+        grid = ((n + bn - 1) // bn, (k + bk - 1) // bk)
+        if tuple(s.shape) != grid:
+            raise ValueError(
+                f"weights: a [{n}, {k}] FP8 weight with {bn}x{bk} blocks needs a {list(grid)} "
+                f"scale grid, got {list(s.shape)}"
+            )
+        s = s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+        return weight.float() * s
+    if s.numel() not in (1, n):
+        raise ValueError(
+            f"weights: a [{n}, {k}] FP8 weight's scale has shape {list(s.shape)}: expected one "
+            f"value or {n} (one per output channel)"
+        )
+    return QuantizedRows(weight, s)
