@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import free_gpu_memory
 from engine import LLM, EngineArgs, SamplingParams
 from engine.attention.kv_quant import dequantize, quantize, resolve_kv_cache_dtype
 from engine.attention.torch_ref import TorchAttentionBackend
@@ -311,8 +312,8 @@ def triton_backend(**kwargs):
 
 def assert_fp8_matches(case: Case, kv: torch.dtype, backend, window=None, kv_scale=SCALES):
     """Triton over the FP8 cache against the reference in fp32 on the same stored values: the
-    caches after the write are bit-equal (both round to nearest even after the same IEEE division
-    and clamp) and the outputs within the bf16/fp32 kernel bounds."""
+    caches after the write are bit-equal (both multiply by the same fp32 reciprocal, clamp and round
+    to nearest even) and the outputs within the bf16/fp32 kernel bounds."""
     case = fp8_case(case, kv, kv_scale)
     cache = case.cache.clone()
     out = backend.forward(
@@ -518,7 +519,9 @@ def greedy_fp8_against_auto(model: str, device: str, dtype: str) -> dict[str, li
         again = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert llm.stats().prefix_cache_hit_tokens > 0
         outs[kv] = (first, again)
+        llm.shutdown()
         del llm
+        free_gpu_memory()
     return {
         "first": [leading_agreement(a, b) for a, b in zip(outs["auto"][0], outs["fp8"][0])],
         "hits": [leading_agreement(a, b) for a, b in zip(outs["auto"][0], outs["fp8"][1])],

@@ -1,9 +1,9 @@
 """The FP8 KV cache's format: which cache dtypes the engine takes (KV_CACHE_DTYPE's values), and the
 reference quantize / dequantize every backend matches.
 
-A stored value is `clamp(x / scale, -max, max)` cast to the FP8 dtype (round to nearest even); it
-reads back as `stored * scale`, with the attention math in the model's dtype and fp32 after that.
-One scale per layer for K and one for V (see docs/engine.md, "FP8 KV cache", for why 1.0).
+A stored value is `clamp(x * (1 / scale), -max, max)` in fp32 cast to the FP8 dtype (round to
+nearest even); it reads back as `stored * scale`, with the attention math in the model's dtype and
+fp32 after that. One scale per layer for K and one for V (docs/engine.md, "FP8 KV cache": why 1.0).
 """
 
 from __future__ import annotations
@@ -57,10 +57,12 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 
 def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """x / scale in fp32, clamped to the dtype's finite range (e4m3fn has no inf: an unclamped
-    overflow would be NaN), cast with round-to-nearest-even."""
+    """x times the fp32 reciprocal of scale, in fp32 (what torch does for a division by a scalar
+    on CUDA, and what the Triton write does: so every device stores the same bytes), clamped to the
+    dtype's finite range (e4m3fn has no inf: an unclamped overflow would be NaN), cast with
+    round-to-nearest-even."""
     limit = fp8_max(dtype)
-    return (x.float() / scale).clamp_(-limit, limit).to(dtype)
+    return (x.float() * (1.0 / scale)).clamp_(-limit, limit).to(dtype)
 
 
 def dequantize(stored: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

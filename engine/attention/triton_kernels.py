@@ -23,8 +23,8 @@ def write_kv_kernel(
     stride_vt,
     stride_vh,
     stride_kv,
-    k_scale,
-    v_scale,
+    k_inv_scale,
+    v_inv_scale,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -33,8 +33,8 @@ def write_kv_kernel(
     FP8_MAX: tl.constexpr,
 ):
     """One program per new token: copy its K and V rows [Hkv, D] to its flat slot; a negative slot
-    is padding. FP8: x / scale in fp32 (IEEE division, as torch), clamped to +-FP8_MAX, cast
-    rounding to nearest even (engine.attention.kv_quant.quantize)."""
+    is padding. FP8: x * (1 / scale) in fp32, clamped to +-FP8_MAX, cast rounding to nearest even
+    (engine.attention.kv_quant.quantize, byte for byte)."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -46,8 +46,8 @@ def write_kv_kernel(
     key = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     value = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
     if FP8:
-        key = tl.clamp(tl.math.div_rn(key.to(tl.float32), k_scale), -FP8_MAX, FP8_MAX)
-        value = tl.clamp(tl.math.div_rn(value.to(tl.float32), v_scale), -FP8_MAX, FP8_MAX)
+        key = tl.clamp(key.to(tl.float32) * k_inv_scale, -FP8_MAX, FP8_MAX)
+        value = tl.clamp(value.to(tl.float32) * v_inv_scale, -FP8_MAX, FP8_MAX)
     tl.store(dst, key.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_kv, value.to(cache_ptr.dtype.element_ty), mask=mask)
 
