@@ -18,6 +18,7 @@ import torch
 
 from bench.roofline import copy_bandwidth
 from engine.attention import AttentionMetadata, kv_cache_shape
+from engine.attention.kv_quant import KV_CACHE_DTYPES, quantize, resolve_kv_cache_dtype
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.attention.triton_attn import TritonAttentionBackend
 
@@ -31,14 +32,17 @@ def make_step(
     head_dim: int,
     block_size: int,
     dtype: torch.dtype,
+    kv_dtype: torch.dtype | None = None,
 ):
-    """Random q/k/v, a one-layer cache and metadata: `batch` sequences of `context` tokens, the last
-    query_len new."""
+    """Random q/k/v, a one-layer cache (in kv_dtype, default dtype) and metadata: `batch` sequences
+    of `context` tokens, the last query_len new."""
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
     cache = torch.randn(
         kv_cache_shape(1, num_blocks, block_size, kv_heads, head_dim), dtype=dtype, device="cuda"
     )[0]
+    if kv_dtype is not None and kv_dtype != dtype:
+        cache = quantize(cache, 1.0, kv_dtype)
     tables = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq).to(torch.int32)
     pos = torch.arange(context - query_len, context, device="cuda")
     slots = (tables[:, pos // block_size].long() * block_size + pos % block_size).flatten()
@@ -92,15 +96,24 @@ def time_call(
     return statistics.median(times)
 
 
-def decode_rows(args, bandwidth: float, dtype: torch.dtype) -> list[dict]:
+def decode_rows(args, bandwidth: float, dtype: torch.dtype, kv_name: str) -> list[dict]:
     rows = []
     decode_configs = [None] + [
         tuple(map(int, c.split(":"))) for c in args.decode_sweep.split(",") if c
     ]
     for batch in map(int, args.batches.split(",")):
         for context in map(int, args.contexts.split(",")):
+            kv_dtype = resolve_kv_cache_dtype(kv_name, dtype)
             q, k, v, cache, meta = make_step(
-                batch, context, 1, args.heads, args.kv_heads, args.head_dim, args.block_size, dtype
+                batch,
+                context,
+                1,
+                args.heads,
+                args.kv_heads,
+                args.head_dim,
+                args.block_size,
+                dtype,
+                kv_dtype,
             )
             kv_bytes = batch * context * args.kv_heads * args.head_dim * 2 * cache.element_size()
             scale = args.head_dim**-0.5
@@ -118,14 +131,22 @@ def decode_rows(args, bandwidth: float, dtype: torch.dtype) -> list[dict]:
             default = TritonAttentionBackend("cuda")
             eager = time_call(lambda: default.forward(q, k, v, cache, meta, scale), graph=False)
             ref = TorchAttentionBackend()
-            reference = time_call(
-                lambda: ref.forward(q, k, v, cache, meta, scale), graph=False, calls=3, repeats=3
+            reference = (
+                time_call(
+                    lambda: ref.forward(q, k, v, cache, meta, scale),
+                    graph=False,
+                    calls=3,
+                    repeats=3,
+                )
+                if args.reference
+                else None
             )
             best_name = min(results, key=results.get)
             first = next(iter(results))
             rows.append(
                 {
                     "kind": "decode",
+                    "kv_dtype": kv_name,
                     "batch": batch,
                     "context": context,
                     "kv_bytes": kv_bytes,
@@ -139,7 +160,7 @@ def decode_rows(args, bandwidth: float, dtype: torch.dtype) -> list[dict]:
                 }
             )
             print(
-                f"decode b={batch} ctx={context}: {results[first] * 1e6:.1f} us "
+                f"decode kv={kv_name} b={batch} ctx={context}: {results[first] * 1e6:.1f} us "
                 f"({rows[-1]['of_bandwidth']:.0%} of copy bw), "
                 f"best {best_name} {rows[-1]['best_of_bandwidth']:.0%}",
                 flush=True,
@@ -150,7 +171,7 @@ def decode_rows(args, bandwidth: float, dtype: torch.dtype) -> list[dict]:
     return rows
 
 
-def prefill_rows(args, dtype: torch.dtype) -> list[dict]:
+def prefill_rows(args, dtype: torch.dtype, kv_name: str) -> list[dict]:
     rows = []
     prefill_configs = [None] + [
         tuple(map(int, c.split(":"))) for c in args.prefill_sweep.split(",") if c
@@ -164,7 +185,15 @@ def prefill_rows(args, dtype: torch.dtype) -> list[dict]:
         (1, args.prefill, args.prefill // 4),
     ):
         q, k, v, cache, meta = make_step(
-            batch, context, new, args.heads, args.kv_heads, args.head_dim, args.block_size, dtype
+            batch,
+            context,
+            new,
+            args.heads,
+            args.kv_heads,
+            args.head_dim,
+            args.block_size,
+            dtype,
+            resolve_kv_cache_dtype(kv_name, dtype),
         )
         # (query, key) pairs under the causal mask
         visible = batch * sum(context - new + i + 1 for i in range(new))
@@ -182,7 +211,7 @@ def prefill_rows(args, dtype: torch.dtype) -> list[dict]:
         kd = torch.randn(batch, args.heads, context, args.head_dim, dtype=dtype, device="cuda")
         vd = torch.randn_like(kd)
         sdpa = None
-        if new == context:
+        if new == context and args.sdpa:
             sdpa = time_call(
                 lambda: torch.nn.functional.scaled_dot_product_attention(
                     qd, kd, vd, is_causal=True
@@ -195,6 +224,7 @@ def prefill_rows(args, dtype: torch.dtype) -> list[dict]:
         rows.append(
             {
                 "kind": "prefill",
+                "kv_dtype": kv_name,
                 "batch": batch,
                 "context": context,
                 "new_tokens": new,
@@ -209,7 +239,8 @@ def prefill_rows(args, dtype: torch.dtype) -> list[dict]:
             }
         )
         print(
-            f"prefill b={batch} ctx={context} new={new}: {rows[-1]['tflops']:.0f} TFLOP/s, "
+            f"prefill kv={kv_name} b={batch} ctx={context} new={new}: "
+            f"{rows[-1]['tflops']:.0f} TFLOP/s, "
             f"best {best_name} {rows[-1]['best_tflops']:.0f}, sdpa {rows[-1]['sdpa_tflops']}",
             flush=True,
         )
@@ -230,7 +261,7 @@ def plot(rows: list[dict], path: str) -> None:
     prefill = [r for r in rows if r["kind"] == "prefill"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     left.bar(
-        [f"b{r['batch']}\nctx{r['context']}" for r in decode],
+        [f"{r['kv_dtype']}\nb{r['batch']}\nctx{r['context']}" for r in decode],
         [100 * r["of_bandwidth"] for r in decode],
     )
     left.set_ylabel("% of copy bandwidth")
@@ -274,11 +305,25 @@ def main() -> None:
     )
     ap.add_argument("--decode-sweep", default="", help="extra decode tiles M:N:warps:stages,...")
     ap.add_argument("--prefill-sweep", default="", help="extra prefill tiles M:N:warps:stages,...")
+    ap.add_argument(
+        "--kv-dtypes",
+        default="auto",
+        help=f"KV cache dtypes to run every row with, of {', '.join(KV_CACHE_DTYPES)}",
+    )
+    ap.add_argument(
+        "--no-reference",
+        dest="reference",
+        action="store_false",
+        help="skip timing the torch reference decode",
+    )
+    ap.add_argument("--no-sdpa", dest="sdpa", action="store_false", help="skip the SDPA baseline")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dtype = torch.bfloat16
     bandwidth = copy_bandwidth("cuda", 2 << 30)
-    rows = decode_rows(args, bandwidth, dtype) + prefill_rows(args, dtype)
+    rows = []
+    for kv_name in args.kv_dtypes.split(","):
+        rows += decode_rows(args, bandwidth, dtype, kv_name) + prefill_rows(args, dtype, kv_name)
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -294,25 +339,26 @@ def main() -> None:
         f"block={args.block_size}; copy bandwidth {bandwidth / 1e12:.2f} TB/s"
     )
     print(
-        "| decode batch | context | KV MB | us/step (graph) | us (eager) | us (torch ref) "
+        "| KV | decode batch | context | KV MB | us/step (graph) | us (eager) | us (torch ref) "
         "| of copy bw |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if r["kind"] == "decode":
+            ref = f"{r['reference_s'] * 1e6:.0f}" if r["reference_s"] else "-"
             print(
-                f"| {r['batch']} | {r['context']} | {r['kv_bytes'] / 1e6:.0f} "
+                f"| {r['kv_dtype']} | {r['batch']} | {r['context']} | {r['kv_bytes'] / 1e6:.0f} "
                 f"| {r['graph_s'] * 1e6:.1f} | {r['eager_s'] * 1e6:.1f} "
-                f"| {r['reference_s'] * 1e6:.0f} | {r['of_bandwidth']:.0%} |"
+                f"| {ref} | {r['of_bandwidth']:.0%} |"
             )
-    print("| prefill seqs | context | new tokens | ms | TFLOP/s | SDPA TFLOP/s |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| KV | prefill seqs | context | new tokens | ms | TFLOP/s | SDPA TFLOP/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if r["kind"] == "prefill":
             sdpa = f"{r['sdpa_tflops']:.0f}" if r["sdpa_tflops"] else "-"
             print(
-                f"| {r['batch']} | {r['context']} | {r['new_tokens']} | {r['seconds'] * 1e3:.2f} | "
-                f"{r['tflops']:.0f} | {sdpa} |"
+                f"| {r['kv_dtype']} | {r['batch']} | {r['context']} | {r['new_tokens']} "
+                f"| {r['seconds'] * 1e3:.2f} | {r['tflops']:.0f} | {sdpa} |"
             )
 
 

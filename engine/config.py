@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from engine.attention.kv_quant import check_kv_cache_dtype
 from engine.checkpoint_quant import CheckpointFp8, checkpoint_quantization
 from engine.family_configs import (
     gemma3_rope_settings,
@@ -336,6 +337,9 @@ class EngineArgs:
     # checkpoint to FP8 (e4m3, per output channel) as it loads, activations per token at run time
     # (engine/quant; GPUs of compute capability >= 8.9, or CPU).
     quantization: str | None = None
+    # The paged KV cache's dtype (KV_CACHE_DTYPE): "auto" is the model's dtype; "fp8" / "fp8_e4m3"
+    # store e4m3, "fp8_e5m2" e5m2 (engine/attention/kv_quant.py): half the bytes per token.
+    kv_cache_dtype: str = "auto"
 
     def validate(self) -> None:
         _check_int("block_size", self.block_size, 1, 1024)
@@ -383,6 +387,13 @@ class EngineArgs:
             choices = ", ".join(ALL_REDUCE_BACKENDS)
             raise ValueError(
                 f"all_reduce_backend: must be one of {choices}, got {self.all_reduce_backend!r}"
+            )
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.kv_cache_dtype != "auto" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with "
+                f"tensor_parallel_size={self.tensor_parallel_size} yet: use kv_cache_dtype 'auto' "
+                "or tensor_parallel_size 1"
             )
         if self.tensor_parallel_size > 1 and ":" in self.device:
             raise ValueError(

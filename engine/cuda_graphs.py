@@ -284,7 +284,10 @@ class DecodeGraphs:
             stream = torch.cuda.Stream(self.device)
             # cuBLAS's handle and workspace for this thread and stream
             with torch.cuda.stream(stream):
-                x = torch.zeros(32, 32, dtype=self.kv_cache.dtype, device=self.device)
+                # an FP8 KV cache has no cuBLAS mm: the handle is primed in bf16
+                fp8 = self.kv_cache.element_size() == 1
+                dtype = torch.bfloat16 if fp8 else self.kv_cache.dtype
+                x = torch.zeros(32, 32, dtype=dtype, device=self.device)
                 torch.mm(x, x)
             stream.synchronize()
             self._primed.stream = stream

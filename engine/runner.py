@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from engine.attention import kv_cache_shape
+from engine.attention.kv_quant import check_kv_cache_device, resolve_kv_cache_dtype
 from engine.config import EngineArgs, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.distributed.plan import CAPTURE, STEP, STOP, StepPlan
@@ -56,6 +57,9 @@ class ModelRunner:
         self.dtype = dtype
         self.device = device
         self.block_size = args.block_size
+        # the KV cache's dtype: the model's or FP8 (kv_cache_dtype), checked before the weights load
+        self.kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
+        check_kv_cache_device(self.kv_dtype, device)
         t0 = time.perf_counter()
         self.model = load_model(
             args.model,
@@ -87,11 +91,13 @@ class ModelRunner:
             self.local_config.num_kv_heads,
             model_config.head_dim,
         )
-        self.kv_cache = torch.empty(shape, dtype=dtype, device=device)
+        self.kv_cache = torch.empty(shape, dtype=self.kv_dtype, device=device)
         log.info(
-            "KV cache: %d blocks of %d tokens, %.2f GiB in one allocation",
+            "KV cache: %d tokens (%d blocks of %d) in %s, %.2f GiB in one allocation",
+            self.num_blocks * self.block_size,
             self.num_blocks,
             self.block_size,
+            str(self.kv_dtype).removeprefix("torch."),
             self.num_blocks * self.bytes_per_block / (1 << 30),
         )
         self.graphs: DecodeGraphs | None = None
@@ -134,7 +140,12 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         m = self.local_config
         return (
-            2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+            2
+            * m.num_layers
+            * self.block_size
+            * m.num_kv_heads
+            * m.head_dim
+            * self.kv_dtype.itemsize
         )
 
     def _size_kv_cache(self) -> int:
@@ -216,7 +227,7 @@ class ModelRunner:
         m = self.local_config
         scratch = torch.empty(
             kv_cache_shape(m.num_layers, blocks, self.block_size, m.num_kv_heads, m.head_dim),
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
         )
         step = self.stager.stage(

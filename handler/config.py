@@ -146,6 +146,14 @@ class Settings(BaseSettings):
             "Weight and activation dtype. auto: the checkpoint's dtype on GPU, float32 on CPU."
         ),
     )
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
+        "auto",
+        description=(
+            "KV cache dtype. auto: the model's dtype; fp8 / fp8_e4m3: FP8 e4m3 (about twice the "
+            "tokens in the same memory; scale 1.0, as vLLM's default); fp8_e5m2: FP8 e5m2. FP8 "
+            "needs a GPU of compute capability 8.9+ (L4, L40S, H100) and TENSOR_PARALLEL_SIZE 1."
+        ),
+    )
     device: Literal["auto", "cuda", "cpu"] = Field(
         "auto", description="Where the engine runs. auto: CUDA if present, else CPU."
     )
@@ -472,6 +480,7 @@ class Settings(BaseSettings):
         """EngineArgs fields but the model, tokenizer and device, from the settings (no torch)."""
         return dict(
             dtype=self.dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
             max_model_len=self.max_model_len,
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -570,11 +579,24 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         settings = Settings()
     except ValidationError as e:
         problems = [_describe_error(err) for err in e.errors()] + problems
+    else:
+        problems += _unsupported_combinations(settings)
     finally:
         _ENV_OVERRIDE.reset(token)
     if problems:
         raise SettingsError("\n".join(f"invalid environment: {line}" for line in problems))
     return settings
+
+
+def _unsupported_combinations(settings: Settings) -> list[str]:
+    """Settings valid alone that the engine can't run together yet, each naming both."""
+    if settings.kv_cache_dtype != "auto" and settings.tensor_parallel_size > 1:
+        return [
+            f"KV_CACHE_DTYPE={settings.kv_cache_dtype} with TENSOR_PARALLEL_SIZE="
+            f"{settings.tensor_parallel_size}: an FP8 KV cache is not supported with tensor "
+            "parallelism yet; use KV_CACHE_DTYPE=auto or TENSOR_PARALLEL_SIZE=1"
+        ]
+    return []
 
 
 def markdown_table() -> str:

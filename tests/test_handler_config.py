@@ -284,7 +284,7 @@ def test_the_markdown_table_is_printed_by_the_module():
     [
         ("PIPELINE_PARALLEL_SIZE", "2"),
         ("TRUST_REMOTE_CODE", "true"),
-        ("KV_CACHE_DTYPE", "fp8"),
+        ("QUANTIZATION_PARAM_PATH", "/scales.json"),
     ],
 )
 def test_worker_vllm_variables_we_cannot_honour_stop_the_start(name, value):
@@ -315,6 +315,16 @@ def test_harmless_worker_vllm_values_pass():
             "ENFORCE_EAGER": "true",
         }
     )
+
+
+def test_kv_cache_dtype_reaches_the_engine_and_refuses_tensor_parallel():
+    assert load_settings({}).engine_args("/m").kv_cache_dtype == "auto"
+    for value in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        assert load_settings({"KV_CACHE_DTYPE": value}).engine_args("/m").kv_cache_dtype == value
+    with pytest.raises(SettingsError, match="KV_CACHE_DTYPE: .*fp8"):
+        load_settings({"KV_CACHE_DTYPE": "int8"})
+    with pytest.raises(SettingsError, match="KV_CACHE_DTYPE=fp8 with TENSOR_PARALLEL_SIZE=2"):
+        load_settings({"KV_CACHE_DTYPE": "fp8", "TENSOR_PARALLEL_SIZE": "2"})
 
 
 def test_tensor_parallel_size_reaches_the_engine_and_is_bounded():

@@ -103,6 +103,12 @@ def test_the_key_names_every_field_and_changes_with_each():
         {"model_digest": "def456"},
     ):
         assert key_id(_key(**change)) != key_id(key), change
+    # an FP8 KV cache (other kernels, other sizing) is in the key; the default is left out, so keys
+    # written before the field existed keep their ids
+    assert artifact_key("abc123", {**LIMITS, "kv_cache_dtype": "auto"}, H100, STACK) == key
+    fp8 = artifact_key("abc123", {**LIMITS, "kv_cache_dtype": "fp8_e4m3"}, H100, STACK)
+    assert fp8["kv_cache_dtype"] == "fp8_e4m3" and key_id(fp8) != key_id(key)
+    assert mismatches(fp8, key) == ["kv_cache_dtype (built for 'fp8_e4m3', this worker 'auto')"]
     with pytest.raises(ValueError, match="missing gpu_arch"):
         artifact_key("abc", LIMITS, {"gpu_memory_gib": 80}, STACK)
 

@@ -248,3 +248,14 @@ def test_an_artifact_built_with_no_gpu_visible_leaves_the_worker_nothing_to_comp
         free_gpu_memory()
     assert tokens["compiled"] == tokens["jit"]
     shutil.rmtree(out)
+
+
+def test_an_fp8_kv_engine_built_without_a_gpu_is_keyed_and_compiled_for_fp8(tiny_llama):
+    """KV_CACHE_DTYPE fp8 takes other attention kernels (the backend's quantizing K/V write, the
+    FP8-reading attention): the kernel set is traced over an FP8 cache and the key says so."""
+    (path,) = build(
+        tiny_llama, "--no-gpu", "--arch", "sm_90", "--jobs", "1", "--kv-cache-dtype", "fp8"
+    )
+    data = json.loads((path / ARTIFACT_FILE).read_text())
+    assert data["key"]["kv_cache_dtype"] == "fp8_e4m3"
+    assert set(data["record"]["kernels"].values()) == ENGINE_KERNELS | {"write_kv_kernel"}

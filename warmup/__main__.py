@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--max-num-batched-tokens", type=int, default=8192)
     b.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     b.add_argument("--block-size", type=int, default=16)
+    b.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8, fp8_e4m3 or fp8_e5m2")
     b.add_argument(
         "--out-dir", default=None, help="where artifacts go (default: <snapshot>/engines)"
     )
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization,
         block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     where = dict(
         out_dir=args.out_dir, cache_dir=args.cache_dir, revision=args.revision, push=args.push

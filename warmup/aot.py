@@ -176,5 +176,5 @@ def _compile_items(
         for count, step in items:
             if count not in models:
                 models[count] = meta_model(cfg, dtype, split_target(count))
-            trace(models[count], [step], args.block_size, max_model_len, sink)
+            trace(models[count], [step], args.block_size, max_model_len, sink, args.kv_cache_dtype)
         return kernel_dirs(sink)

@@ -39,7 +39,12 @@ KEY_FIELDS = (
     "max_num_batched_tokens",
     "block_size",
     "gpu_memory_utilization",
+    "kv_cache_dtype",
 )
+# Fields a key holds only when they differ from their default, so the keys (and ids) of engines
+# built before the field existed stay valid: an FP8 KV cache changes the attention kernels and the
+# KV sizing ("fp8" is spelled "fp8_e4m3", the same kernels).
+DEFAULTED_FIELDS = {"kv_cache_dtype": "auto"}
 # An artifact with no measured KV-sizing record (built without a GPU, or published by a worker that
 # sized its cache analytically) holds kernels only, which depend on neither field: its key says
 # "any" in both.
@@ -57,13 +62,17 @@ def artifact_key(model_digest: str, limits: dict, device: dict, software: dict) 
     """The key from its parts (pure: tests build keys for machines they are not on).
 
     limits: dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
-    gpu_memory_utilization.
+    gpu_memory_utilization (and kv_cache_dtype, left out when "auto": see DEFAULTED_FIELDS).
     device: gpu_arch ("sm_90"), gpu_memory_gib. software: torch, triton, cuda versions."""
     key = {"format": ARTIFACT_FORMAT, "model_digest": model_digest, **device, **software, **limits}
-    missing = [f for f in KEY_FIELDS if f not in key]
+    missing = [f for f in KEY_FIELDS if f not in key and f not in DEFAULTED_FIELDS]
     if missing:
         raise ValueError(f"artifact key: missing {', '.join(missing)}")
-    return {f: key[f] for f in KEY_FIELDS}
+    return {
+        f: key[f]
+        for f in KEY_FIELDS
+        if f in key and not (f in DEFAULTED_FIELDS and key[f] == DEFAULTED_FIELDS[f])
+    }
 
 
 def key_id(key: dict) -> str:
@@ -84,6 +93,7 @@ def _limits(args, device) -> dict:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "block_size": args.block_size,
         "gpu_memory_utilization": args.gpu_memory_utilization,
+        "kv_cache_dtype": "fp8_e4m3" if args.kv_cache_dtype == "fp8" else args.kv_cache_dtype,
     }
 
 
@@ -149,10 +159,14 @@ def any_memory(key: dict) -> dict:
 
 def mismatches(built: dict, wanted: dict) -> list[str]:
     """'field (built for X, this worker Y)' for each key field that differs, in KEY_FIELDS order."""
+
+    def get(key: dict, f: str):
+        return key.get(f, DEFAULTED_FIELDS.get(f))
+
     return [
-        f"{f} (built for {built.get(f)!r}, this worker {wanted.get(f)!r})"
+        f"{f} (built for {get(built, f)!r}, this worker {get(wanted, f)!r})"
         for f in KEY_FIELDS
-        if built.get(f) != wanted.get(f)
+        if get(built, f) != get(wanted, f)
         and not (f in WILDCARD_FIELDS and built.get(f) == ANY_MEMORY)
     ]
 

@@ -208,17 +208,25 @@ def _inputs(step: Step, block_size: int, max_model_len: int):
     return views(buf, layout, host)
 
 
-def trace(model, steps: list[Step], block_size: int, max_model_len: int, sink: list) -> None:
+def trace(
+    model,
+    steps: list[Step],
+    block_size: int,
+    max_model_len: int,
+    sink: list,
+    kv_cache_dtype: str = "auto",
+) -> None:
     """Run each step's forward (and a graph step's logits, and the sampler's draw) with launches
-    compile-only."""
+    compile-only, over a KV cache of the engine's kv_cache_dtype (FP8 takes other kernels)."""
     from engine.attention import kv_cache_shape
+    from engine.attention.kv_quant import resolve_kv_cache_dtype
     from engine.layers.random_race import race_sample
 
     cfg, dtype = model.config, model.dtype
     blocks = 16 * -(-max_model_len // (16 * block_size)) or 16
     kv = torch.empty(
         kv_cache_shape(len(model.layers), blocks, block_size, cfg.num_kv_heads, cfg.head_dim),
-        dtype=dtype,
+        dtype=resolve_kv_cache_dtype(kv_cache_dtype, dtype),
         device="meta",
     )
     largest = max([s.num_seqs for s in steps if s.graph], default=1)

@@ -94,7 +94,14 @@ def _trace_steps(live: _Live, steps: list, deadline: float | None = None) -> lis
     for step in steps:
         if deadline is not None and time.perf_counter() > deadline:
             break
-        trace(model, [step], live.args.block_size, live.max_model_len, sink)
+        trace(
+            model,
+            [step],
+            live.args.block_size,
+            live.max_model_len,
+            sink,
+            live.args.kv_cache_dtype,
+        )
     _load(sink)
     return sink
 
@@ -176,6 +183,7 @@ def _load_rest(live: _Live, steps: list, result: KernelWarmup) -> None:
                     live.args.block_size,
                     live.max_model_len,
                     sink,
+                    live.args.kv_cache_dtype,
                 )
                 _load(sink)
 

@@ -77,6 +77,7 @@ class AttentionBackend(ABC):
         sliding_window: int | None = None,
         kv_written: bool = False,
         softcap: float | None = None,
+        kv_scale: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D].
 
@@ -84,4 +85,8 @@ class AttentionBackend(ABC):
         and k, v only give shapes), then attends: query token j of sequence i sits at context
         position seq_len_i - query_len_i + j and sees the context positions p <= its own (and, with
         a sliding window W, p > its own - W, as HF Mistral does), scores scaled by `scale` (and
-        with `softcap`, Gemma 2's, mapped to softcap * tanh(score / softcap) before the mask)."""
+        with `softcap`, Gemma 2's, mapped to softcap * tanh(score / softcap) before the mask).
+
+        An FP8 cache (engine.attention.kv_quant) stores k / kv_scale[0] and v / kv_scale[1],
+        clamped to the FP8 range, and reads them back times their scale; other caches ignore
+        kv_scale."""

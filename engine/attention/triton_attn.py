@@ -1,5 +1,5 @@
-"""Paged attention in Triton (CUDA; bf16, fp16, fp32): the fast path behind the reference backend's
-interface.
+"""Paged attention in Triton (CUDA; bf16, fp16, fp32; a cache in that dtype or FP8): the fast path
+behind the reference backend's interface.
 
 Writes the step's K/V at slot_mapping, then one attention launch: split-KV decode (merged in the
 same kernel) when every query is one token (its launch depends on shapes only: CUDA-graph safe),
@@ -12,6 +12,7 @@ import torch
 import triton
 
 from engine.attention.interface import AttentionBackend, AttentionMetadata
+from engine.attention.kv_quant import FP8_DTYPES, fp8_max, is_fp8
 from engine.attention.triton_kernels import (
     merge_splits_kernel,
     paged_attention_kernel,
@@ -19,6 +20,8 @@ from engine.attention.triton_kernels import (
 )
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# an FP8 cache beside q/k/v in one of SUPPORTED_DTYPES
+CACHE_DTYPES = SUPPORTED_DTYPES + FP8_DTYPES
 MAX_HEAD_DIM = 256
 MAX_SPLITS = 64
 # (sequence, kv head) pairs the decode merge counters cover before they must grow
@@ -28,7 +31,8 @@ TileConfig = tuple[int, int, int, int]  # (BLOCK_M rows, BLOCK_N keys, num_warps
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """The CUDA fast path: bf16, fp16, fp32; head_dim <= 256; decode launches fit CUDA graphs."""
+    """The CUDA fast path: bf16, fp16, fp32 (an FP8 cache too); head_dim <= 256; decode launches fit
+    CUDA graphs."""
 
     name = "triton"
     supports_cuda_graphs = True  # decode launches depend on tensor shapes only (see forward)
@@ -73,6 +77,7 @@ class TritonAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         kv_written: bool = False,
         softcap: float | None = None,
+        kv_scale: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
         """See AttentionBackend.forward; with kv_written the caller stored this step's K/V
         (RotaryEmbedding.rotate_into_cache)."""
@@ -83,6 +88,8 @@ class TritonAttentionBackend(AttentionBackend):
         block_size = kv_cache_layer.shape[2]
         block_d = triton.next_power_of_2(head_dim)
         k, v, q = _last_dim_contiguous(k), _last_dim_contiguous(v), _last_dim_contiguous(q)
+        fp8 = is_fp8(kv_cache_layer.dtype)
+        k_scale, v_scale = (float(kv_scale[0]), float(kv_scale[1])) if fp8 else (1.0, 1.0)
 
         if num_tokens > 0 and not kv_written:
             write_kv_kernel[(num_tokens,)](
@@ -95,10 +102,14 @@ class TritonAttentionBackend(AttentionBackend):
                 v.stride(0),
                 v.stride(1),
                 kv_cache_layer.stride(0),
+                1.0 / k_scale,
+                1.0 / v_scale,
                 NUM_KV_HEADS=num_kv_heads,
                 HEAD_DIM=head_dim,
                 BLOCK_H=triton.next_power_of_2(num_kv_heads),
                 BLOCK_D=block_d,
+                FP8=fp8,
+                FP8_MAX=fp8_max(kv_cache_layer.dtype) if fp8 else 0.0,
             )
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_seqs = meta.seq_lens.shape[0]
@@ -106,7 +117,7 @@ class TritonAttentionBackend(AttentionBackend):
             return out
 
         # tiles that fit shared memory
-        small = kv_cache_layer.dtype == torch.float32 or block_d > 128
+        small = q.dtype == torch.float32 or block_d > 128
         if meta.max_query_len == 1:  # decode: the launch depends on shapes only (CUDA-graph safe)
             _, block_n, num_warps, num_stages = self.decode_tiles or (
                 (16, 32, 4, 2) if small else (16, 128, 4, 3)
@@ -154,9 +165,11 @@ class TritonAttentionBackend(AttentionBackend):
             meta.query_start_loc,
             meta.seq_lens,
             meta.block_tables,
-            scale * LOG2_E,
+            # An FP8 cache's K scale multiplies every raw score q.k: folded into both.
+            scale * k_scale * LOG2_E,
             sliding_window or 0,
-            softcap / scale if softcap else 1.0,  # the kernel's cap (see _attend_tile)
+            softcap / (scale * k_scale) if softcap else 1.0,  # the kernel's cap (see _attend_tile)
+            v_scale,
             q.stride(0),
             q.stride(1),
             out.stride(0),
@@ -176,9 +189,10 @@ class TritonAttentionBackend(AttentionBackend):
             NUM_SPLITS=num_splits,
             USE_WINDOW=sliding_window is not None,
             SOFTCAP=softcap is not None,
-            IEEE=kv_cache_layer.dtype == torch.float32,
+            IEEE=q.dtype == torch.float32,
             FUSED_MERGE=fused_merge,
             BLOCK_S=triton.next_power_of_2(num_splits),
+            FP8=fp8,
             num_warps=num_warps,
             num_stages=num_stages,
         )
@@ -229,9 +243,14 @@ def _check_inputs(q, k, v, kv_cache_layer, sliding_window, softcap=None) -> None
         )
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"num_heads={q.shape[1]} must be a multiple of num_kv_heads={k.shape[1]}")
-    if kv_cache_layer.dtype not in SUPPORTED_DTYPES:
+    if kv_cache_layer.dtype not in CACHE_DTYPES:
         raise ValueError(
-            f"kv cache dtype {kv_cache_layer.dtype}: the triton backend supports {SUPPORTED_DTYPES}"
+            f"kv cache dtype {kv_cache_layer.dtype}: the triton backend supports {CACHE_DTYPES}"
+        )
+    if is_fp8(kv_cache_layer.dtype) and q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"q dtype {q.dtype} with an FP8 kv cache: the triton backend takes q in "
+            f"{SUPPORTED_DTYPES}"
         )
     if kv_cache_layer.shape[3:] != k.shape[1:] or kv_cache_layer.shape[0] != 2:
         raise ValueError(

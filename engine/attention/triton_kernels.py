@@ -23,13 +23,18 @@ def write_kv_kernel(
     stride_vt,
     stride_vh,
     stride_kv,
+    k_inv_scale,
+    v_inv_scale,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     """One program per new token: copy its K and V rows [Hkv, D] to its flat slot; a negative slot
-    is padding."""
+    is padding. FP8: x * (1 / scale) in fp32, clamped to +-FP8_MAX, cast rounding to nearest even
+    (engine.attention.kv_quant.quantize, byte for byte)."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -40,6 +45,9 @@ def write_kv_kernel(
     dst = cache_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + h * HEAD_DIM + d
     key = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     value = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    if FP8:
+        key = tl.clamp(key.to(tl.float32) * k_inv_scale, -FP8_MAX, FP8_MAX)
+        value = tl.clamp(value.to(tl.float32) * v_inv_scale, -FP8_MAX, FP8_MAX)
     tl.store(dst, key.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_kv, value.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -77,12 +85,14 @@ def _attend_tile(
     USE_WINDOW: tl.constexpr,
     IEEE: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Fold keys [start, start + BLOCK_N) (those < end) into the running softmax (log2 domain,
     fp32).
 
     MASKED=False is for tiles wholly inside the context and below every row's position: no bounds,
-    no mask.
+    no mask. FP8: K and V tiles are read as FP8 and widened to q's dtype (exact) before the dots;
+    their scales are applied outside (K's in scale_log2 and cap, V's to the output).
     """
     n = start + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -98,6 +108,8 @@ def _attend_tile(
         mask=kv_mask,
         other=0.0 if kv_mask is not None else None,
     )
+    if FP8:
+        key = key.to(q.dtype)
     if IEEE:
         s = tl.dot(q, tl.trans(key), input_precision="ieee")
     else:
@@ -122,6 +134,8 @@ def _attend_tile(
         mask=kv_mask,
         other=0.0 if kv_mask is not None else None,
     )
+    if FP8:
+        value = value.to(q.dtype)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(value.dtype), value, input_precision="ieee")
     else:
@@ -144,6 +158,7 @@ def paged_attention_kernel(
     scale_log2,
     window,
     cap,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -166,6 +181,7 @@ def paged_attention_kernel(
     SOFTCAP: tl.constexpr,
     FUSED_MERGE: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Program (sequence b, kv head x split, query tile): rows are (query token, head of the group)
     pairs.
@@ -175,7 +191,8 @@ def paged_attention_kernel(
     FUSED_MERGE: only the splits the context needs run; one that has the whole context writes the
     output itself, otherwise the last split to arrive (an atomic count per sequence and kv head,
     reset by it) merges the partials. Without FUSED_MERGE every split writes a partial and
-    merge_splits_kernel combines them.
+    merge_splits_kernel combines them. FP8: the cache holds FP8 K/V; q stays in its dtype and
+    v_scale multiplies each (partial) output (the merge is linear in them).
     """
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // NUM_SPLITS
@@ -227,7 +244,8 @@ def paged_attention_kernel(
         mask=io_mask,
         other=0.0,
     )
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    if not FP8:
+        q = q.to(k_cache_ptr.dtype.element_ty)
     table_row = block_tables_ptr + b.to(tl.int64) * stride_bt
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -260,6 +278,7 @@ def paged_attention_kernel(
             USE_WINDOW,
             IEEE,
             SOFTCAP,
+            FP8,
         )
     for start in range(tl.maximum(full, lo), hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
@@ -288,9 +307,12 @@ def paged_attention_kernel(
             USE_WINDOW,
             IEEE,
             SOFTCAP,
+            FP8,
         )
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if FP8:
+        out = out * v_scale
     dst = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     if NUM_SPLITS == 1:
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=io_mask)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata
+from engine.attention.kv_quant import DEFAULT_KV_SCALE, is_fp8
 from engine.config import ModelConfig
 from engine.distributed.sharding import SINGLE, Shard
 from engine.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
@@ -81,6 +82,8 @@ class Attention(nn.Module):
         self.scale = cfg.attn_scale or cfg.head_dim**-0.5
         self.sliding_window = cfg.window_of(layer)
         self.softcap = cfg.attn_softcap
+        # An FP8 KV cache's (K, V) scales for this layer (engine.attention.kv_quant).
+        self.kv_scale = DEFAULT_KV_SCALE
         self.backend = backend
         self.qkv_proj = linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, dtype, device
@@ -110,6 +113,8 @@ class Attention(nn.Module):
         kwargs = {"sliding_window": self.sliding_window} if self.sliding_window else {}
         if self.softcap is not None:  # Gemma 2
             kwargs["softcap"] = self.softcap
+        if is_fp8(kv_cache_layer.dtype):
+            kwargs["kv_scale"] = self.kv_scale
         if getattr(self.backend, "accepts_written_kv", False) and rotary.can_write_cache(
             q, kv_cache_layer, self.q_norm
         ):
