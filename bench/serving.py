@@ -100,6 +100,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--warmup-requests", type=int, default=256, help="mixed requests run before any timing"
     )
+    ap.add_argument(
+        "--quantization", default=None, choices=["fp8"], help="EngineArgs.quantization (FP8 W8A8)"
+    )
+    ap.add_argument(
+        "--kv-cache-dtype", default="auto", help="EngineArgs.kv_cache_dtype (auto, fp8, ...)"
+    )
+    ap.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="dummy: random weights made on the device (no checkpoint written; the config alone)",
+    )
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -157,9 +169,14 @@ class Bench:
         self.mc = ModelConfig.from_dict(self.config)
         self.dtype = getattr(torch, args.dtype)
         t0 = time.perf_counter()
-        self.model_dir = synthesize(
-            str(config_path(args.config)), args.model_dir, device=args.device
-        )
+        if args.load_format == "dummy":  # the engine makes its weights; it needs the config only
+            self.model_dir = args.model_dir + "-config-only"
+            os.makedirs(self.model_dir, exist_ok=True)
+            Path(self.model_dir, "config.json").write_text(json.dumps(self.config))
+        else:
+            self.model_dir = synthesize(
+                str(config_path(args.config)), args.model_dir, device=args.device
+            )
         self.synthesize_s = time.perf_counter() - t0
         self.bytes = model_bytes(self.config, self.dtype)
         nbytes = args.bandwidth_bytes or (
@@ -200,6 +217,9 @@ class Bench:
                     max_num_seqs=a.max_num_seqs,
                     max_num_batched_tokens=a.max_num_batched_tokens,
                     seed=0,
+                    quantization=a.quantization,
+                    kv_cache_dtype=a.kv_cache_dtype,
+                    load_format=a.load_format,
                 ),
             )
             self.results["engine_mode"] = {
@@ -408,6 +428,9 @@ class Bench:
             "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
             "torch": torch.__version__,
             "dtype": a.dtype,
+            "quantization": a.quantization,
+            "kv_cache_dtype": a.kv_cache_dtype,
+            "load_format": a.load_format,
             "weights_GB": self.bytes.weights / 1e9,
             "kv_bytes_per_token": self.bytes.kv_per_token,
             "timing": (

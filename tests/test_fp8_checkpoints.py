@@ -307,3 +307,24 @@ def test_the_pack_of_an_fp8_checkpoint_holds_its_fp8_weights(tmp_path) -> None:
     assert again.load_stats["source"] == "pack"
     for (name, a), (_, b) in zip(first.named_parameters(), again.named_parameters()):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_fp8_checkpoint_on_the_gpu_matches_the_cpu_reference() -> None:
+    """The FP8_DYNAMIC checkpoint served by the engine on the GPU in bf16 (FP8 kernels, CUDA
+    graphs) against the same checkpoint on the CPU in float32: the prompt's most likely next
+    tokens agree, and so do their log-probabilities."""
+    from engine import LLM, SamplingParams
+
+    path = str(FIXTURES / "fp8-dynamic")
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+
+    def scored(**engine) -> list[float]:
+        llm = LLM(model=path, max_model_len=256, load_format="safetensors", **engine)
+        (out,) = llm.generate([{"prompt_token_ids": TOKS}], params)
+        return [entry[tok].logprob for entry, tok in zip(out.prompt_logprobs[1:], TOKS[1:])]
+
+    cpu = torch.tensor(scored(dtype="float32", device="cpu"))
+    gpu = torch.tensor(scored(dtype="bfloat16", device="cuda"))
+    assert (gpu - cpu).abs().max().item() < 0.1
