@@ -460,14 +460,10 @@ def fp8_linear_reference(
     xq, x_scale = quantize_rows_reference(x)
     if x.is_cuda:
         y = (xq.float() * x_scale) @ dequantize_rows(weight, weight_scale).t()
-    else:
-        y = torch._scaled_mm(
-            xq,
-            weight.t(),
-            scale_a=x_scale,
-            scale_b=weight_scale.view(1, -1).float(),
-            out_dtype=torch.float32,
-        )
+    else:  # unit scales, then per row and channel: torch 2.11's CPU _scaled_mm is per-tensor only
+        one = torch.ones((), dtype=torch.float32)
+        y = torch._scaled_mm(xq, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        y = y * x_scale * weight_scale.view(1, -1).float()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
