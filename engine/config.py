@@ -389,12 +389,6 @@ class EngineArgs:
                 f"all_reduce_backend: must be one of {choices}, got {self.all_reduce_backend!r}"
             )
         check_kv_cache_dtype(self.kv_cache_dtype)
-        if self.kv_cache_dtype != "auto" and self.tensor_parallel_size > 1:
-            raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with "
-                f"tensor_parallel_size={self.tensor_parallel_size} yet: use kv_cache_dtype 'auto' "
-                "or tensor_parallel_size 1"
-            )
         if self.tensor_parallel_size > 1 and ":" in self.device:
             raise ValueError(
                 f"device: {self.device!r} names one GPU, but tensor_parallel_size "

@@ -579,24 +579,11 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         settings = Settings()
     except ValidationError as e:
         problems = [_describe_error(err) for err in e.errors()] + problems
-    else:
-        problems += _unsupported_combinations(settings)
     finally:
         _ENV_OVERRIDE.reset(token)
     if problems:
         raise SettingsError("\n".join(f"invalid environment: {line}" for line in problems))
     return settings
-
-
-def _unsupported_combinations(settings: Settings) -> list[str]:
-    """Settings valid alone that the engine can't run together yet, each naming both."""
-    if settings.kv_cache_dtype != "auto" and settings.tensor_parallel_size > 1:
-        return [
-            f"KV_CACHE_DTYPE={settings.kv_cache_dtype} with TENSOR_PARALLEL_SIZE="
-            f"{settings.tensor_parallel_size}: an FP8 KV cache is not supported with tensor "
-            "parallelism yet; use KV_CACHE_DTYPE=auto or TENSOR_PARALLEL_SIZE=1"
-        ]
-    return []
 
 
 def markdown_table() -> str:

@@ -317,14 +317,14 @@ def test_harmless_worker_vllm_values_pass():
     )
 
 
-def test_kv_cache_dtype_reaches_the_engine_and_refuses_tensor_parallel():
+def test_kv_cache_dtype_reaches_the_engine():
     assert load_settings({}).engine_args("/m").kv_cache_dtype == "auto"
     for value in ("fp8", "fp8_e4m3", "fp8_e5m2"):
         assert load_settings({"KV_CACHE_DTYPE": value}).engine_args("/m").kv_cache_dtype == value
     with pytest.raises(SettingsError, match="KV_CACHE_DTYPE: .*fp8"):
         load_settings({"KV_CACHE_DTYPE": "int8"})
-    with pytest.raises(SettingsError, match="KV_CACHE_DTYPE=fp8 with TENSOR_PARALLEL_SIZE=2"):
-        load_settings({"KV_CACHE_DTYPE": "fp8", "TENSOR_PARALLEL_SIZE": "2"})
+    both = load_settings({"KV_CACHE_DTYPE": "fp8", "TENSOR_PARALLEL_SIZE": "2"}).engine_args("/m")
+    assert (both.kv_cache_dtype, both.tensor_parallel_size) == ("fp8", 2)
 
 
 def test_tensor_parallel_size_reaches_the_engine_and_is_bounded():

@@ -94,6 +94,23 @@ def test_tp2_matches_tp1_through_the_engine(llama_dir):
     assert stats.prefix_cache_hit_tokens == ref_stats.prefix_cache_hit_tokens > 0
 
 
+def test_an_fp8_kv_cache_splits_with_the_heads(llama_dir):
+    """Each rank's FP8 cache holds its own KV heads, quantized element by element as one process
+    quantizes them: the same tokens and logprobs as one process with an FP8 cache, preempted and
+    chunked."""
+    prompts = [PREFIX + [100 + i, 7, 8 + i] for i in range(3)]
+    params = [_greedy(12)] * 3
+    kwargs = _engine_kwargs(kv_cache_dtype="fp8")
+    ref = LLM(model=llama_dir, **kwargs).generate(prompts, params)
+    tp = LLM(model=llama_dir, tensor_parallel_size=2, **kwargs)
+    try:
+        assert tp.engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+        got = tp.generate(prompts, params)
+    finally:
+        tp.shutdown()
+    _assert_same(ref, got)
+
+
 @pytest.mark.parametrize(
     "family, config",
     [
