@@ -10,11 +10,16 @@ multiplied out in float32 and quantized again per output channel.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.checkpoint_quant import CheckpointFp8
+from engine.models.checkpoint_names import text_decoder_name
 from engine.quant.base import QuantizedRows
+
+if TYPE_CHECKING:
+    from engine.models.decoder import WeightSlot
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Activation and KV scales a checkpoint may carry: the engine quantizes activations dynamically
@@ -23,11 +28,20 @@ _DROPPED_SUFFIXES = (".input_scale", ".output_scale", ".k_scale", ".v_scale")
 
 
 def checkpoint_weights(
-    tensors: Iterator[tuple[str, torch.Tensor]], fmt: CheckpointFp8
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    fmt: CheckpointFp8,
+    slots: dict[str, "WeightSlot"] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
     """(name, tensor) of a checkpoint, with every FP8 weight paired with its scale tensor (in any
-    order, across shards) and yielded once (weight_rows); other tensors pass through. Raises
-    ValueError for an FP8 weight without a scale, or a scale without a weight."""
+    order, across shards) and yielded once (weight_rows); other tensors pass through. With `slots`
+    (a tensor-parallel rank's hf_weight_map), a weight named there arrives as its slot's slice and
+    its scales are cut to match. Raises ValueError for an FP8 weight without a scale, or a scale
+    without a weight."""
+    slots = slots or {}
+
+    def rows(prefix: str, weight: torch.Tensor, scale: torch.Tensor):
+        return weight_rows(weight, scale, fmt, slots.get(text_decoder_name(prefix + ".weight")))
+
     scale_suffix = "." + fmt.scale_name
     weights: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
@@ -37,13 +51,13 @@ def checkpoint_weights(
         if name.endswith(scale_suffix):
             prefix = name.removesuffix(scale_suffix)
             if prefix in weights:
-                yield prefix + ".weight", weight_rows(weights.pop(prefix), tensor, fmt)
+                yield prefix + ".weight", rows(prefix, weights.pop(prefix), tensor)
             else:
                 scales[prefix] = tensor
         elif name.endswith(".weight") and tensor.dtype in FP8_DTYPES:
             prefix = name.removesuffix(".weight")
             if prefix in scales:
-                yield name, weight_rows(tensor, scales.pop(prefix), fmt)
+                yield name, rows(prefix, tensor, scales.pop(prefix))
             else:
                 weights[prefix] = tensor
         else:
@@ -57,11 +71,13 @@ def checkpoint_weights(
 
 
 def weight_rows(
-    weight: torch.Tensor, scale: torch.Tensor, fmt: CheckpointFp8
+    weight: torch.Tensor, scale: torch.Tensor, fmt: CheckpointFp8, slot: "WeightSlot | None" = None
 ) -> torch.Tensor | QuantizedRows:
-    """An FP8 weight [N, K] with its scale: one value or one per output channel ([N] or [N, 1]) ->
-    QuantizedRows; one per block ([ceil(N/bn), ceil(K/bk)]) -> the float32 product."""
-    n, k = weight.shape
+    """An FP8 weight with its scale: one value or one per output channel ([N] or [N, 1]) ->
+    QuantizedRows; one per block ([ceil(N/bn), ceil(K/bk)]) -> the float32 product. With a `slot`
+    whose slice is not the whole tensor, `weight` is that slice of the [N, K] checkpoint tensor."""
+    n, k = slot.full if slot is not None else weight.shape
+    part = slot is not None and slot.count != slot.full[slot.dim]
     s = scale.float()
     if fmt.weight_scales == "block":
         bn, bk = fmt.block
@@ -72,10 +88,14 @@ def weight_rows(
                 f"scale grid, got {list(s.shape)}"
             )
         s = s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+        if part:
+            s = s.narrow(slot.dim, slot.first, slot.count)
         return weight.float() * s
     if s.numel() not in (1, n):
         raise ValueError(
             f"weights: a [{n}, {k}] FP8 weight's scale has shape {list(s.shape)}: expected one "
             f"value or {n} (one per output channel)"
         )
+    if part and slot.dim == 0 and s.numel() == n > 1:  # this rank's output channels
+        s = s.reshape(-1)[slot.first : slot.first + slot.count]
     return QuantizedRows(weight, s)

@@ -130,13 +130,9 @@ def checkpoint_tensors(model_dir: str, model: "DecoderModel") -> Iterator[tuple[
     """What load_hf_weights reads for `model`: its slices of the checkpoint, an FP8 checkpoint's
     weights paired with their scales (engine/models/prequantized.py)."""
     fmt = model.config.checkpoint_fp8
-    if fmt is not None and model.shard.size > 1:
-        raise ValueError(
-            "tensor_parallel_size: FP8 checkpoints are loaded on one GPU only for now; "
-            "set tensor_parallel_size to 1 or serve the bf16 checkpoint"
-        )
-    tensors = iter_safetensors(model_dir, model.hf_weight_map())
-    return checkpoint_weights(tensors, fmt) if fmt is not None else tensors
+    slots = model.hf_weight_map()
+    tensors = iter_safetensors(model_dir, slots)
+    return checkpoint_weights(tensors, fmt, slots) if fmt is not None else tensors
 
 
 # ---- which pack belongs to this checkpoint -------------------------------------------------------
