@@ -198,8 +198,9 @@ class Settings(BaseSettings):
         description=(
             "fp8: the linears of a bf16/fp16 checkpoint stored as FP8 (e4m3, a scale per output "
             "channel, quantized once as the pack is written), activations quantized per token; "
-            "needs an Ada or Hopper GPU (compute capability 8.9+). Unset: the checkpoint's dtype. "
-            "awq, gptq, bitsandbytes and other schemes are refused."
+            "needs an Ada or Hopper GPU (compute capability 8.9+). Unset: the checkpoint's dtype "
+            "(FP8 checkpoints, compressed-tensors or fp8, are served as FP8 without it). awq, "
+            "gptq, bitsandbytes and other schemes are refused."
         ),
     )
 
@@ -421,8 +422,9 @@ class Settings(BaseSettings):
         if not isinstance(value, str) or value.strip().lower() == "fp8":
             return value.strip().lower() if isinstance(value, str) else value
         raise ValueError(
-            "this scheme is not supported (quantized checkpoints are not read yet); fp8 "
-            "quantizes a bf16/fp16 checkpoint's weights at start"
+            "this scheme is not supported: fp8 quantizes a bf16/fp16 checkpoint's weights at "
+            "start; FP8 checkpoints (compressed-tensors, fp8) need no setting, their "
+            "quantization_config is read; other quantized checkpoints are refused"
         )
 
     @field_validator("block_size")

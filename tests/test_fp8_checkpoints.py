@@ -395,3 +395,11 @@ def test_fp8_checkpoints_serve_over_two_ranks(name, tmp_path) -> None:
         ]
     )
     assert diffs.max().item() < 0.3 and diffs.mean().item() < 0.1
+
+
+def test_naming_a_checkpoint_format_as_the_scheme_says_it_is_read_from_the_checkpoint() -> None:
+    """vLLM users pass --quantization compressed-tensors; here the checkpoint says so itself."""
+    from engine import EngineArgs
+
+    with pytest.raises(ValueError, match="read from the checkpoint's quantization_config"):
+        EngineArgs(model="m", quantization="compressed-tensors").validate()

@@ -36,6 +36,11 @@ def check_quantization(name: str | None) -> None:
     if name is None or name in SUPPORTED_QUANTIZATION:
         return
     supported = ", ".join(SUPPORTED_QUANTIZATION)
+    if isinstance(name, str) and name.lower() in ("compressed-tensors", "fbgemm_fp8"):
+        raise ValueError(
+            f"quantization: {name!r} is read from the checkpoint's quantization_config, not set: "
+            "leave it unset for an FP8 checkpoint (set fp8 to quantize a bf16/fp16 one)"
+        )
     if isinstance(name, str) and name.lower() in KNOWN_UNSUPPORTED:
         raise ValueError(
             f"quantization: {name!r} is not supported; supported: {supported} (FP8 weights and "
