@@ -14,6 +14,8 @@ from engine.quant.base import QuantConfig
 
 # EngineArgs.quantization values the engine runs (None: the checkpoint's own dtype)
 SUPPORTED_QUANTIZATION = ("fp8",)
+# vLLM names of checkpoint formats: here the checkpoint's quantization_config says them itself
+CHECKPOINT_FORMATS = ("compressed-tensors",)
 # worker-vllm users send these: refused by name, with the supported list
 KNOWN_UNSUPPORTED = (
     "awq",
@@ -24,7 +26,6 @@ KNOWN_UNSUPPORTED = (
     "gguf",
     "marlin",
     "squeezellm",
-    "compressed-tensors",
     "fbgemm_fp8",
     "modelopt",
     "experts_int8",
@@ -36,7 +37,7 @@ def check_quantization(name: str | None) -> None:
     if name is None or name in SUPPORTED_QUANTIZATION:
         return
     supported = ", ".join(SUPPORTED_QUANTIZATION)
-    if isinstance(name, str) and name.lower() in ("compressed-tensors", "fbgemm_fp8"):
+    if isinstance(name, str) and name.lower() in CHECKPOINT_FORMATS:
         raise ValueError(
             f"quantization: {name!r} is read from the checkpoint's quantization_config, not set: "
             "leave it unset for an FP8 checkpoint (set fp8 to quantize a bf16/fp16 one)"
