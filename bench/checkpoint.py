@@ -74,6 +74,15 @@ def synthesize(
     return str(out)
 
 
+def config_only_dir(config: dict, name: str, root: str) -> str:
+    """<root>/<name>-config holding only config.json: load_format="dummy" makes the weights on the
+    device."""
+    d = Path(root) / f"{name}-config"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(config))
+    return str(d)
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from bench.moe_decode import bytes_per_token, config_only_dir
+from bench.checkpoint import config_only_dir
+from bench.moe_decode import bytes_per_token
 from bench.reference_decode import decode_step_seconds, graph_replay_seconds
 from bench.roofline import copy_bandwidth
 from bench.serving import config_path
@@ -25,8 +26,16 @@ from engine import LLM
 DEFAULT_CONFIGS = "llama-3.1-8b.json,phi-4.json,gemma-3-27b-it.json"
 
 
-def family_row(name: str, root: str, bandwidth: float, prompt_len: int, new_tokens: int) -> dict:
-    """One config's batch-1 decode (CUDA graphs) and its floor."""
+def decode_row(
+    name: str,
+    root: str,
+    bandwidth: float,
+    prompt_len: int,
+    new_tokens: int,
+    quantization: str | None = None,
+) -> dict:
+    """One config's batch-1 decode (CUDA graphs, random weights made on the GPU, `quantization` as
+    EngineArgs takes it) and its floor: the bytes a token reads at `bandwidth`."""
     config = json.loads(config_path(name).read_text())
     llm = LLM(
         model=config_only_dir(config, Path(name).stem, root),
@@ -36,6 +45,7 @@ def family_row(name: str, root: str, bandwidth: float, prompt_len: int, new_toke
         max_model_len=4096,
         max_num_seqs=8,
         cuda_graph_sizes=[1],
+        quantization=quantization,
     )
     try:
         read = bytes_per_token(llm.engine.runner.model, prompt_len + new_tokens // 2)
@@ -48,7 +58,7 @@ def family_row(name: str, root: str, bandwidth: float, prompt_len: int, new_toke
         gc.collect()
         torch.cuda.empty_cache()
     floor = read["total"] / bandwidth
-    row = {
+    return {
         "config": name,
         "gb_per_token": read["total"] / 1e9,
         "ms_per_step": step * 1e3,
@@ -56,9 +66,14 @@ def family_row(name: str, root: str, bandwidth: float, prompt_len: int, new_toke
         "of_roofline": floor / step,
         "graph_replay_ms": None if replay is None else replay * 1e3,
     }
+
+
+def family_row(name: str, root: str, bandwidth: float, prompt_len: int, new_tokens: int) -> dict:
+    """One config's batch-1 decode (CUDA graphs) and its floor."""
+    row = decode_row(name, root, bandwidth, prompt_len, new_tokens)
     print(
-        f"{name}: {step * 1e3:.2f} ms/step, {row['of_roofline']:.0%} of the "
-        f"{floor * 1e3:.2f} ms floor ({read['total'] / 1e9:.2f} GB/token)",
+        f"{name}: {row['ms_per_step']:.2f} ms/step, {row['of_roofline']:.0%} of the "
+        f"{row['floor_ms']:.2f} ms floor ({row['gb_per_token']:.2f} GB/token)",
         flush=True,
     )
     return row

@@ -12,61 +12,34 @@ best tiles.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 from pathlib import Path
 
 import torch
 
-from bench.moe_decode import bytes_per_token, config_only_dir
-from bench.reference_decode import decode_step_seconds, graph_replay_seconds
+from bench import family_decode
 from bench.roofline import copy_bandwidth
-from bench.serving import config_path
-from engine import LLM
 from engine.quant import fp8_kernels as fk
 
 
 def decode_row(
     name: str, root: str, quantization: str | None, bandwidth: float, prompt_len: int, new: int
 ) -> dict:
-    config = json.loads(config_path(name).read_text())
-    llm = LLM(
-        model=config_only_dir(config, Path(name).stem, root),
-        load_format="dummy",
-        dtype="bfloat16",
-        device="cuda",
-        max_model_len=4096,
-        max_num_seqs=8,
-        cuda_graph_sizes=[1],
-        quantization=quantization,
-    )
-    try:
-        read = bytes_per_token(llm.engine.runner.model, prompt_len + new // 2)
-        step = decode_step_seconds(llm, 1, prompt_len=prompt_len, new_tokens=new)
-        replay = graph_replay_seconds(llm, 1)
-    finally:
-        llm.shutdown()
-        del llm
-        gc.unfreeze()
-        gc.collect()
-        torch.cuda.empty_cache()
-    floor = read["total"] / bandwidth
+    measured = family_decode.decode_row(name, root, bandwidth, prompt_len, new, quantization)
+    step = measured["ms_per_step"] / 1e3
+    floor = measured["floor_ms"] / 1e3
     row = {
         "config": name,
         "quantization": quantization or "none (bf16)",
-        "gb_per_token": read["total"] / 1e9,
-        "ms_per_step": step * 1e3,
+        **{k: v for k, v in measured.items() if k != "config"},
         "tokens_per_s": 1 / step,
-        "floor_ms": floor * 1e3,
         "roofline_tokens_per_s": 1 / floor,
-        "of_roofline": floor / step,
-        "graph_replay_ms": None if replay is None else replay * 1e3,
     }
     print(
         f"{name} {row['quantization']}: {step * 1e3:.2f} ms/step ({1 / step:.0f} tok/s), "
         f"{row['of_roofline']:.0%} of the {floor * 1e3:.2f} ms floor "
-        f"({read['total'] / 1e9:.2f} GB/token), graph replay {row['graph_replay_ms']} ms",
+        f"({row['gb_per_token']:.2f} GB/token), graph replay {row['graph_replay_ms']} ms",
         flush=True,
     )
     return row

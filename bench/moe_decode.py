@@ -22,6 +22,7 @@ import torch
 
 import engine.layers.moe as moe_layer
 from bench.attention_micro import time_call
+from bench.checkpoint import config_only_dir
 from bench.reference_decode import decode_step_seconds, graph_replay_seconds
 from bench.roofline import copy_bandwidth
 from bench.serving import config_path
@@ -36,14 +37,6 @@ SWEEP_TILES = list(
         [(16, 256), (32, 128), (32, 256), (32, 512), (64, 128), (64, 256)], [(4, 2), (4, 3), (8, 3)]
     )
 )
-
-
-def config_only_dir(config: dict, name: str, root: str) -> str:
-    """A directory holding only config.json: load_format="dummy" makes the weights on the GPU."""
-    d = Path(root) / f"{name}-config"
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(config))
-    return str(d)
 
 
 def bytes_per_token(model, context: int) -> dict:

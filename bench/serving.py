@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from bench import report
-from bench.checkpoint import CONFIGS, synthesize
+from bench.checkpoint import CONFIGS, config_only_dir, synthesize
 from bench.drivers import decode_step_times, run_offline, run_online, wait_idle
 from bench.roofline import copy_bandwidth, decode_window, model_bytes
 from bench.timing import summarize, summarize_window
@@ -170,9 +170,8 @@ class Bench:
         self.dtype = getattr(torch, args.dtype)
         t0 = time.perf_counter()
         if args.load_format == "dummy":  # the engine makes its weights; it needs the config only
-            self.model_dir = args.model_dir + "-config-only"
-            os.makedirs(self.model_dir, exist_ok=True)
-            Path(self.model_dir, "config.json").write_text(json.dumps(self.config))
+            where = Path(args.model_dir)
+            self.model_dir = config_only_dir(self.config, where.name, str(where.parent))
         else:
             self.model_dir = synthesize(
                 str(config_path(args.config)), args.model_dir, device=args.device

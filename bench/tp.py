@@ -342,14 +342,6 @@ def parity(opts) -> None:
 
 
 # ---- 70B -----------------------------------------------------------------------------------------
-def _config_only_dir(config: dict, name: str) -> str:
-    """A directory holding only a config.json: load_format=dummy makes the weights on devices."""
-    d = Path(f"/tmp/coldbrew-bench/model/{name}-config")
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(config))
-    return str(d)
-
-
 async def _online_c64(engine, vocab: int, opts) -> dict:
     from bench.drivers import run_online
     from bench.timing import summarize_window
@@ -383,6 +375,7 @@ async def _online_c64(engine, vocab: int, opts) -> dict:
 def serve70b(opts, all_reduce: str = "nccl", online: bool = True) -> None:
     import torch
 
+    from bench.checkpoint import config_only_dir
     from bench.drivers import decode_step_times, run_offline
     from bench.roofline import copy_bandwidth, model_bytes
     from bench.serving import config_path
@@ -399,7 +392,7 @@ def serve70b(opts, all_reduce: str = "nccl", online: bool = True) -> None:
     nbytes = model_bytes(config, dtype)
     graphs = graphs_work(opts.out)
     args = EngineArgs(
-        model=_config_only_dir(config, name),
+        model=config_only_dir(config, name, "/tmp/coldbrew-bench/model"),
         dtype=str(dtype).removeprefix("torch."),
         tensor_parallel_size=2,
         load_format="dummy",
