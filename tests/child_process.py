@@ -1,5 +1,6 @@
 """Test helper: end child processes the way the fault and shutdown tests need (a signal, a bounded
-wait, a kill), and run a child script until it announces that it is midway, then SIGKILL it there.
+wait, a kill), run a child script until it announces that it is midway, then SIGKILL it there, and
+run a script under triton's CPU interpreter.
 """
 
 from __future__ import annotations
@@ -46,3 +47,21 @@ def kill_when_midway(child_script: str, marker: str = "midway") -> None:
         proc.wait(timeout=30)
     finally:
         proc.kill()
+
+
+def run_in_triton_interpreter(script: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -c script args...` from the repo root with TRITON_INTERPRET=1 (Triton kernels run on
+    the CPU) and the repo and tests/ importable; its output captured, at most 10 minutes."""
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]),
+    )
+    return subprocess.run(
+        [sys.executable, "-c", script, *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )

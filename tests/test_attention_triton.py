@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
-import subprocess
-import sys
 import textwrap
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from child_process import run_in_triton_interpreter
 from engine.attention import AttentionMetadata, kv_cache_shape, select_backend
 from engine.attention.torch_ref import TorchAttentionBackend
 from tiny_models import host_metadata
@@ -409,19 +407,7 @@ print("ok", worst)
 def test_kernels_in_the_triton_interpreter() -> None:
     """The same kernels, run by triton's CPU interpreter on tiny odd shapes (head_dim 24 and 16,
     group 3, block 4)."""
-    env = dict(
-        os.environ,
-        TRITON_INTERPRET="1",
-        PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]),
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(INTERPRETER_SCRIPT)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = run_in_triton_interpreter(textwrap.dedent(INTERPRETER_SCRIPT))
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().startswith("ok")
 

@@ -10,10 +10,7 @@ import dataclasses
 import importlib.util
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -21,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from child_process import run_in_triton_interpreter
 from engine import LLM, SamplingParams
 from engine.attention import kv_cache_shape
 from engine.config import ModelConfig
@@ -387,19 +385,7 @@ def test_gemma_windows_through_the_triton_kernels_in_the_interpreter(tmp_path) -
     """The Triton attention kernels, run by triton's CPU interpreter, honour each layer's own
     window (local layers window 8, global ones none) in a tiny Gemma 3 and a tiny Gemma 2 (whose
     scores are soft-capped too) against HF."""
-    env = dict(
-        os.environ,
-        TRITON_INTERPRET="1",
-        PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]),
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(INTERPRETER_SCRIPT), str(tmp_path)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = run_in_triton_interpreter(textwrap.dedent(INTERPRETER_SCRIPT), str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().startswith("ok")
 

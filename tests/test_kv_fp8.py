@@ -8,9 +8,6 @@ CUDA-graph decode, and a bf16 engine's greedy output with FP8 KV against bf16 KV
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 import textwrap
 from dataclasses import replace
 from pathlib import Path
@@ -18,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from child_process import run_in_triton_interpreter
 from conftest import free_gpu_memory
 from engine import LLM, EngineArgs, SamplingParams
 from engine.attention.kv_quant import dequantize, quantize, resolve_kv_cache_dtype
@@ -283,19 +281,7 @@ print("ok", worst)
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_fp8_read_path_in_the_triton_interpreter():
-    env = dict(
-        os.environ,
-        TRITON_INTERPRET="1",
-        PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]),
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(INTERPRETER_SCRIPT)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = run_in_triton_interpreter(textwrap.dedent(INTERPRETER_SCRIPT))
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().startswith("ok")
 

@@ -8,9 +8,6 @@ under Triton's interpreter in float32 so CI catches a broken kernel without a GP
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -19,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
+from child_process import run_in_triton_interpreter
 from engine.config import RopeConfig
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
@@ -323,8 +321,5 @@ def test_kernels_under_the_triton_interpreter_match_torch_in_float32():
         )
         print("ok")
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
-    )
+    done = run_in_triton_interpreter(script)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

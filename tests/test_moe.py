@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from child_process import run_in_triton_interpreter
 from engine.config import ModelConfig
 from engine.distributed.sharding import Shard
 from engine.layers.moe import SparseMoeBlock, experts_reference, route_reference
@@ -256,10 +257,7 @@ def test_fused_moe_under_the_triton_interpreter_matches_torch():
             assert torch.equal(ids[real.long()], ids[real.long()].sort().values)
         print("ok")
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
-    )
+    done = run_in_triton_interpreter(script)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
