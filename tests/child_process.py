@@ -49,16 +49,29 @@ def kill_when_midway(child_script: str, marker: str = "midway") -> None:
         proc.kill()
 
 
+# numpy >= 2.3 refuses int() of a 1-element array, which triton 3.6's interpreter uses for range()
+# bounds: its tensors get an __index__ before the script runs.
+_INTERPRETER_INDEX_PATCH = """
+import triton.runtime.interpreter as interp
+_patch = interp._patch_lang_tensor
+def _patched(tensor, scope):
+    _patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+interp._patch_lang_tensor = _patched
+"""
+
+
 def run_in_triton_interpreter(script: str, *args: str) -> subprocess.CompletedProcess:
     """`python -c script args...` from the repo root with TRITON_INTERPRET=1 (Triton kernels run on
-    the CPU) and the repo and tests/ importable; its output captured, at most 10 minutes."""
+    the CPU, the interpreter patched for numpy >= 2.3) and the repo and tests/ importable; its
+    output captured, at most 10 minutes."""
     env = dict(
         os.environ,
         TRITON_INTERPRET="1",
         PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]),
     )
     return subprocess.run(
-        [sys.executable, "-c", script, *args],
+        [sys.executable, "-c", _INTERPRETER_INDEX_PATCH + script, *args],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -357,16 +357,8 @@ def test_select_backend_on_cpu() -> None:
         select_backend("cpu", "triton")
 
 
-# numpy >= 2.3 refuses int() of a 1-element array, which triton 3.6's interpreter uses for range()
-# bounds.
+# run by tests/child_process.run_in_triton_interpreter
 INTERPRETER_SCRIPT = """
-import triton.runtime.interpreter as interp
-_patch = interp._patch_lang_tensor
-def _patched(tensor, scope):
-    _patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-interp._patch_lang_tensor = _patched
-
 import torch
 from tests.test_attention_triton import make_case, run_both
 from engine.attention.triton_attn import TritonAttentionBackend

@@ -346,17 +346,9 @@ def test_chunk_after_cached_prefix_and_decode_in_one_step(tiny, family: str) -> 
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-# numpy >= 2.3 refuses int() of a 1-element array, which triton 3.6's interpreter uses for range()
-# bounds (as tests/test_attention_triton.py patches it).
+# run by tests/child_process.run_in_triton_interpreter
 INTERPRETER_SCRIPT = """
 import sys
-import triton.runtime.interpreter as interp
-_patch = interp._patch_lang_tensor
-def _patched(tensor, scope):
-    _patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-interp._patch_lang_tensor = _patched
-
 import torch
 from engine.attention.triton_attn import TritonAttentionBackend
 from engine.config import ModelConfig

@@ -241,13 +241,6 @@ def test_fp32_model_with_fp8_cache_generates_close_to_fp32_cache(tiny_llama):
 # (-0.124 -> -0.0625), so here the cache is written by the reference and the kernels read it
 # (kv_written); the kernels' own write is checked on the GPU below.
 INTERPRETER_SCRIPT = """
-import triton.runtime.interpreter as interp
-_patch = interp._patch_lang_tensor
-def _patched(tensor, scope):
-    _patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-interp._patch_lang_tensor = _patched
-
 import torch
 from tests.test_attention_triton import make_case
 from tests.test_kv_fp8 import SCALES, fp8_case

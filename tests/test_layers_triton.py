@@ -266,14 +266,6 @@ def test_kernels_under_the_triton_interpreter_match_torch_in_float32():
     """The kernels' logic on CPU (float32, where the interpreter rounds like torch): CI runs without
     a GPU."""
     script = textwrap.dedent("""
-        # numpy >= 2.3 refuses int() of a 1-element array, which triton 3.6's interpreter uses
-        # for range() bounds
-        import triton.runtime.interpreter as interp
-        _patch = interp._patch_lang_tensor
-        def _patched(tensor, scope):
-            _patch(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-        interp._patch_lang_tensor = _patched
         import torch, torch.nn.functional as F
         from engine.config import RopeConfig
         from engine.layers.fused import rms_norm_fused, rope_fused, silu_and_mul_fused

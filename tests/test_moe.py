@@ -218,14 +218,6 @@ def test_pack_round_trip_keeps_stacked_experts(tmp_path):
 def test_fused_moe_under_the_triton_interpreter_matches_torch():
     """Router top-k, both sorts by expert, both GEMMs, on CPU in float32 under TRITON_INTERPRET."""
     script = textwrap.dedent("""
-        # numpy >= 2.3 refuses int() of a 1-element array, which triton 3.6's interpreter uses
-        # for range() bounds
-        import triton.runtime.interpreter as interp
-        _patch = interp._patch_lang_tensor
-        def _patched(tensor, scope):
-            _patch(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-        interp._patch_lang_tensor = _patched
         import torch
         import engine.layers.fused_moe as fm
         from engine.layers.moe import experts_reference, route_reference
