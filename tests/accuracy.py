@@ -8,6 +8,7 @@ KV cache (what an FP8 KV cache changes).
 
 from __future__ import annotations
 
+import gc
 import math
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from engine import LLM, SamplingParams
 
 # A fixed English text: this repo's own docs, in a fixed order (prose, tables and code, as users'
 # prompts hold). Its exact content does not matter: both engines read the same tokens.
+CHUNK = 256  # prefill chunk: every later chunk reads earlier keys and values back from the cache
 DOC_PAGES = ("architecture.md", "engine.md", "cache.md", "cold-start.md", "api.md")
 DOCS_DIR = Path(__file__).resolve().parent.parent / "docs"
 
@@ -62,3 +64,21 @@ def leading_agreement(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+def measure(
+    model_dir: str, ids: list[int] | None, num_tokens: int, greedy: int, **engine
+) -> tuple[list[int], float, list[list[int]]]:
+    """(ids, perplexity over ids, greedy tokens of GREEDY_PROMPTS) from a float32 engine on the CPU
+    prefilling in CHUNK-token chunks, with the `engine` arguments on top; ids default to the fixed
+    text's first num_tokens. The engine is shut down after."""
+    llm = LLM(
+        model=model_dir, device="cpu", dtype="float32", max_num_batched_tokens=CHUNK, **engine
+    )
+    try:
+        ids = ids or fixed_text_ids(llm, num_tokens)
+        return ids, perplexity(llm, ids), greedy_tokens(llm, GREEDY_PROMPTS, greedy)
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()

@@ -13,46 +13,30 @@ model this small, not the kernels (docs/engine.md, "FP8").
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 
-from accuracy import (
-    GREEDY_PROMPTS,
-    fixed_text_ids,
-    greedy_tokens,
-    leading_agreement,
-    perplexity,
-)
-from engine import LLM
+from accuracy import leading_agreement, measure
 
 NUM_TOKENS = 2048
 GREEDY_TOKENS = 32
 
 
-def _measure(model_dir: str, ids: list[int] | None, **kw) -> tuple[float, list[list[int]], list]:
-    llm = LLM(
-        model=model_dir,
-        device="cpu",
-        dtype="float32",
-        max_num_batched_tokens=256,  # chunked prefill: later chunks read K/V back from the cache
+def _measure(model_dir: str, ids: list[int] | None, **kw) -> tuple[list[int], float, list]:
+    return measure(
+        model_dir,
+        ids,
+        NUM_TOKENS,
+        GREEDY_TOKENS,
         max_model_len=4096,
         load_format="safetensors",
         **kw,
     )
-    try:
-        ids = ids or fixed_text_ids(llm, NUM_TOKENS)
-        return perplexity(llm, ids), greedy_tokens(llm, GREEDY_PROMPTS, GREEDY_TOKENS), ids
-    finally:
-        llm.shutdown()
-        del llm
-        gc.collect()
 
 
 @pytest.mark.slow
 def test_fp8_weights_and_activations_stay_close_to_fp32(smollm2_dir):
-    ref_ppl, ref_tokens, ids = _measure(smollm2_dir, None)
-    fp8_ppl, fp8_tokens, _ = _measure(smollm2_dir, ids, quantization="fp8")
+    ids, ref_ppl, ref_tokens = _measure(smollm2_dir, None)
+    _, fp8_ppl, fp8_tokens = _measure(smollm2_dir, ids, quantization="fp8")
     agreement = [leading_agreement(a, b) for a, b in zip(ref_tokens, fp8_tokens)]
     change = fp8_ppl / ref_ppl - 1
     print(

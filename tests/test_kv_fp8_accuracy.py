@@ -16,31 +16,21 @@ from __future__ import annotations
 
 import pytest
 
-from accuracy import (
-    GREEDY_PROMPTS,
-    fixed_text_ids,
-    greedy_tokens,
-    leading_agreement,
-    perplexity,
-)
-from engine import LLM
+from accuracy import leading_agreement, measure
 
 NUM_TOKENS = 2048
-CHUNK = 256
 GREEDY_TOKENS = 32
 
 
 def run(model_dir: str, kv_cache_dtype: str, ids: list[int] | None = None):
-    llm = LLM(
+    return measure(
         model_dir,
-        dtype="float32",
-        device="cpu",
+        ids,
+        NUM_TOKENS,
+        GREEDY_TOKENS,
         kv_cache_dtype=kv_cache_dtype,
-        max_num_batched_tokens=CHUNK,
         enable_prefix_caching=False,
     )
-    ids = ids or fixed_text_ids(llm, NUM_TOKENS)
-    return ids, perplexity(llm, ids), greedy_tokens(llm, GREEDY_PROMPTS, GREEDY_TOKENS)
 
 
 @pytest.fixture(scope="module")
