@@ -5,10 +5,13 @@ in 256-token chunks, and greedy agreement over 8 prompts.
 The issue's bar: perplexity within 2%, and the first 32 greedy tokens equal for at least 24 on most
 prompts (bf16 against fp32 on the same check: ppl +0.1%, leading agreements
 [24, 12, 32, 32, 32, 29, 21, 0]). FP8 misses it on this 135M model, and the test asserts what was
-measured (2026-11-26): ppl +2.75% (57.84 -> 59.43) and leading agreements [10, 6, 5, 5, 6, 15, 11,
-0]. The weights alone cost most of it: FP8 weights with unquantized activations give +2.9% on the
-first 1,024 tokens (W8A8 +3.3%), and even 1x128 group scales +2.2%: e4m3's 3-bit mantissa on a
-model this small, not the kernels (docs/engine.md, "FP8").
+measured (2026-11-26): ppl +2.04% (57.84 -> 59.02) and leading agreements [11, 3, 25, 5, 15, 20, 20,
+0]. (With the CPU reference's row and channel scales inside `_scaled_mm`, before it took unit
+scales and scaled after, the same check gave +2.75% and [10, 6, 5, 5, 6, 15, 11, 0]: the products
+differ by fp32 rounding only, which moves activations across e4m3 steps.) The weights alone cost
+most of it: FP8 weights with unquantized activations give +2.9% on the first 1,024 tokens (W8A8
++3.3%), and even 1x128 group scales +2.2%: e4m3's 3-bit mantissa on a model this small, not the
+kernels (docs/engine.md, "FP8").
 """
 
 from __future__ import annotations
@@ -43,8 +46,8 @@ def test_fp8_weights_and_activations_stay_close_to_fp32(smollm2_dir):
         f"SmolLM2, {len(ids)} tokens: ppl fp32 {ref_ppl:.4f}, fp8 {fp8_ppl:.4f} ({change:+.2%}); "
         f"leading greedy agreement of {GREEDY_TOKENS}: {agreement}"
     )
-    assert abs(change) < 0.04  # measured +2.75%; the issue's 2% is missed
-    assert sum(a >= 5 for a in agreement) >= 6, agreement  # measured: 7 of 8
+    assert abs(change) < 0.04  # measured +2.04%; the issue's 2% is missed
+    assert sum(a >= 5 for a in agreement) >= 6, agreement  # measured: 6 of 8
     print(
         f"the issue's bar: ppl within 2%: {abs(change) < 0.02}; >= 24 of 32 on 5 of 8 prompts: "
         f"{sum(a >= 24 for a in agreement) >= 5}"
