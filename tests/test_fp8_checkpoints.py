@@ -403,3 +403,17 @@ def test_naming_a_checkpoint_format_as_the_scheme_says_it_is_read_from_the_check
 
     with pytest.raises(ValueError, match="read from the checkpoint's quantization_config"):
         EngineArgs(model="m", quantization="compressed-tensors").validate()
+
+
+def test_static_activation_scales_are_said_to_be_unused(caplog) -> None:
+    """A checkpoint's input_scale tensors are not used (activations are quantized per token): the
+    load says so in one warning, and only for checkpoints that have them."""
+    for name, says in (("fp8", True), ("fp8-dynamic", False)):
+        caplog.clear()
+        path = str(FIXTURES / name)
+        with caplog.at_level("WARNING", logger="engine.models.weights"):
+            load_model(
+                path, ModelConfig.from_dir(path), torch.float32, "cpu", load_format="safetensors"
+            )
+        said = any("input_scale" in r.getMessage() for r in caplog.records)
+        assert said == says, name

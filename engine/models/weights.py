@@ -130,6 +130,11 @@ def checkpoint_tensors(model_dir: str, model: "DecoderModel") -> Iterator[tuple[
     """What load_hf_weights reads for `model`: its slices of the checkpoint, an FP8 checkpoint's
     weights paired with their scales (engine/models/prequantized.py)."""
     fmt = model.config.checkpoint_fp8
+    if fmt is not None and fmt.activations == "static":
+        log.warning(
+            "weights: the checkpoint's static activation scales (input_scale) are not used; "
+            "activations are quantized per token"
+        )
     slots = model.hf_weight_map()
     tensors = iter_safetensors(model_dir, slots)
     return checkpoint_weights(tensors, fmt, slots) if fmt is not None else tensors
