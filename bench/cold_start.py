@@ -1,11 +1,13 @@
 """Cold start of the real entry points as a client sees it: process start -> its first token.
 
 `python -m bench.cold_start --config llama-3.1-8b.json --out DIR` starts, each in a fresh process,
-`python -m handler serve` (a streamed /v1/completions) and `python -m handler --rp_serve_api` (the
-RunPod SDK's local API, /runsync), with an HTTP client whose request is sent at process start (it
-retries the connection until the port opens); page cache warm and dropped; beside bare
-`import torch` + CUDA init and HF transformers in the same run. Phases come from the worker's own
-ready line. Prints one table last; writes DIR/cold_start.json.
+`python -m handler serve` (a streamed /v1/completions), `python -m handler --rp_serve_api` (the
+RunPod SDK's local API, /runsync) and `python -m handler` as RunPod runs it (entry `queue`: the
+SDK's job loop polling a stand-in of RunPod's job queue, tests/runpod_jobs_server.py, whose job is
+enqueued at process start; the first token is the first job-stream post it receives). HTTP clients
+send their request at process start (retrying the connection until the port opens); page cache warm
+and dropped; beside bare `import torch` + CUDA init and HF transformers in the same run. Phases
+come from the worker's own ready line. Prints one table last; writes DIR/cold_start.json.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CHILD = REPO / "bench" / "cold_start_child.py"
+sys.path.insert(0, str(REPO / "tests"))  # the RunPod job-queue stand-in the worker tests use
 RUN_TIMEOUT_S = 300.0
 _READY = re.compile(r"ready: model .* in ([\d.]+)s \((.*)\)\s*$")
 _PHASE = re.compile(r"(\w+) ([\d.]+)s")
@@ -171,12 +174,7 @@ def _request(entry: str, port: int, model_dir: str, prompt: str, t0: float, out:
             }
         else:  # the SDK's local API: one job, answered when it is done (one token: its first)
             path = "/runsync"
-            body = {
-                "input": {
-                    "prompt": prompt,
-                    "sampling_params": {"max_tokens": 1, "temperature": 0, "ignore_eos": True},
-                }
-            }
+            body = {"input": _job(prompt)}
         conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
         resp = conn.getresponse()
         out["status"] = resp.status
@@ -199,6 +197,31 @@ def _request(entry: str, port: int, model_dir: str, prompt: str, t0: float, out:
             out["answer"] = json.loads(data)
         out["done_s"] = time.monotonic() - t0
         conn.close()
+    except Exception as e:  # noqa: BLE001 - reported with the run
+        out["error"] = f"{type(e).__name__}: {e}"
+
+
+def _job(prompt: str) -> dict:
+    """The job's input: one token, greedy (worker-vllm's job shape)."""
+    return {
+        "prompt": prompt,
+        "sampling_params": {"max_tokens": 1, "temperature": 0, "ignore_eos": True},
+    }
+
+
+def _await_job(queue, job_id: str, t0: float, out: dict) -> None:
+    """The queue stand-in's side: when the worker took the job, posted its first streamed output
+    (the first token) and its result."""
+    try:
+        if not queue.wait_for(lambda: queue.streams[job_id] or queue.done[job_id], RUN_TIMEOUT_S):
+            raise TimeoutError("no output was posted for the job")
+        out["first_token_s"] = time.monotonic() - t0
+        out["job_taken_s"] = queue.taken[job_id] - t0
+        queue.wait_for(lambda: queue.done[job_id], RUN_TIMEOUT_S)
+        out["done_s"] = time.monotonic() - t0
+        done = queue.done[job_id]
+        out["status"] = 200 if done and "error" not in done[-1] else 500
+        out["answer"] = done[-1] if done else None
     except Exception as e:  # noqa: BLE001 - reported with the run
         out["error"] = f"{type(e).__name__}: {e}"
 
@@ -249,15 +272,21 @@ def run_entry(
     keep_until: str | None = None,
     log_path: str | None = None,
 ) -> dict:
-    """One fresh `python -m handler serve` (entry "serve") or `python -m handler --rp_serve_api`
-    ("worker"). keep_until: a file the process writes after its answer (the start-page record):
-    stopped once it exists. log_path: where to keep the process's output."""
+    """One fresh `python -m handler serve` (entry "serve"), `python -m handler --rp_serve_api`
+    ("worker") or `python -m handler` polling the job-queue stand-in ("queue"). keep_until: a file
+    the process writes after its answer (the start-page record): stopped once it exists. log_path:
+    where to keep the process's output."""
     port = _free_port()
-    argv = (
-        ["serve", "--host", "127.0.0.1", "--port", str(port)]
-        if entry == "serve"
-        else ["--rp_serve_api", "--rp_api_host", "127.0.0.1", "--rp_api_port", str(port)]
-    )
+    argv = {
+        "serve": ["serve", "--host", "127.0.0.1", "--port", str(port)],
+        "worker": ["--rp_serve_api", "--rp_api_host", "127.0.0.1", "--rp_api_port", str(port)],
+        "queue": [],
+    }[entry]
+    jobs = None
+    if entry == "queue":
+        from runpod_jobs_server import RunPodJobServer
+
+        jobs = RunPodJobServer().__enter__()
     env = {
         k: v for k, v in os.environ.items() if not k.startswith(("RUNPOD_", "MODEL_", "TOKENIZER_"))
     }
@@ -269,10 +298,15 @@ def run_entry(
         HF_HUB_OFFLINE="1",
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
     )
+    if jobs is not None:
+        # as on RunPod, less the SDK's start-up fitness checks (they probe the internet and the GPU)
+        env.update(jobs.env("cold-start-bench"))
     env.update(env_extra)  # --env overrides the defaults above
     out: dict = {"entry": entry}
     with tempfile.TemporaryFile("w+") as log:
         t0 = time.monotonic()
+        if jobs is not None:
+            jobs.queue.put("cold-start-job", _job(prompt))
         proc = subprocess.Popen(
             [sys.executable, "-m", "handler", *argv],
             cwd=REPO,
@@ -283,7 +317,11 @@ def run_entry(
             start_new_session=True,
         )
         client = threading.Thread(
-            target=_request, args=(entry, port, model_dir, prompt, t0, out), daemon=True
+            target=_await_job if jobs is not None else _request,
+            args=(jobs.queue, "cold-start-job", t0, out)
+            if jobs is not None
+            else (entry, port, model_dir, prompt, t0, out),
+            daemon=True,
         )
         client.start()
         client.join(RUN_TIMEOUT_S)
@@ -299,6 +337,8 @@ def run_entry(
         _stop(proc)
         log.seek(0)
         text = log.read()
+    if jobs is not None:
+        jobs.__exit__(None, None, None)
     if log_path:
         Path(log_path).write_text(text)
     out["phases"] = ready_phases(text)
@@ -389,7 +429,9 @@ def main() -> None:
         "--hf-runs", type=int, default=1, help="HF transformers baselines, page cache warm"
     )
     ap.add_argument("--logs", action="store_true", help="keep each run's output in OUT/logs/")
-    ap.add_argument("--entries", default="serve,worker", help="comma list of: serve, worker")
+    ap.add_argument(
+        "--entries", default="serve,queue,worker", help="comma list of: serve, queue, worker"
+    )
     ap.add_argument(
         "--import-repeats",
         type=int,
@@ -527,10 +569,14 @@ def main() -> None:
     print(f"wrote {path}")
 
 
-ENTRY_LABELS = {"serve": "python -m handler serve", "worker": "python -m handler (SDK local API)"}
+ENTRY_LABELS = {
+    "serve": "python -m handler serve",
+    "queue": "python -m handler (job queue)",
+    "worker": "python -m handler (SDK local API)",
+}
 # The issue's margins over bare torch + CUDA (warm medians), and for dropped caches over the
 # weights' raw read.
-WARM_MARGIN_S = {"serve": 0.5, "worker": 1.0}
+WARM_MARGIN_S = {"serve": 0.5, "queue": 1.0, "worker": 1.0}
 DROPPED_FACTOR, DROPPED_MARGIN_S = 1.1, 1.0
 
 
@@ -596,7 +642,7 @@ def print_table(report: dict) -> None:
         "child's stamps)"
     )
     head = " ".join(f"{c:>14}" for c, _ in COLUMNS)
-    print(f"{'run':<34} {'cache':<7} {head} {'port open':>10} {'1st token':>10}")
+    print(f"{'run':<34} {'cache':<7} {head} {'port/taken':>10} {'1st token':>10}")
     for r in report["runs"]:
         if "error" in r:
             print(f"{r['label'][:34]:<34} {r['cache']:<7} failed: {str(r['error'])[:80]}")
@@ -605,7 +651,8 @@ def print_table(report: dict) -> None:
         cells = " ".join(
             f"{v:>14.2f}" if v is not None else f"{'-':>14}" for v in (f(ph) for _, f in COLUMNS)
         )
-        port = f"{r['port_open_s']:>10.2f}" if "port_open_s" in r else f"{'-':>10}"
+        opened = r.get("port_open_s", r.get("job_taken_s"))  # the queue's: when the job was taken
+        port = f"{opened:>10.2f}" if opened is not None else f"{'-':>10}"
         print(f"{r['label'][:34]:<34} {r['cache']:<7} {cells} {port} {r['total_s']:>10.2f}")
     t = report["targets"]
     print("warm medians: " + ", ".join(f"{k} {v:.2f}" for k, v in t["warm_medians_s"].items()))
