@@ -3,8 +3,9 @@
 
 Worker flags are the runpod SDK's own (--rp_serve_api --rp_api_host H --rp_api_port N, --test_input
 JSON, ...). The worker and the server begin the same way: settings, then the engine's start (the
-weights moving), and only then their own imports (the SDK; FastAPI and uvicorn), made once `import
-torch` is done while the start waits for them.
+weights moving), and only then their own imports, made once `import torch` is done while the start
+waits for them (FastAPI and uvicorn; the worker's job handling). The RunPod SDK gets a process of
+its own, started before anything else (handler.sdk_front), so its import runs beside the start.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import sys
 
 
@@ -30,7 +30,7 @@ def begin(entry: str):
     return begin_boot(settings, entry)
 
 
-def import_entry(entry: str, boot, argv: list[str]) -> None:
+def import_entry(entry: str, boot) -> None:
     """The entry point's own heavy imports (its module, and what that module imports late), in the
     start's turn when a start is running: after `import torch`, before the engine's build
     (EngineBoot.entry_imports)."""
@@ -40,13 +40,7 @@ def import_entry(entry: str, boot, argv: list[str]) -> None:
 
             import handler.server  # noqa: F401
         else:
-            import runpod  # noqa: F401
-
             import handler.worker  # noqa: F401
-
-            if "--rp_serve_api" in argv or os.environ.get("RUNPOD_REALTIME_PORT"):
-                # the SDK's HTTP server, which runpod.serverless.start imports when it serves one
-                import runpod.serverless.modules.rp_fastapi  # noqa: F401
 
 
 def chat(argv: list[str]) -> None:
@@ -92,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:
         boot = None if {"-h", "--help"} & set(argv) else begin("serve")
-        import_entry("serve", boot, argv)
+        import_entry("serve", boot)
         from handler.server import main as serve
 
         serve(argv[1:], boot=boot)
@@ -101,14 +95,17 @@ def main(argv: list[str] | None = None) -> None:
     elif argv[:1] in (["-h"], ["--help"]):
         print(__doc__)
     else:
-        from handler import cpu_probe
+        from handler import front_link
 
-        cpu_probe.begin()  # the SDK's import asks for it; its subprocess runs beside the start
+        # first: the SDK's import (a second or more) runs in its own process beside the start
+        sdk = front_link.SdkProcess(argv) if front_link.wants_sdk_process(argv) else None
         boot = begin("worker")
-        import_entry("worker", boot, argv)
+        if boot is not None and sdk is not None:
+            sdk.configure(boot.settings.log_level, boot.settings.max_concurrency)
+        import_entry("worker", boot)
         from handler.worker import main as worker
 
-        worker(argv, boot=boot)
+        worker(argv, boot=boot, sdk=sdk)
 
 
 if __name__ == "__main__":

@@ -25,13 +25,6 @@ DRAIN_GRACE_S = 30.0  # in-flight jobs get this long after SIGTERM before they a
 EXIT_WAIT_S = 10.0
 
 
-def _sdk_occupancy() -> int:
-    """Jobs the RunPod SDK holds (taken, running, or posting their result)."""
-    from runpod.serverless.modules.worker_state import JobsProgress
-
-    return JobsProgress().get_job_count()
-
-
 @dataclass
 class Ticket:
     """One job in flight: set `abort` (with a reason) to end it."""
@@ -53,7 +46,7 @@ class Admission:
         grace_s: float = DRAIN_GRACE_S,
         exit_wait_s: float = EXIT_WAIT_S,
         exit_fn: Callable[[int], None] = os._exit,
-        occupancy: Callable[[], int] = _sdk_occupancy,
+        occupancy: Callable[[], int],
     ):
         self.max_concurrency = max_concurrency
         self.boot = boot
@@ -152,11 +145,18 @@ class Admission:
         return current
 
     # ---- shutdown --------------------------------------------------------------------------------
-    def drain_on_sigterm(self) -> None:
-        """From process start: a SIGTERM drains (no job is held before the SDK runs, so that
-        exits 0 at once). The SDK installs its own handler when its loop starts; the first
-        concurrency_modifier call chains ours in front of it again."""
-        signal.signal(signal.SIGTERM, lambda signum, frame: self.begin_drain())
+    def drain_on_sigterm(self, then: Callable[[], None] | None = None) -> None:
+        """From now on a SIGTERM drains (no job held: that exits 0 at once), then calls `then`
+        (the SDK's process is told: it stops taking jobs). An SDK in this interpreter installs its
+        own handler when its loop starts; the first concurrency_modifier call chains ours in front
+        of it again."""
+
+        def on_sigterm(signum, frame) -> None:
+            self.begin_drain()
+            if then is not None:
+                then()
+
+        signal.signal(signal.SIGTERM, on_sigterm)
 
     def _install_signal_chain(self) -> None:
         """Put our SIGTERM handler in front of the SDK's (which stops job-taking) once its loop

@@ -1,6 +1,7 @@
-"""The RunPod serverless worker: an async-generator job handler run by `runpod.serverless.start`,
-the engine loading in the background from process start. Every job ends in one result: its output,
-or `{"error": ...}`.
+"""The RunPod serverless worker: an async-generator job handler, run for `runpod.serverless.start`
+in the SDK's own process (handler.sdk_front relays the jobs here; handler.sdk_link serves it), the
+engine loading in the background from process start. Every job ends in one result: its output, or
+`{"error": ...}`.
 
 A job's final output carries a `metrics` block (handler.job_timing.job_metrics): its queue wait,
 measured from the moment the SDK hands the job to the handler (the SDK passes the job-take answer on
@@ -25,6 +26,7 @@ from typing import Any
 from handler.admission import Admission, Ticket
 from handler.config import Settings, SettingsError, load_settings
 from handler.engine_boot import EngineBoot, begin
+from handler.front_link import SdkProcess, wants_sdk_process
 from handler.job_timing import JobTiming, TimedEngine, job_metrics
 from handler.jobs import (
     Job,
@@ -36,6 +38,7 @@ from handler.jobs import (
     stream_error_batch,
 )
 from handler.protocol import ApiError
+from handler.sdk_link import SdkLink
 
 log = logging.getLogger(__name__)
 
@@ -93,12 +96,10 @@ class Worker:
     """The job handler and its collaborators: settings, the engine boot, admission, and the OpenAI
     routes."""
 
-    def __init__(self, settings: Settings, boot: EngineBoot, admission: Admission | None = None):
+    def __init__(self, settings: Settings, boot: EngineBoot, admission: Admission):
         self.settings = settings
         self.boot = boot
-        self.admission = admission or Admission(
-            settings.max_concurrency, boot, grace_s=settings.shutdown_grace_s
-        )
+        self.admission = admission
         self._routes = None
 
     def routes(self, engine):
@@ -266,29 +267,34 @@ def _run_local_job(worker: Worker, argv: list[str]) -> int:
     return 1 if "error" in result else 0
 
 
-def main(argv: list[str] | None = None, boot: EngineBoot | None = None) -> None:
+def main(
+    argv: list[str] | None = None,
+    boot: EngineBoot | None = None,
+    sdk: SdkProcess | None = None,
+) -> None:
     """`python -m handler [--rp_serve_api --rp_api_host H --rp_api_port N ...]`: the RunPod worker.
 
     boot: the engine's start, already begun by the entry point (handler.__main__.begin) before this
-    module's imports; None: begin it here."""
+    module's imports; None: begin it here. sdk: the SDK's process (handler.sdk_front), started by
+    the entry point at process start; None: started here. The SDK's local test (one job from
+    --test_input or ./test_input.json) runs in this process, without the SDK."""
     argv = sys.argv[1:] if argv is None else argv
+    if sdk is None and wants_sdk_process(argv):
+        sdk = SdkProcess(argv)
     if boot is None:
         try:
             boot = begin(load_settings())
         except SettingsError as exc:
+            if sdk is not None:
+                sdk.close()
             sys.exit(f"coldbrew: {exc}")
     settings = boot.settings
     _log_ready_line(boot, argv)
-    worker = Worker(settings, boot)
-    worker.admission.drain_on_sigterm()
-
-    # Under `python -m handler` the SDK is already imported, in the start's turn, and its CPU probe
-    # ran beside the start (handler.__main__, handler.cpu_probe).
-    import runpod
-    from runpod.serverless.modules.rp_logger import RunPodLogger
-    from runpod.serverless.modules.worker_state import IS_LOCAL_TEST
-
-    if IS_LOCAL_TEST and "--rp_serve_api" not in argv:
+    if sdk is None:
+        # one job, run here: no SDK holds any
+        admission = Admission(settings.max_concurrency, boot, occupancy=lambda: 0)
+        worker = Worker(settings, boot, admission)
+        admission.drain_on_sigterm()
         code = _run_local_job(worker, argv)
         # The engine's start may still run on its thread (a job refused before it was needed): end
         # the process without finalising the interpreter under it (torch aborts when its native
@@ -298,16 +304,10 @@ def main(argv: list[str] | None = None, boot: EngineBoot | None = None) -> None:
         sys.stderr.flush()
         os._exit(code)
 
-    # The SDK logs every job's output at DEBUG, its default; it follows LOG_LEVEL unless
-    # --rp_log_level is given.
-    RunPodLogger().set_level(
-        {"WARNING": "WARN", "CRITICAL": "ERROR"}.get(settings.log_level, settings.log_level)
+    sdk.configure(settings.log_level, settings.max_concurrency)
+    link = SdkLink(sdk)
+    admission = Admission(
+        settings.max_concurrency, boot, grace_s=settings.shutdown_grace_s, occupancy=link.held
     )
-    sys.argv = [sys.argv[0], *argv]  # the SDK parses its own flags from sys.argv
-    runpod.serverless.start(
-        {
-            "handler": worker.handle,
-            "return_aggregate_stream": True,
-            "concurrency_modifier": worker.admission.concurrency_modifier,
-        }
-    )
+    admission.drain_on_sigterm(then=sdk.terminate)
+    asyncio.run(link.serve(Worker(settings, boot, admission)))

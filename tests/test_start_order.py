@@ -1,7 +1,8 @@
 """The start order users get: the entry modules import no torch, and in a real `python -m handler`
 and `python -m handler serve` process the weights start moving (the stream process, or the
-page-cache prefetch where there is no GPU) before `torch` is imported and before the entry's own
-server imports (the SDK, FastAPI), which wait until torch's import has ended.
+page-cache prefetch where there is no GPU) before `torch` is imported. The server's own imports
+(FastAPI) wait until torch's import has ended; the worker never imports the RunPod SDK: a process of
+its own, started before the settings, does.
 
 Observed from outside the code under test: a sitecustomize on PYTHONPATH installs a CPython audit
 hook (PEP 578) that logs the interpreter's own `import` events (raised when a module is first
@@ -45,6 +46,8 @@ def _hook(event, args):
         _note("import", args[0])
     elif event == "subprocess.Popen" and "cache.stream_process" in map(str, args[1] or ()):
         _note("stream_process", "")
+    elif event == "subprocess.Popen" and "handler.sdk_front" in map(str, args[1] or ()):
+        _note("sdk_process", "")
     elif (event == "open" and "prefetch" not in _seen
           and threading.current_thread().name == "prefetch"
           and str(args[0]).endswith((".safetensors", ".cbpack"))):
@@ -66,12 +69,13 @@ threading.Thread.start = _start
 """
 
 
-def _events(log: Path, pid: int) -> list[tuple[float, str, str]]:
-    """(time, event, detail) lines the process `pid` wrote (its children's lines are left out)."""
+def _events(log: Path, pid: int | None) -> list[tuple[float, str, str]]:
+    """(time, event, detail) lines the process `pid` wrote (its children's lines are left out); with
+    pid None, those of every process."""
     out = []
     for line in log.read_text().splitlines() if log.exists() else []:
         p, t, event, detail = line.split("\t", 3)
-        if int(p) == pid:
+        if pid is None or int(p) == pid:
             out.append((float(t), event, detail))
     return out
 
@@ -103,9 +107,10 @@ def _seen(events) -> set[str]:
     }
 
 
-def _run_until(argv: list[str], own: str, model_dir: str, tmp_path: Path) -> list:
-    """Start a real entry point with the audit hook; once torch and `own` are imported and the
-    weights were read (or the wait runs out), stop it."""
+def _run_until(argv: list[str], own: str, model_dir: str, tmp_path: Path) -> tuple[list, list]:
+    """Start a real entry point with the audit hook; once it imported torch and read the weights,
+    and it or a child of its imported `own` (or the wait runs out), stop it. Returns its events and
+    those of every process."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(_SITECUSTOMIZE)
@@ -131,13 +136,16 @@ def _run_until(argv: list[str], own: str, model_dir: str, tmp_path: Path) -> lis
         )
     try:
         deadline = time.monotonic() + WAIT_S
-        while not {"torch", own, "weights"} <= _seen(_events(log, proc.pid)):
+        while not (
+            {"torch", "weights"} <= _seen(_events(log, proc.pid))
+            and own in _seen(_events(log, None))
+        ):
             assert proc.poll() is None, output.read_text()[-3000:]
-            assert time.monotonic() < deadline, f"not all came: {_events(log, proc.pid)}"
+            assert time.monotonic() < deadline, f"not all came: {_events(log, None)}"
             time.sleep(0.05)
     finally:
         stop(proc)
-    return _events(log, proc.pid)
+    return _events(log, proc.pid), _events(log, None)
 
 
 def test_the_entry_modules_import_no_torch():
@@ -160,7 +168,7 @@ def test_the_weights_move_before_torch_and_the_entrys_own_imports(entry, smollm2
         else ["--rp_serve_api", "--rp_api_host", "127.0.0.1", "--rp_api_port", port]
     )
     own = "runpod" if entry == "worker" else "fastapi"  # the SDK; the HTTP server's framework
-    events = _run_until(argv, own, smollm2_dir, tmp_path)
+    events, everyone = _run_until(argv, own, smollm2_dir, tmp_path)
     streams = [(t, e) for t, e, _ in events if e in ("stream_process", "prefetch_thread")]
     assert streams, events
     stream_at, kind = streams[0]
@@ -169,10 +177,17 @@ def test_the_weights_move_before_torch_and_the_entrys_own_imports(entry, smollm2
         assert read is not None, events
         assert Path(read).resolve().is_relative_to(Path(smollm2_dir).resolve()), events
     torch_at = _first(events, "import", "torch")
-    own_at = _first(events, "import", own)
     settings_at = _first(events, "import", "pydantic_settings")
     assert settings_at is not None and settings_at < stream_at < torch_at, events
-    assert stream_at < own_at, events  # the entry's own heavy imports come after,
+    if entry == "worker":
+        # the SDK is imported by its own process, started first thing; never by the worker's
+        sdk_at = _first(events, "sdk_process")
+        assert sdk_at is not None and sdk_at < settings_at, events
+        assert "runpod" not in _seen(events), events
+        assert _first(everyone, "import", "runpod") > sdk_at, everyone
+        return
+    own_at = _first(events, "import", own)
+    assert stream_at < own_at, events  # the server's own heavy imports come after,
     # and after torch's import has ended (the start imports engine.config right after torch)
     assert torch_at < _first(events, "import", "engine.config") < own_at, events
 
@@ -194,7 +209,7 @@ def test_on_a_gpu_the_stream_process_starts_before_torch(tmp_path):
     )
     _python(code)
     argv = ["serve", "--host", "127.0.0.1", "--port", str(free_port())]
-    events = _run_until(argv, "fastapi", model_dir, tmp_path)
+    events, _ = _run_until(argv, "fastapi", model_dir, tmp_path)
     streams = [(t, e) for t, e, _ in events if e in ("stream_process", "prefetch_thread")]
     assert streams and streams[0][1] == "stream_process", events
     assert streams[0][0] < _first(events, "import", "torch"), events
