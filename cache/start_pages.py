@@ -31,6 +31,7 @@ FORMAT = 1
 WEIGHT_SUFFIXES = (".safetensors", ".cbpack", ".gguf", ".bin", ".pt", ".pth")  # never start pages
 
 _opened: dict[str, None] = {}  # files opened for reading while watching, in order
+_others: dict[str, None] = {}  # start files of the start's other processes (add_files)
 _watching = False
 _hooked = False
 
@@ -60,6 +61,13 @@ def watch_opens() -> None:
     sys.addaudithook(hook)
 
 
+def add_files(paths: list[str]) -> None:
+    """Files another process of this start used (the RunPod SDK's own process, handler.sdk_front,
+    sends its start_files()): recorded with this one's, so a cold start reads them first too."""
+    for path in paths:
+        _others.setdefault(path, None)
+
+
 def stop_watching() -> None:
     global _watching
     _watching = False
@@ -75,7 +83,7 @@ def default_path(cache_dir: str, entry: str = "") -> str:
 
 def start_files() -> list[str]:
     """Mapped regular files first (in load order), then imported modules' files and their bytecode,
-    then the files opened for reading while watch_opens() watched."""
+    then the files opened for reading while watch_opens() watched, then those of add_files()."""
     out: dict[str, None] = {}
     try:
         with open("/proc/self/maps") as f:
@@ -95,7 +103,7 @@ def start_files() -> list[str]:
                 out.setdefault(importlib.util.cache_from_source(path), None)
             except (NotImplementedError, ValueError):
                 pass
-    for path in list(_opened):
+    for path in [*_opened, *_others]:
         out.setdefault(path, None)
     return [p for p in out if os.path.isfile(p)]
 

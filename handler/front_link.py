@@ -10,7 +10,8 @@ line:
                   {"op": "chunk", "key": K, "item": ...}  an output chunk of job K
                   {"op": "end", "key": K}                 job K yielded its last chunk
                   {"op": "concurrency", "value": N}        the answer to a "held"
-  SDK -> worker   {"op": "job", "key": K, "job": {...}}   a job as the SDK handed it over
+  SDK -> worker   {"op": "files", "paths": [...]}          its start files, once, after its import
+                  {"op": "job", "key": K, "job": {...}}   a job as the SDK handed it over
                   {"op": "cancel", "key": K}               the SDK cancelled job K (job-stop, ...)
                   {"op": "held", "n": N, "current": C}     jobs the SDK holds; its concurrency now
 
@@ -28,11 +29,18 @@ import subprocess
 import sys
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the longest message (a line): a job's input or one chunk of its output, whole
+LINE_LIMIT = 1 << 30
 
 
 def encode(msg: dict) -> bytes:
     # ASCII escapes carry what UTF-8 cannot (a lone surrogate a job may hold) through unchanged
     return (json.dumps(msg) + "\n").encode()
+
+
+async def connect(sock: socket.socket) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """The socket in the running event loop."""
+    return await asyncio.open_unix_connection(sock=sock, limit=LINE_LIMIT)
 
 
 async def receive(reader: asyncio.StreamReader) -> dict | None:

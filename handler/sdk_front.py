@@ -43,7 +43,7 @@ class Relay:
         await asyncio.shield(self._connecting)
 
     async def _open(self) -> None:
-        reader, self.writer = await asyncio.open_unix_connection(sock=self.sock)
+        reader, self.writer = await front_link.connect(self.sock)
         loop = asyncio.get_running_loop()
         loop.create_task(self._read(reader))
         loop.create_task(self._report_held())
@@ -107,11 +107,16 @@ class Relay:
 
 def main(argv: list[str]) -> None:
     sock = socket.socket(fileno=int(argv[0]))
+    import runpod
+    from runpod.serverless.modules.rp_logger import RunPodLogger
+
+    from cache.start_pages import start_files
+
+    # the worker records them with its own start pages: a cold start reads them before the weights
+    sock.sendall(front_link.encode({"op": "files", "paths": start_files()}))
     config = front_link.read_first(sock)
     if config is None:  # the worker ended before its settings (refused, or killed)
         sys.exit(0)
-    import runpod
-    from runpod.serverless.modules.rp_logger import RunPodLogger
 
     level = config["log_level"]
     # The SDK logs every job's output at DEBUG, its default; it follows LOG_LEVEL unless

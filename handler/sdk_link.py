@@ -1,6 +1,7 @@
 """The worker's side of the RunPod SDK's process (handler.sdk_front; the messages are in
 handler.front_link): jobs come in and are run by the Worker, their chunks go back as it yields them,
-the SDK's count of jobs held comes in (admission's occupancy) and admission's concurrency goes back.
+the SDK's count of jobs held comes in (admission's occupancy) and admission's concurrency goes back;
+the files the SDK's process imported join this start's start pages (cache.start_pages).
 """
 
 from __future__ import annotations
@@ -8,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from handler.front_link import SdkProcess, encode, receive
+from cache import start_pages
+from handler.front_link import SdkProcess, connect, encode, receive
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +30,7 @@ class SdkLink:
         """Until the SDK's process ends. It ends on its own only after a SIGTERM (the worker drains
         and exits) or when it fails: then the worker exits 1, as it would with the SDK in its own
         interpreter."""
-        reader, writer = await asyncio.open_unix_connection(sock=self.sdk.sock)
+        reader, writer = await connect(self.sdk.sock)
         while (msg := await receive(reader)) is not None:
             op = msg["op"]
             if op == "job":
@@ -36,6 +38,8 @@ class SdkLink:
                 self.tasks[key] = asyncio.create_task(self._run(worker, key, msg["job"], writer))
             elif op == "cancel" and msg["key"] in self.tasks:
                 self.tasks[msg["key"]].cancel()
+            elif op == "files":
+                start_pages.add_files(msg["paths"])
             elif op == "held":
                 self.held_jobs = msg["n"]
                 if msg.get("current") is not None:

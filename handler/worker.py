@@ -310,4 +310,9 @@ def main(
         settings.max_concurrency, boot, grace_s=settings.shutdown_grace_s, occupancy=link.held
     )
     admission.drain_on_sigterm(then=sdk.terminate)
-    asyncio.run(link.serve(Worker(settings, boot, admission)))
+    try:
+        asyncio.run(link.serve(Worker(settings, boot, admission)))
+    except Exception:  # the link to the SDK broke: nothing can reach this worker any more
+        log.exception("the link to the RunPod SDK's process failed; the worker exits")
+        logging.shutdown()
+        os._exit(1)
