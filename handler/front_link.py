@@ -10,7 +10,7 @@ line:
                   {"op": "chunk", "key": K, "item": ...}  an output chunk of job K
                   {"op": "end", "key": K}                 job K yielded its last chunk
                   {"op": "concurrency", "value": N}        the answer to a "held"
-  SDK -> worker   {"op": "files", "paths": [...]}          its start files, once, after its import
+  SDK -> worker   {"op": "files", "paths": [...]}          its start files, once its loop runs
                   {"op": "job", "key": K, "job": {...}}   a job as the SDK handed it over
                   {"op": "cancel", "key": K}               the SDK cancelled job K (job-stop, ...)
                   {"op": "held", "n": N, "current": C}     jobs the SDK holds; its concurrency now

@@ -43,7 +43,12 @@ class Relay:
         await asyncio.shield(self._connecting)
 
     async def _open(self) -> None:
+        from cache.start_pages import start_files
+
         reader, self.writer = await front_link.connect(self.sock)
+        # once the SDK's loop runs (what its start-up imported included), the files it imported:
+        # the worker records them with its own start pages, so a cold start reads them first
+        self._send({"op": "files", "paths": start_files()})
         loop = asyncio.get_running_loop()
         loop.create_task(self._read(reader))
         loop.create_task(self._report_held())
@@ -110,10 +115,6 @@ def main(argv: list[str]) -> None:
     import runpod
     from runpod.serverless.modules.rp_logger import RunPodLogger
 
-    from cache.start_pages import start_files
-
-    # the worker records them with its own start pages: a cold start reads them before the weights
-    sock.sendall(front_link.encode({"op": "files", "paths": start_files()}))
     config = front_link.read_first(sock)
     if config is None:  # the worker ended before its settings (refused, or killed)
         sys.exit(0)
