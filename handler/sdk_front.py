@@ -28,8 +28,9 @@ HELD_EVERY_S = 0.1  # how often the jobs the SDK holds are reported while the co
 class Relay:
     """The SDK's handler and concurrency_modifier, relayed to the worker over the socket."""
 
-    def __init__(self, sock: socket.socket, concurrency: int):
+    def __init__(self, sock: socket.socket, concurrency: int, imported_s: float | None = None):
         self.sock = sock
+        self.imported_s = imported_s  # process start -> the SDK imported
         self.concurrency = concurrency
         self.writer: asyncio.StreamWriter | None = None
         self.jobs: dict[str, asyncio.Queue] = {}
@@ -43,12 +44,15 @@ class Relay:
         await asyncio.shield(self._connecting)
 
     async def _open(self) -> None:
-        from cache.start_pages import start_files
+        from cache.start_pages import start_files, stop_watching
+        from warmup.start import process_age_s
 
         reader, self.writer = await front_link.connect(self.sock)
         # once the SDK's loop runs (what its start-up imported included), the files it imported:
         # the worker records them with its own start pages, so a cold start reads them first
-        self._send({"op": "files", "paths": start_files()})
+        msg = {"op": "files", "paths": start_files(), "imported_s": self.imported_s}
+        self._send({**msg, "loop_s": process_age_s()})
+        stop_watching()
         loop = asyncio.get_running_loop()
         loop.create_task(self._read(reader))
         loop.create_task(self._report_held())
@@ -111,9 +115,15 @@ class Relay:
 
 
 def main(argv: list[str]) -> None:
+    from cache import start_pages
+    from warmup.start import process_age_s
+
+    start_pages.watch_opens()  # the data files the SDK reads (metadata, certificates) count too
     sock = socket.socket(fileno=int(argv[0]))
     import runpod
     from runpod.serverless.modules.rp_logger import RunPodLogger
+
+    imported_s = process_age_s()
 
     config = front_link.read_first(sock)
     if config is None:  # the worker ended before its settings (refused, or killed)
@@ -123,7 +133,7 @@ def main(argv: list[str]) -> None:
     # The SDK logs every job's output at DEBUG, its default; it follows LOG_LEVEL unless
     # --rp_log_level is given.
     RunPodLogger().set_level({"WARNING": "WARN", "CRITICAL": "ERROR"}.get(level, level))
-    relay = Relay(sock, config["concurrency"])
+    relay = Relay(sock, config["concurrency"], imported_s)
     sys.argv = [sys.argv[0], *argv[1:]]  # the SDK parses its own flags from sys.argv
     runpod.serverless.start(
         {

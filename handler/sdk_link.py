@@ -40,6 +40,14 @@ class SdkLink:
                 self.tasks[msg["key"]].cancel()
             elif op == "files":
                 start_pages.add_files(msg["paths"])
+                log.info(
+                    "RunPod SDK: imported %s, its job loop running %s after process start "
+                    "(in its own process)",
+                    *(
+                        f"{msg[k]:.2f}s" if msg.get(k) is not None else "?"
+                        for k in ("imported_s", "loop_s")
+                    ),
+                )
             elif op == "held":
                 self.held_jobs = msg["n"]
                 if msg.get("current") is not None:
