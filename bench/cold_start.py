@@ -513,7 +513,11 @@ def main() -> None:
     report["start_pages_recorded"] = all(
         os.path.exists(default_path(cache_dir, e)) for e in entries
     )
-    packs = [p for p in weight_files(model_dir) if p.endswith(".cbpack")]
+    from cache.pack import find_packs
+
+    # the pack these runs load (a directory may hold others: bf16 beside FP8)
+    want = (env_extra.get("DTYPE", "auto"), env_extra.get("QUANTIZATION") or None)
+    packs = find_packs(os.path.join(model_dir, "packs"), want=want)
     if not packs:
         raise SystemExit("no pack was written: see the first start's log above")
     pack = packs[0]

@@ -270,16 +270,19 @@ def start(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     start_pages: str | None = None,
     shard: tuple[int, int] = (0, 1),
+    want: tuple[str, str | None] | None = None,
 ) -> DeviceStream | None:
     """Start streaming a pack (or a model directory's newest pack) to the GPU in a separate process;
     None when there is no pack or no NVIDIA driver. load_pack of that pack to that device takes the
     stream over.
     start_pages: a cache.start_pages record, read first when the pack is not in the page cache.
-    shard: (rank, size) of a pack split over GPUs: the directory's newest pack of that shard."""
+    shard: (rank, size) of a pack split over GPUs: the directory's newest pack of that shard.
+    want: (dtype setting, quantization) the engine was given: a pack named for them is preferred
+    (cache.pack.find_packs)."""
     if not os.path.exists("/dev/nvidiactl"):
         return None
     if os.path.isdir(path):
-        packs = find_packs(os.path.join(path, "packs"), *shard)
+        packs = find_packs(os.path.join(path, "packs"), *shard, want=want)
         if not packs:
             return None
         path = packs[0]
@@ -298,16 +301,17 @@ def start_weights(
     device: str = "auto",
     start_pages: str | None = None,
     shard: tuple[int, int] = (0, 1),
+    want: tuple[str, str | None] | None = None,
 ) -> str:
     """Set a model's weights moving, before torch is imported: its pack straight to the GPU from a
     separate process (after the start path's recorded pages, `start_pages`, when the disk is cold),
     else its files into the page cache by stdlib threads (on CPU, without a pack or a driver).
     Either way the engine's load_pack of the pack takes what arrived. `shard` (rank, size): under
-    tensor parallelism, the rank's own pack. Returns which one started: "device_stream" or
-    "prefetch"."""
+    tensor parallelism, the rank's own pack. `want`: the engine's (dtype, quantization) settings,
+    which pick the pack among several. Returns which one started: "device_stream" or "prefetch"."""
     if device != "cpu":
         gpu = "cuda" if device == "auto" else device
-        if start(model_dir, gpu, start_pages=start_pages, shard=shard) is not None:
+        if start(model_dir, gpu, start_pages=start_pages, shard=shard, want=want) is not None:
             return "device_stream"
     prefetch(model_dir)
     return "prefetch"

@@ -338,9 +338,34 @@ def _shard_of(name: str) -> tuple[int, int]:
     return 0, 1
 
 
-def find_packs(directory: str, rank: int = 0, size: int = 1) -> list[str]:
+# what a dtype setting names a pack's dtype as (engine.models.weights names it after torch's dtype)
+_DTYPE_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
+_DTYPE_NAMES.update(float32="float32", float="float32")
+
+
+def pack_variant(name: str) -> tuple[str, str | None]:
+    """(dtype, quantization or None) a pack's file name says: engine.models.weights.pack_path writes
+    <digest>-<dtype>[-<quantization>]-v<layout>.cbpack (a rank's with .rank<r>-of-<n> before the
+    suffix); ("", None) for a name not in that form."""
+    stem = os.path.basename(name).removesuffix(SUFFIX).split(".", 1)[0]
+    parts = stem.split("-")
+    if len(parts) not in (3, 4) or not parts[-1].startswith("v"):
+        return "", None
+    return parts[1], parts[2] if len(parts) == 4 else None
+
+
+def find_packs(
+    directory: str,
+    rank: int = 0,
+    size: int = 1,
+    want: tuple[str, str | None] | None = None,
+) -> list[str]:
     """Complete-looking pack files in `directory` (no temp files), newest first: unsplit packs, or
-    with size > 1 shard `rank` of `size` of split ones."""
+    with size > 1 shard `rank` of `size` of split ones. want: (the dtype setting, the quantization
+    setting or None), known before torch: the packs whose names match it come first (a dtype of
+    "auto" matches any; an unquantized engine is matched by an unquantized pack), so that the
+    stream starts with the pack the engine will load when a directory holds several (bf16 and FP8
+    packs of one checkpoint)."""
     if not os.path.isdir(directory):
         return []
     paths = [
@@ -348,4 +373,13 @@ def find_packs(directory: str, rank: int = 0, size: int = 1) -> list[str]:
         for n in os.listdir(directory)
         if n.endswith(SUFFIX) and not n.startswith(".") and _shard_of(n) == (rank, size)
     ]
-    return sorted(paths, key=lambda p: os.stat(p).st_mtime_ns, reverse=True)
+    paths.sort(key=lambda p: os.stat(p).st_mtime_ns, reverse=True)
+    if want is None:
+        return paths
+    dtype = _DTYPE_NAMES.get(want[0])
+
+    def matches(path: str) -> bool:
+        pack_dtype, pack_quant = pack_variant(path)
+        return pack_quant == want[1] and (dtype is None or pack_dtype == dtype)
+
+    return sorted(paths, key=lambda p: not matches(p))  # stable: newest first within each

@@ -140,3 +140,33 @@ def test_a_writer_killed_mid_pack_leaves_nothing_valid_and_the_next_writer_succe
     write(str(path), {"x": torch.ones(3)})
     assert os.listdir(path.parent) == ["m.cbpack"]
     assert [e.name for e in read_pack(str(path)).entries] == ["x"]
+
+
+def test_the_stream_picks_the_pack_the_engine_will_load(tmp_path):
+    """Several packs of one checkpoint (bf16, fp16, FP8 after a QUANTIZATION change): before torch,
+    the start picks the one its dtype and quantization settings name, not the newest; the names are
+    the engine's own (engine.models.weights.pack_path)."""
+    from engine.models.weights import pack_path
+
+    from safetensors.torch import save_file
+
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+    model = str(tmp_path)
+    bf16 = pack_path(model, torch.bfloat16)
+    fp16 = pack_path(model, torch.float16)
+    fp8 = pack_path(model, torch.bfloat16, quantization="fp8")
+    os.makedirs(os.path.dirname(bf16))
+    for age, path in enumerate([fp8, fp16, bf16]):  # fp8 the newest, bf16 the oldest
+        Path(path).touch()
+        os.utime(path, ns=(10**18 - age * 10**9, 10**18 - age * 10**9))
+    packs = os.path.dirname(bf16)
+    assert find_packs(packs) == [fp8, fp16, bf16]
+    assert find_packs(packs, want=("auto", None))[0] == fp16  # the newest unquantized
+    assert find_packs(packs, want=("bfloat16", None))[0] == bf16
+    assert find_packs(packs, want=("half", None))[0] == fp16
+    assert find_packs(packs, want=("auto", "fp8"))[0] == fp8
+    # nothing named for the settings (an FP8 checkpoint, QUANTIZATION unset): the newest
+    os.remove(fp16)
+    os.remove(bf16)
+    assert find_packs(packs, want=("auto", None)) == [fp8]
