@@ -146,9 +146,9 @@ def test_the_stream_picks_the_pack_the_engine_will_load(tmp_path):
     """Several packs of one checkpoint (bf16, fp16, FP8 after a QUANTIZATION change): before torch,
     the start picks the one its dtype and quantization settings name, not the newest; the names are
     the engine's own (engine.models.weights.pack_path)."""
-    from engine.models.weights import pack_path
-
     from safetensors.torch import save_file
+
+    from engine.models.weights import pack_path
 
     (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     save_file({"w": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
