@@ -304,7 +304,7 @@ def main(
         sys.stderr.flush()
         os._exit(code)
 
-    sdk.configure(settings.log_level, settings.max_concurrency)
+    sdk.begin(settings.log_level, settings.max_concurrency, boot.wait_start_files)
     link = SdkLink(sdk)
     admission = Admission(
         settings.max_concurrency, boot, grace_s=settings.shutdown_grace_s, occupancy=link.held
