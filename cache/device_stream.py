@@ -33,7 +33,6 @@ log = logging.getLogger(__name__)
 STREAM_THREADS = 16
 # the process has the allocation within a second or two; this only bounds a hung driver
 HEADER_TIMEOUT_S = 120.0
-_streams: dict[str, "DeviceStream"] = {}  # model directory -> the stream start_weights started
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -83,9 +82,6 @@ class DeviceStream:
         self.done_to = 0  # every byte of the pack below this offset is on the device
         self.finished: dict | None = None
         self.error: str | None = None
-        # set once the start's recorded pages are in the page cache (or the process said it will
-        # not read them, or ended)
-        self.start_pages_read = threading.Event()
         threading.Thread(target=self._listen, daemon=True, name="device-stream").start()
 
     def _listen(self) -> None:
@@ -103,7 +99,6 @@ class DeviceStream:
                 if not data:
                     if self.finished is None and self.error is None:
                         self.error = f"the stream process ended early (exit code {exit_code})"
-                    self.start_pages_read.set()
                     self.cond.notify_all()
                     return
                 buf += data
@@ -116,9 +111,6 @@ class DeviceStream:
                         self.finished = msg["finished"]
                     elif "error" in msg:
                         self.error = msg["error"]
-                        self.start_pages_read.set()
-                    elif "start_pages" in msg:
-                        self.start_pages_read.set()
                     else:
                         self.header = msg
                 self.cond.notify_all()
@@ -304,15 +296,6 @@ def start(
     return stream
 
 
-def start_files_read(model_dir: str, timeout: float) -> bool:
-    """Wait (at most `timeout` s) until the device stream started for `model_dir` has read the
-    start's recorded pages into the page cache, so another process of the start (the RunPod SDK's)
-    imports from memory instead of queueing behind the weights on the disk; True at once without a
-    device stream."""
-    stream = _streams.get(os.path.realpath(model_dir))
-    return True if stream is None else stream.start_pages_read.wait(timeout)
-
-
 def start_weights(
     model_dir: str,
     device: str = "auto",
@@ -328,9 +311,7 @@ def start_weights(
     which pick the pack among several. Returns which one started: "device_stream" or "prefetch"."""
     if device != "cpu":
         gpu = "cuda" if device == "auto" else device
-        stream = start(model_dir, gpu, start_pages=start_pages, shard=shard, want=want)
-        if stream is not None:
-            _streams[os.path.realpath(model_dir)] = stream
+        if start(model_dir, gpu, start_pages=start_pages, shard=shard, want=want) is not None:
             return "device_stream"
     prefetch(model_dir)
     return "prefetch"

@@ -8,12 +8,11 @@ disk. It uses the driver through ctypes (no torch: it is streaming long before t
 imported torch) and runs in its own process, so its reader threads never wait for the worker's
 interpreter lock, which `import torch` holds for seconds at a time.
 
-On the socket (one JSON object per line): {"start_pages": BYTES} once the start's recorded pages are
-in the page cache (at once when it does not read them), {"size", "nbytes", "bus_id"} with the
-allocation's POSIX fd attached, then {"done_to": OFFSET} each time the prefix of the pack's data on
-the device grows (every copy below OFFSET has completed), then {"finished": {stats}} or
-{"error": "..."}. The worker sends "mapped" once it has mapped the allocation (this process may then
-let its own mapping go and exit) or "cancel"; end of file means the same as cancel.
+On the socket (one JSON object per line): first {"size", "nbytes", "bus_id"} with the allocation's
+POSIX fd attached, then {"done_to": OFFSET} each time the prefix of the pack's data on the device
+grows (every copy below OFFSET has completed), then {"finished": {stats}} or {"error": "..."}. The
+worker sends "mapped" once it has mapped the allocation (this process may then let its own mapping
+go and exit) or "cancel"; end of file means the same as cancel.
 """
 
 from __future__ import annotations
@@ -93,9 +92,6 @@ class Streamer:
 
     def run(self) -> None:
         threading.Thread(target=self.listen, daemon=True, name="stream-listen").start()
-        reads_pages = bool(self.start_pages and self.direct)
-        if not reads_pages:  # the start's files are not read here: nothing to wait for
-            self.send({"start_pages": 0})
         cu.check_shared_compute_mode(self.ordinal)
         self.ctx = cu.primary_context(self.ordinal)
         t_ctx = time.perf_counter()
@@ -113,10 +109,8 @@ class Streamer:
         )
         os.close(fd)
         t_alloc = time.perf_counter()
-        pages = start_pages.read(self.start_pages) if reads_pages else 0
+        pages = start_pages.read(self.start_pages) if self.start_pages and self.direct else 0
         t_pages = time.perf_counter()
-        if reads_pages:
-            self.send({"start_pages": pages})
         workers = [
             threading.Thread(target=self.worker, daemon=True, name=f"stream-{i}")
             for i in range(self.threads)

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         sdk = front_link.SdkProcess(argv) if front_link.wants_sdk_process(argv) else None
         boot = begin("worker")
         if boot is not None and sdk is not None:
-            sdk.begin(boot.settings.log_level, boot.settings.max_concurrency, boot.wait_start_files)
+            sdk.configure(boot.settings.log_level, boot.settings.max_concurrency)
         import_entry("worker", boot)
         from handler.worker import main as worker
 

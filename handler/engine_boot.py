@@ -24,9 +24,6 @@ EMBEDDED_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # How long the caller's own imports wait for the weights to start moving (a local snapshot takes
 # milliseconds; a download is not waited for).
 STREAM_HEAD_START_S = 2.0
-# How long the RunPod SDK's process waits for the start's files to be in the page cache before it
-# imports the SDK (on a cold disk they are read first, in about a second).
-START_FILES_WAIT_S = 5.0
 
 
 class ModelLoadError(RuntimeError):
@@ -176,11 +173,6 @@ class EngineBoot:
         if head_start_s > 0:
             self.engine_start.wait_streaming(head_start_s)
         return self
-
-    def wait_start_files(self, timeout: float = START_FILES_WAIT_S) -> bool:
-        """Until the start's recorded files are in the page cache, at most `timeout` s
-        (warmup.start.EngineStart.wait_start_files)."""
-        return self.engine_start.wait_start_files(timeout)
 
     def entry_imports(self):
         """A block for the entry point's own heavy imports, made after torch's while the start

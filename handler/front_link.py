@@ -7,7 +7,6 @@ runs beside the engine's start. One Unix socket joins them; each message is one 
 line:
 
   worker -> SDK   {"op": "config", "log_level": L, "concurrency": N}  once, first
-                  {"op": "import"}   once: import the SDK now (the start's files are in memory)
                   {"op": "chunk", "key": K, "item": ...}  an output chunk of job K
                   {"op": "end", "key": K}                 job K yielded its last chunk
                   {"op": "concurrency", "value": N}        the answer to a "held"
@@ -23,14 +22,11 @@ after a SIGTERM, or a crash) closes the other end.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
-import threading
-from collections.abc import Callable
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the longest message (a line): a job's input or one chunk of its output, whole
@@ -53,8 +49,8 @@ async def receive(reader: asyncio.StreamReader) -> dict | None:
     return json.loads(line) if line else None
 
 
-def read_one(sock: socket.socket) -> dict | None:
-    """The next message, read without buffering past it (what follows is read by asyncio); None
+def read_first(sock: socket.socket) -> dict | None:
+    """The first message, read without buffering past it (what follows is read by asyncio); None
     if the other end closed first."""
     data = bytearray()
     while not data.endswith(b"\n"):
@@ -83,25 +79,12 @@ class SdkProcess:
         theirs.close()
         self.configured = False
 
-    def begin(self, log_level: str, concurrency: int, files_ready: Callable[[], object]) -> None:
-        """Once: send the settings the SDK's process waits for, and let it import the SDK as soon
-        as files_ready() returns (on a thread): on a cold disk the SDK's reads then find the start's
-        files in memory instead of queueing behind the weights."""
-        if self.configured:
-            return
-        self.configured = True
-        self.sock.sendall(
-            encode({"op": "config", "log_level": log_level, "concurrency": concurrency})
-        )
-
-        def release() -> None:
-            try:
-                files_ready()
-            finally:
-                with contextlib.suppress(OSError):
-                    self.sock.sendall(encode({"op": "import"}))
-
-        threading.Thread(target=release, name="sdk-import", daemon=True).start()
+    def configure(self, log_level: str, concurrency: int) -> None:
+        """The settings the SDK's process waits for before it starts the SDK (sent once)."""
+        if not self.configured:
+            self.configured = True
+            msg = {"op": "config", "log_level": log_level, "concurrency": concurrency}
+            self.sock.sendall(encode(msg))
 
     def terminate(self) -> None:
         """Pass a SIGTERM on: the SDK stops taking jobs and ends once those it holds are done."""

@@ -4,8 +4,7 @@ worker interpreter's turn after `import torch`; an import in a second interprete
 import nothing measurable (bench/start_overlap.py).
 
 `python -m handler.sdk_front FD [SDK flags]`, FD its end of the worker's socket (handler.front_link,
-which also lists the messages). It waits for the worker's settings and its word that the start's
-files are in the page cache (at once when the disk is warm), imports the SDK, then runs
+which also lists the messages). It waits for the worker's settings, then runs
 `runpod.serverless.start` with a relay for a handler: each job goes to the worker, which runs it
 (handler.worker.Worker.handle) and sends its chunks back, and the SDK's concurrency_modifier answers
 with the worker's latest word. The jobs, the engine and the exits stay with the worker; the worker's
@@ -121,17 +120,14 @@ def main(argv: list[str]) -> None:
 
     start_pages.watch_opens()  # the data files the SDK reads (metadata, certificates) count too
     sock = socket.socket(fileno=int(argv[0]))
-    said: dict[str, dict] = {}
-    while "import" not in said:  # the worker's settings, and its word that the SDK may be imported
-        msg = front_link.read_one(sock)
-        if msg is None:  # the worker ended first (its settings were refused, or it was killed)
-            sys.exit(0)
-        said[msg["op"]] = msg
     import runpod
     from runpod.serverless.modules.rp_logger import RunPodLogger
 
     imported_s = process_age_s()
-    config = said["config"]
+
+    config = front_link.read_first(sock)
+    if config is None:  # the worker ended before its settings (refused, or killed)
+        sys.exit(0)
 
     level = config["log_level"]
     # The SDK logs every job's output at DEBUG, its default; it follows LOG_LEVEL unless

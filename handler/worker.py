@@ -304,7 +304,7 @@ def main(
         sys.stderr.flush()
         os._exit(code)
 
-    sdk.begin(settings.log_level, settings.max_concurrency, boot.wait_start_files)
+    sdk.configure(settings.log_level, settings.max_concurrency)
     link = SdkLink(sdk)
     admission = Admission(
         settings.max_concurrency, boot, grace_s=settings.shutdown_grace_s, occupancy=link.held

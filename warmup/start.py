@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from cache import start_pages
-from cache.device_stream import start_files_read, start_weights
+from cache.device_stream import start_weights
 from warmup.ranks import launch as launch_ranks
 
 log = logging.getLogger(__name__)
@@ -132,16 +132,6 @@ class EngineStart:
         milliseconds, and the weight stream then starts without sharing this interpreter's lock
         with them. A download does not hold the caller past `timeout`."""
         return self._streaming.wait(timeout)
-
-    def wait_start_files(self, timeout: float) -> bool:
-        """Wait (at most `timeout` s) until the weights move and the start's recorded files are in
-        the page cache (on a cold disk the device stream reads them before the weights); another
-        process of the start (the RunPod SDK's) then imports from memory instead of queueing behind
-        the weights. True if so."""
-        deadline = time.monotonic() + timeout
-        if not self._streaming.wait(timeout) or self.model_dir is None:
-            return False
-        return start_files_read(str(self.model_dir), max(0.0, deadline - time.monotonic()))
 
     def hold_for_entry_imports(self) -> EngineStart:
         """Before begin(): the start waits after `import torch` until an entry_imports() block
