@@ -313,5 +313,5 @@ def start_weights(
         gpu = "cuda" if device == "auto" else device
         if start(model_dir, gpu, start_pages=start_pages, shard=shard, want=want) is not None:
             return "device_stream"
-    prefetch(model_dir)
+    prefetch(model_dir, want=want)
     return "prefetch"

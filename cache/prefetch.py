@@ -244,17 +244,21 @@ def _all_resident(vec: bytes, offset: int, length: int) -> bool:
 
 
 def prefetch(
-    path: str, threads: int = PREFETCH_THREADS, chunk_bytes: int = PREFETCH_CHUNK_BYTES
+    path: str,
+    threads: int = PREFETCH_THREADS,
+    chunk_bytes: int = PREFETCH_CHUNK_BYTES,
+    want: tuple[str, str | None] | None = None,
 ) -> Prefetch:
     """Start reading weights into the page cache now, in daemon threads, and return at once.
 
-    `path` is a pack file, or a model directory: its newest pack under `packs/` if there is one,
-    else its *.safetensors files. Imports only the stdlib, so a worker calls it first thing and
-    `import torch` overlaps the disk reads; pages already cached are skipped. A later load_pack of
-    the same file reads through the page cache (not O_DIRECT) while this runs.
+    `path` is a pack file, or a model directory: its newest pack under `packs/` (the newest named
+    for `want`, the engine's dtype and quantization settings, where there is one: cache.pack's
+    find_packs), else its *.safetensors files. Imports only the stdlib, so a worker calls it first
+    thing and `import torch` overlaps the disk reads; pages already cached are skipped. A later
+    load_pack of the same file reads through the page cache (not O_DIRECT) while this runs.
     """
     if os.path.isdir(path):
-        packs = find_packs(os.path.join(path, "packs"))
+        packs = find_packs(os.path.join(path, "packs"), want=want)
         paths = packs[:1] or sorted(
             os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors")
         )
