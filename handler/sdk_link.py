@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 
 from cache import start_pages
 from handler.front_link import SdkProcess, connect, encode, receive
@@ -31,6 +32,15 @@ class SdkLink:
         and exits) or when it fails: then the worker exits 1, as it would with the SDK in its own
         interpreter."""
         reader, writer = await connect(self.sdk.sock)
+        # The socket's end may outlive the SDK's process (its heartbeat process, forked, holds a
+        # copy): the process's exit closes this end instead, which reads as the end of the link.
+        loop = asyncio.get_running_loop()
+
+        def watch() -> None:
+            self.sdk.proc.wait()
+            loop.call_soon_threadsafe(writer.transport.abort)
+
+        threading.Thread(target=watch, name="sdk-process-watch", daemon=True).start()
         while (msg := await receive(reader)) is not None:
             op = msg["op"]
             if op == "job":

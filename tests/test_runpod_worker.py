@@ -466,3 +466,44 @@ def test_sigterm_drains_in_flight_jobs_and_takes_no_new_ones(smollm2_dir, refere
         assert len(queue.done["in-flight"]) == 1
         assert _text(queue.done["in-flight"][0].get("output", [])) == ref, queue.done["in-flight"]
         assert "after-sigterm" not in queue.taken
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of the process's children, from Linux's /proc."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid:
+            out.append((int(entry), cmdline))
+    return out
+
+
+def test_the_sdks_process_dying_ends_the_worker_with_status_1(smollm2_dir, tmp_path):
+    """The RunPod SDK runs in a process of its own (handler.sdk_front); killed, nothing can reach
+    the worker any more, so the worker exits 1 (the platform starts a new one) instead of living on
+    unreachable. Killed with SIGKILL: no word from it, only the end of its socket."""
+    with RunPodJobServer() as server:
+        queue = server.queue
+        proc = _start_worker(server, smollm2_dir, tmp_path / "worker.log", "pod-sdk-dies")
+        try:
+            queue.put("first", {"prompt": PROMPT, "sampling_params": _greedy(2)})
+            assert queue.wait_for(lambda: queue.done.get("first"), WAIT_S), (
+                tmp_path / "worker.log"
+            ).read_text()[-3000:]
+            sdk = [pid for pid, cmd in _children(proc.pid) if "handler.sdk_front" in cmd]
+            assert len(sdk) == 1, _children(proc.pid)
+            os.kill(sdk[0], signal.SIGKILL)
+            code = proc.wait(WAIT_S)
+        finally:
+            stop(proc)
+    log = (tmp_path / "worker.log").read_text()
+    assert code == 1, log[-3000:]
+    assert "the RunPod SDK's process ended" in log, log[-3000:]
