@@ -16,7 +16,17 @@ import threading
 import time
 from dataclasses import dataclass
 
-from cache.pack import ALIGNMENT, Pack, PackError, PackWriter, find_packs, read_pack, shard_name
+from cache.pack import (
+    ALIGNMENT,
+    DTYPE_NAMES,
+    Pack,
+    PackError,
+    PackWriter,
+    find_packs,
+    pack_name,
+    read_pack,
+    shard_name,
+)
 from cache.prefetch import _ACTIVE, Prefetch, prefetch, resident_fraction
 
 # The engine imports cache.loader only: the pack's writer, reader and error, and prefetch, come from
@@ -38,6 +48,8 @@ __all__ = [
     "register_pending",
     "resident_fraction",
     "shard_name",
+    "pack_name",
+    "DTYPE_NAMES",
     "tensor_views",
 ]
 

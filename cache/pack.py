@@ -338,15 +338,27 @@ def _shard_of(name: str) -> tuple[int, int]:
     return 0, 1
 
 
-# what a dtype setting names a pack's dtype as (engine.models.weights names it after torch's dtype)
-_DTYPE_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
-_DTYPE_NAMES.update(float32="float32", float="float32")
+# The dtype settings (DTYPE, EngineArgs.dtype; "auto" aside) and the dtype each names, as torch
+# names it and pack names carry it. The engine's dtype table is built from this one.
+DTYPE_NAMES = {
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+}
+
+
+def pack_name(digest: str, dtype: str, quantization: str | None, layout_version: int) -> str:
+    """A whole pack's file name: <digest>-<dtype>[-<quantization>]-v<layout>.cbpack (shard_name
+    makes a rank's from it; pack_variant reads it back)."""
+    quant = f"-{quantization}" if quantization is not None else ""
+    return f"{digest}-{dtype}{quant}-v{layout_version}{SUFFIX}"
 
 
 def pack_variant(name: str) -> tuple[str, str | None]:
-    """(dtype, quantization or None) a pack's file name says: engine.models.weights.pack_path writes
-    <digest>-<dtype>[-<quantization>]-v<layout>.cbpack (a rank's with .rank<r>-of-<n> before the
-    suffix); ("", None) for a name not in that form."""
+    """(dtype, quantization or None) a pack's file name says (pack_name's, a rank's with
+    .rank<r>-of-<n> before the suffix); ("", None) for a name not in that form."""
     stem = os.path.basename(name).removesuffix(SUFFIX).split(".", 1)[0]
     parts = stem.split("-")
     if len(parts) not in (3, 4) or not parts[-1].startswith("v"):
@@ -376,7 +388,7 @@ def find_packs(
     paths.sort(key=lambda p: os.stat(p).st_mtime_ns, reverse=True)
     if want is None:
         return paths
-    dtype = _DTYPE_NAMES.get(want[0])
+    dtype = DTYPE_NAMES.get(want[0])
 
     def matches(path: str) -> bool:
         pack_dtype, pack_quant = pack_variant(path)

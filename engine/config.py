@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from cache.loader import DTYPE_NAMES
 from engine.attention.kv_quant import check_kv_cache_dtype
 from engine.checkpoint_quant import CheckpointFp8, checkpoint_quantization
 from engine.family_configs import (
@@ -30,13 +31,7 @@ from engine.model_support import SUPPORTED_ARCHITECTURES, check_model_config, ro
 from engine.moe_config import MoeConfig, read_moe_config
 from engine.quant import check_quantization
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
+_DTYPES = {setting: getattr(torch, name) for setting, name in DTYPE_NAMES.items()}
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from cache.loader import (
     PackWriter,
     discard_preloads,
     load_pack,
+    pack_name,
     preload,
     read_pack,
     shard_name,
@@ -187,8 +188,7 @@ def pack_path(
     """<pack_dir or model_dir/packs>/<digest[:16]>-<dtype>[-<quantization>]-v<layout>.cbpack (a
     rank's: cache.pack.shard_name)"""
     key = pack_key(model_dir, dtype)
-    quant = f"-{quantization}" if quantization is not None else ""
-    whole = f"{key['model_digest'][:16]}-{key['dtype']}{quant}-v{PACK_LAYOUT_VERSION}.cbpack"
+    whole = pack_name(key["model_digest"][:16], key["dtype"], quantization, PACK_LAYOUT_VERSION)
     name = shard_name(whole, shard.rank, shard.size)
     return os.path.join(pack_dir or os.path.join(model_dir, PACKS_DIR), name)
 
