@@ -1,6 +1,13 @@
 """A local stand-in for RunPod's job queue: the job-take, job-stop, job-stream and job-done
 endpoints the SDK calls.
 
+It answers as the SDK expects the real queue to, from the runpod SDK's own source (1.12):
+runpod/serverless/modules/rp_job.py builds the job-take URL from RUNPOD_WEBHOOK_GET_JOB ($ID: the
+worker id), switches to job-take-batch with `batch_size` for more than one job, takes 204 as "no
+job" (a single job as an object, a batch as a list), and derives the job-stop URL from the job-take
+one. rp_http.py posts results to RUNPOD_WEBHOOK_POST_OUTPUT and streamed chunks to
+RUNPOD_WEBHOOK_POST_STREAM.
+
 Tests enqueue jobs, ask for a job to be stopped, and read back what the real runpod SDK worker
 posted for each job.
 """
