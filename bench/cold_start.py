@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -271,11 +272,15 @@ def run_entry(
     env_extra: dict,
     keep_until: str | None = None,
     log_path: str | None = None,
+    on_spawn: Callable[[int], None] | None = None,
+    repo: Path = REPO,
 ) -> dict:
     """One fresh `python -m handler serve` (entry "serve"), `python -m handler --rp_serve_api`
     ("worker") or `python -m handler` polling the job-queue stand-in ("queue"). keep_until: a file
     the process writes after its answer (the start-page record): stopped once it exists. log_path:
-    where to keep the process's output."""
+    where to keep the process's output. on_spawn: called with the process's pid once it runs (a
+    profiler attaching). repo: the checkout whose handler runs (another one: a before/after
+    comparison)."""
     port = _free_port()
     argv = {
         "serve": ["serve", "--host", "127.0.0.1", "--port", str(port)],
@@ -296,7 +301,7 @@ def run_entry(
         MAX_MODEL_LEN="4096",
         LOG_LEVEL="INFO",
         HF_HUB_OFFLINE="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")])),
     )
     if jobs is not None:
         # as on RunPod, less the SDK's start-up fitness checks (they probe the internet and the GPU)
@@ -309,13 +314,15 @@ def run_entry(
             jobs.queue.put("cold-start-job", _job(prompt))
         proc = subprocess.Popen(
             [sys.executable, "-m", "handler", *argv],
-            cwd=REPO,
+            cwd=repo,
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
+        if on_spawn is not None:
+            on_spawn(proc.pid)
         client = threading.Thread(
             target=_await_job if jobs is not None else _request,
             args=(jobs.queue, "cold-start-job", t0, out)
@@ -393,7 +400,7 @@ def import_costs(repeats: int) -> dict:
         "settings (pydantic-settings)": "import handler.config as c; c.load_settings({})",
         "handler.worker": "import handler.worker",
         "handler.server": "import handler.server",
-        "fastapi + uvicorn": "import fastapi, uvicorn",
+        "starlette + uvicorn": "import starlette.applications, uvicorn",
         "runpod SDK": "import runpod",
         "py-cpuinfo get_cpu_info()": "import cpuinfo; cpuinfo.get_cpu_info()",
     }
@@ -431,6 +438,12 @@ def main() -> None:
     ap.add_argument("--logs", action="store_true", help="keep each run's output in OUT/logs/")
     ap.add_argument(
         "--entries", default="serve,queue,worker", help="comma list of: serve, queue, worker"
+    )
+    ap.add_argument(
+        "--compare-tree",
+        type=Path,
+        help="another checkout (an earlier commit): its entry points run too, in the same rounds "
+        "and against the same pack, labelled with its directory's name",
     )
     ap.add_argument(
         "--import-repeats",
@@ -532,6 +545,11 @@ def main() -> None:
     warm_cache([pack])
     for i in range(args.warm_runs):
         record("bare torch + CUDA init", "warm", run_child("bare", model_dir, args.prompt_len))
+        record(
+            "bare torch + CUDA init, GC off",
+            "warm",
+            run_child("bare-gc-off", model_dir, args.prompt_len),
+        )
         for entry in entries:
             record(
                 ENTRY_LABELS[entry],
@@ -540,6 +558,13 @@ def main() -> None:
                     entry, model_dir, cache_dir, prompt, env_extra, log_path=log_path(entry, "warm")
                 ),
             )
+            if args.compare_tree:
+                tree = args.compare_tree.resolve()
+                record(
+                    f"{ENTRY_LABELS[entry]} ({tree.name})",
+                    "warm",
+                    run_entry(entry, model_dir, cache_dir, prompt, env_extra, repo=tree),
+                )
     warm_cache([p for p in weight_files(model_dir) if p.endswith(".safetensors")])
     for _ in range(args.hf_runs):
         record("HF from_pretrained + generate", "warm", run_child("hf", model_dir, args.prompt_len))
@@ -602,6 +627,11 @@ def targets(report: dict) -> dict:
         if bare is not None and mine is not None:
             out[f"{entry}_warm_over_bare_s"] = mine - bare
             out[f"{entry}_warm_ok"] = mine - bare <= margin
+        # the part of the margin that the start's GC hold (warmup.start.hold_gc) would also give
+        # bare torch
+        bare_gc_off = warm.get("bare torch + CUDA init, GC off")
+        if bare_gc_off is not None and mine is not None:
+            out[f"{entry}_warm_over_bare_gc_off_s"] = mine - bare_gc_off
     disk = report.get("disk_read")
     if disk:
         raw = report["pack_bytes"] / (disk["GBps"] * 1e9)
@@ -646,10 +676,10 @@ def print_table(report: dict) -> None:
         "child's stamps)"
     )
     head = " ".join(f"{c:>14}" for c, _ in COLUMNS)
-    print(f"{'run':<34} {'cache':<7} {head} {'port/taken':>10} {'1st token':>10}")
+    print(f"{'run':<44} {'cache':<7} {head} {'port/taken':>10} {'1st token':>10}")
     for r in report["runs"]:
         if "error" in r:
-            print(f"{r['label'][:34]:<34} {r['cache']:<7} failed: {str(r['error'])[:80]}")
+            print(f"{r['label'][:44]:<44} {r['cache']:<7} failed: {str(r['error'])[:80]}")
             continue
         ph = r.get("phases") or {}
         cells = " ".join(
@@ -657,7 +687,7 @@ def print_table(report: dict) -> None:
         )
         opened = r.get("port_open_s", r.get("job_taken_s"))  # the queue's: when the job was taken
         port = f"{opened:>10.2f}" if opened is not None else f"{'-':>10}"
-        print(f"{r['label'][:34]:<34} {r['cache']:<7} {cells} {port} {r['total_s']:>10.2f}")
+        print(f"{r['label'][:44]:<44} {r['cache']:<7} {cells} {port} {r['total_s']:>10.2f}")
     t = report["targets"]
     print("warm medians: " + ", ".join(f"{k} {v:.2f}" for k, v in t["warm_medians_s"].items()))
     if t.get("dropped_s"):

@@ -2,7 +2,8 @@
 transformers' from_pretrained + a one-token generate. (coldbrew itself is measured through its real
 entry points.)
 
-`python bench/cold_start_child.py MODE MODEL_DIR PROMPT_LEN`, MODE: bare | hf. Prints one line,
+`python bench/cold_start_child.py MODE MODEL_DIR PROMPT_LEN`, MODE: bare | bare-gc-off (the same
+with Python's cyclic GC off, as coldbrew's start runs) | hf. Prints one line,
 `RESULT {json}`, of wall-clock stamps (time.time()); the parent subtracts the moment it spawned this
 process.
 """
@@ -15,9 +16,13 @@ import json  # noqa: E402
 import os  # noqa: E402
 
 MODE, MODEL_DIR, PROMPT_LEN = sys.argv[1], sys.argv[2], int(sys.argv[3])
-if MODE not in ("bare", "hf"):
-    raise SystemExit(f"mode: {MODE!r} is not one of bare, hf")
+if MODE not in ("bare", "bare-gc-off", "hf"):
+    raise SystemExit(f"mode: {MODE!r} is not one of bare, bare-gc-off, hf")
 stamps: dict = {"main": T_MAIN}
+if MODE == "bare-gc-off":
+    import gc
+
+    gc.disable()
 
 import torch  # noqa: E402
 

@@ -189,6 +189,11 @@ class AsyncLLM:
     def errored(self) -> BaseException | None:
         return self._error
 
+    @property
+    def running(self) -> bool:
+        """False once shut down or dead: nothing more will be served."""
+        return not self._stopped and self._error is None
+
     # ---- the engine thread: the only one that touches the engine core and the stream table
     # -----------------
     def _call(self, fn: Callable, *args) -> Future:

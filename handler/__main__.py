@@ -4,7 +4,7 @@
 Worker flags are the runpod SDK's own (--rp_serve_api --rp_api_host H --rp_api_port N, --test_input
 JSON, ...). The worker and the server begin the same way: settings, then the engine's start (the
 weights moving), and only then their own imports, made once `import torch` is done while the start
-waits for them (FastAPI and uvicorn; the worker's job handling). The RunPod SDK gets a process of
+waits for them (Starlette and uvicorn; the worker's job handling). The RunPod SDK gets a process of
 its own, started before anything else (handler.sdk_front), so its import runs beside the start.
 """
 
@@ -22,10 +22,12 @@ def begin(entry: str):
     the settings are invalid (the entry point then reports them in its own words)."""
     from handler.config import SettingsError, load_settings
     from handler.engine_boot import begin as begin_boot
+    from warmup.start import release_gc
 
     try:
         settings = load_settings()
     except SettingsError:
+        release_gc()  # no start follows to turn the collector back on
         return None
     return begin_boot(settings, entry)
 
@@ -83,6 +85,9 @@ def chat(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from warmup.start import hold_gc
+
+    hold_gc()  # the cyclic GC stays off until the engine's start ends (warmup.start)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:
         boot = None if {"-h", "--help"} & set(argv) else begin("serve")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -365,10 +366,14 @@ class RequestBuilder:
         self.tool_settings = tool_settings or ToolSettings(None, "needs TOOL_CALL_PARSER")
         self.reasoning = reasoning
         self.generation_defaults = dict(generation_defaults or {})
-        # Each token spans at most this many characters: a text of C characters has at least
-        # C / this tokens.
-        vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
-        self.max_token_chars = max(1, max(map(len, vocab)))
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Each token spans at most this many characters: a text of C characters has at least
+        C / this tokens. Read from the vocabulary on the first text longer than the context limit
+        (a shorter one always passes check_chars): not on the first request's path."""
+        vocab = self.tokenizer.backend.get_vocab(with_added_tokens=True)
+        return max(1, max(map(len, vocab)))
 
     def model(self, requested: str | None) -> str:
         if requested is None:
@@ -390,7 +395,7 @@ class RequestBuilder:
 
     def check_chars(self, chars: int, param: str) -> None:
         """Refuse a text that can't fit before spending time tokenizing it."""
-        if chars > self.context_limit * self.max_token_chars:
+        if chars > self.context_limit and chars > self.context_limit * self.max_token_chars:
             raise ApiError(
                 400,
                 f"{param}: {chars} characters can't fit in the context limit of "

@@ -126,4 +126,5 @@ def uvicorn_config(app, settings) -> uvicorn.Config:
         log_level=settings.log_level.lower(),
         access_log=settings.log_level == "DEBUG",
         lifespan="on",
+        ws="none",  # no WebSocket routes: uvicorn then imports no WebSocket library at start
     )

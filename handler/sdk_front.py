@@ -116,8 +116,9 @@ class Relay:
 
 def main(argv: list[str]) -> None:
     from cache import start_pages
-    from warmup.start import process_age_s
+    from warmup.start import hold_gc, process_age_s, release_gc
 
+    hold_gc()  # off for the SDK's import, as for the worker's start
     start_pages.watch_opens()  # the data files the SDK reads (metadata, certificates) count too
     sock = socket.socket(fileno=int(argv[0]))
     import runpod
@@ -135,6 +136,7 @@ def main(argv: list[str]) -> None:
     RunPodLogger().set_level({"WARNING": "WARN", "CRITICAL": "ERROR"}.get(level, level))
     relay = Relay(sock, config["concurrency"], imported_s)
     sys.argv = [sys.argv[0], *argv[1:]]  # the SDK parses its own flags from sys.argv
+    release_gc()
     runpod.serverless.start(
         {
             "handler": relay.handle,

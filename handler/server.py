@@ -1,7 +1,7 @@
-"""`python -m handler serve`: the OpenAI routes as a plain HTTP server (FastAPI + uvicorn), with SSE
-streaming, /health (503 until the engine is ready), /metrics (Prometheus text) and hard limits on
-what a request may send. How slowly it may send (handler.http_connection), and the drain on SIGTERM,
-which ends what is left with an error event, are set up here too.
+"""`python -m handler serve`: the OpenAI routes as a plain HTTP server (Starlette + uvicorn), with
+SSE streaming, /health (503 until the engine is ready), /metrics (Prometheus text) and hard limits
+on what a request may send. How slowly it may send (handler.http_connection), and the drain on
+SIGTERM, which ends what is left with an error event, are set up here too.
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import anyio
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from handler.config import Settings, SettingsError, load_settings
 from handler.engine_boot import EngineBoot, begin
@@ -272,55 +274,39 @@ class OpenAIServer:
         return Response(text, media_type=PROMETHEUS_CONTENT_TYPE)
 
 
-def build_app(settings: Settings, boot: EngineBoot, metrics: Metrics | None = None) -> FastAPI:
+def build_app(settings: Settings, boot: EngineBoot, metrics: Metrics | None = None) -> Starlette:
+    """The ASGI app: the OpenAI routes (also under /openai), /health, /ping and /metrics.
+    Starlette, not FastAPI: every route takes the raw request and validates it itself, so FastAPI's
+    import and its analysis of each route would only be start-up work (bench/start_profile.py
+    shows it)."""
     server = OpenAIServer(settings, boot, metrics)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: Starlette):
         boot.start()
         yield
         engine = boot.engine_now()
         if engine is not None:
             engine.shutdown()
 
-    # No trailing-slash redirects (Starlette builds them from the Host header): _RequestTarget
-    # answers the route.
-    app = FastAPI(
-        title="coldbrew",
-        lifespan=lifespan,
-        docs_url=None,
-        redoc_url=None,
-        openapi_url=None,
-        redirect_slashes=False,
-    )
-    app.add_middleware(_RequestTarget)
-    app.state.server = server
+    def endpoint_for(route: str):
+        async def endpoint(request: Request) -> Response:
+            return await server.handle(request, route)
 
-    for prefix in ("", "/openai"):
-        for route in ROUTES:
-            methods = [ROUTE_METHODS[route]]
+        return endpoint
 
-            async def endpoint(request: Request, _route: str = route) -> Response:
-                return await server.handle(request, _route)
-
-            app.add_api_route(prefix + route, endpoint, methods=methods, include_in_schema=False)
-
-    @app.get("/health", include_in_schema=False)
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
         return server.health()
 
-    @app.get("/ping", include_in_schema=False)
-    async def ping() -> Response:
+    async def ping(request: Request) -> Response:
         """RunPod load-balancing endpoints probe /ping: 204 while loading, 200 when ready, 503 when
         dead."""
         response = server.health()
         return Response(status_code=204) if b'"loading"' in response.body else response
 
-    @app.get("/metrics", include_in_schema=False)
-    async def metrics_endpoint() -> Response:
+    async def metrics_endpoint(request: Request) -> Response:
         return await server.metrics_text()
 
-    @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 404:
             error = ApiError(
@@ -336,6 +322,26 @@ def build_app(settings: Settings, boot: EngineBoot, metrics: Metrics | None = No
             error = ApiError(exc.status_code, str(exc.detail))
         return _error_response(error)
 
+    routes = [
+        Route(prefix + route, endpoint_for(route), methods=[ROUTE_METHODS[route]])
+        for prefix in ("", "/openai")
+        for route in ROUTES
+    ]
+    routes += [
+        Route("/health", health, methods=["GET"]),
+        Route("/ping", ping, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(_RequestTarget)],
+        exception_handlers={StarletteHTTPException: http_error},
+        lifespan=lifespan,
+    )
+    # No trailing-slash redirects (Starlette builds them from the Host header): _RequestTarget
+    # answers the route.
+    app.router.redirect_slashes = False
+    app.state.server = server
     return app
 
 

@@ -258,6 +258,14 @@ def test_health_and_metrics(server, client):
         _metric(text, name)
 
 
+def test_a_query_string_does_not_choose_the_route(server):
+    # each route's endpoint takes the request alone: a query parameter named like an internal
+    # argument reaches no handler (it once chose the route: /v1/models?_route=/tokenize tokenized)
+    listed = httpx.get(server.base_url + "/v1/models", params={"_route": "/tokenize"})
+    assert listed.status_code == 200, listed.text
+    assert listed.json()["object"] == "list"
+
+
 def test_a_closed_stream_aborts_its_engine_request(server):
     # 64 samples to the context limit ignoring EOS: minutes of CPU work unless the abort really
     # stops it.

@@ -32,7 +32,7 @@ import os, sys, threading, time
 
 _fd = os.open(os.environ["START_ORDER_LOG"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 _seen = set()
-_WATCHED = {"torch", "engine.config", "fastapi", "uvicorn", "runpod", "pydantic_settings"}
+_WATCHED = {"torch", "engine.config", "starlette", "uvicorn", "runpod", "pydantic_settings"}
 
 
 def _note(event, detail):
@@ -148,6 +148,22 @@ def _run_until(argv: list[str], own: str, model_dir: str, tmp_path: Path) -> tup
     return _events(log, proc.pid), _events(log, None)
 
 
+def test_the_servers_app_and_uvicorn_config_load_no_fastapi_websockets_or_pydantic_v1():
+    # what the server builds before it listens: its routes, the app, uvicorn's loaded config
+    code = (
+        "import sys\n"
+        "from handler.config import load_settings\n"
+        "from handler.engine_boot import EngineBoot\n"
+        "from handler.http_connection import uvicorn_config\n"
+        "from handler.server import build_app\n"
+        "settings = load_settings({})\n"
+        "uvicorn_config(build_app(settings, EngineBoot(settings)), settings).load()\n"
+        "heavy = ('fastapi', 'pydantic.v1', 'websockets', 'wsproto', 'torch')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    assert _python(code) == "[]"
+
+
 def test_the_entry_modules_import_no_torch():
     code = (
         "import sys\n"
@@ -167,7 +183,7 @@ def test_the_weights_move_before_torch_and_the_entrys_own_imports(entry, smollm2
         if entry == "serve"
         else ["--rp_serve_api", "--rp_api_host", "127.0.0.1", "--rp_api_port", port]
     )
-    own = "runpod" if entry == "worker" else "fastapi"  # the SDK; the HTTP server's framework
+    own = "runpod" if entry == "worker" else "starlette"  # the SDK; the HTTP server's framework
     events, everyone = _run_until(argv, own, smollm2_dir, tmp_path)
     streams = [(t, e) for t, e, _ in events if e in ("stream_process", "prefetch_thread")]
     assert streams, events
@@ -199,7 +215,7 @@ def test_on_a_gpu_the_stream_process_starts_before_torch(tmp_path):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    pytest.importorskip("fastapi")  # the server's own dependencies (gpu-check needs only torch's)
+    pytest.importorskip("starlette")  # the server's own dependencies (gpu-check needs only torch's)
     model_dir = str(tmp_path / "model")
     # writes the pack
     code = (
@@ -209,8 +225,8 @@ def test_on_a_gpu_the_stream_process_starts_before_torch(tmp_path):
     )
     _python(code)
     argv = ["serve", "--host", "127.0.0.1", "--port", str(free_port())]
-    events, _ = _run_until(argv, "fastapi", model_dir, tmp_path)
+    events, _ = _run_until(argv, "starlette", model_dir, tmp_path)
     streams = [(t, e) for t, e, _ in events if e in ("stream_process", "prefetch_thread")]
     assert streams and streams[0][1] == "stream_process", events
     assert streams[0][0] < _first(events, "import", "torch"), events
-    assert streams[0][0] < _first(events, "import", "fastapi"), events
+    assert streams[0][0] < _first(events, "import", "starlette"), events

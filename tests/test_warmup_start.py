@@ -39,6 +39,19 @@ async def _greedy(engine, prompt: list[int]) -> list[int]:
     return out.outputs[0].token_ids
 
 
+TINY_OPTIONS = {"dtype": "float32", "num_kv_blocks": 32, "block_size": 4, "max_model_len": 64}
+
+
+def _tiny_start_args(tmp_path, **fields) -> StartArgs:
+    """StartArgs for a tiny llama written under tmp_path/model, on the CPU."""
+    model_dir = str(tmp_path / "model")
+    make_tiny_model("llama", model_dir)
+    fields.setdefault("model", model_dir)
+    return StartArgs(
+        cache_dir=str(tmp_path / "cache"), device="cpu", engine_options=TINY_OPTIONS, **fields
+    )
+
+
 def test_a_local_model_starts_through_every_phase_in_order(tmp_path):
     model_dir = str(tmp_path / "model")
     make_tiny_model("llama", model_dir)
@@ -66,12 +79,7 @@ def test_a_local_model_starts_through_every_phase_in_order(tmp_path):
 
 
 def test_the_entry_points_imports_come_between_torch_and_the_build(tmp_path):
-    model_dir = str(tmp_path / "model")
-    make_tiny_model("llama", model_dir)
-    options = {"dtype": "float32", "num_kv_blocks": 32, "block_size": 4, "max_model_len": 64}
-    args = StartArgs(
-        model=model_dir, cache_dir=str(tmp_path / "cache"), device="cpu", engine_options=options
-    )
+    args = _tiny_start_args(tmp_path)
     start = EngineStart(args).hold_for_entry_imports().begin()
     assert start.wait_streaming(60)
     with start.entry_imports():
@@ -133,3 +141,52 @@ def test_locate_finds_the_model_instead_of_the_cache(tmp_path):
     with pytest.raises(ResolveError, match="the demo wheel is missing"):
         start.future.result(timeout=60)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("outcome", ["ready", "failed"])
+def test_the_garbage_collector_is_off_during_the_start_and_back_on_after(tmp_path, outcome):
+    import gc
+
+    gate = threading.Event()
+
+    def locate() -> str:  # the start waits here until the test has looked
+        gate.wait(60)
+        if outcome == "failed":
+            raise FileNotFoundError("no model here")
+        return str(tmp_path / "model")
+
+    args = _tiny_start_args(tmp_path, model="located", locate=locate)
+    assert gc.isenabled()
+    start = EngineStart(args).begin()
+    during = gc.isenabled()
+    gate.set()
+    try:
+        engine = start.future.result(timeout=300)
+    except ResolveError:
+        engine = None
+    assert (engine is None) == (outcome == "failed")
+    assert not during and gc.isenabled()
+    assert gc.get_freeze_count() > 0  # what the start made is out of the collector's reach
+    gc.unfreeze()
+    if engine is not None:
+        engine.shutdown()
+
+
+def test_an_engine_shut_down_before_serving_is_let_go(tmp_path):
+    # the background kernel warm-up waits for a first request; a shut-down engine ends that wait,
+    # so nothing holds the engine (on a GPU: its KV cache) once its owner drops it
+    import gc
+    import weakref
+
+    args = _tiny_start_args(tmp_path)
+    engine = start_engine(args).future.result(timeout=300)
+    gone = weakref.ref(engine)
+    engine.shutdown()
+    del engine
+    deadline = time.monotonic() + 10
+    while any(t.name == "coldbrew-kernels" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the kernel warm-up still waits on a shut-down engine"
+        time.sleep(0.1)
+    gc.unfreeze()
+    gc.collect()
+    assert gone() is None

@@ -14,9 +14,9 @@ import subprocess
 import time
 
 import pytest
-from fastapi.testclient import TestClient
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from starlette.testclient import TestClient
 
 from handler.admission import Admission
 from handler.config import load_settings

@@ -61,17 +61,21 @@ def share_when_served(
     return thread
 
 
-def wait_served(engine, poll_s: float = IDLE_POLL_S, idle_wait_s: float = IDLE_WAIT_S) -> None:
+def wait_served(engine, poll_s: float = IDLE_POLL_S, idle_wait_s: float = IDLE_WAIT_S) -> bool:
     """Until a request has used KV blocks and then, for at most idle_wait_s, until no request runs
-    or waits."""
+    or waits. False if the engine stopped first (shut down or dead): the caller lets go of it, so
+    that a shut-down engine's memory can be freed."""
     while engine.stats_nowait().peak_used_blocks == 0:
+        if not engine.running:
+            return False
         time.sleep(poll_s)
     deadline = time.monotonic() + idle_wait_s
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and engine.running:
         stats = engine.stats_nowait()
         if stats.num_running == 0 and stats.num_waiting == 0:
-            return
+            break
         time.sleep(poll_s)
+    return engine.running
 
 
 def engines_root(model_dir: str, cache_dir: str) -> str:
@@ -88,7 +92,8 @@ def engines_root(model_dir: str, cache_dir: str) -> str:
 def _share(engine, warm, model_dir: str, cache_dir: str, remote: str | None, s3_options) -> None:
     try:
         warm.loaded.wait()
-        wait_served(engine)
+        if not wait_served(engine):
+            return
         path = publish_compiled(engine, warm, model_dir, cache_dir, remote, s3_options)
         log.info("fleet: shared this worker's compiled kernels as %s", path)
     except Exception as exc:  # the worker serves on; the next one compiles as this one did

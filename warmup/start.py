@@ -9,8 +9,8 @@ timed:
                  page-cache prefetch (cache.device_stream.start_weights); Triton's compiler key
                  begins in a second interpreter
   import_torch   `import torch` (the floor of any Python engine), the engine's config and weights
-  entry_imports  the entry point's own imports (the SDK; FastAPI and uvicorn), which it makes now,
-                 while the start waits (EngineStart.entry_imports)
+  entry_imports  the entry point's own imports (Starlette and uvicorn; the job handling), which it
+                 makes now, while the start waits (EngineStart.entry_imports)
   preload_start  the engine's load of the pack begins and takes over what is already moving (the
                  one hand-off of the weights; with a pack, CUDA is initialised here)
   triton_key     Triton's compiler key, computed meanwhile, handed to Triton
@@ -29,6 +29,7 @@ torch.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import threading
@@ -81,6 +82,30 @@ class StartArgs:
     entry: str = ""  # the entry point starting ("serve", "worker"): its start pages are its own
 
 
+_gc_held = False  # hold_gc() turned the cyclic GC off; the end of the start turns it back on
+
+
+def hold_gc() -> None:
+    """Keep Python's cyclic garbage collector off until the start ends (an entry point calls this
+    first thing; begin() does too). The start makes millions of objects, torch's import above all,
+    and next to no cyclic garbage: every automatic collection meanwhile would only walk them again.
+    At the end (ready or failed) what the start made is frozen out of the collector's reach and the
+    collector turned back on. Does nothing if the collector was already off."""
+    global _gc_held
+    if gc.isenabled():
+        gc.disable()
+        _gc_held = True
+
+
+def release_gc() -> None:
+    """The end of hold_gc(): freeze what exists now, turn the collector back on."""
+    global _gc_held
+    if _gc_held:
+        _gc_held = False
+        gc.freeze()
+        gc.enable()
+
+
 def process_age_s() -> float | None:
     """Seconds since this process started, from Linux's /proc (10 ms resolution); None where that is
     not there."""
@@ -117,6 +142,7 @@ class EngineStart:
         """Run the sequence on a daemon thread (once; later calls do nothing)."""
         if self._thread is None:
             self.future.set_running_or_notify_cancel()
+            hold_gc()
             start_pages.watch_opens()  # the start's own data files join its start pages
             age = process_age_s()
             if age is not None:
@@ -158,10 +184,14 @@ class EngineStart:
 
     def _run(self) -> None:
         try:
-            self.future.set_result(self.run())
+            engine = self.run()
         except BaseException as exc:  # reported to every waiter; the caller decides the rest
+            release_gc()
             log.error("engine failed to load: %s", exc)
             self.future.set_exception(exc)
+        else:
+            release_gc()
+            self.future.set_result(engine)
         finally:
             self._streaming.set()
             self._torch_imported.set()
@@ -260,7 +290,8 @@ class EngineStart:
 
         a = self.args
         try:
-            wait_served(engine)
+            if not wait_served(engine):
+                return  # shut down unserved (a test, `chat` ended): nothing to warm
             self.kernels = warm_kernels(engine, self.selection.mode)
             share_when_served(
                 engine,
