@@ -397,7 +397,7 @@ def import_costs(repeats: int) -> dict:
     )
     stmts = {
         "python -c pass": "pass",
-        "settings (pydantic-settings)": "import handler.config as c; c.load_settings({})",
+        "settings (pydantic)": "import handler.config as c; c.load_settings({})",
         "handler.worker": "import handler.worker",
         "handler.server": "import handler.server",
         "starlette + uvicorn": "import starlette.applications, uvicorn",

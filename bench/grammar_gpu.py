@@ -107,6 +107,64 @@ def _host_profile(llm, batch: int, tokens: int, spec, out_dir: str) -> str:
     return path
 
 
+def _timed_fills(backend) -> list[float]:
+    """Seconds of each fill_bitmask call the engine makes from now on (the engine's own call,
+    timed around it)."""
+    seconds: list[float] = []
+    fill = backend.fill_bitmask
+
+    def timed(bitmask, matchers):
+        t0 = time.perf_counter()
+        try:
+            return fill(bitmask, matchers)
+        finally:
+            seconds.append(time.perf_counter() - t0)
+
+    backend.fill_bitmask = timed
+    return seconds
+
+
+def thread_sweep(llm, args, spec) -> list[dict]:
+    """At the largest batch: decode without and with the grammar for each (torch's CPU threads,
+    the batch fill's threads) pair, with the engine's fill calls timed (median, mean, p90 ms)."""
+    b = max(args.batch)
+    default_torch = torch.get_num_threads()
+    rows = []
+    _decode_ms(llm, b, args.tokens, spec)  # graphs captured, the grammar compiled and warm
+    backend = llm.engine.grammars
+    for torch_threads in args.torch_threads or [default_torch]:
+        for fill_threads in args.fill_threads or [0]:
+            torch.set_num_threads(torch_threads)
+            backend.use_fill_threads(fill_threads or None)
+            plain, _ = _decode_ms(llm, b, args.tokens, None)
+            fills = _timed_fills(backend)
+            grammar, _ = _decode_ms(llm, b, args.tokens, spec)
+            del backend.fill_bitmask  # the class's own again
+            ms = sorted(1e3 * s for s in fills)
+            row = {
+                "batch": b,
+                "torch_threads": torch_threads,
+                "fill_threads": fill_threads or "default",
+                "plain_ms": plain,
+                "grammar_ms": grammar,
+                "grammar_over_plain": grammar / plain,
+                "fill_ms_median": statistics.median(ms),
+                "fill_ms_mean": statistics.fmean(ms),
+                "fill_ms_p90": ms[int(0.9 * (len(ms) - 1))],
+            }
+            rows.append(row)
+            print(
+                f"threads torch {torch_threads}, fill {row['fill_threads']}: b={b} "
+                f"{plain:.2f} ms plain, {grammar:.2f} ms with the grammar "
+                f"({grammar / plain - 1:+.1%}); fill {row['fill_ms_median']:.2f} ms median, "
+                f"{row['fill_ms_mean']:.2f} mean, {row['fill_ms_p90']:.2f} p90",
+                flush=True,
+            )
+    torch.set_num_threads(default_torch)
+    backend.use_fill_threads(None)
+    return rows
+
+
 def engine_decode(args, tokenizer_json: str) -> dict:
     """The engine's own decode (SamplingParams.structured_outputs, async scheduling, CUDA graphs)
     at each batch, alternating runs without and with the 20-field schema on every sequence."""
@@ -129,6 +187,8 @@ def engine_decode(args, tokenizer_json: str) -> dict:
     out = {}
     if args.profile:
         out["profile"] = _host_profile(llm, max(args.batch), args.tokens, spec, args.out)
+    if args.fill_threads or args.torch_threads:
+        out["threads"] = thread_sweep(llm, args, spec)
     for b in args.batch:
         runs: dict[str, list[float]] = {"plain_ms": [], "grammar_ms": []}
         for _ in range(args.repeats):
@@ -165,6 +225,20 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--parts", default="device,engine,engines", help="which parts to run")
     ap.add_argument("--profile", action="store_true", help="cProfile one grammar run first")
+    ap.add_argument(
+        "--fill-threads",
+        nargs="*",
+        type=int,
+        default=[],
+        help="sweep the batch fill's threads at the largest batch (0: llguidance's default)",
+    )
+    ap.add_argument(
+        "--torch-threads",
+        nargs="*",
+        type=int,
+        default=[],
+        help="sweep torch's CPU threads (torch.set_num_threads) in the same sweep",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)

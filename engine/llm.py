@@ -189,10 +189,11 @@ class AsyncLLM:
     def errored(self) -> BaseException | None:
         return self._error
 
-    @property
-    def running(self) -> bool:
-        """False once shut down or dead: nothing more will be served."""
-        return not self._stopped and self._error is None
+    def wait_stopped(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for the engine to stop (shut down, or dead); True if it has:
+        nothing more will be served."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     # ---- the engine thread: the only one that touches the engine core and the stream table
     # -----------------

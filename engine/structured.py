@@ -402,6 +402,12 @@ class GrammarBackend:
             )
         return bool(pairs)
 
+    def use_fill_threads(self, threads: int | None) -> None:
+        """The batch fill's thread count from the next fill on (None: llguidance's default, about
+        80% of the cores)."""
+        with self._build_lock:
+            self._fill_threads, self._executor = threads, None
+
     def _fill_executor(self) -> Any:
         with self._build_lock:
             if self._executor is None:

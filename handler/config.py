@@ -1,5 +1,5 @@
 """The worker's settings: every environment variable it reads, in one validated, documented
-pydantic-settings class.
+pydantic class.
 
 `load_settings()` reads them once at start (RunPod worker-vllm's variables as
 handler/worker_vllm_env.json says) and raises SettingsError with one line for each variable it
@@ -8,7 +8,6 @@ cannot honour, naming it and what it allows.
 
 from __future__ import annotations
 
-import contextvars
 import os
 import re
 from collections.abc import Mapping
@@ -16,13 +15,7 @@ from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
-from pydantic_settings import (
-    BaseSettings,
-    EnvSettingsSource,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-)
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from handler import worker_vllm_env
 
@@ -30,29 +23,10 @@ from handler import worker_vllm_env
 # is there.
 DEFAULT_LOCAL_CACHE = Path("~/.cache/coldbrew").expanduser()
 
-# load_settings(env=...) reads this mapping instead of os.environ (set only for the duration of that
-# call).
-_ENV_OVERRIDE: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
-    "coldbrew_env", default=None
-)
-
 
 class SettingsError(ValueError):
     """An environment variable holds a value the worker can't use; the message names it and the
     allowed values."""
-
-
-class _EnvSource(EnvSettingsSource):
-    """pydantic-settings' env source, reading a given mapping instead of os.environ when
-    load_settings got one."""
-
-    def _load_env_vars(self) -> Mapping[str, str | None]:
-        env = _ENV_OVERRIDE.get()
-        if env is None:
-            return super()._load_env_vars()
-        return {
-            str(k).lower(): v for k, v in env.items() if not (self.env_ignore_empty and v == "")
-        }
 
 
 _TOKEN_COUNT = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT])")
@@ -76,11 +50,13 @@ def parse_token_count(text: str) -> int | str:
     return int(number) << (10 * "KMGT".index(suffix) + 10)
 
 
-class Settings(BaseSettings):
+class Settings(BaseModel):
     """Every variable the worker reads. Field `foo_bar` is the environment variable FOO_BAR
-    (case-insensitive); an empty value counts as unset, as RunPod templates often leave them."""
+    (case-insensitive); an empty value counts as unset, as RunPod templates often leave them.
+    load_settings() reads the environment into it (a plain pydantic model: pydantic-settings'
+    sources would be an import at start for a mapping this module already builds)."""
 
-    model_config = SettingsConfigDict(env_ignore_empty=True, extra="ignore", validate_default=True)
+    model_config = ConfigDict(extra="ignore", validate_default=True)
 
     # ---- the model -------------------------------------------------------------------------------
     model_name: str | None = Field(
@@ -399,18 +375,6 @@ class Settings(BaseSettings):
     )
     aws_region: str | None = Field(None, description="Region of the S3 bucket (e.g. us-east-1).")
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        """Keyword arguments, then the environment (no .env files, no secrets directory)."""
-        return init_settings, _EnvSource(settings_cls)
-
     @field_validator("max_model_len", mode="before")
     @classmethod
     def _token_count(cls, value: Any) -> Any:
@@ -576,13 +540,16 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     line per variable that can't be honoured: a bad value, or a worker-vllm variable that
     worker_vllm_env.json refuses."""
     translated, problems = worker_vllm_env.translate(os.environ if env is None else env)
-    token = _ENV_OVERRIDE.set(translated)
+    fields = Settings.model_fields
+    values = {
+        name: value
+        for name, value in ((str(k).lower(), v) for k, v in translated.items())
+        if name in fields and value != ""
+    }
     try:
-        settings = Settings()
+        settings = Settings.model_validate(values)
     except ValidationError as e:
         problems = [_describe_error(err) for err in e.errors()] + problems
-    finally:
-        _ENV_OVERRIDE.reset(token)
     if problems:
         raise SettingsError("\n".join(f"invalid environment: {line}" for line in problems))
     return settings

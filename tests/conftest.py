@@ -37,12 +37,17 @@ def smollm2_dir() -> str:
 def free_gpu_memory() -> None:
     """Hand back the GPU memory of engines no longer referenced: an engine moves its start-up
     objects out of the cyclic GC (gc.freeze), so a test that builds several in one process collects
-    them first."""
+    them first. The start's background kernel warm-up holds its engine until it sees the engine
+    shut down: it ends first."""
     import gc
+    import threading
 
     import torch
 
     if torch.cuda.is_available():
+        for thread in threading.enumerate():
+            if thread.name == "coldbrew-kernels":
+                thread.join(1.0)  # at once when its engine is shut down
         gc.unfreeze()
         gc.collect()
         torch.cuda.empty_cache()
@@ -59,7 +64,7 @@ def gpu_memory_back():
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config):
     """`pytest -m gpu` (make gpu-check) collects only files that hold GPU tests: the GPU machine has
     torch and transformers preinstalled but not necessarily the worker's own dependencies
-    (pydantic-settings, runpod ...)."""
+    (pydantic, runpod ...)."""
     if config.option.markexpr.strip() != "gpu" or collection_path.suffix != ".py":
         return None
     if not collection_path.name.startswith("test_"):

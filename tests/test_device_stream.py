@@ -145,7 +145,7 @@ def test_a_worker_boot_streams_the_pack_it_wrote_on_its_first_start(tmp_path):
     import asyncio
 
     # the worker's own dependencies (make gpu-check needs only torch's)
-    pytest.importorskip("pydantic_settings")
+    pytest.importorskip("pydantic")
     from handler.config import load_settings
     from handler.engine_boot import EngineBoot
 

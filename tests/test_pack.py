@@ -170,3 +170,34 @@ def test_the_stream_picks_the_pack_the_engine_will_load(tmp_path):
     os.remove(fp16)
     os.remove(bf16)
     assert find_packs(packs, want=("auto", None)) == [fp8]
+
+
+def test_tensor_parallel_ranks_stream_the_pack_the_engine_will_load(monkeypatch):
+    # rank 0 streams the pack named for the engine's dtype and quantization settings; ranks 1..N-1,
+    # started by warmup.ranks.launch, are handed the same choice on their command line
+    import engine.distributed.follower as follower
+    import engine.distributed.launch as rank_launch
+    import warmup.ranks as ranks
+    from cache import device_stream
+
+    started: dict = {}
+    monkeypatch.setattr(
+        rank_launch,
+        "start_ranks",
+        lambda size, kind, entry, entry_args: (
+            started.update(size=size, entry=entry, entry_args=entry_args) or _NoDeaths()
+        ),
+    )
+    ranks.launch("/models/m", 2, "cuda", ("bfloat16", "fp8"))
+    assert started["entry"] == "warmup.ranks"
+
+    streams: list = []
+    monkeypatch.setattr(device_stream, "start", lambda *a, **k: streams.append((a, k)))
+    monkeypatch.setattr(follower, "main", lambda argv: None)
+    ranks.main(["--rank", "1", "--size", "2", "--device", "cuda:1", *started["entry_args"]])
+    assert streams == [(("/models/m", "cuda:1"), {"shard": (1, 2), "want": ("bfloat16", "fp8")})]
+
+
+class _NoDeaths:
+    def on_death(self, callback) -> None:
+        pass

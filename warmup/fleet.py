@@ -66,16 +66,16 @@ def wait_served(engine, poll_s: float = IDLE_POLL_S, idle_wait_s: float = IDLE_W
     or waits. False if the engine stopped first (shut down or dead): the caller lets go of it, so
     that a shut-down engine's memory can be freed."""
     while engine.stats_nowait().peak_used_blocks == 0:
-        if not engine.running:
+        if engine.wait_stopped(poll_s):
             return False
-        time.sleep(poll_s)
     deadline = time.monotonic() + idle_wait_s
-    while time.monotonic() < deadline and engine.running:
+    while time.monotonic() < deadline:
         stats = engine.stats_nowait()
         if stats.num_running == 0 and stats.num_waiting == 0:
             break
-        time.sleep(poll_s)
-    return engine.running
+        if engine.wait_stopped(poll_s):
+            return False
+    return not engine.wait_stopped(0)
 
 
 def engines_root(model_dir: str, cache_dir: str) -> str:

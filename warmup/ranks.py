@@ -20,19 +20,33 @@ log = logging.getLogger(__name__)
 EXIT_BACKSTOP_S = 60.0  # past the worker's and the server's own exits after a fatal engine error
 
 
-def launch(model_dir: str, tensor_parallel_size: int, device: str):
+def launch(
+    model_dir: str,
+    tensor_parallel_size: int,
+    device: str,
+    want: tuple[str, str | None] = ("auto", None),
+):
     """Start ranks 1..N-1 for the model in `model_dir` (nothing for one GPU); returns their
-    RankProcesses."""
+    RankProcesses. want: the engine's (dtype setting, quantization), so that each rank streams the
+    shard of the pack the engine will load (cache.pack.find_packs), as rank 0 does."""
     if tensor_parallel_size == 1:
         return None
     from engine.distributed.launch import start_ranks  # stdlib only: torch is not imported here
 
     gpu = device == "cuda" or (device == "auto" and os.path.exists("/dev/nvidiactl"))
+    dtype, quantization = want
     ranks = start_ranks(
         tensor_parallel_size,
         "cuda" if gpu else "cpu",
         entry="warmup.ranks",
-        entry_args=("--model-dir", model_dir),
+        entry_args=(
+            "--model-dir",
+            model_dir,
+            "--dtype",
+            dtype,
+            "--quantization",
+            quantization or "",
+        ),
     )
     ranks.on_death(_exit_after_backstop)
     return ranks
@@ -57,11 +71,14 @@ def main(argv: list[str] | None = None) -> None:
     opts, rest = parse_args(argv)
     own = argparse.ArgumentParser(prog="python -m warmup.ranks")
     own.add_argument("--model-dir", required=True)
-    model_dir = own.parse_args(rest).model_dir
+    own.add_argument("--dtype", default="auto")
+    own.add_argument("--quantization", default="")
+    mine = own.parse_args(rest)
     if opts.device.startswith("cuda"):
         from cache import device_stream
 
-        device_stream.start(model_dir, opts.device, shard=(opts.rank, opts.size))
+        want = (mine.dtype, mine.quantization or None)
+        device_stream.start(mine.model_dir, opts.device, shard=(opts.rank, opts.size), want=want)
     follow(argv)
 
 

@@ -233,8 +233,8 @@ class EngineStart:
         pages = start_pages.default_path(a.cache_dir, a.entry)
         # Tensor parallelism: ranks 1..N-1 start now and stream their own shards; this is rank 0.
         tp_size = a.engine_options.get("tensor_parallel_size", 1)
-        launch_ranks(str(self.model_dir), tp_size, a.device)
         want = (a.engine_options.get("dtype", "auto"), a.engine_options.get("quantization"))
+        launch_ranks(str(self.model_dir), tp_size, a.device, want)
         self.weight_stream = self._timed(
             "stream_start", start_weights, str(self.model_dir), a.device, pages, (0, tp_size), want
         )
