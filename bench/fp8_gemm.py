@@ -60,8 +60,6 @@ def skinny_candidates(variant: str) -> list[tuple[int, int, int, int]]:
     """Tiles to sweep per variant (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
     if variant == "gemv":
         grid = itertools.product((4, 8, 16), (256, 512, 1024), ((4, 2), (8, 3)))
-    elif variant.startswith("swap_"):
-        grid = itertools.product((64, 128), (128, 256, 512), ((4, 3), (4, 4), (8, 3)))
     else:
         grid = itertools.product((16, 32, 64), (512, 1024), ((4, 3), (4, 4), (8, 4)))
     return [(bn, bk, w, s) for bn, bk, (w, s) in grid]

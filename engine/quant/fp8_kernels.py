@@ -6,10 +6,9 @@ are quantized dynamically, one fp32 scale per token (row), the same way. On CUDA
 - rows <= SKINNY_MAX_ROWS (decode): a skinny Triton kernel in the spirit of
   engine/layers/skinny_gemm.py that reads each FP8 weight byte once. Variants (SKINNY_VARIANTS):
   the weights widened to x's dtype for a bf16 dot ("w8a16"), or x quantized per token inside the
-  kernel for an fp8 dot ("w8a8"); each with the weight tile as the dot's first operand ("swap_",
-  y^T = W x^T: Hopper's wgmma wants 64 rows there, which the weight has and x does not); and a
-  dot-free GEMV for one row ("gemv": fp32 multiply-adds, one reduction at the end), the fastest
-  at batch-1 decode.
+  kernel for an fp8 dot ("w8a8"); and a dot-free GEMV for one row ("gemv": fp32 multiply-adds, one
+  reduction at the end), the fastest at batch-1 decode. (Swapping the dot's operands, y^T = W x^T,
+  measured no faster and was removed: bench/results/2026-11-26-h100-fp8/.)
 - more rows: a Triton kernel quantizes the activations per token, then torch._scaled_mm with
   row-wise scales (cuBLAS/CUTLASS FP8 tensor cores).
 Which path and tiles: bench/fp8_gemm.py (bench/results/2026-11-26-h100-fp8/), docs/engine.md.
@@ -34,7 +33,7 @@ MIN_AMAX = 1e-12  # an all-zero row still gets a finite scale
 Fp8SkinnyConfig = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 # above this many rows the per-token quantizer + _scaled_mm path wins (bench/fp8_gemm.py)
 SKINNY_MAX_ROWS = 16
-SKINNY_VARIANTS = ("w8a16", "w8a8", "swap_w8a16", "swap_w8a8")
+SKINNY_VARIANTS = ("w8a16", "w8a8")
 SKINNY_VARIANT = "w8a16"  # decode rows 2..SKINNY_MAX_ROWS (bench/fp8_gemm.py; docs/engine.md)
 # One row (batch-1 decode): "gemv", "skinny" (SKINNY_VARIANT), or "scaled_mm" (its per-token scale
 # is a per-tensor one: _scaled_mm's per-tensor kernel, then the channel scales in one multiply)
@@ -151,72 +150,6 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def _fp8_skinny_swap_kernel(
-        x_ptr,
-        w_ptr,
-        ws_ptr,
-        b_ptr,
-        y_ptr,
-        M,
-        N,
-        K,
-        stride_xm,
-        stride_wn,
-        stride_ym,
-        HAS_BIAS: tl.constexpr,
-        QUANTIZE_X: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        EVEN_K: tl.constexpr,
-    ):
-        """As _fp8_skinny_kernel with the operands swapped: acc [BLOCK_N, BLOCK_M] = W x^T, the FP8
-        weight tile straight from memory as the dot's first operand, stored transposed."""
-        pid_n = tl.program_id(0)
-        rm = tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        rows_ok = rm < M
-        rn_safe = tl.where(rn < N, rn, 0).to(tl.int64)
-        x_base = x_ptr + rm[:, None] * stride_xm + rk[None, :]
-        if QUANTIZE_X:
-            peak = tl.zeros([BLOCK_M], dtype=tl.float32)
-            x_ptrs = x_base
-            for k0 in range(0, K, BLOCK_K):
-                x_mask = rows_ok[:, None] & ((k0 + rk) < K)[None, :]
-                x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
-                peak = tl.maximum(peak, tl.max(tl.abs(x), axis=1))
-                x_ptrs += BLOCK_K
-            x_scale = tl.maximum(peak, 1e-12) / 448.0
-        w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
-        x_ptrs = x_base
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                w = tl.load(w_ptrs)
-                x_mask = rows_ok[:, None]
-            else:
-                k_ok = (k0 + rk) < K
-                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-                x_mask = rows_ok[:, None] & k_ok[None, :]
-            x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-            if QUANTIZE_X:
-                xq = tl.clamp(x.to(tl.float32) / x_scale[:, None], -448.0, 448.0)
-                acc += tl.dot(w, tl.trans(xq.to(w_ptr.dtype.element_ty)))
-            else:
-                acc += tl.dot(w.to(x_ptr.dtype.element_ty), tl.trans(x))
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
-        acc = acc * tl.load(ws_ptr + rn_safe)[:, None]
-        if QUANTIZE_X:
-            acc = acc * x_scale[None, :]
-        if HAS_BIAS:
-            bias = tl.load(b_ptr + rn, mask=rn < N, other=0.0)
-            acc = acc + bias.to(tl.float32)[:, None]
-        y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=rows_ok[None, :] & (rn < N)[:, None])
-
-    @triton.jit
     def _fp8_gemv_kernel(
         x_ptr,
         w_ptr,
@@ -287,8 +220,6 @@ def default_skinny_config(n: int, k: int, variant: str | None = None) -> Fp8Skin
         if n >= 6144:  # qkv
             return (16, 512, 8, 3)
         return (8, 1024, 4, 2)  # o_proj, down_proj
-    if variant.startswith("swap_"):  # the weight tile is the dot's 64-row operand
-        return (64, 256, 4, 3)
     if k >= 8192 or n == k:  # down_proj, o_proj
         return (32, 1024, 4, 3)
     return (32, 512, 4, 3)  # qkv, gate_up
@@ -338,8 +269,7 @@ def fp8_skinny_gemm(
         return y
     if variant not in SKINNY_VARIANTS:
         raise ValueError(f"fp8 skinny variant {variant!r}: one of {SKINNY_VARIANTS} or 'gemv'")
-    kernel = _fp8_skinny_swap_kernel if variant.startswith("swap_") else _fp8_skinny_kernel
-    kernel[(triton.cdiv(n, block_n),)](
+    _fp8_skinny_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
         weight_scale,
@@ -352,7 +282,7 @@ def fp8_skinny_gemm(
         weight.stride(0),
         y.stride(0),
         HAS_BIAS=bias is not None,
-        QUANTIZE_X=variant.endswith("w8a8"),
+        QUANTIZE_X=variant == "w8a8",
         BLOCK_M=max(16, triton.next_power_of_2(m)),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
