@@ -7,7 +7,8 @@
             (handler.config + load_settings) then `import torch`, as the start runs them; and the
             two side by side on two threads. Says whether work in the start's interpreter can
             hide under torch's import (it can where that import gives up the interpreter's lock).
-  profiles  warm starts of the real entry points (bench.cold_start.run_entry) under
+  profiles  warm starts (with --dropped, page cache dropped before each) of the real entry
+            points (bench.cold_start.run_entry) under
             `py-spy record --threads --idle --nonblocking`: each thread's samples summarised as
             a sequence of segments (the deepest frame of this repo, and the library frame it
             called), so that each phase of the ready line shows what it spent. The speedscope
@@ -129,7 +130,7 @@ def _short(path: str) -> str:
 
 def summarise(speedscope: str, min_s: float = 0.02) -> dict:
     """Per thread: its seconds, and its samples as consecutive segments of one label (short ones
-    folded into the next), each with its start (seconds from the thread's first sample)."""
+    folded into the one before), each with its start (seconds from the thread's first sample)."""
     data = json.loads(Path(speedscope).read_text())
     frames = data["shared"]["frames"]
     threads = {}
@@ -159,7 +160,7 @@ def summarise(speedscope: str, min_s: float = 0.02) -> dict:
 
 def profile_runs(args, out_dir: str) -> list[dict]:
     from bench.checkpoint import synthesize
-    from bench.cold_start import prompt_text, run_entry, warm_cache, write_tokenizer
+    from bench.cold_start import drop_caches, prompt_text, run_entry, warm_cache, write_tokenizer
     from cache.pack import find_packs
     from cache.start_pages import default_path
 
@@ -181,7 +182,10 @@ def profile_runs(args, out_dir: str) -> list[dict]:
     os.makedirs(os.path.join(out_dir, "profiles"), exist_ok=True)
     for i in range(args.runs):
         for entry in entries:
-            path = os.path.join(out_dir, "profiles", f"{i + 1}-{entry}.speedscope.json")
+            cache = "dropped" if args.dropped else "warm"
+            path = os.path.join(out_dir, "profiles", f"{i + 1}-{entry}-{cache}.speedscope.json")
+            if args.dropped:
+                drop_caches(model_dir)
             spies: list[subprocess.Popen] = []
 
             def attach(pid: int, path: str = path) -> None:
@@ -196,6 +200,7 @@ def profile_runs(args, out_dir: str) -> list[dict]:
             r = run_entry(entry, model_dir, cache_dir, prompt, {}, on_spawn=attach)
             for spy_proc in spies:
                 spy_proc.wait(timeout=60)
+            r["cache"] = cache
             r["profile"] = summarise(path) if os.path.exists(path) else None
             print(f"{entry} run {i + 1}: {r.get('total_s', r.get('error'))} s", flush=True)
             results.append(r)
@@ -203,7 +208,10 @@ def profile_runs(args, out_dir: str) -> list[dict]:
 
 
 def print_profile(r: dict, min_thread_s: float = 0.05) -> None:
-    print(f"\n== {r['entry']}: first token {r.get('total_s')} s; ready-line phases {r['phases']}")
+    print(
+        f"\n== {r['entry']} ({r.get('cache', 'warm')}): first token {r.get('total_s')} s; "
+        f"ready-line phases {r['phases']}"
+    )
     for name, thread in (r.get("profile") or {}).items():
         if thread["seconds"] < min_thread_s:
             continue
@@ -224,6 +232,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--dropped", action="store_true", help="drop the page cache before each run")
     ap.add_argument("--overlap-rounds", type=int, default=5)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)

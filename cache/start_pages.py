@@ -75,7 +75,7 @@ def stop_watching() -> None:
 
 def default_path(cache_dir: str, entry: str = "") -> str:
     """One record per interpreter, environment (a different venv maps different files) and entry
-    point (the RunPod worker imports the SDK, the server FastAPI)."""
+    point (the RunPod worker's SDK process imports the SDK, the server Starlette)."""
     key = f"{sys.executable}\0{sys.version}\0{sys.prefix}" + (f"\0{entry}" if entry else "")
     key = hashlib.sha256(key.encode()).hexdigest()[:16]
     return os.path.join(cache_dir, "start-pages", f"{key}.json")

@@ -1,8 +1,8 @@
 """The start order users get: the entry modules import no torch, and in a real `python -m handler`
 and `python -m handler serve` process the weights start moving (the stream process, or the
 page-cache prefetch where there is no GPU) before `torch` is imported. The server's own imports
-(FastAPI) wait until torch's import has ended; the worker never imports the RunPod SDK: a process of
-its own, started before the settings, does.
+(Starlette, uvicorn) wait until torch's import has ended; the worker never imports the RunPod SDK:
+a process of its own, started before the settings, does.
 
 Observed from outside the code under test: a sitecustomize on PYTHONPATH installs a CPython audit
 hook (PEP 578) that logs the interpreter's own `import` events (raised when a module is first
