@@ -37,6 +37,15 @@ _READY = re.compile(r"ready: model .* in ([\d.]+)s \((.*)\)\s*$")
 _PHASE = re.compile(r"(\w+) ([\d.]+)s")
 
 
+def child_env() -> dict:
+    """This process's environment with the repo first on PYTHONPATH: for the benchmarks' fresh
+    interpreters."""
+    return dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    )
+
+
 # ---- the page cache ------------------------------------------------------------------------------
 def weight_files(model_dir: str) -> list[str]:
     out = []
@@ -129,6 +138,17 @@ def write_tokenizer(model_dir: str) -> None:
     tok.pre_tokenizer = WhitespaceSplit()
     tok.save(path + ".tmp")
     os.replace(path + ".tmp", path)
+
+
+def bench_model(config: str, root: str) -> tuple[str, str]:
+    """The random-weight checkpoint of bench/configs/`config` under `root` (written on the GPU
+    once), with write_tokenizer's tokenizer; and the cache directory beside it that the entry
+    points are given."""
+    from bench.checkpoint import synthesize
+
+    model_dir = synthesize(config, os.path.join(root, config.removesuffix(".json")), device="cuda")
+    write_tokenizer(model_dir)
+    return model_dir, os.path.join(os.path.dirname(model_dir), "cache")
 
 
 def prompt_text(prompt_len: int) -> str:
@@ -360,10 +380,7 @@ def run_entry(
 def run_child(mode: str, model_dir: str, prompt_len: int) -> dict:
     """A baseline in a fresh process (bench/cold_start_child.py): bare torch + CUDA, or HF
     transformers."""
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    )
+    env = child_env()
     spawned = time.time()
     out = subprocess.run(
         [sys.executable, str(CHILD), mode, model_dir, str(prompt_len)],
@@ -391,10 +408,7 @@ def run_child(mode: str, model_dir: str, prompt_len: int) -> dict:
 def import_costs(repeats: int) -> dict:
     """Median wall seconds of fresh interpreters running each statement (the start path's own
     imports)."""
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    )
+    env = child_env()
     stmts = {
         "python -c pass": "pass",
         "settings (pydantic)": "import handler.config as c; c.load_settings({})",
@@ -473,8 +487,6 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     import torch
 
-    from bench.checkpoint import synthesize
-
     report: dict = {
         "config": args.config,
         "device": torch.cuda.get_device_name(),
@@ -486,12 +498,8 @@ def main() -> None:
     }
     t_run = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - t_run:7.1f}s] {msg}", flush=True)  # noqa: E731
-    model_dir = synthesize(
-        args.config, os.path.join(args.model_dir, args.config.removesuffix(".json")), device="cuda"
-    )
-    write_tokenizer(model_dir)
+    model_dir, cache_dir = bench_model(args.config, args.model_dir)
     torch.cuda.empty_cache()
-    cache_dir = os.path.join(os.path.dirname(model_dir), "cache")
     prompt = prompt_text(args.prompt_len)
     log(f"checkpoint ready: {model_dir}")
     runs: list[dict] = []

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.cold_start import child_env
+
 REPO = Path(__file__).resolve().parent.parent
 
 _CHILD = r"""
@@ -53,10 +55,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     cache_dir = args.cache_dir or os.path.join(os.path.dirname(args.model), "cache")
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    )
+    env = child_env()
     for _ in range(args.rounds):
         for mode in ("with", "without"):
             subprocess.run(

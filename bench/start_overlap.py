@@ -26,15 +26,10 @@ import sys
 import time
 from pathlib import Path
 
+from bench.cold_start import child_env
+
 REPO = Path(__file__).resolve().parent.parent
 CHILD = REPO / "bench" / "cold_start_child.py"
-
-
-def _env() -> dict:
-    return dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    )
 
 
 def bare_child() -> dict:
@@ -43,7 +38,7 @@ def bare_child() -> dict:
     out = subprocess.run(
         [sys.executable, str(CHILD), "bare", "-", "1"],
         cwd=REPO,
-        env=_env(),
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -67,7 +62,10 @@ def run_condition(name: str, pack: str) -> dict:
         stream = device_stream.start(pack, "cuda:0", threads=threads)
     if name.endswith("sdk"):
         sdk = subprocess.Popen(
-            [sys.executable, "-c", "import runpod"], cwd=REPO, env=_env(), stdin=subprocess.DEVNULL
+            [sys.executable, "-c", "import runpod"],
+            cwd=REPO,
+            env=child_env(),
+            stdin=subprocess.DEVNULL,
         )
     try:
         stamps = bare_child()

@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.cold_start import child_env
+
 REPO = Path(__file__).resolve().parent.parent
 OUR_PACKAGES = ("handler", "engine", "cache", "warmup")
 
@@ -65,10 +67,7 @@ print("RESULT " + json.dumps(done), flush=True)
 
 def overlap(rounds: int) -> dict:
     """Median seconds (process start -> each stamp) of the three arrangements."""
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    )
+    env = child_env()
     samples: dict[str, list[dict]] = {"torch": [], "serial": [], "threads": []}
     for _ in range(rounds):
         for mode, runs in samples.items():
@@ -159,16 +158,11 @@ def summarise(speedscope: str, min_s: float = 0.02) -> dict:
 
 
 def profile_runs(args, out_dir: str) -> list[dict]:
-    from bench.checkpoint import synthesize
-    from bench.cold_start import drop_caches, prompt_text, run_entry, warm_cache, write_tokenizer
+    from bench.cold_start import bench_model, drop_caches, prompt_text, run_entry, warm_cache
     from cache.pack import find_packs
     from cache.start_pages import default_path
 
-    model_dir = synthesize(
-        args.config, os.path.join(args.model_dir, args.config.removesuffix(".json")), device="cuda"
-    )
-    write_tokenizer(model_dir)
-    cache_dir = os.path.join(os.path.dirname(model_dir), "cache")
+    model_dir, cache_dir = bench_model(args.config, args.model_dir)
     prompt = prompt_text(args.prompt_len)
     entries = [e for e in args.entries.split(",") if e]
     for entry in entries:  # first starts write the pack, the start pages, Triton's cache

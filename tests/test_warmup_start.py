@@ -53,25 +53,16 @@ def _tiny_start_args(tmp_path, **fields) -> StartArgs:
 
 
 def test_a_local_model_starts_through_every_phase_in_order(tmp_path):
-    model_dir = str(tmp_path / "model")
-    make_tiny_model("llama", model_dir)
-    options = {"dtype": "float32", "num_kv_blocks": 32, "block_size": 4, "max_model_len": 64}
-    start = start_engine(
-        StartArgs(
-            model=model_dir,
-            cache_dir=str(tmp_path / "cache"),
-            device="cpu",
-            engine_options=options,
-            engine_mode="auto",
-        )
-    )
+    args = _tiny_start_args(tmp_path, engine_mode="auto")
+    model_dir = args.model
+    start = start_engine(args)
     assert start.wait_streaming(60)
     engine = start.future.result(timeout=300)
     try:
         assert list(start.phases) == ORDER
         assert start.weight_stream == "prefetch" and str(start.model_dir) == model_dir
         assert start.selection.mode == "jit"  # auto on CPU: no compiled engine
-        reference = LLM(model=model_dir, device="cpu", **options)
+        reference = LLM(model=model_dir, device="cpu", **TINY_OPTIONS)
         expected = reference.generate([[3, 5, 7, 9]], SamplingParams(**GREEDY))[0].outputs[0]
         assert asyncio.run(_greedy(engine, [3, 5, 7, 9])) == expected.token_ids
     finally:
