@@ -284,6 +284,14 @@ def ready_phases(log: str) -> dict | None:
     return None
 
 
+def start_pages_path(cache_dir: str, entry: str) -> str:
+    """The start-page record an entry's first start writes (handler/__main__.py names them: the
+    job queue's loop is "worker", the SDK's local API "worker-api")."""
+    from cache.start_pages import default_path
+
+    return default_path(cache_dir, {"queue": "worker", "worker": "worker-api"}.get(entry, entry))
+
+
 def run_entry(
     entry: str,
     model_dir: str,
@@ -456,8 +464,11 @@ def main() -> None:
     ap.add_argument(
         "--compare-tree",
         type=Path,
-        help="another checkout (an earlier commit): its entry points run too, in the same rounds "
-        "and against the same pack, labelled with its directory's name",
+        action="append",
+        default=[],
+        help="another checkout (an earlier commit, a variant): its entry points run too, in the "
+        "same rounds (warm and dropped) and against the same pack, labelled with its directory's "
+        "name; repeatable",
     )
     ap.add_argument(
         "--import-repeats",
@@ -474,6 +485,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     entries = [e for e in args.entries.split(",") if e]
+    trees = [tree.resolve() for tree in args.compare_tree]
     env_extra = dict(kv.split("=", 1) for kv in args.env)
     logs = iter(range(1, 1000))
 
@@ -516,8 +528,6 @@ def main() -> None:
 
     # First starts: safetensors -> the pack written, the start pages recorded, Triton's kernels and
     # every module's bytecode compiled (as on a worker's first start); not counted.
-    from cache.start_pages import default_path
-
     for entry in entries:
         record(
             f"first start ({entry}; writes what later starts reuse)",
@@ -528,11 +538,11 @@ def main() -> None:
                 cache_dir,
                 prompt,
                 env_extra,
-                keep_until=default_path(cache_dir, entry),
+                keep_until=start_pages_path(cache_dir, entry),
             ),
         )
     report["start_pages_recorded"] = all(
-        os.path.exists(default_path(cache_dir, e)) for e in entries
+        os.path.exists(start_pages_path(cache_dir, e)) for e in entries
     )
     from cache.pack import find_packs
 
@@ -566,8 +576,7 @@ def main() -> None:
                     entry, model_dir, cache_dir, prompt, env_extra, log_path=log_path(entry, "warm")
                 ),
             )
-            if args.compare_tree:
-                tree = args.compare_tree.resolve()
+            for tree in trees:
                 record(
                     f"{ENTRY_LABELS[entry]} ({tree.name})",
                     "warm",
@@ -598,6 +607,21 @@ def main() -> None:
                     log_path=log_path(entry, "dropped"),
                 ),
             )
+            for tree in trees:
+                drop_caches(model_dir)
+                record(
+                    f"{ENTRY_LABELS[entry]} ({tree.name})",
+                    "dropped",
+                    run_entry(
+                        entry,
+                        model_dir,
+                        cache_dir,
+                        prompt,
+                        env_extra,
+                        log_path=log_path(f"{entry}-{tree.name}", "dropped"),
+                        repo=tree,
+                    ),
+                )
 
     report["targets"] = targets(report)
     with open(path, "w") as f:

@@ -158,22 +158,29 @@ def summarise(speedscope: str, min_s: float = 0.02) -> dict:
 
 
 def profile_runs(args, out_dir: str) -> list[dict]:
-    from bench.cold_start import bench_model, drop_caches, prompt_text, run_entry, warm_cache
+    from bench.cold_start import (
+        bench_model,
+        drop_caches,
+        prompt_text,
+        run_entry,
+        start_pages_path,
+        warm_cache,
+    )
     from cache.pack import find_packs
-    from cache.start_pages import default_path
 
     model_dir, cache_dir = bench_model(args.config, args.model_dir)
     prompt = prompt_text(args.prompt_len)
     entries = [e for e in args.entries.split(",") if e]
     for entry in entries:  # first starts write the pack, the start pages, Triton's cache
         first = run_entry(
-            entry, model_dir, cache_dir, prompt, {}, keep_until=default_path(cache_dir, entry)
+            entry, model_dir, cache_dir, prompt, {}, keep_until=start_pages_path(cache_dir, entry)
         )
         print(f"first start ({entry}): {first.get('total_s', first.get('error'))}", flush=True)
     warm_cache(find_packs(os.path.join(model_dir, "packs"))[:1])
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     results = []
     os.makedirs(os.path.join(out_dir, "profiles"), exist_ok=True)
+    os.makedirs(os.path.join(out_dir, "logs"), exist_ok=True)
     for i in range(args.runs):
         for entry in entries:
             cache = "dropped" if args.dropped else "warm"
@@ -191,7 +198,15 @@ def profile_runs(args, out_dir: str) -> list[dict]:
                     subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL)
                 )
 
-            r = run_entry(entry, model_dir, cache_dir, prompt, {}, on_spawn=attach)
+            r = run_entry(
+                entry,
+                model_dir,
+                cache_dir,
+                prompt,
+                {},
+                on_spawn=attach,
+                log_path=os.path.join(out_dir, "logs", f"{i + 1}-{entry}-{cache}.log"),
+            )
             for spy_proc in spies:
                 spy_proc.wait(timeout=60)
             r["cache"] = cache

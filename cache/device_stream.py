@@ -109,6 +109,7 @@ class DeviceStream:
                         self.done_to = max(self.done_to, msg["done_to"])
                     elif "finished" in msg:
                         self.finished = msg["finished"]
+                        _log_finished(self.finished)
                     elif "error" in msg:
                         self.error = msg["error"]
                     else:
@@ -159,6 +160,18 @@ class DeviceStream:
             )
             self.cancel()
             return None
+
+
+def _log_finished(f: dict) -> None:
+    log.info(
+        "device stream: done %.2f s after its spawn (start pages %.0f MB in %.2f s, then the pack "
+        "in %.2f s, %s reads)",
+        f.get("since_spawn", 0.0),
+        f.get("start_pages_bytes", 0) / 1e6,
+        f.get("start_pages_seconds", 0.0),
+        f.get("seconds", 0.0),
+        f.get("mode", "?"),
+    )
 
 
 class _DeviceMemory:

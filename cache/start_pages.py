@@ -3,10 +3,11 @@ recorded once, so a cold start reads them in a few large reads before the weight
 torch` faulting them in one small read at a time behind the weight stream (on the H100's disk a cold
 import beside the stream took 13.9 s, alone 4.5).
 
-record(path): the files this process maps (/proc/self/maps: torch's and CUDA's shared libraries),
-imported (sys.modules) and opened for reading since watch_opens() (package metadata, version and
-data files), each with its pages now in the page cache (mincore), merged into ranges. read(path):
-those ranges into the page cache, in order. Stdlib only.
+record(path): the files this process maps (/proc/self/maps: torch's and CUDA's shared libraries)
+with the pages it touched (present in its page table), and those it imported (sys.modules) or
+opened for reading since watch_opens() (package metadata, version and data files) with their pages
+now in the page cache (mincore), merged into ranges. read(path): those ranges into the page cache,
+in order. Stdlib only.
 """
 
 from __future__ import annotations
@@ -30,10 +31,14 @@ READ_BYTES = 8 << 20
 FORMAT = 1
 WEIGHT_SUFFIXES = (".safetensors", ".cbpack", ".gguf", ".bin", ".pt", ".pth")  # never start pages
 
+_PRESENT = bytes(b >> 7 for b in range(256))  # a pagemap entry's top byte -> 1 if present
 _opened: dict[str, None] = {}  # files opened for reading while watching, in order
 _others: dict[str, None] = {}  # start files of the start's other processes (add_files)
 _watching = False
 _hooked = False
+_expecting = False  # expect_files() was called
+_others_sent = threading.Event()
+OTHERS_WAIT_S = 120.0
 
 
 def watch_opens() -> None:
@@ -66,6 +71,15 @@ def add_files(paths: list[str]) -> None:
     sends its start_files()): recorded with this one's, so a cold start reads them first too."""
     for path in paths:
         _others.setdefault(path, None)
+    _others_sent.set()
+
+
+def expect_files() -> None:
+    """Another process of this start will send its files (add_files): the record waits for them,
+    up to OTHERS_WAIT_S after the engine is ready (the SDK's local API sends them only at its first
+    job)."""
+    global _expecting
+    _expecting = True
 
 
 def stop_watching() -> None:
@@ -79,6 +93,44 @@ def default_path(cache_dir: str, entry: str = "") -> str:
     key = f"{sys.executable}\0{sys.version}\0{sys.prefix}" + (f"\0{entry}" if entry else "")
     key = hashlib.sha256(key.encode()).hexdigest()[:16]
     return os.path.join(cache_dir, "start-pages", f"{key}.json")
+
+
+def touched_pages(page: int) -> dict[str, bytearray]:
+    """For each regular file this process maps: one byte per page of the file, 1 where a mapping
+    of it has the page present in this process's page table (/proc/self/pagemap, bit 63: readable
+    without privileges). That is what the process touched (and the kernel's fault-around next to
+    it), where the page cache's residency (mincore) also counts every page any other process, an
+    install or a readahead brought in. {} where pagemap can't be read."""
+    out: dict[str, bytearray] = {}
+    try:
+        maps = open("/proc/self/maps").read().splitlines()
+        pagemap = os.open("/proc/self/pagemap", os.O_RDONLY)
+    except OSError:
+        return {}
+    try:
+        for line in maps:
+            parts = line.split(maxsplit=5)
+            if len(parts) < 6 or not parts[5].startswith("/"):
+                continue
+            name = parts[5].strip()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            first = int(parts[2], 16) // page  # the mapping's first page in the file
+            count = (hi - lo) // page
+            try:
+                entries = os.pread(pagemap, 8 * count, 8 * (lo // page))
+                size = os.path.getsize(name)
+            except OSError:
+                continue
+            vec = out.setdefault(name, bytearray(-(-size // page)))
+            # bit 63 of each little-endian entry: the top bit of its last byte
+            flags = entries[7::8].translate(_PRESENT)[: max(0, len(vec) - first)]
+            here = vec[first : first + len(flags)]
+            vec[first : first + len(flags)] = (
+                bytes(a | b for a, b in zip(here, flags)) if any(here) else flags
+            )
+    finally:
+        os.close(pagemap)
+    return out
 
 
 def start_files() -> list[str]:
@@ -132,10 +184,12 @@ def record(path: str) -> int:
     """Write the start path's resident ranges to `path` (atomically); returns the bytes they
     cover."""
     page = os.sysconf("SC_PAGE_SIZE")
+    touched = touched_pages(page)
     files = []
     total = 0
     for f in start_files():
-        vec = page_residency(f)
+        # a mapped file: the pages this process used; others (read, not mapped): what is cached
+        vec = touched.get(f) or page_residency(f)
         if not vec:
             continue
         ranges = _ranges(vec, page)
@@ -159,6 +213,8 @@ def record_in_background(path: str) -> None:
         return
 
     def run() -> None:
+        if _expecting and not _others_sent.wait(OTHERS_WAIT_S):
+            log.info("start pages: the other process's files did not come; recorded without them")
         try:
             record(path)
         except OSError as e:

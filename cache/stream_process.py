@@ -31,6 +31,13 @@ from cache.pack import read_pack
 from cache.prefetch import resident_fraction
 
 RING_PER_THREAD = 2  # pinned buffers per reader: one is read into while the other's copy runs
+# Off the disk (O_DIRECT), one reader of large chunks: the disk sees one sequential read at a time,
+# which it serves at least as fast as many readers, and the start's own small reads (imports,
+# manifests, the SDK's process) get their turn between two chunks instead of queueing behind a
+# dozen (bench/read_contention.py on the H100 machine's disk, docs/performance.md). From the page
+# cache the copies are memory-bound and the caller's many readers stay.
+DIRECT_READERS = 1
+DIRECT_CHUNK_BYTES = 64 << 20
 
 
 class Streamer:
@@ -47,16 +54,18 @@ class Streamer:
         self.sock = sock
         self.ordinal = ordinal
         self.pack = read_pack(pack_path)
+        resident = resident_fraction(
+            pack_path, self.pack.data_offset, self.pack.data_nbytes, samples=256
+        )
+        self.direct = resident is not None and resident < 0.5
+        if self.direct:
+            threads, chunk_bytes = DIRECT_READERS, DIRECT_CHUNK_BYTES
         self.chunk_bytes = chunk_bytes
         self.chunks = [
             (off, min(chunk_bytes, self.pack.data_end - off))
             for off in range(self.pack.data_offset, self.pack.data_end, chunk_bytes)
         ]
         self.threads = max(1, min(threads, len(self.chunks)))
-        resident = resident_fraction(
-            pack_path, self.pack.data_offset, self.pack.data_nbytes, samples=256
-        )
-        self.direct = resident is not None and resident < 0.5
         self.lock = threading.Lock()
         self.send_lock = threading.Lock()
         self.next = 0

@@ -104,7 +104,13 @@ def main(argv: list[str] | None = None) -> None:
 
         # first: the SDK's import (a second or more) runs in its own process beside the start
         sdk = front_link.SdkProcess(argv) if front_link.wants_sdk_process(argv) else None
-        boot = begin("worker")
+        if sdk is not None:
+            from cache import start_pages
+
+            start_pages.expect_files()  # it sends what it imported: the start pages wait for them
+        # the SDK's local API (--rp_serve_api) imports a web server the job queue's loop does not:
+        # its own start-page record
+        boot = begin("worker-api" if "--rp_serve_api" in argv else "worker")
         if boot is not None and sdk is not None:
             sdk.configure(boot.settings.log_level, boot.settings.max_concurrency)
         import_entry("worker", boot)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 
 import pytest
 import torch
@@ -35,6 +36,30 @@ def _ref() -> dict[str, torch.Tensor]:
 
 
 # ---- CPU -----------------------------------------------------------------------------------------
+def test_off_the_disk_one_reader_streams_large_chunks_and_from_memory_the_callers_many(tmp_path):
+    from cache.prefetch import resident_fraction
+    from cache.stream_process import DIRECT_CHUNK_BYTES, DIRECT_READERS, Streamer
+
+    path = pack_of(_ref(), str(tmp_path / "p.cbpack"))
+    a, b = socket.socketpair()
+    with open(path, "rb") as f:
+        f.read()  # in the page cache
+    warm = Streamer(path, 0, a, threads=16, chunk_bytes=1 << 20)
+    assert (warm.direct, warm.threads, warm.chunk_bytes) == (False, 16, 1 << 20)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    pack = read_pack(path)
+    if resident_fraction(path, pack.data_offset, pack.data_nbytes) > 0.1:
+        pytest.skip("this file system keeps the pack's pages (tmpfs)")
+    cold = Streamer(path, 0, a, threads=16, chunk_bytes=1 << 20)
+    assert cold.direct and cold.chunk_bytes == DIRECT_CHUNK_BYTES
+    assert cold.threads == min(DIRECT_READERS, len(cold.chunks)) == 1
+    assert cold.chunks == [(pack.data_offset, pack.data_nbytes)]  # smaller than one chunk
+    a.close(), b.close()
+
+
 @pytest.mark.skipif(os.path.exists("/dev/nvidiactl"), reason="this machine has an NVIDIA driver")
 def test_without_a_driver_no_stream_starts(tmp_path):
     path = pack_of({"w": torch.ones(4)}, str(tmp_path / "p.cbpack"))

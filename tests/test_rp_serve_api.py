@@ -11,6 +11,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,9 +33,15 @@ def _printed_curl(lines: list[str]) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def local_api(smollm2_dir):
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def local_api(smollm2_dir, cache_dir):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_")}
     env.update(
+        CACHE_DIR=str(cache_dir),
         MODEL_NAME=smollm2_dir,
         MAX_MODEL_LEN="2048",
         DEVICE="cpu",
@@ -209,3 +216,20 @@ def test_test_input_runs_one_job_and_exits(smollm2_dir):
         bad.returncode == 1
         and "input.prompt" in json.loads(bad.stdout.strip().splitlines()[-1])["error"]
     )
+
+
+@pytest.mark.slow
+def test_the_local_apis_start_pages_are_its_own_and_hold_the_sdks_web_server(local_api, cache_dir):
+    from cache import start_pages
+
+    base, _ = local_api
+    assert _runsync(base, {"prompt": "hi", "sampling_params": {"max_tokens": 1}})["output"]
+    # written once the SDK's loop has sent its files (at its first job) and the engine is ready
+    record = Path(start_pages.default_path(str(cache_dir), "worker-api"))
+    deadline = time.monotonic() + 30
+    while not record.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    names = [name for name, _ in json.loads(record.read_text())["files"]]
+    # the SDK's local API runs FastAPI in the SDK's process; the job queue's loop does not
+    assert any(f"{os.sep}fastapi{os.sep}" in n for n in names), names[:20]
+    assert not Path(start_pages.default_path(str(cache_dir), "worker")).exists()

@@ -52,6 +52,31 @@ def test_a_record_holds_the_mapped_libraries_and_imported_modules_with_their_pag
     assert data["bytes"] == sum(n for r in files.values() for _, n in r)
 
 
+def test_a_mapped_file_records_the_pages_the_process_touched_not_all_it_finds_cached(tmp_path):
+    big = tmp_path / "lib.so"
+    big.write_bytes(os.urandom(64 << 20))  # just written: every page in the page cache
+    code = (
+        "import mmap, sys\n"
+        "from cache import start_pages\n"
+        f"f = open({str(big)!r}, 'rb')\n"
+        "m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)\n"
+        "m[0], m[32 << 20]\n"  # two pages touched, as a loader touches a library's
+        f"start_pages.record({str(tmp_path / 'pages.json')!r})\n"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        check=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
+    data = json.load(open(tmp_path / "pages.json"))
+    ranges = dict((name, r) for name, r in data["files"])[str(big)]
+    # each touched page, with at most the kernel's fault-around beside it (64 KiB by default)
+    assert ranges[0][0] == 0 and ranges[-1][0] + ranges[-1][1] > 32 << 20
+    assert sum(n for _, n in ranges) <= 4 << 20
+
+
 def test_the_files_opened_for_reading_while_watched_join_the_record(tmp_path):
     names = {n: tmp_path / n for n in ("METADATA", "written.txt", "model.safetensors", "later.txt")}
     for p in names.values():

@@ -196,6 +196,25 @@ def test_install_adds_the_kernels_keeps_what_is_there_and_returns_the_record(tmp
     assert all(os.path.exists(p) for p in moved.values())
 
 
+def test_a_second_install_of_the_same_artifact_walks_nothing(tmp_path, monkeypatch):
+    art = _write_artifact(tmp_path / "engines", _key(), {"k1/kernel.cubin": b"bin"})
+    cache = tmp_path / "triton"
+    install(str(art), str(cache))
+    (cache / "k1" / "kernel.cubin").unlink()  # the walk would copy it back
+    walked = []
+    monkeypatch.setattr(os, "listdir", lambda *a: walked.append(a) or [])
+    monkeypatch.setattr(os, "scandir", lambda *a: walked.append(a) or iter(()))
+    assert install(str(art), str(cache))["kv_step_bytes"] == 123456789
+    assert walked == [] and not (cache / "k1" / "kernel.cubin").exists()
+    monkeypatch.undo()
+    # another artifact (here: the same key rebuilt with another record) is walked and copied
+    other = json.loads((art / ARTIFACT_FILE).read_text())
+    other["record"]["graph_sizes"] = [1]
+    (art / ARTIFACT_FILE).write_text(json.dumps(other))
+    assert install(str(art), str(cache))["cuda_graph_sizes"] == [1]
+    assert (cache / "k1" / "kernel.cubin").read_bytes() == b"bin"
+
+
 def test_an_installed_artifact_is_a_hit_for_tritons_own_cache_manager(tmp_path, monkeypatch):
     triton_cache = pytest.importorskip("triton.runtime.cache")
     built = tmp_path / "build" / "triton-cache"

@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 ARTIFACT_FORMAT = 1
 ARTIFACT_FILE = "artifact.json"
 TRITON_DIR = "triton-cache"
+INSTALLED_DIR = ".coldbrew-installed"  # in Triton's cache: one empty file per artifact installed
 ENGINES_DIR = "engines"
 ENGINE_MODES = ("auto", "jit", "compiled")
 # The key's fields, in the order a mismatch names them: what was built for must be what runs.
@@ -246,11 +247,21 @@ def install(artifact: str, triton_cache_dir: str | None = None) -> dict:
         import triton.knobs
 
         triton_cache_dir = triton.knobs.cache.dir
+    with open(os.path.join(artifact, ARTIFACT_FILE), "rb") as f:
+        raw = f.read()
+    record = json.loads(raw)["record"]
+    # One file says this very artifact (its record's hash) is all in this cache already: a later
+    # start skips the walk, whose hundreds of small file-system calls each wait behind the weight
+    # stream's reads when the page cache is cold.
+    done = os.path.join(triton_cache_dir, INSTALLED_DIR, hashlib.sha256(raw).hexdigest()[:16])
     src = os.path.join(artifact, TRITON_DIR)
-    if os.path.isdir(src):
+    if os.path.isdir(src) and not os.path.exists(done):
         shutil.copytree(src, triton_cache_dir, dirs_exist_ok=True, copy_function=_copy_if_missing)
-    with open(os.path.join(artifact, ARTIFACT_FILE)) as f:
-        record = json.load(f)["record"]
+        try:
+            os.makedirs(os.path.dirname(done), exist_ok=True)
+            open(done, "w").close()
+        except OSError as e:  # a read-only cache: the walk again next time, nothing worse
+            log.info("compiled engine: could not note the installed kernels (%s)", e)
     overrides = {"cuda_graph_sizes": record["graph_sizes"]}
     # measured on the GPU; without it the analytic bound sizes the KV cache
     if record.get("kv_step_bytes") is not None:

@@ -79,7 +79,7 @@ class StartArgs:
     engine_options: dict[str, Any] = field(default_factory=dict)
     engine_mode: str = "auto"  # jit | compiled | auto
     locate: Callable[[], str] | None = None  # finds the model's directory instead of cache.resolve
-    entry: str = ""  # the entry point starting ("serve", "worker"): its start pages are its own
+    entry: str = ""  # the entry starting ("serve", "worker", "worker-api"): its own start pages
 
 
 _gc_held = False  # hold_gc() turned the cyclic GC off; the end of the start turns it back on
