@@ -8,13 +8,14 @@ on the same GPU:
       cache;
   (c) the artifact (a) published, an empty Triton cache;
   (d) ENGINE_MODE=jit with a warm Triton cache (a worker before it compiled the whole kernel set
-  there).
+  there), twice: how far two runs of one mode agree is the control for the others' agreement.
 
 Each: one streamed request is sent as soon as the server listens (start -> first token, client-timed
 from the spawn), then 32 concurrent streams (mixed prompt lengths, 64 tokens, greedy): burst wall
 time, time to first token p50 / p99, the median stream's longest pause between two tokens. The
 greedy tokens of every request are compared across the four (the model's tokenizer is word-level:
-one word per token id, so texts compare token ids).
+one word per token id, so texts compare token ids). For (b) and (c), the kernels the run compiled
+that its artifact did not bring are listed.
 
 `python -m bench.compiled_start --out $OUT` on a GPU machine: synthesizes the model
 (bench.checkpoint), writes $OUT/compiled-start.json and prints the table.
@@ -102,14 +103,10 @@ class Serve:
         return "\n".join(line for _, line in self.lines[-last:])
 
     def wait_for(self, pattern: str, timeout: float) -> bool:
-        """Until a log line matches; False at once when the worker logged no "kernels:" line at
-        ready (a start sequence without warmup.ready's hooks: nothing to wait for)."""
+        """Until a log line matches (the kernel warm-up and the fleet's publish come once the
+        engine has served and is idle), the process exits, or the timeout."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not any("kernels:" in line for _, line in self.lines) and any(
-                "ready:" in line for _, line in self.lines
-            ):
-                return False
             if any(re.search(pattern, line) for _, line in self.lines):
                 return True
             if self.proc.poll() is not None:
@@ -124,6 +121,26 @@ class Serve:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
+
+
+def kernel_names(triton_cache: Path) -> list[str]:
+    """The kernels in a Triton cache directory (each entry's metadata file is named after its
+    kernel), sorted, one per compiled entry."""
+    return sorted(
+        p.stem
+        for p in triton_cache.glob("*/*.json")
+        if not p.name.startswith("__grp__") and p.parent.name != ".coldbrew-installed"
+    )
+
+
+def compiled_at_run_time(run_cache: Path, artifact_cache: Path | None) -> list[str]:
+    """Kernels the run's Triton cache holds that the artifact it started from did not bring."""
+    have = kernel_names(artifact_cache) if artifact_cache else []
+    extra = list(kernel_names(run_cache))
+    for name in have:
+        if name in extra:
+            extra.remove(name)
+    return extra
 
 
 def stream(port: int, ids: list[int], max_tokens: int) -> dict:
@@ -164,12 +181,22 @@ def stream(port: int, ids: list[int], max_tokens: int) -> dict:
     return {"sent": sent, "times": times, "text": "".join(text)}
 
 
+PROFILE: dict[str, str] = {}  # run name -> where py-spy writes its speedscope file (--py-spy)
+
+
 def measure(
     name: str, env: dict[str, str], vocab: int, wait_line: str | None = None, wait_s: float = 300.0
 ) -> dict:
     """One start: the first streamed request, then the burst; optionally wait for a log line before
-    stopping."""
+    stopping. With --py-spy naming this run, py-spy samples every thread of the server from its
+    spawn (bench.start_profile summarises the samples)."""
     server = Serve(env)
+    spy = None
+    if name in PROFILE:
+        exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        cmd = [exe, "record", "--pid", str(server.proc.pid), "--threads", "--idle"]
+        cmd += ["--nonblocking", "-r", "200", "--format", "speedscope", "-o", PROFILE[name]]
+        spy = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL)
     first = stream(server.port, prompt(128, 0, vocab), 16)
     if not first["times"]:
         server.stop()
@@ -194,6 +221,12 @@ def measure(
         t.join()
     waited = server.wait_for(wait_line, wait_s) if wait_line else None
     code = server.stop()
+    profile = None
+    if spy is not None:
+        from bench.start_profile import summarise
+
+        spy.wait(timeout=60)
+        profile = summarise(PROFILE[name]) if os.path.exists(PROFILE[name]) else None
     start = min(r["sent"] for r in burst)
     ttft = sorted(r["times"][0] - r["sent"] for r in burst if r["times"])
     pauses = sorted(
@@ -215,6 +248,7 @@ def measure(
         "wait_found": waited,
         "exit_code": code,
         "log": [f"{t:7.2f}s {line}" for t, line in server.lines if keep.search(line)],
+        "profile": profile,
     }
 
 
@@ -228,7 +262,13 @@ def main() -> None:
     )
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument(
+        "--py-spy", default="", help="comma list of runs (a, b, c, d) to sample with py-spy"
+    )
     args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    for run in filter(None, args.py_spy.split(",")):
+        PROFILE[run] = os.path.join(args.out, f"{run}.speedscope.json")
     import torch
 
     from bench.checkpoint import synthesize
@@ -283,8 +323,14 @@ def main() -> None:
     )
     # (a)'s volume
     runs["c"] = measure("c", {**env("c", "auto"), "CACHE_DIR": str(root / "cache-a")}, vocab)
-    log(f"(c) published artifact: {runs['c']['first_token_s']:.2f} s")
     published = Path(model_dir) / "engines"
+    artifact = next(published.glob("*/triton-cache"), None)
+    runs["c"]["artifact_kernels"] = len(kernel_names(artifact)) if artifact else 0
+    runs["c"]["compiled_at_run_time"] = compiled_at_run_time(root / "triton-c", artifact)
+    log(
+        f"(c) published artifact: {runs['c']['first_token_s']:.2f} s; its kernels "
+        f"{runs['c']['artifact_kernels']}, compiled at run time {runs['c']['compiled_at_run_time']}"
+    )
     if published.exists():  # (b) must find only its own artifact
         published.rename(root / "engines-published")
     build_env = {
@@ -327,9 +373,19 @@ def main() -> None:
     )
     if built.returncode == 0:
         runs["b"] = measure("b", env("b", "auto"), vocab)
-        log(f"(b) GPU-less artifact: {runs['b']['first_token_s']:.2f} s")
+        artifact = next((root / "cache-b" / "engines").glob("*/triton-cache"), None)
+        runs["b"]["artifact_kernels"] = len(kernel_names(artifact)) if artifact else 0
+        runs["b"]["compiled_at_run_time"] = compiled_at_run_time(root / "triton-b", artifact)
+        log(
+            f"(b) GPU-less artifact: {runs['b']['first_token_s']:.2f} s; its kernels "
+            f"{runs['b']['artifact_kernels']}, compiled at run time "
+            f"{runs['b']['compiled_at_run_time']}"
+        )
     runs["d"] = measure("d", env("d", "jit", "warm"), vocab)
     log(f"(d) warm cache: {runs['d']['first_token_s']:.2f} s")
+    # the same start again: how far a burst's greedy tokens agree between two runs of one mode
+    runs["d2"] = measure("d2", env("d", "jit", "warm"), vocab)
+    log(f"(d) again: {runs['d2']['first_token_s']:.2f} s")
     summarize(report)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "compiled-start.json"), "w") as f:
@@ -340,12 +396,12 @@ def main() -> None:
 def summarize(report: dict) -> None:
     runs, d = report["runs"], report["runs"].get("d")
     report["tokens"] = {
-        "first_request_identical": len({r["first_text"] for k, r in runs.items() if k in "abcd"})
+        "first_request_identical": len({r["first_text"] for k, r in runs.items() if k != "prime"})
         == 1,
         "burst_streams_identical_to_d": {
             k: sum(x == y for x, y in zip(r["burst_texts"], d["burst_texts"]))
             for k, r in runs.items()
-            if k in "abc"
+            if k in ("a", "b", "c", "d2")
         }
         if d
         else None,

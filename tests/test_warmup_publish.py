@@ -212,3 +212,27 @@ def test_an_artifact_without_a_memory_record_matches_any_memory_and_an_exact_one
         other_arch.mode == "jit"
         and "gpu_arch (built for 'sm_90', this worker 'sm_89')" in other_arch.reason
     )
+
+
+def test_a_published_artifact_carries_the_kernels_launchers_and_installs_them(tmp_path):
+    from warmup.artifacts import install
+    from warmup.publish import stage_from_cache
+
+    cache = fake_triton_cache(tmp_path / "triton", "/home/w1/.triton/cache")
+    launcher = cache / "DDDD" / "__triton_launcher.cpython-312-x86_64-linux-gnu.so"
+    launcher.parent.mkdir()
+    launcher.write_bytes(b"\x7fELF launcher")  # as Triton's build.py puts it: one file, no group
+    key = any_memory(worker_key())
+    # the entries a worker names are its kernels'; the launchers are found in the cache
+    staging = stage_from_cache(
+        str(cache), ["AAAA", "BBBB"], key, {"graph_sizes": [1]}, str(tmp_path)
+    )
+    staged = Path(staging) / "triton-cache"
+    assert sorted(os.listdir(staged)) == ["AAAA", "BBBB", "DDDD"]
+    assert json.loads((Path(staging) / "artifact.json").read_text())["record"]["kernels"] == {
+        "AAAA": "_rms_norm_kernel",
+        "BBBB": "paged_attention_kernel",
+    }
+    fresh = tmp_path / "worker-triton"
+    install(staging, str(fresh))
+    assert (fresh / "DDDD" / launcher.name).read_bytes() == b"\x7fELF launcher"

@@ -177,4 +177,31 @@ def _compile_items(
             if count not in models:
                 models[count] = meta_model(cfg, dtype, split_target(count))
             trace(models[count], [step], args.block_size, max_model_len, sink, args.kv_cache_dtype)
+        build_launchers(sink)
         return kernel_dirs(sink)
+
+
+def build_launchers(kernels: list) -> int:
+    """Build each kernel's launcher (the small C module through which Triton launches it, one per
+    signature: gcc, about 0.3 s each at a kernel's first launch) into the current Triton cache, as a
+    first launch on the GPU would. It needs the CUDA driver's library to link against, not a GPU;
+    without it, none is built (the worker builds them at first use). Returns how many were built."""
+    try:
+        from triton.backends.nvidia.driver import CudaLauncher
+    except ImportError:
+        return 0
+    seen: set = set()
+    built = 0
+    for kernel in kernels:
+        src = kernel.src
+        sig = (repr(sorted(src.signature.items())), repr(sorted(src.constants.items())))
+        if sig in seen:
+            continue
+        seen.add(sig)
+        try:
+            CudaLauncher(src, kernel.metadata)
+        except Exception as exc:  # noqa: BLE001 - no libcuda here (AssertionError), no compiler
+            log.info("warmup: kernel launchers not built here (%s); workers build them", exc)
+            return built
+        built += 1
+    return built

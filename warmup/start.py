@@ -259,6 +259,9 @@ class EngineStart:
         self._timed("preload_start", preload_weights, args)
         if triton_key is not None:
             self._timed("triton_key", triton_key.install)
+            from warmup.compile_log import install as log_compiles
+
+            log_compiles()  # a kernel compiled while serving is named in the log
         args = self._timed("engine_mode", self._engine_mode, args)
         t_import = time.perf_counter()
         from engine import AsyncLLM
