@@ -560,6 +560,25 @@ def main() -> None:
             + json.dumps({k: round(v, 3) for k, v in report["import_costs_s"].items()})
         )
 
+    def run_checkouts(entry: str, cache: str) -> None:
+        """One start of `entry` from this checkout, then from each --compare-tree (the page cache
+        dropped before each when `cache` is "dropped")."""
+        for tree in [None, *trees]:
+            if cache == "dropped":
+                drop_caches(model_dir)
+            name = entry if tree is None else f"{entry}-{tree.name}"
+            r = run_entry(
+                entry,
+                model_dir,
+                cache_dir,
+                prompt,
+                env_extra,
+                log_path=log_path(name, cache),
+                repo=tree or REPO,
+            )
+            label = ENTRY_LABELS[entry] + ("" if tree is None else f" ({tree.name})")
+            record(label, cache, r)
+
     warm_cache([pack])
     for i in range(args.warm_runs):
         record("bare torch + CUDA init", "warm", run_child("bare", model_dir, args.prompt_len))
@@ -569,19 +588,7 @@ def main() -> None:
             run_child("bare-gc-off", model_dir, args.prompt_len),
         )
         for entry in entries:
-            record(
-                ENTRY_LABELS[entry],
-                "warm",
-                run_entry(
-                    entry, model_dir, cache_dir, prompt, env_extra, log_path=log_path(entry, "warm")
-                ),
-            )
-            for tree in trees:
-                record(
-                    f"{ENTRY_LABELS[entry]} ({tree.name})",
-                    "warm",
-                    run_entry(entry, model_dir, cache_dir, prompt, env_extra, repo=tree),
-                )
+            run_checkouts(entry, "warm")
     warm_cache([p for p in weight_files(model_dir) if p.endswith(".safetensors")])
     for _ in range(args.hf_runs):
         record("HF from_pretrained + generate", "warm", run_child("hf", model_dir, args.prompt_len))
@@ -594,34 +601,7 @@ def main() -> None:
         drop_caches(model_dir)
         record("bare torch + CUDA init", "dropped", run_child("bare", model_dir, args.prompt_len))
         for entry in entries:
-            drop_caches(model_dir)
-            record(
-                ENTRY_LABELS[entry],
-                "dropped",
-                run_entry(
-                    entry,
-                    model_dir,
-                    cache_dir,
-                    prompt,
-                    env_extra,
-                    log_path=log_path(entry, "dropped"),
-                ),
-            )
-            for tree in trees:
-                drop_caches(model_dir)
-                record(
-                    f"{ENTRY_LABELS[entry]} ({tree.name})",
-                    "dropped",
-                    run_entry(
-                        entry,
-                        model_dir,
-                        cache_dir,
-                        prompt,
-                        env_extra,
-                        log_path=log_path(f"{entry}-{tree.name}", "dropped"),
-                        repo=tree,
-                    ),
-                )
+            run_checkouts(entry, "dropped")
 
     report["targets"] = targets(report)
     with open(path, "w") as f:

@@ -11,7 +11,6 @@ its own, started before anything else (handler.sdk_front), so its import runs be
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import sys
 
@@ -77,6 +76,8 @@ def chat(argv: list[str]) -> None:
             line = args.prompt
         if line.strip():
             history.append({"role": "user", "content": line})
+            import asyncio
+
             reply = asyncio.run(answer())
             history.append({"role": "assistant", "content": reply})
             print(reply if args.prompt is not None else f"model> {reply}", flush=True)

@@ -5,7 +5,6 @@ gives the engine (or raises its load error). Imports no torch.
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import logging
 import os
@@ -205,6 +204,8 @@ class EngineBoot:
         """The AsyncLLM once loaded; raises the load error if loading failed. Starts loading if
         nobody did."""
         self.start()
+        import asyncio  # not at import: this module loads before the weights move
+
         return await asyncio.wrap_future(self._future)
 
     def engine_now(self):

@@ -21,12 +21,15 @@ after a SIGTERM, or a crash) closes the other end.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import socket
 import subprocess
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import asyncio
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the longest message (a line): a job's input or one chunk of its output, whole
@@ -40,6 +43,8 @@ def encode(msg: dict) -> bytes:
 
 async def connect(sock: socket.socket) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """The socket in the running event loop."""
+    import asyncio  # here: this module is imported before the weights move, asyncio is not needed
+
     return await asyncio.open_unix_connection(sock=sock, limit=LINE_LIMIT)
 
 

@@ -34,6 +34,15 @@ def smollm2_dir() -> str:
     )
 
 
+def triton_nvidia_backend() -> bool:
+    """Triton with its CUDA backend's ptxas: kernels compile ahead of time for a named GPU here,
+    no GPU needed."""
+    spec = importlib.util.find_spec("triton")
+    if spec is None or spec.origin is None:
+        return False
+    return (Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "ptxas").is_file()
+
+
 def free_gpu_memory() -> None:
     """Hand back the GPU memory of engines no longer referenced: an engine moves its start-up
     objects out of the cyclic GC (gc.freeze), so a test that builds several in one process collects

@@ -4,7 +4,6 @@ sm_90, no GPU needed) with a fresh cache directory."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -14,17 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from conftest import triton_nvidia_backend
+
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _nvidia_backend() -> bool:
-    spec = importlib.util.find_spec("triton")
-    if spec is None or spec.origin is None:
-        return False
-    return (Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "ptxas").is_file()
-
-
-@pytest.mark.skipif(not _nvidia_backend(), reason="triton without its CUDA backend (ptxas)")
+@pytest.mark.skipif(not triton_nvidia_backend(), reason="triton without its CUDA backend (ptxas)")
 def test_a_compile_is_logged_by_name_and_a_cache_hit_only_counted(tmp_path):
     script = textwrap.dedent("""
         import logging, sys

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from child_process import run_in_triton_interpreter
+from conftest import triton_nvidia_backend
 from engine.config import ModelConfig
 from engine.distributed.sharding import Shard
 from engine.layers.moe import SparseMoeBlock, experts_reference, route_reference
@@ -253,14 +254,7 @@ def test_fused_moe_under_the_triton_interpreter_matches_torch():
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
-def _nvidia_backend() -> bool:
-    spec = importlib.util.find_spec("triton")
-    if spec is None or spec.origin is None:
-        return False
-    return (Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "ptxas").is_file()
-
-
-@pytest.mark.skipif(not _nvidia_backend(), reason="triton without its CUDA backend (ptxas)")
+@pytest.mark.skipif(not triton_nvidia_backend(), reason="triton without its CUDA backend (ptxas)")
 def test_fused_moe_kernels_compile_for_hopper(tmp_path):
     """Each kernel compiled ahead of time for sm_90 (no GPU needed): what the interpreter cannot
     catch (types across branches, shared memory, ptxas) fails here, in CI."""

@@ -175,6 +175,17 @@ def test_the_entry_modules_import_no_torch():
     assert _python(code) == "[]"
 
 
+def test_what_runs_before_the_weights_move_imports_no_asyncio():
+    # the entry point, the SDK's process link, the settings and the start: all before the stream
+    code = (
+        "import sys\n"
+        "import handler.__main__, handler.front_link, handler.config, handler.engine_boot\n"
+        "import warmup.start\n"
+        "print(sorted(m for m in ('asyncio', 'torch') if m in sys.modules))\n"
+    )
+    assert _python(code) == "[]"
+
+
 @pytest.mark.parametrize("entry", ["worker", "serve"])
 def test_the_weights_move_before_torch_and_the_entrys_own_imports(entry, smollm2_dir, tmp_path):
     port = str(free_port())

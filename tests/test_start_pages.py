@@ -16,8 +16,7 @@ from cache.prefetch import resident_fraction
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _record_in_child(path: str, imports: str) -> None:
-    code = f"import {imports}; from cache.start_pages import record; record({path!r})"
+def _python(code: str) -> None:
     subprocess.run(
         [sys.executable, "-c", code],
         cwd=REPO,
@@ -25,6 +24,10 @@ def _record_in_child(path: str, imports: str) -> None:
         timeout=120,
         env=dict(os.environ, PYTHONPATH=str(REPO)),
     )
+
+
+def _record_in_child(path: str, imports: str) -> None:
+    _python(f"import {imports}; from cache.start_pages import record; record({path!r})")
 
 
 def test_a_record_holds_the_mapped_libraries_and_imported_modules_with_their_pages(tmp_path):
@@ -63,13 +66,7 @@ def test_a_mapped_file_records_the_pages_the_process_touched_not_all_it_finds_ca
         "m[0], m[32 << 20]\n"  # two pages touched, as a loader touches a library's
         f"start_pages.record({str(tmp_path / 'pages.json')!r})\n"
     )
-    subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        check=True,
-        timeout=120,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
-    )
+    _python(code)
     data = json.load(open(tmp_path / "pages.json"))
     ranges = dict((name, r) for name, r in data["files"])[str(big)]
     # each touched page, with at most the kernel's fault-around beside it (64 KiB by default)
@@ -92,13 +89,7 @@ def test_the_files_opened_for_reading_while_watched_join_the_record(tmp_path):
         f"open({str(names['later.txt'])!r}).read()\n"
         f"start_pages.record({str(tmp_path / 'pages.json')!r})\n"
     )
-    subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        check=True,
-        timeout=120,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
-    )
+    _python(code)
     recorded = {name for name, _ in json.load(open(tmp_path / "pages.json"))["files"]}
     assert str(names["METADATA"]) in recorded
     assert not {str(names[n]) for n in ("written.txt", "model.safetensors", "later.txt")} & recorded
