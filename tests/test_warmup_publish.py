@@ -214,25 +214,28 @@ def test_an_artifact_without_a_memory_record_matches_any_memory_and_an_exact_one
     )
 
 
-def test_a_published_artifact_carries_the_kernels_launchers_and_installs_them(tmp_path):
+def test_a_published_artifact_carries_tritons_c_modules_and_installs_them(tmp_path):
     from warmup.artifacts import install
     from warmup.publish import stage_from_cache
 
     cache = fake_triton_cache(tmp_path / "triton", "/home/w1/.triton/cache")
     launcher = cache / "DDDD" / "__triton_launcher.cpython-312-x86_64-linux-gnu.so"
-    launcher.parent.mkdir()
-    launcher.write_bytes(b"\x7fELF launcher")  # as Triton's build.py puts it: one file, no group
+    utils = cache / "EEEE" / "cuda_utils.cpython-312-x86_64-linux-gnu.so"
+    for module in (launcher, utils):  # as Triton's build.py puts them: one file, no group
+        module.parent.mkdir()
+        module.write_bytes(b"\x7fELF " + module.name.encode())
     key = any_memory(worker_key())
     # the entries a worker names are its kernels'; the launchers are found in the cache
     staging = stage_from_cache(
         str(cache), ["AAAA", "BBBB"], key, {"graph_sizes": [1]}, str(tmp_path)
     )
     staged = Path(staging) / "triton-cache"
-    assert sorted(os.listdir(staged)) == ["AAAA", "BBBB", "DDDD"]
+    assert sorted(os.listdir(staged)) == ["AAAA", "BBBB", "DDDD", "EEEE"]
     assert json.loads((Path(staging) / "artifact.json").read_text())["record"]["kernels"] == {
         "AAAA": "_rms_norm_kernel",
         "BBBB": "paged_attention_kernel",
     }
     fresh = tmp_path / "worker-triton"
     install(staging, str(fresh))
-    assert (fresh / "DDDD" / launcher.name).read_bytes() == b"\x7fELF launcher"
+    for module in (launcher, utils):
+        assert (fresh / module.parent.name / module.name).read_bytes() == module.read_bytes()

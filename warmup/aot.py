@@ -177,31 +177,32 @@ def _compile_items(
             if count not in models:
                 models[count] = meta_model(cfg, dtype, split_target(count))
             trace(models[count], [step], args.block_size, max_model_len, sink, args.kv_cache_dtype)
-        build_launchers(sink)
+        build_runtime_modules(sink)
         return kernel_dirs(sink)
 
 
-def build_launchers(kernels: list) -> int:
-    """Build each kernel's launcher (the small C module through which Triton launches it, one per
-    signature: gcc, about 0.3 s each at a kernel's first launch) into the current Triton cache, as a
-    first launch on the GPU would. It needs the CUDA driver's library to link against, not a GPU;
-    without it, none is built (the worker builds them at first use). Returns how many were built."""
+def build_runtime_modules(kernels: list) -> int:
+    """Build the C modules Triton compiles with gcc at a process's first launches into the current
+    Triton cache, as a first launch on the GPU would: its driver utilities (`cuda_utils`) and each
+    kernel's launcher (one per signature), about 0.3 s apiece. They link against the CUDA driver's
+    library, not a GPU; where it is missing none is built (the worker builds them at first use).
+    Returns how many were built."""
     try:
-        from triton.backends.nvidia.driver import CudaLauncher
+        from triton.backends.nvidia.driver import CudaLauncher, CudaUtils
     except ImportError:
         return 0
     seen: set = set()
     built = 0
-    for kernel in kernels:
-        src = kernel.src
-        sig = (repr(sorted(src.signature.items())), repr(sorted(src.constants.items())))
-        if sig in seen:
-            continue
-        seen.add(sig)
-        try:
-            CudaLauncher(src, kernel.metadata)
-        except Exception as exc:  # noqa: BLE001 - no libcuda here (AssertionError), no compiler
-            log.info("warmup: kernel launchers not built here (%s); workers build them", exc)
-            return built
+    try:
+        CudaUtils()
         built += 1
+        for kernel in kernels:
+            src = kernel.src
+            sig = (repr(sorted(src.signature.items())), repr(sorted(src.constants.items())))
+            if sig not in seen:
+                seen.add(sig)
+                CudaLauncher(src, kernel.metadata)
+                built += 1
+    except Exception as exc:  # noqa: BLE001 - no libcuda here (AssertionError, ImportError), no gcc
+        log.info("warmup: Triton's C modules not built here (%s); workers build them", exc)
     return built

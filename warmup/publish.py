@@ -26,7 +26,6 @@ log = logging.getLogger(__name__)
 
 LOCKS_DIR = ".locks"
 GROUP_PREFIX = "__grp__"
-LAUNCHER_PREFIX = "__triton_launcher"
 
 
 def staging_dir(root: str, prefix: str) -> str:
@@ -139,9 +138,10 @@ def stage_from_cache(
             continue  # absent, or a compile still writing it
         shutil.copytree(src, os.path.join(dest, entry))
         kernels[entry] = groups[0][len(GROUP_PREFIX) : -len(".json")]
-    # the kernels' launchers (one small module per signature, keyed by its source): without them the
-    # next worker builds each at its kernel's first launch, a few tenths of a second apiece
-    for entry in launcher_entries(triton_cache):
+    # the C modules Triton builds with gcc at a process's first launches (its driver utilities and
+    # one launcher per kernel signature, each keyed by its source): without them the next worker
+    # builds each again, a few tenths of a second apiece, inside its first request
+    for entry in module_entries(triton_cache):
         if not os.path.exists(os.path.join(dest, entry)):
             shutil.copytree(os.path.join(triton_cache, entry), os.path.join(dest, entry))
     portable_groups(dest)
@@ -149,16 +149,13 @@ def stage_from_cache(
     return staging
 
 
-def launcher_entries(triton_cache: str) -> list[str]:
-    """The entries of a Triton cache that hold a built kernel launcher (`__triton_launcher*.so`,
-    written whole by Triton's cache manager)."""
+def module_entries(triton_cache: str) -> list[str]:
+    """The entries of a Triton cache that hold a built C module (`cuda_utils*.so`,
+    `__triton_launcher*.so`: one file each, written whole by Triton's cache manager)."""
     return sorted(
         entry
         for entry in _names(triton_cache)
-        if any(
-            n.startswith(LAUNCHER_PREFIX) and n.endswith(".so")
-            for n in _names(os.path.join(triton_cache, entry))
-        )
+        if any(n.endswith(".so") for n in _names(os.path.join(triton_cache, entry)))
     )
 
 
