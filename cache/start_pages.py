@@ -17,6 +17,7 @@ import importlib.util
 import json
 import logging
 import os
+import stat
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -113,12 +114,18 @@ def touched_pages(page: int) -> dict[str, bytearray]:
             if len(parts) < 6 or not parts[5].startswith("/"):
                 continue
             name = parts[5].strip()
+            try:  # a regular file (not a device's mapping, whose range can span gigabytes)
+                st = os.stat(name)
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                continue
             lo, hi = (int(x, 16) for x in parts[0].split("-"))
             first = int(parts[2], 16) // page  # the mapping's first page in the file
             count = (hi - lo) // page
+            size = st.st_size
             try:
                 entries = os.pread(pagemap, 8 * count, 8 * (lo // page))
-                size = os.path.getsize(name)
             except OSError:
                 continue
             vec = out.setdefault(name, bytearray(-(-size // page)))
