@@ -98,12 +98,15 @@ ENV MODEL_NAME=${MODEL_NAME} \
     BASE_PATH=${BASE_PATH} \
     HF_HUB_OFFLINE=${MODEL_NAME:+1}
 
-# A compiled engine for the builder's GPU, beside the baked snapshot (python -m warmup build). It
-# needs a GPU in the build (BuildKit with CDI: `docker build --device nvidia.com/gpu=all ...`, or
-# the NVIDIA runtime as Docker's default). Its key holds the GPU architecture and memory size, the
-# software versions and the limits below, which are also baked as the worker's settings so they
-# match; a worker on another GPU type falls back to jit (auto).
-ARG WARMUP_BUILD=0
+# A compiled engine beside the baked snapshot (python -m warmup build), so that a worker's first
+# request compiles nothing. WARMUP_BUILD=auto (the default), with a model baked: built without a
+# GPU for every supported architecture (sm_80, sm_86, sm_89, sm_90; kernels only, the KV cache is
+# then sized by the analytic bound). WARMUP_BUILD=1: built on the build's GPU, with its measured KV
+# sizing (BuildKit with CDI: `docker build --device nvidia.com/gpu=all ...`, or the NVIDIA runtime
+# as Docker's default). WARMUP_BUILD=0: none. The key holds the GPU architecture, the software
+# versions and the limits below, which are also baked as the worker's settings so they match; a
+# worker on another GPU type falls back to jit (auto).
+ARG WARMUP_BUILD=auto
 ARG MAX_MODEL_LEN=""
 ARG GPU_MEMORY_UTILIZATION=0.95
 ARG MAX_NUM_SEQS=256
@@ -111,14 +114,18 @@ ARG MAX_NUM_BATCHED_TOKENS=8192
 ENV GPU_MEMORY_UTILIZATION=${GPU_MEMORY_UTILIZATION} \
     MAX_NUM_SEQS=${MAX_NUM_SEQS} \
     MAX_NUM_BATCHED_TOKENS=${MAX_NUM_BATCHED_TOKENS}
-RUN if [ "$WARMUP_BUILD" = "1" ]; then \
-      nvidia-smi -L || { echo "WARMUP_BUILD=1: no GPU in this build (see the comment above)" >&2; exit 1; }; \
-      [ -n "$MODEL_NAME" ] || { echo "WARMUP_BUILD=1 needs MODEL_NAME" >&2; exit 1; }; \
-      python -m warmup build --model "$MODEL_NAME" ${MODEL_REVISION:+--revision "$MODEL_REVISION"} \
-          --cache-dir "$BAKED_MODEL_DIR" \
-          --gpu-memory-utilization "$GPU_MEMORY_UTILIZATION" --max-num-seqs "$MAX_NUM_SEQS" \
-          --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" ${MAX_MODEL_LEN:+--max-model-len "$MAX_MODEL_LEN"}; \
-    fi
+RUN case "$WARMUP_BUILD" in \
+      1) nvidia-smi -L || { echo "WARMUP_BUILD=1: no GPU in this build (see the comment above)" >&2; exit 1; }; \
+         [ -n "$MODEL_NAME" ] || { echo "WARMUP_BUILD=1 needs MODEL_NAME" >&2; exit 1; }; \
+         where="" ;; \
+      auto) [ -n "$MODEL_NAME" ] || exit 0; where="--no-gpu" ;; \
+      0) exit 0 ;; \
+      *) echo "WARMUP_BUILD=$WARMUP_BUILD: expected auto, 1 or 0" >&2; exit 1 ;; \
+    esac; \
+    python -m warmup build --model "$MODEL_NAME" ${MODEL_REVISION:+--revision "$MODEL_REVISION"} $where \
+        --cache-dir "$BAKED_MODEL_DIR" \
+        --gpu-memory-utilization "$GPU_MEMORY_UTILIZATION" --max-num-seqs "$MAX_NUM_SEQS" \
+        --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" ${MAX_MODEL_LEN:+--max-model-len "$MAX_MODEL_LEN"}
 ENV MAX_MODEL_LEN=${MAX_MODEL_LEN}
 
 CMD ["python", "-m", "handler"]

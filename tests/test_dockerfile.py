@@ -237,3 +237,62 @@ def test_build_steps_give_a_worker_that_answers_a_job(tmp_path, smollm2_dir):
     )
     assert "".join(answer["output"][0]["choices"][0]["tokens"]) == expected
     assert not (volume / "coldbrew-cache" / "models").exists()  # nothing converted again at start
+
+
+def _warmup_step(tmp_path: Path, env: dict[str, str], gpu: bool) -> tuple[int, str, list[str]]:
+    """The compiled-engine RUN step under /bin/sh, as the build runs it, with `python` (and
+    `nvidia-smi` where `gpu`) replaced by shims that note their argv: (exit status, stderr, the
+    python command lines it ran)."""
+    (step,) = [i for i in _ops("runtime", "RUN") if "warmup build" in i.args]
+    shims = tmp_path / "shims"
+    shims.mkdir(exist_ok=True)
+    calls = tmp_path / "calls"
+    (shims / "python").write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
+    (shims / "python").chmod(0o755)
+    smi = shims / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho GPU 0\n" if gpu else "#!/bin/sh\nexit 9\n")
+    smi.chmod(0o755)
+    args = {i.args.split("=", 1)[0]: i.args.split("=", 1)[1] for i in _ops("runtime", "ARG")}
+    base = {k: v.strip('"') for k, v in args.items()}  # the build args' defaults
+    base.update(BAKED_MODEL_DIR="/opt/coldbrew/baked", PATH=f"{shims}:/usr/bin:/bin")
+    out = subprocess.run(
+        ["/bin/sh", "-c", step.args], env={**base, **env}, capture_output=True, text=True
+    )
+    ran = calls.read_text().splitlines() if calls.exists() else []
+    calls.unlink(missing_ok=True)
+    return out.returncode, out.stderr, ran
+
+
+def test_a_baked_model_gets_a_compiled_engine_built_without_a_gpu_by_default(tmp_path):
+    # the default: with a model, a GPU-less build for every supported architecture
+    code, _, ran = _warmup_step(tmp_path, {"MODEL_NAME": "org/m", "MODEL_REVISION": "abc"}, False)
+    assert code == 0 and len(ran) == 1, ran
+    words = shlex.split(ran[0])
+    assert words[:5] == ["-m", "warmup", "build", "--model", "org/m"], words
+    assert "--no-gpu" in words and "--arch" not in words  # --no-gpu alone: all supported
+    assert words[words.index("--revision") + 1] == "abc"
+    assert words[words.index("--cache-dir") + 1] == "/opt/coldbrew/baked"
+    # the limits the worker is given (the same build args, baked as its settings) are the key's
+    defaults = dict(i.args.split("=", 1) for i in _ops("runtime", "ARG") if "=" in i.args)
+    env = " ".join(i.args for i in _ops("runtime", "ENV"))
+    for flag, arg in (
+        ("--gpu-memory-utilization", "GPU_MEMORY_UTILIZATION"),
+        ("--max-num-seqs", "MAX_NUM_SEQS"),
+        ("--max-num-batched-tokens", "MAX_NUM_BATCHED_TOKENS"),
+    ):
+        assert words[words.index(flag) + 1] == defaults[arg], flag
+        assert f"{arg}=${{{arg}}}" in env, arg
+    # no model, or WARMUP_BUILD=0: nothing
+    assert _warmup_step(tmp_path, {"MODEL_NAME": ""}, False)[::2] == (0, [])
+    assert _warmup_step(tmp_path, {"MODEL_NAME": "org/m", "WARMUP_BUILD": "0"}, False)[::2] == (
+        0,
+        [],
+    )
+    # on the build's GPU: the GPU build; without one, a one-line refusal
+    code, _, ran = _warmup_step(tmp_path, {"MODEL_NAME": "org/m", "WARMUP_BUILD": "1"}, True)
+    assert code == 0 and len(ran) == 1 and "--no-gpu" not in shlex.split(ran[0]), ran
+    code, err, ran = _warmup_step(tmp_path, {"MODEL_NAME": "org/m", "WARMUP_BUILD": "1"}, False)
+    assert code == 1 and ran == [] and "WARMUP_BUILD=1: no GPU in this build" in err
+    # anything else is refused, never ignored
+    code, err, ran = _warmup_step(tmp_path, {"MODEL_NAME": "org/m", "WARMUP_BUILD": "yes"}, False)
+    assert code == 1 and ran == [] and "WARMUP_BUILD=yes: expected auto, 1 or 0" in err
