@@ -112,6 +112,27 @@ def read_span(
     return direct
 
 
+def direct_reads_work(path: str, offset: int) -> bool:
+    """Whether `path` can be read with O_DIRECT (one aligned page at `offset`, itself aligned):
+    tmpfs and some network and FUSE file systems refuse it."""
+    import mmap
+
+    buf = mmap.mmap(-1, ALIGNMENT)  # page-aligned, as O_DIRECT wants
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        buf.close()
+        return False
+    try:
+        os.preadv(fd, [buf], offset - offset % ALIGNMENT)
+        return hasattr(os, "O_DIRECT")
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        buf.close()
+
+
 @dataclass
 class LoadStats:
     nbytes: int

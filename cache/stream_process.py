@@ -26,7 +26,7 @@ import threading
 import time
 
 from cache import cuda_driver as cu, start_pages
-from cache.loader import read_span
+from cache.loader import direct_reads_work, read_span
 from cache.pack import read_pack
 from cache.prefetch import resident_fraction
 
@@ -57,7 +57,11 @@ class Streamer:
         resident = resident_fraction(
             pack_path, self.pack.data_offset, self.pack.data_nbytes, samples=256
         )
-        self.direct = resident is not None and resident < 0.5
+        self.direct = (
+            resident is not None
+            and resident < 0.5
+            and direct_reads_work(pack_path, self.pack.data_offset)
+        )
         if self.direct:
             threads, chunk_bytes = DIRECT_READERS, DIRECT_CHUNK_BYTES
         self.chunk_bytes = chunk_bytes

@@ -36,7 +36,11 @@ def _ref() -> dict[str, torch.Tensor]:
 
 
 # ---- CPU -----------------------------------------------------------------------------------------
-def test_off_the_disk_one_reader_streams_large_chunks_and_from_memory_the_callers_many(tmp_path):
+def test_off_the_disk_one_reader_streams_large_chunks_and_from_memory_the_callers_many(
+    tmp_path, monkeypatch
+):
+    from cache import stream_process
+    from cache.loader import direct_reads_work
     from cache.prefetch import resident_fraction
     from cache.stream_process import DIRECT_CHUNK_BYTES, DIRECT_READERS, Streamer
 
@@ -53,10 +57,17 @@ def test_off_the_disk_one_reader_streams_large_chunks_and_from_memory_the_caller
     pack = read_pack(path)
     if resident_fraction(path, pack.data_offset, pack.data_nbytes) > 0.1:
         pytest.skip("this file system keeps the pack's pages (tmpfs)")
+    assert direct_reads_work(path, pack.data_offset)
     cold = Streamer(path, 0, a, threads=16, chunk_bytes=1 << 20)
     assert cold.direct and cold.chunk_bytes == DIRECT_CHUNK_BYTES
     assert cold.threads == min(DIRECT_READERS, len(cold.chunks)) == 1
     assert cold.chunks == [(pack.data_offset, pack.data_nbytes)]  # smaller than one chunk
+    # a file system that refuses O_DIRECT (some network and FUSE ones; this machine has none):
+    # buffered reads, by the caller's many readers
+    monkeypatch.setattr(stream_process, "direct_reads_work", lambda *a: False)
+    refused = Streamer(path, 0, a, threads=16, chunk_bytes=1 << 20)
+    assert (refused.direct, refused.threads, refused.chunk_bytes) == (False, 16, 1 << 20)
+    assert not direct_reads_work(str(tmp_path / "missing.cbpack"), 0)
     a.close(), b.close()
 
 
