@@ -324,7 +324,11 @@ def main() -> None:
     # (a)'s volume
     runs["c"] = measure("c", {**env("c", "auto"), "CACHE_DIR": str(root / "cache-a")}, vocab)
     published = Path(model_dir) / "engines"
-    artifact = next(published.glob("*/triton-cache"), None)
+    # where (a) published (warmup.fleet: beside the snapshot, or its cache dir's engines/)
+    artifact = next(
+        (p for d in (published, root / "cache-a" / "engines") for p in d.glob("*/triton-cache")),
+        None,
+    )
     runs["c"]["artifact_kernels"] = len(kernel_names(artifact)) if artifact else 0
     runs["c"]["compiled_at_run_time"] = compiled_at_run_time(root / "triton-c", artifact)
     log(
