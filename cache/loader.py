@@ -117,19 +117,19 @@ def direct_reads_work(path: str, offset: int) -> bool:
     tmpfs and some network and FUSE file systems refuse it."""
     import mmap
 
+    if not hasattr(os, "O_DIRECT"):
+        return False
     buf = mmap.mmap(-1, ALIGNMENT)  # page-aligned, as O_DIRECT wants
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-    except OSError:
-        buf.close()
-        return False
-    try:
-        os.preadv(fd, [buf], offset - offset % ALIGNMENT)
-        return hasattr(os, "O_DIRECT")
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            os.preadv(fd, [buf], offset - offset % ALIGNMENT)
+        finally:
+            os.close(fd)
+        return True
     except OSError:
         return False
     finally:
-        os.close(fd)
         buf.close()
 
 

@@ -96,6 +96,22 @@ def default_path(cache_dir: str, entry: str = "") -> str:
     return os.path.join(cache_dir, "start-pages", f"{key}.json")
 
 
+def _file_mappings() -> list[tuple[int, int, int, str]]:
+    """(start address, end address, offset in the file, path) of each of this process's mappings
+    of a named file, in /proc/self/maps order; [] where it can't be read."""
+    out = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].startswith("/"):
+                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                    out.append((lo, hi, int(parts[2], 16), parts[5].strip()))
+    except OSError:
+        return []
+    return out
+
+
 def touched_pages(page: int) -> dict[str, bytearray]:
     """For each regular file this process maps: one byte per page of the file, 1 where a mapping
     of it has the page present in this process's page table (/proc/self/pagemap, bit 63: readable
@@ -104,24 +120,18 @@ def touched_pages(page: int) -> dict[str, bytearray]:
     install or a readahead brought in. {} where pagemap can't be read."""
     out: dict[str, bytearray] = {}
     try:
-        maps = open("/proc/self/maps").read().splitlines()
         pagemap = os.open("/proc/self/pagemap", os.O_RDONLY)
     except OSError:
         return {}
     try:
-        for line in maps:
-            parts = line.split(maxsplit=5)
-            if len(parts) < 6 or not parts[5].startswith("/"):
-                continue
-            name = parts[5].strip()
+        for lo, hi, offset, name in _file_mappings():
             try:  # a regular file (not a device's mapping, whose range can span gigabytes)
                 st = os.stat(name)
             except OSError:
                 continue
             if not stat.S_ISREG(st.st_mode):
                 continue
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            first = int(parts[2], 16) // page  # the mapping's first page in the file
+            first = offset // page  # the mapping's first page in the file
             count = (hi - lo) // page
             size = st.st_size
             try:
@@ -143,15 +153,7 @@ def touched_pages(page: int) -> dict[str, bytearray]:
 def start_files() -> list[str]:
     """Mapped regular files first (in load order), then imported modules' files and their bytecode,
     then the files opened for reading while watch_opens() watched, then those of add_files()."""
-    out: dict[str, None] = {}
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                if len(parts) == 6 and parts[5].startswith("/"):
-                    out.setdefault(parts[5].strip(), None)
-    except OSError:
-        pass
+    out: dict[str, None] = {name: None for _, _, _, name in _file_mappings()}
     for mod in list(sys.modules.values()):
         path = getattr(mod, "__file__", None)
         if not path:
