@@ -24,7 +24,14 @@ import threading
 import time
 
 from cache import cuda_driver as cu
-from cache.loader import DEFAULT_CHUNK_BYTES, LoadStats, group_spans, register_pending, tensor_views
+from cache.loader import (
+    DEFAULT_CHUNK_BYTES,
+    LoadStats,
+    forget_pending,
+    group_spans,
+    register_pending,
+    tensor_views,
+)
 from cache.pack import find_packs, read_pack
 from cache.prefetch import prefetch
 
@@ -53,6 +60,7 @@ class DeviceStream:
     ) -> None:
         self.path = path
         self.ordinal = ordinal
+        self.start_pages = start_pages
         self.started = time.perf_counter()
         self.sock, child = socket.socketpair()
         env = dict(
@@ -291,7 +299,25 @@ def start(
     start_pages: a cache.start_pages record, read first when the pack is not in the page cache.
     shard: (rank, size) of a pack split over GPUs: the directory's newest pack of that shard.
     want: (dtype setting, quantization) the engine was given: a pack named for them is preferred
-    (cache.pack.find_packs)."""
+    (cache.pack.find_packs).
+    A stream begun early (start_early) is adopted when it is this one, and stopped otherwise."""
+    early, _EARLY[:] = _EARLY[:], []
+    stream = _start(path, device, threads, chunk_bytes, start_pages, shard, want, early)
+    for other in early:
+        if other is not stream:
+            forget_pending(other.path, other)
+            other.cancel()
+            log.info(
+                "weights: stopped the early stream of %s (the start wants another)",
+                other.path,
+            )
+    return stream
+
+
+def _start(
+    path, device, threads, chunk_bytes, start_pages, shard, want, early
+) -> DeviceStream | None:
+    """start()'s stream: one of `early` when it is the same pack, GPU and start pages, else new."""
     if not os.path.exists("/dev/nvidiactl"):
         return None
     if os.path.isdir(path):
@@ -302,11 +328,42 @@ def start(
     _, _, index = device.partition(":")
     if start_pages and not os.path.isfile(start_pages):
         start_pages = None
-    stream = DeviceStream(
-        os.path.realpath(path), int(index or 0), threads, chunk_bytes, start_pages
-    )
+    real, ordinal = os.path.realpath(path), int(index or 0)
+    for stream in early:
+        if (stream.path, stream.ordinal, stream.start_pages) == (real, ordinal, start_pages):
+            log.info("weights: the stream begun at process start is the one wanted")
+            return stream
+    stream = DeviceStream(real, ordinal, threads, chunk_bytes, start_pages)
     register_pending(path, stream)
     return stream
+
+
+# The stream start_early began, until the next start() adopts or stops it.
+_EARLY: list[DeviceStream] = []
+
+
+def start_early(
+    model_dir: str,
+    device: str,
+    start_pages: str | None = None,
+    want: tuple[str, str | None] | None = None,
+) -> bool:
+    """start() ahead of the start sequence (cache.early_stream); True if a stream began. The
+    sequence's own start() then adopts it or stops it; cancel_early() stops it when no start()
+    follows."""
+    stream = start(model_dir, device, start_pages=start_pages, want=want)
+    if stream is not None:
+        _EARLY.append(stream)
+    return stream is not None
+
+
+def cancel_early() -> None:
+    """Stop a stream begun early that no start() took (the settings were refused, the start failed
+    first, the device is the CPU)."""
+    early, _EARLY[:] = _EARLY[:], []
+    for stream in early:
+        forget_pending(stream.path, stream)
+        stream.cancel()
 
 
 def start_weights(
@@ -326,5 +383,6 @@ def start_weights(
         gpu = "cuda" if device == "auto" else device
         if start(model_dir, gpu, start_pages=start_pages, shard=shard, want=want) is not None:
             return "device_stream"
+    cancel_early()
     prefetch(model_dir, want=want)
     return "prefetch"

@@ -46,6 +46,7 @@ __all__ = [
     "read_pack",
     "read_span",
     "register_pending",
+    "forget_pending",
     "resident_fraction",
     "shard_name",
     "pack_name",
@@ -454,6 +455,13 @@ def register_pending(path: str, pending) -> None:
         _PENDING[os.path.realpath(path)] = pending
     if old is not None:
         old.cancel()
+
+
+def forget_pending(path: str, pending) -> None:
+    """Unregister `pending` (if it is still the one registered for `path`); the caller stops it."""
+    with _PRELOADS_LOCK:
+        if _PENDING.get(os.path.realpath(path)) is pending:
+            del _PENDING[os.path.realpath(path)]
 
 
 def _claim_preload(path: str, device):

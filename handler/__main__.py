@@ -2,9 +2,11 @@
 `chat`: a local chat.
 
 Worker flags are the runpod SDK's own (--rp_serve_api --rp_api_host H --rp_api_port N, --test_input
-JSON, ...). The worker and the server begin the same way: settings, then the engine's start (the
-weights moving), and only then their own imports, made once `import torch` is done while the start
-waits for them (Starlette and uvicorn; the worker's job handling). The RunPod SDK gets a process of
+JSON, ...). The worker and the server begin the same way: the last start's weight stream, when the
+variables that chose it are unchanged (cache.early_stream), then the settings, then the engine's
+start (the weights moving, or adopting that stream), and only then their own imports, made once
+`import torch` is done while the start waits for them (Starlette and uvicorn; the worker's job
+handling). The RunPod SDK gets a process of
 its own, started before anything else (handler.sdk_front), so its import runs beside the start.
 """
 
@@ -26,6 +28,9 @@ def begin(entry: str):
     try:
         settings = load_settings()
     except SettingsError:
+        from cache.device_stream import cancel_early
+
+        cancel_early()  # a stream begun from the last start's record: no start will take it
         release_gc()  # no start follows to turn the collector back on
         return None
     return begin_boot(settings, entry)
@@ -86,12 +91,16 @@ def chat(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from cache import early_stream
     from warmup.start import hold_gc
 
     hold_gc()  # the cyclic GC stays off until the engine's start ends (warmup.start)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:
-        boot = None if {"-h", "--help"} & set(argv) else begin("serve")
+        helping = bool({"-h", "--help"} & set(argv))
+        if not helping:
+            early_stream.begin("serve")  # the last start's weights, before the settings' import
+        boot = None if helping else begin("serve")
         import_entry("serve", boot)
         from handler.server import main as serve
 
@@ -111,7 +120,9 @@ def main(argv: list[str] | None = None) -> None:
             start_pages.expect_files()  # it sends what it imported: the start pages wait for them
         # the SDK's local API (--rp_serve_api) imports a web server the job queue's loop does not:
         # its own start-page record
-        boot = begin("worker-api" if "--rp_serve_api" in argv else "worker")
+        entry = "worker-api" if "--rp_serve_api" in argv else "worker"
+        early_stream.begin(entry)  # the last start's weights, before the settings' import
+        boot = begin(entry)
         if boot is not None and sdk is not None:
             sdk.configure(boot.settings.log_level, boot.settings.max_concurrency)
         import_entry("worker", boot)

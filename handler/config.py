@@ -17,11 +17,8 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
+from cache.early_stream import DEFAULT_BASE_PATH, cache_dir_for
 from handler import worker_vllm_env
-
-# Where the demo model (and other local conversions) go when neither CACHE_DIR nor a network volume
-# is there.
-DEFAULT_LOCAL_CACHE = Path("~/.cache/coldbrew").expanduser()
 
 
 class SettingsError(ValueError):
@@ -331,7 +328,7 @@ class Settings(BaseModel):
 
     # ---- the cache -------------------------------------------------------------------------------
     base_path: str = Field(
-        "/runpod-volume",
+        DEFAULT_BASE_PATH,
         description=("Network-volume mount; model snapshots are cached under it when it exists."),
     )
     cache_dir: str | None = Field(
@@ -436,11 +433,7 @@ class Settings(BaseModel):
     def resolved_cache_dir(self) -> Path:
         """CACHE_DIR, else BASE_PATH/coldbrew-cache when the volume is mounted, else
         ~/.cache/coldbrew."""
-        if self.cache_dir:
-            return Path(self.cache_dir).expanduser()
-        if os.path.isdir(self.base_path):
-            return Path(self.base_path) / "coldbrew-cache"
-        return DEFAULT_LOCAL_CACHE
+        return Path(cache_dir_for(self.cache_dir, self.base_path))
 
     def engine_options(self) -> dict[str, Any]:
         """EngineArgs fields but the model, tokenizer and device, from the settings (no torch)."""
@@ -533,6 +526,19 @@ def _describe_error(err: dict) -> str:
         else f", got {str(err['input'])[:200]!r}"
     )
     return f"{name.upper()}: {msg}{got}; allowed: {_allowed(name)}"
+
+
+def stream_env_names() -> tuple[str, ...]:
+    """The variables whose values can change which weights a start streams, and to which GPU: every
+    setting's and every worker-vllm alias's, and CUDA_VISIBLE_DEVICES. Secrets are left out (a hash
+    of these values is kept on disk: cache.early_stream)."""
+    names = {name.upper() for name in Settings.model_fields if name not in _SECRET_FIELDS}
+    names |= {
+        var.name
+        for var in worker_vllm_env.table()
+        if var.handling == "alias" and str(var.target).lower() not in _SECRET_FIELDS
+    }
+    return tuple(sorted(names | {"CUDA_VISIBLE_DEVICES"}))
 
 
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:

@@ -11,7 +11,7 @@ import os
 import threading
 from concurrent.futures import Future
 
-from handler.config import Settings
+from handler.config import Settings, stream_env_names
 from warmup.start import EngineStart, ResolveError, StartArgs
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,7 @@ def start_args(settings: Settings, entry: str = "") -> StartArgs:
         engine_mode=s.engine_mode,
         locate=None if s.model_name else lambda: embedded_model_dir(cache_dir, s.baked_model_dir),
         entry=entry,
+        stream_env=stream_env_names(),
     )
 
 

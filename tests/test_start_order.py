@@ -13,6 +13,7 @@ thread named "prefetch" is started. Each line carries the process id and a monot
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -107,12 +108,15 @@ def _seen(events) -> set[str]:
     }
 
 
-def _run_until(argv: list[str], own: str, model_dir: str, tmp_path: Path) -> tuple[list, list]:
+def _run_until(
+    argv: list[str], own: str, model_dir: str, tmp_path: Path, cache_dir: Path | None = None
+) -> tuple[list, list]:
     """Start a real entry point with the audit hook; once it imported torch and read the weights,
     and it or a child of its imported `own` (or the wait runs out), stop it. Returns its events and
-    those of every process."""
+    those of every process; its output is in tmp_path/entry.log. cache_dir: default
+    tmp_path/cache."""
     site = tmp_path / "site"
-    site.mkdir()
+    site.mkdir(parents=True)
     (site / "sitecustomize.py").write_text(_SITECUSTOMIZE)
     log = tmp_path / "order.log"
     env = {
@@ -120,7 +124,7 @@ def _run_until(argv: list[str], own: str, model_dir: str, tmp_path: Path) -> tup
     }
     env.update(
         MODEL_NAME=model_dir,
-        CACHE_DIR=str(tmp_path / "cache"),
+        CACHE_DIR=str(cache_dir or tmp_path / "cache"),
         START_ORDER_LOG=str(log),
         PYTHONPATH=os.pathsep.join([str(site), str(REPO), env.get("PYTHONPATH", "")]),
     )
@@ -241,3 +245,44 @@ def test_on_a_gpu_the_stream_process_starts_before_torch(tmp_path):
     assert streams and streams[0][1] == "stream_process", events
     assert streams[0][0] < _first(events, "import", "torch"), events
     assert streams[0][0] < _first(events, "import", "starlette"), events
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_last_starts_stream_begins_before_the_settings(tmp_path):
+    """A serve start that reached ready records its stream (cache.early_stream); the next start
+    under the same variables spawns that stream before it imports the settings' pydantic, and the
+    start proper adopts it (one stream process). A record that names another GPU makes the start
+    stop the early stream and start its own."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("starlette")
+    from serve_process import ServeProcess
+
+    model_dir, cache_dir = str(tmp_path / "model"), tmp_path / "cache"
+    _python(
+        "from tests.tiny_models import make_tiny_model\nfrom engine import LLM\n"
+        f"make_tiny_model('llama', {model_dir!r})\n"
+        f"LLM(model={model_dir!r}, dtype='float32', device='cuda', num_kv_blocks=16)\n"
+    )
+    first = ServeProcess({"MODEL_NAME": model_dir, "CACHE_DIR": str(cache_dir)})
+    first.stop()
+    records = list(cache_dir.glob("start-pages/*.stream.json"))
+    assert len(records) == 1, first.output()
+
+    argv = ["serve", "--host", "127.0.0.1", "--port", str(free_port())]
+    events, _ = _run_until(argv, "starlette", model_dir, tmp_path / "again", cache_dir)
+    spawns = [t for t, e, _ in events if e == "stream_process"]
+    assert len(spawns) == 1 and spawns[0] < _first(events, "import", "pydantic"), events
+    assert (
+        "the stream begun at process start is the one wanted"
+        in (tmp_path / "again" / "entry.log").read_text()
+    )
+
+    body = json.loads(records[0].read_text())
+    body["stream"]["device"] = "cuda:1"  # not what the start proper asks for: a wrong guess
+    records[0].write_text(json.dumps(body))
+    events, _ = _run_until(argv, "starlette", model_dir, tmp_path / "wrong", cache_dir)
+    spawns = [t for t, e, _ in events if e == "stream_process"]
+    assert len(spawns) == 2 and spawns[0] < _first(events, "import", "pydantic"), events
+    assert "stopped the early stream" in (tmp_path / "wrong" / "entry.log").read_text()

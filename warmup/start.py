@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cache import start_pages
-from cache.device_stream import start_weights
+from cache import early_stream, start_pages
+from cache.device_stream import cancel_early, start_weights
 from warmup.ranks import launch as launch_ranks
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,9 @@ class StartArgs:
     engine_mode: str = "auto"  # jit | compiled | auto
     locate: Callable[[], str] | None = None  # finds the model's directory instead of cache.resolve
     entry: str = ""  # the entry starting ("serve", "worker", "worker-api"): its own start pages
+    # the environment variables whose values chose this start's weight stream (never secrets):
+    # with an entry, the stream is recorded for the next start to begin early (cache.early_stream)
+    stream_env: tuple[str, ...] = ()
 
 
 _gc_held = False  # hold_gc() turned the cyclic GC off; the end of the start turns it back on
@@ -137,6 +140,7 @@ class EngineStart:
         self._entry_imported = threading.Event()  # clear while an entry point makes its imports
         self._entry_imported.set()
         self._thread: threading.Thread | None = None
+        self._stream: dict[str, Any] | None = None  # the device stream's start() keywords
 
     def begin(self) -> EngineStart:
         """Run the sequence on a daemon thread (once; later calls do nothing)."""
@@ -186,6 +190,7 @@ class EngineStart:
         try:
             engine = self.run()
         except BaseException as exc:  # reported to every waiter; the caller decides the rest
+            cancel_early()  # a stream begun at process start that the start never took
             release_gc()
             log.error("engine failed to load: %s", exc)
             self.future.set_exception(exc)
@@ -238,6 +243,11 @@ class EngineStart:
         self.weight_stream = self._timed(
             "stream_start", start_weights, str(self.model_dir), a.device, pages, (0, tp_size), want
         )
+        if self.weight_stream == "device_stream" and tp_size == 1:
+            gpu = "cuda" if a.device == "auto" else a.device
+            self._stream = dict(
+                model_dir=str(self.model_dir), device=gpu, start_pages=pages, want=want
+            )
         from warmup.triton_key import start_triton_key
 
         triton_key = start_triton_key()
@@ -273,6 +283,9 @@ class EngineStart:
             target=self._warm_kernels, args=(engine,), name="coldbrew-kernels", daemon=True
         ).start()
         start_pages.record_in_background(pages)
+        if self._stream is not None and a.entry and a.stream_env:
+            path = early_stream.record_path(a.cache_dir, a.entry)
+            early_stream.record(path, a.stream_env, os.environ, self._stream)
         phases = ", ".join(f"{k} {v:.2f}s" for k, v in self.phases.items() if k != "total")
         log.info(
             "ready: model %s from %s in %.2fs (%s)",
