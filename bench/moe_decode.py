@@ -2,7 +2,7 @@
 actually reads (the dense part plus the top_k selected experts of every sparse layer), with the
 fused Triton MoE (engine/layers/fused_moe.py) and with a per-expert loop of plain matmuls (the torch
 reference); then the MoE layer alone at a few batch sizes, and a sweep of the experts' tiles at
-decode batches.
+decode batches, for both of fused_experts' paths (sorted by expert, and the decode path).
 
 `python -m bench.moe_decode --out DIR` (default: the Qwen3-30B-A3B shape, random bf16 weights made
 on the GPU, nothing downloaded or written but DIR/moe_decode.json); prints a table.
@@ -28,15 +28,30 @@ from bench.roofline import copy_bandwidth
 from bench.serving import config_path
 from engine import LLM
 from engine.config import ModelConfig
-from engine.layers.fused_moe import MoeTiles, fused_experts, moe_tiles
+from engine.layers.fused_moe import (
+    DecodeTiles,
+    GemvTile,
+    MoeTiles,
+    decode_tiles,
+    fused_experts,
+    moe_tiles,
+    uses_decode_path,
+)
 from engine.layers.moe import SparseMoeBlock, route_reference
 
-# Tiles the sweep tries at decode batches: (BLOCK_N, BLOCK_K) of both GEMMs x (num_warps, stages).
+# Sorted-path tiles the sweep tries at decode batches: (BLOCK_N, BLOCK_K) of both GEMMs x
+# (num_warps, stages).
 SWEEP_TILES = list(
     itertools.product(
         [(16, 256), (32, 128), (32, 256), (32, 512), (64, 128), (64, 256)], [(4, 2), (4, 3), (8, 3)]
     )
 )
+# Decode-path tiles the sweep tries, each kernel's alone (the other at its default): BLOCK_N (per
+# kernel) x BLOCK_K x num_warps, kept to tiles of 16 to 64 float32 partial sums per thread (fewer
+# leave too few bytes in flight per program, more spill registers).
+DECODE_SWEEP_ROWS = {"gate_up": [4, 8, 16, 32], "down": [1, 2, 4, 8, 16, 32]}
+DECODE_SWEEP_K = [128, 256, 512]
+DECODE_SWEEP_WARPS = [4, 8]
 
 
 def bytes_per_token(model, context: int) -> dict:
@@ -119,7 +134,12 @@ def layer_rows(cfg: ModelConfig, bandwidth: float, batches: list[int], copies: i
         with torch.inference_mode():
             selected = [int(b.route(x)[1].unique().numel()) for b in blocks]
         nbytes = sum(selected) / copies * per_expert + cfg.moe.num_experts * cfg.hidden_size * 2
-        row = {"batch": batch, "experts_selected": sum(selected) / copies, "bytes": nbytes}
+        row = {
+            "batch": batch,
+            "path": "decode" if uses_decode_path(batch) else "sorted",
+            "experts_selected": sum(selected) / copies,
+            "bytes": nbytes,
+        }
         for impl, graph in [("fused", False), ("fused", True), ("loop", False)]:
             if graph and batch > 256:
                 continue
@@ -138,7 +158,7 @@ def layer_rows(cfg: ModelConfig, bandwidth: float, batches: list[int], copies: i
         moe_layer.EXPERTS_IMPL = "auto"
         rows.append(row)
         print(
-            f"layer b={batch}: {row['experts_selected']:.0f} experts, "
+            f"layer b={batch} ({row['path']} path): {row['experts_selected']:.0f} experts, "
             + ", ".join(f"{k} {v:.1f}" for k, v in row.items() if k.endswith("_us")),
             flush=True,
         )
@@ -152,9 +172,35 @@ def _normal(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     return (0.02 * torch.randn(shape, device="cuda", generator=gen)).to(torch.bfloat16)
 
 
+def decode_sweep(top_k: int) -> list[tuple[str, DecodeTiles]]:
+    """(which kernel the entry varies, tiles) of the decode path: the default first, then each
+    gate_up tile with the default down tile, then each down tile with the default gate_up tile."""
+    default = decode_tiles(top_k)
+    slots = 1 << (top_k - 1).bit_length()  # the down kernel's tile holds every slot's rows
+    entries = [("default", default)]
+    for kernel, rows_per_step in (("gate_up", 2), ("down", slots)):
+        sizes = itertools.product(DECODE_SWEEP_ROWS[kernel], DECODE_SWEEP_K, DECODE_SWEEP_WARPS)
+        for n, k, warps in sizes:
+            tile = GemvTile(n, k, warps)
+            per_thread = rows_per_step * n * k // (32 * warps)
+            if not 16 <= per_thread <= 64 or tile == getattr(default, kernel):
+                continue
+            entries.append((kernel, default._replace(**{kernel: tile})))
+    return entries
+
+
+def _time_experts(layers, x, weights, ids, tiles, copies: int) -> float:
+    """Seconds per fused_experts call with these tiles in a CUDA graph, the layers cycled."""
+    turn = itertools.cycle(layers)
+    return time_call(
+        lambda: fused_experts(x, *next(turn), weights, ids, tiles=tiles), True, calls=4 * copies
+    )
+
+
 def sweep_rows(cfg: ModelConfig, bandwidth: float, batches: list[int], copies: int) -> list[dict]:
-    """The experts alone (fused_experts, routing fixed) in a CUDA graph, for each of SWEEP_TILES at
-    BLOCK_M 16, the default tiles first; `copies` layers' experts cycled so they come from HBM."""
+    """The experts alone (fused_experts, routing fixed) in a CUDA graph: the sorted path for each
+    of SWEEP_TILES at BLOCK_M 16 (its default first), and the decode path for each tile of
+    decode_sweep; `copies` layers' experts cycled so they come from HBM."""
     moe, hidden = cfg.moe, cfg.hidden_size
     gen = torch.Generator(device="cuda").manual_seed(1)
     inter = moe.expert_intermediate_size
@@ -174,33 +220,51 @@ def sweep_rows(cfg: ModelConfig, bandwidth: float, batches: list[int], copies: i
         nbytes = int(ids.unique().numel()) * per_expert
         default = moe_tiles(batch, moe.num_experts, moe.top_k)
         swept = [MoeTiles(16, tile, tile, warps, stages) for tile, (warps, stages) in SWEEP_TILES]
-        candidates = [default] + [tiles for tiles in swept if tiles != default]
-        for tiles in candidates:
-            turn = itertools.cycle(layers)
-            row = {"batch": batch, "tiles": list(tiles), "default": tiles == default}
+        candidates = [("sorted", "default", default)]
+        candidates += [("sorted", "both", tiles) for tiles in swept if tiles != default]
+        candidates += [("decode", varied, tiles) for varied, tiles in decode_sweep(moe.top_k)]
+        chosen = "decode" if uses_decode_path(batch) else "sorted"
+        for path, varied, tiles in candidates:
+            row = {
+                "batch": batch,
+                "path": path,
+                "varied": varied,
+                "tiles": [list(t) if isinstance(t, tuple) else t for t in tiles],
+                "default": varied == "default" and path == chosen,
+            }
             try:
-                seconds = time_call(
-                    lambda: fused_experts(x, *next(turn), weights, ids, tiles=tiles),
-                    True,
-                    calls=4 * copies,
-                )
+                seconds = _time_experts(layers, x, weights, ids, tiles, copies)
             except Exception as e:  # noqa: BLE001 - a tile that does not compile is a finding
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
                 rows.append(row)
                 continue
             row.update(us=seconds * 1e6, of_roofline=nbytes / bandwidth / seconds)
             rows.append(row)
-        done = [r for r in rows if r["batch"] == batch and "us" in r]
-        best = min(done, key=lambda r: r["us"])
-        first = next(r for r in done if r["default"])
-        print(
-            f"sweep b={batch}: default {first['us']:.1f} us ({first['of_roofline']:.0%}), "
-            f"best {best['tiles']} {best['us']:.1f} us ({best['of_roofline']:.0%})",
-            flush=True,
-        )
+        _print_sweep(batch, [r for r in rows if r["batch"] == batch and "us" in r])
     del layers
     torch.cuda.empty_cache()
     return rows
+
+
+def _print_sweep(batch: int, done: list[dict]) -> None:
+    """Each path's default and best tiles at one batch; the decode path's best tile per kernel."""
+
+    def show(r: dict) -> str:
+        return f"{r['tiles']} {r['us']:.1f} us ({r['of_roofline']:.0%})"
+
+    for path in ("sorted", "decode"):
+        mine = [r for r in done if r["path"] == path]
+        if not mine:
+            continue
+        first = next((r for r in mine if r["varied"] == "default"), None)
+        best = min(mine, key=lambda r: r["us"])
+        line = f"sweep b={batch} {path}: default {show(first) if first else '-'}, best {show(best)}"
+        if path == "decode":
+            for kernel in ("gate_up", "down"):
+                tried = [r for r in mine if r["varied"] in (kernel, "default")]
+                pick = min(tried, key=lambda r: r["us"])
+                line += f"; best {kernel} {pick['tiles'][0 if kernel == 'gate_up' else 1]}"
+        print(line, flush=True)
 
 
 def main() -> None:
@@ -269,14 +333,20 @@ def main() -> None:
                 f"| {r['experts']} | {r['cuda_graphs']} | {r['ms_per_step']:.2f} "
                 f"| {r['of_roofline']:.0%} | {replay} |"
             )
-    print("\n| batch | experts read | fused us | fused graph us | loop us | fused of roofline |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(
+        "\n| batch | fused path | experts read | fused us | fused graph us | loop us "
+        "| fused of roofline |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in result["layer"]:
         cells = [
             f"{r[k]:.1f}" if k in r else "-" for k in ("fused_us", "fused_graph_us", "loop_us")
         ]
         best = max(r.get("fused_of_roofline", 0.0), r.get("fused_graph_of_roofline", 0.0))
-        print(f"| {r['batch']} | {r['experts_selected']:.0f} | {' | '.join(cells)} | {best:.0%} |")
+        print(
+            f"| {r['batch']} | {r['path']} | {r['experts_selected']:.0f} | {' | '.join(cells)} "
+            f"| {best:.0%} |"
+        )
 
 
 if __name__ == "__main__":

@@ -212,21 +212,40 @@ def test_pack_round_trip_keeps_stacked_experts(tmp_path):
 
 
 # ---- the fused kernels ---------------------------------------------------------------------------
-@pytest.mark.skipif(
+needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None,
     reason="triton is not installed (CPU torch has none)",
 )
+
+# Interpreter scripts: wraps fused_experts' two paths to record which one each call took.
+_RECORD_PATHS = """
+import engine.layers.fused_moe as fm
+taken = []
+def _recording(name):
+    inner = getattr(fm, name)
+    def call(*args, **kwargs):
+        taken.append(name)
+        return inner(*args, **kwargs)
+    return call
+for _name in ("_decode_experts", "_sorted_experts"):
+    setattr(fm, _name, _recording(_name))
+"""
+
+
+@needs_triton
 def test_fused_moe_under_the_triton_interpreter_matches_torch():
-    """Router top-k, both sorts by expert, both GEMMs, on CPU in float32 under TRITON_INTERPRET."""
-    script = textwrap.dedent("""
+    """Router top-k, both sorts by expert, the sorted path's GEMMs (forced at decode sizes, chosen
+    past DECODE_MAX_TOKENS), on CPU in float32 under TRITON_INTERPRET."""
+    script = _RECORD_PATHS + textwrap.dedent("""
         import torch
-        import engine.layers.fused_moe as fm
         from engine.layers.moe import experts_reference, route_reference
         torch.manual_seed(0)
+        big = fm.DECODE_MAX_TOKENS + 1
         for t, e, k, h, i, renorm, tiles in [
-            (5, 8, 2, 32, 48, True, None),
+            (5, 8, 2, 32, 48, True, fm.moe_tiles(5, 8, 2)),
             (3, 16, 8, 40, 24, False, fm.MoeTiles(16, (16, 16), (16, 32), 4, 2)),
-            (9, 4, 1, 64, 32, False, None),
+            (9, 4, 1, 64, 32, False, fm.moe_tiles(9, 4, 1)),
+            (big, 8, 2, 32, 24, True, None),
         ]:
             x, logits = torch.randn(t, h), torch.randn(t, e)
             w_ref, i_ref = route_reference(logits, k, renorm)
@@ -239,6 +258,7 @@ def test_fused_moe_under_the_triton_interpreter_matches_torch():
                 fm.ONE_PROGRAM_PAIRS = 1 << 20 if one_program else 0
                 out = fm.fused_experts(x, gu, dn, w, ids, tiles=tiles)
                 torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        assert set(taken) == {"_sorted_experts"}, taken
         # every pair to one expert; the two sorts agree on the blocks in use
         for ids in (torch.full((37,), 3, dtype=torch.int32), torch.randint(0, 8, (50,)).int()):
             a = fm.align_by_expert(ids, 8, 16, one_program=True)
@@ -248,6 +268,69 @@ def test_fused_moe_under_the_triton_interpreter_matches_torch():
             real = a[0][:used][a[0][:used] < ids.numel()]
             assert sorted(real.tolist()) == list(range(ids.numel()))
             assert torch.equal(ids[real.long()], ids[real.long()].sort().values)
+        print("ok")
+    """)
+    done = run_in_triton_interpreter(script)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+@needs_triton
+def test_decode_path_under_the_triton_interpreter_matches_torch():
+    """The decode path (no sort, no reduction) at T 1 and 3, top_k 1, 2, 3, 8: float32 against
+    the reference, with the default tiles (whose columns and K run past the shapes: masks) and
+    with tiles that loop over K; then bfloat16 against the sorted path's rounding steps, each
+    rounding done by the interpreter itself (which may truncate where a GPU rounds)."""
+    script = _RECORD_PATHS + textwrap.dedent("""
+        import torch
+        import triton
+        import triton.language as tl
+        from engine.layers.moe import experts_reference
+
+        @triton.jit
+        def through_bf16_kernel(src, dst, n, BLOCK: tl.constexpr):
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            v = tl.load(src + offs, mask=offs < n)
+            tl.store(dst + offs, v.to(tl.bfloat16).to(tl.float32), mask=offs < n)
+
+        def through_bf16(v):
+            v = v.float().contiguous()
+            out = torch.empty_like(v)
+            through_bf16_kernel[(triton.cdiv(v.numel(), 1024),)](v, out, v.numel(), BLOCK=1024)
+            return out
+
+        def sorted_path_rounding(x, gu, dn, w, ids):
+            # the sorted path in bfloat16: gate_up out, h, each expert's down out and its
+            # weighted copy rounded, the sum over slots in float32, rounded once
+            i, ids = gu.shape[1] // 2, ids.long()
+            g = through_bf16(torch.einsum("tkoh,th->tko", gu[ids].float(), x.float()))
+            gate, up = g[..., :i], g[..., i:]
+            h = through_bf16(gate / (1 + torch.exp(-gate)) * up)
+            y = through_bf16(torch.einsum("tkoi,tki->tko", dn[ids].float(), h))
+            return through_bf16(through_bf16(y * through_bf16(w)[..., None]).sum(1))
+
+        torch.manual_seed(0)
+        looping = fm.DecodeTiles(fm.GemvTile(8, 16, 4), fm.GemvTile(2, 16, 4))
+        h, i = 40, 24
+        for t, e, k, tiles in [(1, 8, 1, None), (1, 16, 2, None), (1, 16, 8, None),
+                               (3, 8, 1, None), (3, 12, 2, None), (3, 16, 8, None),
+                               (1, 8, 1, looping), (3, 16, 8, looping), (3, 10, 3, looping)]:
+            x, (w, ids) = torch.randn(t, h), fm.route_topk(torch.randn(t, e), k, True)
+            gu, dn = 0.2 * torch.randn(e, 2 * i, h), 0.2 * torch.randn(e, h, i)
+            out = fm.fused_experts(x, gu, dn, w, ids, tiles=tiles)
+            ref = experts_reference(x, gu, dn, w, ids.long())
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        assert fm.uses_decode_path(fm.DECODE_MAX_TOKENS) and set(taken) == {"_decode_experts"}
+
+        for t, e, k in [(1, 8, 8), (3, 16, 8), (2, 12, 2)]:
+            x, (w, ids) = torch.randn(t, 64).bfloat16(), fm.route_topk(torch.randn(t, e), k, True)
+            gu = (0.2 * torch.randn(e, 64, 64)).bfloat16()
+            dn = (0.2 * torch.randn(e, 64, 32)).bfloat16()
+            out = fm.fused_experts(x, gu, dn, w, ids)
+            assert out.dtype == torch.bfloat16
+            out, expected = out.float(), sorted_path_rounding(x, gu, dn, w, ids)
+            assert (out == expected).float().mean() > 0.95, (out - expected).abs().max()
+            scale = expected.abs().max().item()
+            torch.testing.assert_close(out, expected, atol=1e-2 * scale, rtol=1e-2)
         print("ok")
     """)
     done = run_in_triton_interpreter(script)
@@ -267,7 +350,8 @@ def test_fused_moe_kernels_compile_for_hopper(tmp_path):
         def build(fn, signature, constexprs, tiles=None):
             options = {}
             if tiles:
-                options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
+                options = {"num_warps": tiles.num_warps}
+                options["num_stages"] = getattr(tiles, "num_stages", 3)
             source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
             kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
             assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
@@ -298,6 +382,24 @@ def test_fused_moe_kernels_compile_for_hopper(tmp_path):
             build(fm._moe_gemm_kernel, gemm, dict(TOP_K=8, GATE_UP=gate_up,
                   BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=even,
                   IEEE=False), tiles)
+        decode_gate_up = dict(x_ptr="*bf16", w_ptr="*bf16", h_ptr="*bf16", ids_ptr="*i32",
+                              N=i32, K=i32, stride_xm=i32, stride_we=i32, stride_wn=i32,
+                              stride_hm=i32, TOP_K="constexpr", BLOCK_N="constexpr",
+                              BLOCK_K="constexpr", EVEN_K="constexpr")
+        decode_down = dict(h_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", ids_ptr="*i32",
+                           route_weights_ptr="*fp32", N=i32, K=i32, stride_hm=i32,
+                           stride_we=i32, stride_wn=i32, stride_om=i32, TOP_K="constexpr",
+                           K_P2="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr",
+                           EVEN_K="constexpr")
+        for top_k, even in [(8, True), (6, False), (1, True)]:
+            tiles = fm.decode_tiles(top_k)
+            for kernel, signature, tile, extra in [
+                (fm._decode_gate_up_kernel, decode_gate_up, tiles.gate_up, {}),
+                (fm._decode_down_kernel, decode_down, tiles.down,
+                 dict(K_P2=triton.next_power_of_2(top_k))),
+            ]:
+                build(kernel, signature, dict(TOP_K=top_k, BLOCK_N=tile.block_n,
+                      BLOCK_K=tile.block_k, EVEN_K=even, **extra), tile)
         print("ok")
     """)
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(REPO))
@@ -316,18 +418,27 @@ def _routing(m: int, e: int, k: int, spread: str, gen: torch.Generator):
     return logits
 
 
-GPU_CASES = [  # (experts, top_k, tokens)
+GPU_CASES = [  # (experts, top_k, tokens): the decode path up to DECODE_MAX_TOKENS, the sorted past
     (8, 2, 1),
+    (8, 2, 16),
+    (8, 2, 17),
     (8, 2, 8192),
     (8, 1, 37),
     (64, 8, 1),
+    (64, 6, 8),
     (64, 6, 512),
     (128, 8, 1),
+    (128, 8, 2),
     (128, 8, 4),
+    (128, 8, 8),
+    (128, 8, 9),
+    (128, 8, 16),
+    (128, 8, 17),
     (128, 8, 64),
     (128, 8, 1000),
     (128, 8, 8192),
     (60, 4, 3),
+    (16, 1, 2),
     (16, 1, 2048),
 ]
 
@@ -357,6 +468,31 @@ def test_fused_experts_match_torch_reference(experts, top_k, tokens, spread):
     ref = experts_reference(x.float(), gu.float(), dn.float(), w_ref, i_ref)
     assert out.dtype == torch.bfloat16 and out.shape == (tokens, hidden)
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("experts,top_k", [(128, 8), (60, 4), (64, 6), (8, 2), (16, 1)])
+@pytest.mark.parametrize("tokens", [1, 8, 16])
+def test_decode_path_rounds_as_the_sorted_path(experts, top_k, tokens):
+    """At decode sizes both paths run (tiles pick the path): the same rounding steps, so they
+    differ only where float32 sums in another order round to a neighbouring bf16 value."""
+    from engine.layers.fused_moe import decode_tiles, fused_experts, moe_tiles, route_topk
+
+    hidden, inter = 1024, 352
+    gen = torch.Generator(device="cuda").manual_seed(experts + top_k + tokens)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    gu = (torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen) / hidden**0.5).to(
+        torch.bfloat16
+    )
+    dn = (torch.randn(experts, hidden, inter, device="cuda", generator=gen) / inter**0.5).to(
+        torch.bfloat16
+    )
+    w, ids = route_topk(torch.randn(tokens, experts, device="cuda", generator=gen), top_k, True)
+    by_decode = fused_experts(x, gu, dn, w, ids, tiles=decode_tiles(top_k))
+    by_sort = fused_experts(x, gu, dn, w, ids, tiles=moe_tiles(tokens, experts, top_k))
+    scale = by_sort.abs().max().item()
+    torch.testing.assert_close(by_decode.float(), by_sort.float(), atol=1e-2 * scale, rtol=1e-2)
 
 
 @pytest.mark.gpu

@@ -1,12 +1,18 @@
-"""Fused mixture-of-experts in Triton for CUDA: the router's softmax top-k, the tokens sorted by
-expert, and one grouped GEMM launch for every expert's gate_up (SiLU-and-mul fused) and one for down
-(the router weight fused).
+"""Fused mixture-of-experts in Triton for CUDA: the router's softmax top-k, then the experts by one
+of two paths, both reading only the experts the tokens picked and neither reading back to the host
+(buffers sized from the token count alone), so decode steps capture into CUDA graphs.
 
-The (token, slot) pairs are sorted by expert into blocks of BLOCK_M rows, each expert's group padded
-to a whole block; a GEMM program takes one block, so it reads the weights of that block's expert
-only: a batch-1 decode step reads its top_k experts and nothing else. The sort runs on the GPU into
-buffers sized from the token count alone (no host sync), so decode steps capture into CUDA graphs.
-The top_k weighted rows of each token are summed by one torch reduction.
+Sorted path (more than DECODE_MAX_TOKENS tokens): the (token, slot) pairs are sorted by
+expert into blocks of BLOCK_M rows, each expert's group padded to a whole block; one grouped GEMM
+launch for every expert's gate_up (SiLU-and-mul fused) and one for down (the router weight fused),
+a program per (block, column tile) reading its block's expert once for all the block's rows on
+tensor cores. The top_k weighted rows of each token are then summed by one torch reduction.
+
+Decode path (up to DECODE_MAX_TOKENS tokens): no sort and no reduction, two launches. gate_up: a
+program per (pair, column tile) reads the pair's expert straight from the router's ids. down: a
+program per (token, column tile) reads the tiles of all the token's top_k experts at once, sums
+their weighted products in float32 and writes the token's output row. Each pick reads its expert
+on its own: an expert picked by several tokens of the batch is read once per pick.
 """
 
 from __future__ import annotations
@@ -27,6 +33,14 @@ MAX_BLOCK_M = 64
 # Up to this many (token, slot) pairs the sort by expert is one Triton program (decode batches);
 # more go through torch's sort.
 ONE_PROGRAM_PAIRS = 512
+# Up to this many tokens fused_experts takes the decode path. It saves the sort's and the sum's
+# launches (fixed costs, large beside a decode step's few experts) and the sorted path's padding
+# rows: up to 16 tokens an expert's sorted block (16 rows, the smallest) is mostly padding. It
+# pays a read of the expert per pick (tokens sharing an expert re-read it, mostly from L2: the
+# programs of one weight tile run side by side) and multiply-adds on CUDA cores per pick, which
+# grow with the batch while the sorted blocks fill: the two paths break even near 8 tokens on an
+# H200 (bench/moe_decode.py's sweep; bench/results/2026-11-26-h200-moe-decode-path).
+DECODE_MAX_TOKENS = 8
 
 
 class MoeTiles(NamedTuple):
@@ -40,7 +54,39 @@ class MoeTiles(NamedTuple):
     num_stages: int
 
 
+class GemvTile(NamedTuple):
+    """Tile of one decode-path kernel: BLOCK_N weight rows (output columns) by BLOCK_K, per pick,
+    and its num_warps. No num_stages: Triton (3.6) software-pipelines only loads that feed a
+    tl.dot, so a step's loads are in flight together only within a program; the bytes in flight
+    per SM come from the tile's size and the programs an SM holds at once."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+class DecodeTiles(NamedTuple):
+    """Tiles of the decode path's two launches: gate_up (per pair) and down (per token, BLOCK_N
+    rows of each of its top_k experts at once)."""
+
+    gate_up: GemvTile
+    down: GemvTile
+
+
 if triton is not None:
+
+    @triton.jit
+    def _rounded(x, dtype: tl.constexpr):
+        """float32 x rounded through `dtype` (the activation dtype), as a torch op's output is."""
+        return x.to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _silu_and_mul_rounded(gate_acc, up_acc, dtype: tl.constexpr):
+        """silu(gate) * up of float32 accumulators, each rounded through `dtype` first, as the
+        torch path rounds its gate_up output."""
+        gate = _rounded(gate_acc, dtype)
+        up = _rounded(up_acc, dtype)
+        return gate / (1.0 + tl.exp(-gate)) * up
 
     @triton.jit
     def _route_topk_kernel(
@@ -203,16 +249,127 @@ if triton is not None:
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         if GATE_UP:
-            # silu and the product rounded through the activation dtype, as the torch path rounds
-            gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
-            up = acc_up.to(c_ptr.dtype.element_ty).to(tl.float32)
-            acc = gate / (1.0 + tl.exp(-gate)) * up
+            acc = _silu_and_mul_rounded(acc, acc_up, c_ptr.dtype.element_ty)
         else:
             route = tl.load(route_weights_ptr + tl.where(real, pairs, 0), mask=real, other=0.0)
-            route = route.to(c_ptr.dtype.element_ty).to(tl.float32)
-            acc = acc.to(c_ptr.dtype.element_ty).to(tl.float32) * route[:, None]
+            route = _rounded(route, c_ptr.dtype.element_ty)
+            acc = _rounded(acc, c_ptr.dtype.element_ty) * route[:, None]
         c_ptrs = c_ptr + c_rows.to(tl.int64)[:, None] * stride_cm + rn[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=real[:, None] & (rn < N)[None, :])
+
+    @triton.jit
+    def _decode_gate_up_kernel(
+        x_ptr,
+        w_ptr,
+        h_ptr,
+        ids_ptr,
+        N,
+        K,
+        stride_xm,
+        stride_we,
+        stride_wn,
+        stride_hm,
+        TOP_K: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr,
+    ):
+        """Program (p, n): h[p, n * BLOCK_N : +BLOCK_N] = silu(gate) * up of pair p (token
+        p // TOP_K, flat index token * TOP_K + slot) through expert ids[p]; W is [E, 2N, K] (gate
+        rows, then up rows). One A row: products on CUDA cores, summed over K at the end."""
+        pair = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        token = pair // TOP_K
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn_safe = tl.where(rn < N, rn, 0)  # out-of-range rows re-read row 0 (stores masked)
+        rk = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + token.to(tl.int64) * stride_xm + rk
+        w_ptrs = (
+            w_ptr + expert * stride_we + rn_safe.to(tl.int64)[:, None] * stride_wn + rk[None, :]
+        )
+        up_offset = N * stride_wn
+        # [BLOCK_N, BLOCK_K] partial sums: one reduction across threads after the loop, not per step
+        gate_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        up_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(x_ptrs)
+                w_gate = tl.load(w_ptrs)
+                w_up = tl.load(w_ptrs + up_offset)
+            else:
+                k_ok = (k0 + rk) < K
+                a = tl.load(x_ptrs, mask=k_ok, other=0.0)
+                w_gate = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+                w_up = tl.load(w_ptrs + up_offset, mask=k_ok[None, :], other=0.0)
+            a = a.to(tl.float32)[None, :]
+            gate_acc += w_gate.to(tl.float32) * a
+            up_acc += w_up.to(tl.float32) * a
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        dtype = h_ptr.dtype.element_ty
+        h = _silu_and_mul_rounded(tl.sum(gate_acc, axis=1), tl.sum(up_acc, axis=1), dtype)
+        tl.store(h_ptr + pair.to(tl.int64) * stride_hm + rn, h.to(dtype), mask=rn < N)
+
+    @triton.jit
+    def _decode_down_kernel(
+        h_ptr,
+        w_ptr,
+        out_ptr,
+        ids_ptr,
+        route_weights_ptr,
+        N,
+        K,
+        stride_hm,
+        stride_we,
+        stride_wn,
+        stride_om,
+        TOP_K: tl.constexpr,
+        K_P2: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr,
+    ):
+        """Program (t, n): out[t, n * BLOCK_N : +BLOCK_N] = the sum over token t's TOP_K slots j
+        of route[t, j] * (h[t * TOP_K + j] @ W[ids[t, j]]^T), W [E, N, K]. Each step loads the
+        [TOP_K, BLOCK_N, BLOCK_K] tiles of all the token's experts: one loop over K keeps every
+        expert's bytes in flight together (a loop per slot would wait on each expert in turn).
+
+        Rounded as the sorted path rounds: each slot's product through the activation dtype, times
+        its route weight rounded the same way, the result rounded again (the sorted path stores
+        it), the slots summed in float32 and rounded once."""
+        token = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        slots = tl.arange(0, K_P2)
+        slot_ok = slots < TOP_K
+        pairs = token.to(tl.int64) * TOP_K + slots
+        experts = tl.load(ids_ptr + pairs, mask=slot_ok, other=0).to(tl.int64)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn_safe = tl.where(rn < N, rn, 0)  # out-of-range rows re-read row 0 (stores masked)
+        rk = tl.arange(0, BLOCK_K)
+        h_ptrs = h_ptr + pairs[:, None] * stride_hm + rk[None, :]
+        w_ptrs = (
+            w_ptr
+            + experts[:, None, None] * stride_we
+            + rn_safe.to(tl.int64)[None, :, None] * stride_wn
+            + rk[None, None, :]
+        )
+        acc = tl.zeros([K_P2, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                h_ok = slot_ok[:, None]
+            else:
+                h_ok = slot_ok[:, None] & ((k0 + rk) < K)[None, :]
+            h = tl.load(h_ptrs, mask=h_ok, other=0.0)
+            w = tl.load(w_ptrs, mask=h_ok[:, None, :], other=0.0)
+            acc += w.to(tl.float32) * h.to(tl.float32)[:, None, :]
+            h_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        dtype = out_ptr.dtype.element_ty
+        route = _rounded(tl.load(route_weights_ptr + pairs, mask=slot_ok, other=0.0), dtype)
+        weighted = _rounded(_rounded(tl.sum(acc, axis=2), dtype) * route[:, None], dtype)
+        total = tl.sum(weighted, axis=0)
+        tl.store(out_ptr + token.to(tl.int64) * stride_om + rn, total.to(dtype), mask=rn < N)
 
 
 def moe_tiles(num_tokens: int, num_experts: int, top_k: int) -> MoeTiles:
@@ -225,6 +382,21 @@ def moe_tiles(num_tokens: int, num_experts: int, top_k: int) -> MoeTiles:
     if rows_per_expert <= 64:
         return MoeTiles(32, (64, 64), (64, 64), 4, 3)
     return MoeTiles(MAX_BLOCK_M, (64, 64), (128, 64), 4, 3)
+
+
+def uses_decode_path(num_tokens: int) -> bool:
+    """Whether fused_experts, left to choose, takes the decode path for this many tokens."""
+    return num_tokens <= DECODE_MAX_TOKENS
+
+
+def decode_tiles(top_k: int) -> DecodeTiles:
+    """The decode path's tiles. gate_up: 16 rows of gate and 16 of up, 256 deep (16 KiB of bf16 in
+    flight per program, 64 float32 partial sums per thread of 4 warps), so batch 1 launches
+    top_k * I / 16 programs, a few per SM even for a narrow expert. down: BLOCK_N rows of each of
+    the token's experts at once, 128 deep, BLOCK_N shrinking as top_k grows (2 at top-8: the
+    sweep's best at batches 1 to 16), so batch 1 launches H / BLOCK_N programs."""
+    rows_per_slot = max(1, 16 // triton.next_power_of_2(top_k))
+    return DecodeTiles(GemvTile(16, 256, 4), GemvTile(rows_per_slot, 128, 4))
 
 
 def route_topk(
@@ -310,23 +482,107 @@ def fused_experts(
     down: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
-    tiles: MoeTiles | None = None,
+    tiles: MoeTiles | DecodeTiles | None = None,
 ) -> torch.Tensor:
     """x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; router weights [T, k] float32 and expert ids
-    [T, k] -> [T, H] in x's dtype: what engine.layers.moe.experts_reference computes, in three
-    launches (sort, gate_up, down) and a sum over k. `tiles` overrides the choice (the benchmark
-    and tests sweep them)."""
-    t, hidden = x.shape
-    num_experts, two_inter, _ = gate_up.shape
-    inter, top_k = two_inter // 2, ids.shape[1]
+    [T, k] -> [T, H] in x's dtype: what engine.layers.moe.experts_reference computes. Up to
+    DECODE_MAX_TOKENS tokens by the decode path (two launches), beyond by the sorted path (sort,
+    gate_up, down, and a sum over k). `tiles` overrides the choice of path (MoeTiles: sorted,
+    DecodeTiles: decode) and of tiles: the benchmark and tests sweep them."""
+    t = x.shape[0]
     if t == 0:
         return torch.empty_like(x)
     if gate_up.stride(-1) != 1 or down.stride(-1) != 1:
         raise ValueError("fused_experts: expert weights must be contiguous along their last dim")
-    tiles = tiles or moe_tiles(t, num_experts, top_k)
     x = x if x.stride(-1) == 1 else x.contiguous()
     flat_ids = ids.reshape(-1).to(torch.int32).contiguous()
     route = weights.reshape(-1).to(torch.float32).contiguous()
+    top_k = ids.shape[1]
+    if tiles is None:
+        decode = uses_decode_path(t)
+        tiles = decode_tiles(top_k) if decode else moe_tiles(t, gate_up.shape[0], top_k)
+    if isinstance(tiles, DecodeTiles):
+        return _decode_experts(x, gate_up, down, route, flat_ids, top_k, tiles)
+    return _sorted_experts(x, gate_up, down, route, flat_ids, top_k, tiles)
+
+
+def _block_k(block_k: int, k: int) -> int:
+    """A tile's BLOCK_K, cut down to the reduction's length (at least 16) when that is shorter."""
+    return min(block_k, max(16, triton.next_power_of_2(k)))
+
+
+def _decode_experts(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    route: torch.Tensor,
+    flat_ids: torch.Tensor,
+    top_k: int,
+    tiles: DecodeTiles,
+) -> torch.Tensor:
+    """The decode path: h [T * k, I] = silu(gate) * up of every (token, slot) pair, then each
+    token's weighted sum over its k experts' down projections, written straight to out [T, H]."""
+    t, hidden = x.shape
+    inter = gate_up.shape[1] // 2
+    h = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x)
+    tile = tiles.gate_up
+    block_k = _block_k(tile.block_k, hidden)
+    _decode_gate_up_kernel[(t * top_k, triton.cdiv(inter, tile.block_n))](
+        x,
+        gate_up,
+        h,
+        flat_ids,
+        inter,
+        hidden,
+        x.stride(0),
+        gate_up.stride(0),
+        gate_up.stride(1),
+        h.stride(0),
+        TOP_K=top_k,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=block_k,
+        EVEN_K=hidden % block_k == 0,
+        num_warps=tile.num_warps,
+    )
+    tile = tiles.down
+    block_k = _block_k(tile.block_k, inter)
+    _decode_down_kernel[(t, triton.cdiv(hidden, tile.block_n))](
+        h,
+        down,
+        out,
+        flat_ids,
+        route,
+        hidden,
+        inter,
+        h.stride(0),
+        down.stride(0),
+        down.stride(1),
+        out.stride(0),
+        TOP_K=top_k,
+        K_P2=triton.next_power_of_2(top_k),
+        BLOCK_N=tile.block_n,
+        BLOCK_K=block_k,
+        EVEN_K=inter % block_k == 0,
+        num_warps=tile.num_warps,
+    )
+    return out
+
+
+def _sorted_experts(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    route: torch.Tensor,
+    flat_ids: torch.Tensor,
+    top_k: int,
+    tiles: MoeTiles,
+) -> torch.Tensor:
+    """The sorted path: the pairs sorted by expert, both grouped GEMMs over the sorted blocks, and
+    a torch sum over each token's k weighted rows."""
+    t, hidden = x.shape
+    num_experts, two_inter, _ = gate_up.shape
+    inter = two_inter // 2
     sorted_pairs, block_expert = align_by_expert(flat_ids, num_experts, tiles.block_m)
     num_blocks = block_expert.numel()
     h = torch.empty((sorted_pairs.numel(), inter), dtype=x.dtype, device=x.device)
@@ -335,7 +591,7 @@ def fused_experts(
         (x, gate_up, h, inter, hidden, tiles.gate_up, True),
         (h, down, out, hidden, inter, tiles.down, False),
     ):
-        block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+        block_k = _block_k(block_k, k)
         _moe_gemm_kernel[(num_blocks, triton.cdiv(n, block_n))](
             a,
             w,

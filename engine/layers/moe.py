@@ -2,7 +2,8 @@
 router, experts stored stacked ([E, 2I, H] gate_up and [E, H, I] down, the fused kernel's layout),
 and Qwen2-MoE's sigmoid-gated shared expert.
 
-On CUDA the experts run as the grouped Triton kernels of engine/layers/fused_moe.py; the plain torch
+On CUDA the experts run as the Triton kernels of engine/layers/fused_moe.py (grouped GEMMs over the
+tokens sorted by expert, or at decode batches one read of its expert per pick); the plain torch
 path here (a loop over the experts that received tokens) is the CPU reference.
 """
 
