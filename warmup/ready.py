@@ -27,6 +27,11 @@ from dataclasses import dataclass, field
 log = logging.getLogger(__name__)
 
 READY_BUDGET_S = 30.0  # tracing stops starting new first-request steps past this
+# Tracing a step holds this interpreter's lock for a fraction of a second: each step waits until no
+# request runs or waits (polled this often), at most BUSY_WAIT_S, so a burst that arrives while the
+# set loads waits out one step's trace, not the whole set's.
+IDLE_POLL_S = 0.02
+BUSY_WAIT_S = 10.0
 COMPILE_JOBS = 8  # processes of the background compile, at most half the CPUs
 
 
@@ -56,6 +61,8 @@ class _Live:
     """The engine's numbers the trace needs, read from the built engine (an AsyncLLM or LLM)."""
 
     def __init__(self, engine):
+        # an AsyncLLM serves while the set loads; a synchronous LLM runs nothing meanwhile
+        self.serving = engine if hasattr(engine, "stats_nowait") else None
         core = engine.engine
         self.args, self.runner = core.args, core.runner
         self.max_model_len = core.max_model_len
@@ -87,13 +94,28 @@ def _load(kernels: list) -> None:
             init()
 
 
+def _wait_idle(engine, max_wait_s: float = BUSY_WAIT_S) -> None:
+    """Until the engine has no request running or waiting (at most max_wait_s), or it stopped."""
+    deadline = time.monotonic() + max_wait_s
+    while time.monotonic() < deadline:
+        stats = engine.stats_nowait()
+        if stats.num_running == 0 and stats.num_waiting == 0:
+            return
+        if engine.wait_stopped(IDLE_POLL_S):
+            return
+
+
 def _trace_steps(live: _Live, steps: list, deadline: float | None = None) -> list:
+    """Trace `steps` one at a time, each once the engine is idle (_wait_idle), and load their
+    kernels; stops starting new steps past `deadline` (perf_counter)."""
     from warmup.kernel_set import trace
 
     model, sink = live.model(), []
     for step in steps:
         if deadline is not None and time.perf_counter() > deadline:
             break
+        if live.serving is not None:
+            _wait_idle(live.serving)
         trace(
             model,
             [step],
