@@ -68,7 +68,12 @@ def wait_served(engine, poll_s: float = IDLE_POLL_S, idle_wait_s: float = IDLE_W
     while engine.stats_nowait().peak_used_blocks == 0:
         if engine.wait_stopped(poll_s):
             return False
-    deadline = time.monotonic() + idle_wait_s
+    return wait_idle(engine, poll_s, idle_wait_s)
+
+
+def wait_idle(engine, poll_s: float, max_wait_s: float) -> bool:
+    """Until no request runs or waits, for at most max_wait_s; False if the engine stopped."""
+    deadline = time.monotonic() + max_wait_s
     while time.monotonic() < deadline:
         stats = engine.stats_nowait()
         if stats.num_running == 0 and stats.num_waiting == 0:

@@ -94,28 +94,19 @@ def _load(kernels: list) -> None:
             init()
 
 
-def _wait_idle(engine, max_wait_s: float = BUSY_WAIT_S) -> None:
-    """Until the engine has no request running or waiting (at most max_wait_s), or it stopped."""
-    deadline = time.monotonic() + max_wait_s
-    while time.monotonic() < deadline:
-        stats = engine.stats_nowait()
-        if stats.num_running == 0 and stats.num_waiting == 0:
-            return
-        if engine.wait_stopped(IDLE_POLL_S):
-            return
-
-
 def _trace_steps(live: _Live, steps: list, deadline: float | None = None) -> list:
-    """Trace `steps` one at a time, each once the engine is idle (_wait_idle), and load their
-    kernels; stops starting new steps past `deadline` (perf_counter)."""
+    """Trace `steps` and load their kernels one step at a time, each once the engine is idle
+    (warmup.fleet.wait_idle); stops starting new steps past `deadline` (perf_counter)."""
+    from warmup.fleet import wait_idle
     from warmup.kernel_set import trace
 
-    model, sink = live.model(), []
+    model, loaded = live.model(), []
     for step in steps:
         if deadline is not None and time.perf_counter() > deadline:
             break
         if live.serving is not None:
-            _wait_idle(live.serving)
+            wait_idle(live.serving, IDLE_POLL_S, BUSY_WAIT_S)
+        sink: list = []
         trace(
             model,
             [step],
@@ -124,8 +115,9 @@ def _trace_steps(live: _Live, steps: list, deadline: float | None = None) -> lis
             sink,
             live.args.kv_cache_dtype,
         )
-    _load(sink)
-    return sink
+        _load(sink)
+        loaded += sink
+    return loaded
 
 
 def warm_kernels(
