@@ -303,14 +303,7 @@ def start(
     A stream begun early (start_early) is adopted when it is this one, and stopped otherwise."""
     early, _EARLY[:] = _EARLY[:], []
     stream = _start(path, device, threads, chunk_bytes, start_pages, shard, want, early)
-    for other in early:
-        if other is not stream:
-            forget_pending(other.path, other)
-            other.cancel()
-            log.info(
-                "weights: stopped the early stream of %s (the start wants another)",
-                other.path,
-            )
+    _stop([other for other in early if other is not stream])
     return stream
 
 
@@ -351,7 +344,7 @@ def start_early(
     """start() ahead of the start sequence (cache.early_stream); True if a stream began. The
     sequence's own start() then adopts it or stops it; cancel_early() stops it when no start()
     follows."""
-    stream = start(model_dir, device, start_pages=start_pages, want=want)
+    stream = start(model_dir, gpu_of(device), start_pages=start_pages, want=want)
     if stream is not None:
         _EARLY.append(stream)
     return stream is not None
@@ -361,9 +354,20 @@ def cancel_early() -> None:
     """Stop a stream begun early that no start() took (the settings were refused, the start failed
     first, the device is the CPU)."""
     early, _EARLY[:] = _EARLY[:], []
+    _stop(early)
+
+
+def _stop(early: list[DeviceStream]) -> None:
+    """Unregister and stop streams begun early that the start does not take."""
     for stream in early:
         forget_pending(stream.path, stream)
         stream.cancel()
+        log.info("weights: stopped the early stream of %s (the start wants another)", stream.path)
+
+
+def gpu_of(device: str) -> str:
+    """The CUDA device a device setting streams to: "auto" is the current one."""
+    return "cuda" if device == "auto" else device
 
 
 def start_weights(
@@ -380,7 +384,7 @@ def start_weights(
     tensor parallelism, the rank's own pack. `want`: the engine's (dtype, quantization) settings,
     which pick the pack among several. Returns which one started: "device_stream" or "prefetch"."""
     if device != "cpu":
-        gpu = "cuda" if device == "auto" else device
+        gpu = gpu_of(device)
         if start(model_dir, gpu, start_pages=start_pages, shard=shard, want=want) is not None:
             return "device_stream"
     cancel_early()

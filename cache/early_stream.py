@@ -53,9 +53,9 @@ def fingerprint(names: Iterable[str], env: Mapping[str, str]) -> str:
 def record(
     path: str, names: Iterable[str], env: Mapping[str, str], stream: dict[str, object]
 ) -> None:
-    """Write what the next start needs to begin `stream` (start's keywords: model_dir, device,
-    start_pages, want) early; `names`: the variables whose values chose it (never secrets: only
-    their names and a hash of all values are kept)."""
+    """Write what the next start needs to begin `stream` (start_early's arguments: model_dir, the
+    device setting, start_pages, want) early; `names`: the variables whose values chose it (never
+    secrets: only their names and a hash of all values are kept)."""
     names = sorted(set(names))
     body = {"names": names, "env": fingerprint(names, env), "stream": stream}
     tmp = f"{path}.{os.getpid()}.tmp"

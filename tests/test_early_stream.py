@@ -36,7 +36,7 @@ def _recorded(tmp_path, env: dict[str, str], entry: str = "serve") -> dict:
     cache_dir = str(load_settings(env).resolved_cache_dir())
     stream = {
         "model_dir": str(model_dir),
-        "device": "cuda",
+        "device": "auto",
         "start_pages": os.path.join(cache_dir, "start-pages", "x.json"),
         "want": ["auto", None],
     }
@@ -68,7 +68,7 @@ def test_an_unchanged_environment_begins_the_recorded_stream(tmp_path, started):
     env = {"CACHE_DIR": str(tmp_path / "c"), "MODEL_NAME": "org/model", "DTYPE": "bfloat16"}
     stream = _recorded(tmp_path, env)
     assert early_stream.begin("serve", env) is True
-    assert started == [(stream["model_dir"], "cuda", stream["start_pages"], ("auto", None))]
+    assert started == [(stream["model_dir"], "auto", stream["start_pages"], ("auto", None))]
 
 
 @pytest.mark.parametrize(

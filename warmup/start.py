@@ -140,7 +140,6 @@ class EngineStart:
         self._entry_imported = threading.Event()  # clear while an entry point makes its imports
         self._entry_imported.set()
         self._thread: threading.Thread | None = None
-        self._stream: dict[str, Any] | None = None  # the device stream's start() keywords
 
     def begin(self) -> EngineStart:
         """Run the sequence on a daemon thread (once; later calls do nothing)."""
@@ -243,11 +242,6 @@ class EngineStart:
         self.weight_stream = self._timed(
             "stream_start", start_weights, str(self.model_dir), a.device, pages, (0, tp_size), want
         )
-        if self.weight_stream == "device_stream" and tp_size == 1:
-            gpu = "cuda" if a.device == "auto" else a.device
-            self._stream = dict(
-                model_dir=str(self.model_dir), device=gpu, start_pages=pages, want=want
-            )
         from warmup.triton_key import start_triton_key
 
         triton_key = start_triton_key()
@@ -283,9 +277,12 @@ class EngineStart:
             target=self._warm_kernels, args=(engine,), name="coldbrew-kernels", daemon=True
         ).start()
         start_pages.record_in_background(pages)
-        if self._stream is not None and a.entry and a.stream_env:
+        if self.weight_stream == "device_stream" and tp_size == 1 and a.entry and a.stream_env:
+            stream = dict(
+                model_dir=str(self.model_dir), device=a.device, start_pages=pages, want=want
+            )
             path = early_stream.record_path(a.cache_dir, a.entry)
-            early_stream.record(path, a.stream_env, os.environ, self._stream)
+            early_stream.record(path, a.stream_env, os.environ, stream)
         phases = ", ".join(f"{k} {v:.2f}s" for k, v in self.phases.items() if k != "total")
         log.info(
             "ready: model %s from %s in %.2fs (%s)",
