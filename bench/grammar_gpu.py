@@ -32,12 +32,8 @@ from types import SimpleNamespace
 import torch
 
 from bench.grammar_schemas import NESTED_20_FIELDS
-from engine.structured import (
-    GrammarBackend,
-    StructuredOutputs,
-    allocate_bitmask,
-    apply_token_bitmask,
-)
+from engine.structured import GrammarBackend, StructuredOutputs
+from engine.token_bitmask import allocate_bitmask, apply_token_bitmask
 
 TOKENIZER = ".cache/grammar-bench/llama3-tokenizer.json"
 
@@ -124,42 +120,76 @@ def _timed_fills(backend) -> list[float]:
     return seconds
 
 
+def _fresh_grammar(backend, index: int):
+    """The 20-field schema under a title of its own (a compile the cache has not seen), compiled
+    with the backend's current families, all of them built."""
+    spec = StructuredOutputs(json={**NESTED_20_FIELDS, "title": f"sweep {index}"})
+    compiled = backend.compile(spec)
+    deadline = time.monotonic() + 60
+    while compiled.families < backend.families and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return spec
+
+
+def fill_stats(seconds: list[float], step_ms: float) -> dict:
+    """The engine's fill calls: median, mean, p90, max ms, and how many took longer than a step
+    without the grammar (those hold the step: the fill overlaps only the forward pass)."""
+    ms = sorted(1e3 * s for s in seconds)
+    return {
+        "fills": len(ms),
+        "fill_ms_median": statistics.median(ms),
+        "fill_ms_mean": statistics.fmean(ms),
+        "fill_ms_p90": ms[int(0.9 * (len(ms) - 1))],
+        "fill_ms_max": ms[-1],
+        "fills_over_step": sum(m > step_ms for m in ms),
+    }
+
+
 def thread_sweep(llm, args, spec) -> list[dict]:
     """At the largest batch: decode without and with the grammar for each (torch's CPU threads,
-    the batch fill's threads) pair, with the engine's fill calls timed (median, mean, p90 ms)."""
+    the batch fill's threads, the grammar's families) setting, with the engine's fill calls timed
+    (median, mean, p90 ms). Each setting compiles the schema anew (its families) and warms it with
+    one run first."""
     b = max(args.batch)
     default_torch = torch.get_num_threads()
     rows = []
-    _decode_ms(llm, b, args.tokens, spec)  # graphs captured, the grammar compiled and warm
+    _decode_ms(llm, b, args.tokens, spec)  # graphs captured
     backend = llm.engine.grammars
-    for torch_threads in args.torch_threads or [default_torch]:
-        for fill_threads in args.fill_threads or [0]:
-            torch.set_num_threads(torch_threads)
-            backend.use_fill_threads(fill_threads or None)
-            plain, _ = _decode_ms(llm, b, args.tokens, None)
-            fills = _timed_fills(backend)
-            grammar, _ = _decode_ms(llm, b, args.tokens, spec)
-            del backend.fill_bitmask  # the class's own again
-            ms = sorted(1e3 * s for s in fills)
-            row = {
-                "batch": b,
-                "torch_threads": torch_threads,
-                "fill_threads": fill_threads or "default",
-                "plain_ms": plain,
-                "grammar_ms": grammar,
-                "grammar_over_plain": grammar / plain,
-                "fill_ms_median": statistics.median(ms),
-                "fill_ms_mean": statistics.fmean(ms),
-                "fill_ms_p90": ms[int(0.9 * (len(ms) - 1))],
-            }
-            rows.append(row)
-            print(
-                f"threads torch {torch_threads}, fill {row['fill_threads']}: b={b} "
-                f"{plain:.2f} ms plain, {grammar:.2f} ms with the grammar "
-                f"({grammar / plain - 1:+.1%}); fill {row['fill_ms_median']:.2f} ms median, "
-                f"{row['fill_ms_mean']:.2f} mean, {row['fill_ms_p90']:.2f} p90",
-                flush=True,
-            )
+    settings = [
+        (t, f, fam)
+        for t in args.torch_threads or [default_torch]
+        for f in args.fill_threads or [0]
+        for fam in args.families or [0]
+    ]
+    for index, (torch_threads, fill_threads, families) in enumerate(settings):
+        torch.set_num_threads(torch_threads)
+        backend.use_fill_threads(fill_threads or None, families or None)
+        sweep_spec = _fresh_grammar(backend, index)
+        _decode_ms(llm, b, args.tokens, sweep_spec)  # its lexers warm
+        plain, _ = _decode_ms(llm, b, args.tokens, None)
+        fills = _timed_fills(backend)
+        grammar, _ = _decode_ms(llm, b, args.tokens, sweep_spec)
+        del backend.fill_bitmask  # the class's own again
+        row = {
+            "batch": b,
+            "torch_threads": torch_threads,
+            "fill_threads": backend.fill_threads,
+            "families": backend.families,
+            "plain_ms": plain,
+            "grammar_ms": grammar,
+            "grammar_over_plain": grammar / plain,
+            **fill_stats(fills, plain),
+        }
+        rows.append(row)
+        print(
+            f"threads torch {torch_threads}, fill {row['fill_threads']}, families "
+            f"{row['families']}: b={b} {plain:.2f} ms plain, {grammar:.2f} ms with the grammar "
+            f"({grammar / plain - 1:+.1%}); fill {row['fill_ms_median']:.2f} ms median, "
+            f"{row['fill_ms_mean']:.2f} mean, {row['fill_ms_p90']:.2f} p90, "
+            f"{row['fill_ms_max']:.1f} max; {row['fills_over_step']} of {row['fills']} longer "
+            f"than a step",
+            flush=True,
+        )
     torch.set_num_threads(default_torch)
     backend.use_fill_threads(None)
     return rows
@@ -184,19 +214,27 @@ def engine_decode(args, tokenizer_json: str) -> dict:
         cuda_graph_sizes=args.batch,
     )
     spec = StructuredOutputs(json=NESTED_20_FIELDS)
-    out = {}
+    out = {
+        "fill_threads": llm.engine.grammars.fill_threads,
+        "families": llm.engine.grammars.families,
+    }
     if args.profile:
         out["profile"] = _host_profile(llm, max(args.batch), args.tokens, spec, args.out)
-    if args.fill_threads or args.torch_threads:
+    if args.fill_threads or args.torch_threads or args.families:
         out["threads"] = thread_sweep(llm, args, spec)
     for b in args.batch:
         runs: dict[str, list[float]] = {"plain_ms": [], "grammar_ms": []}
+        fills: list[float] = []
         for _ in range(args.repeats):
             runs["plain_ms"].append(_decode_ms(llm, b, args.tokens, None)[0])
+            timed = _timed_fills(llm.engine.grammars)
             ms, outs = _decode_ms(llm, b, args.tokens, spec)
+            del llm.engine.grammars.fill_bitmask
+            fills += timed
             runs["grammar_ms"].append(ms)
         row = {k: statistics.median(v) for k, v in runs.items()}
         row["grammar_over_plain"] = row["grammar_ms"] / row["plain_ms"]
+        row.update(fill_stats(fills, row["plain_ms"]))
         row["runs"] = runs
         # steps each sequence spent inside its grammar (before the document ended)
         eos = set(llm.engine.eos_token_ids)
@@ -209,7 +247,9 @@ def engine_decode(args, tokenizer_json: str) -> dict:
         print(
             f"decode b={b}: {row['plain_ms']:.2f} ms plain, {row['grammar_ms']:.2f} ms with the "
             f"grammar ({row['grammar_over_plain'] - 1:+.1%}); median {row['grammar_steps_median']} "
-            f"of {args.tokens} steps inside the grammar",
+            f"of {args.tokens} steps inside the grammar; fill {row['fill_ms_median']:.2f} ms "
+            f"median, {row['fill_ms_max']:.1f} max, {row['fills_over_step']} of {row['fills']} "
+            f"longer than a step",
             flush=True,
         )
     return out
@@ -231,6 +271,13 @@ def main() -> None:
         type=int,
         default=[],
         help="sweep the batch fill's threads at the largest batch (0: llguidance's default)",
+    )
+    ap.add_argument(
+        "--families",
+        nargs="*",
+        type=int,
+        default=[],
+        help="sweep the copies of the grammar built to fill in parallel (0: one per fill thread)",
     )
     ap.add_argument(
         "--torch-threads",

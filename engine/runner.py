@@ -31,6 +31,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 from engine.step_inputs import InputStager
+from engine.token_bitmask import BitmaskStaging
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +76,8 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - t0
         self.stager = InputStager(device, self.block_size)
         self.sampler = Sampler()
-        # structured outputs: the grammar rows' bitmask, on the host (pinned) and on the device
-        self._mask_host: torch.Tensor | None = None
-        self._mask_device: torch.Tensor | None = None
-        self._mask_copied: torch.cuda.Event | None = None
+        # structured outputs: the grammar rows' bitmask (made by the first step with a grammar)
+        self._bitmask: BitmaskStaging | None = None
         self.use_graphs = self._use_cuda_graphs()
         self.kv_step_bytes: int | None = None  # the step allowance the KV sizing used (GPU)
         self.num_blocks = args.num_kv_blocks or self._size_kv_cache()
@@ -289,7 +288,10 @@ class ModelRunner:
                 sample_logits = logits[sample_at]
             sample_rows = [rows[seq.seq_id] for seq in sampled_seqs]
             bitmask = self._grammar_bitmask(sample_rows, fill_masks)
-            result.sample = self.sampler.sample(sample_logits, sample_rows, bitmask)
+            # the logits are this step's own (the graph's output is rewritten by the next replay)
+            result.sample = self.sampler.sample(sample_logits, sample_rows, bitmask, scratch=True)
+            if bitmask is not None:
+                self._bitmask.used()
             result.sample.start_copy()
         return result
 
@@ -299,25 +301,13 @@ class ModelRunner:
         matchers = [r.grammar for r in rows]
         if fill_masks is None or all(m is None for m in matchers):
             return None
-        n, words = len(rows), (self.model_config.vocab_size + 31) // 32
-        if self._mask_host is None or self._mask_host.shape[0] < n:
-            pinned = self.device.type == "cuda"
-            size = max(n, self.args.max_num_seqs)
-            self._mask_host = torch.full((size, words), -1, dtype=torch.int32, pin_memory=pinned)
-            self._mask_device = torch.empty_like(self._mask_host, device=self.device)
-        elif self._mask_copied is not None:
-            # The host rows are rewritten only once the last step's copy of them has left.
-            self._mask_copied.synchronize()
-        host = self._mask_host[:n]
-        if not fill_masks(host, matchers):
+        if self._bitmask is None:
+            self._bitmask = BitmaskStaging(
+                self.model_config.vocab_size, self.device, self.args.max_num_seqs
+            )
+        if not fill_masks(self._bitmask.host_rows(len(rows)), matchers):
             return None
-        if self.device.type != "cuda":
-            return host
-        on_device = self._mask_device[:n]
-        on_device.copy_(host, non_blocking=True)
-        self._mask_copied = torch.cuda.Event()
-        self._mask_copied.record()
-        return on_device
+        return self._bitmask.to_device(len(rows))
 
     def _plan(self, scheduled: list[ScheduledSeq], previous: LaunchedStep | None):
         """The step's plan (what every rank runs), and what only rank 0 needs: the sequences that

@@ -18,7 +18,7 @@ from engine.layers.fused import fused_kernels_available
 from engine.layers.random_race import draw_key, race_sample
 from engine.outputs import Logprob, PositionLogprobs
 from engine.sampling_params import SamplingParams
-from engine.structured import apply_token_bitmask
+from engine.token_bitmask import apply_token_bitmask
 
 # Temperatures below this are raised to it before dividing, so logits / T never overflows to inf.
 _MIN_TEMPERATURE = 1e-5
@@ -418,10 +418,12 @@ class Sampler:
         logits: torch.Tensor,
         rows: list[SamplingRow],
         bitmask: torch.Tensor | None = None,
+        scratch: bool = False,
     ) -> DeviceSample:
         """Sample on the logits' device; nothing is read back (DeviceSample.result() does that).
         bitmask: int32 [rows, ceil(vocab / 32)] on the logits' device, the tokens each row's grammar
-        allows (engine.structured); None when no row has one."""
+        allows (engine.structured); None when no row has one. scratch: the caller is done with the
+        logits, so the sampler may edit them in place instead of a copy."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits: expected shape [{len(rows)}, vocab], got {list(logits.shape)}"
@@ -430,6 +432,8 @@ class Sampler:
             return DeviceSample(torch.zeros(0, dtype=torch.int64, device=logits.device), [], [], [])
         params = [r.params for r in rows]
         raw = logits.float()
+        # raw is read again for logprobs, and may be the caller's tensor: edits go to a copy then
+        keep_raw = any(p.logprobs is not None for p in params) or (raw is logits and not scratch)
         edits = bitmask is not None
         for r in rows:
             p = r.params
@@ -442,7 +446,7 @@ class Sampler:
             ):
                 edits = True
                 break
-        work = raw.clone() if edits else raw  # raw may be the caller's tensor: edit only a copy
+        work = raw.clone() if edits and keep_raw else raw
         if edits:
             if any(p.logit_bias for p in params):
                 apply_logit_bias(work, [p.logit_bias for p in params])
@@ -468,7 +472,7 @@ class Sampler:
             if index is not None:
                 sub = work[index]
             else:
-                sub = work if edits else raw.clone()
+                sub = raw.clone() if keep_raw and not edits else work
             sp = [params[i] for i in sampled_rows]
             apply_temperature(sub, [p.temperature for p in sp])
             apply_top_k_top_p_min_p(

@@ -1,12 +1,14 @@
 """Structured outputs in the engine: a grammar as a sampling parameter, compiled off the step loop
 and cached per spec, a matcher per sequence that accepts its tokens and fills its row of a token
-bitmask, and the bitmask applied to the logits on their device. The grammar engine is llguidance
+bitmask (engine/token_bitmask.py carries it to the logits). The grammar engine is llguidance
 (docs/structured-outputs.md).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -181,17 +183,35 @@ class StructuredOutputs:
 
 
 class CompiledGrammar:
-    """A spec compiled against the model's tokenizer; matcher(): one per sequence."""
+    """A spec compiled against the model's tokenizer; matcher(): one per sequence.
+
+    llguidance's matchers copied from one template share its lexer behind one lock, so a batch's
+    rows of one template fill one after another however many threads fill them. The grammar is
+    therefore built several times (families: the first at compile, the rest in the background),
+    and matcher() deals sequences round the families that exist, so rows of different families
+    fill in parallel while each family's lexer states stay shared by its own rows."""
 
     def __init__(self, spec: StructuredOutputs, template: Any):
         self.spec = spec
-        self._template = template  # an LLMatcher at the grammar's start, never advanced itself
+        # LLMatchers at the grammar's start, never advanced themselves; appended to, never changed
+        self._templates = [template]
+        self._dealt = itertools.count()
+
+    @property
+    def families(self) -> int:
+        """How many independent copies of the grammar (each with its own lexer) exist now."""
+        return len(self._templates)
+
+    def add_family(self, template: Any) -> None:
+        self._templates.append(template)
 
     def matcher(self, start_after_token: int | None = None) -> GrammarMatcher:
         """A matcher at the grammar's start. start_after_token: the grammar applies only to the
         tokens after this one (e.g. the end of a model's reasoning); until then the row is left
         unconstrained."""
-        return GrammarMatcher(self._template.deep_copy(), start_after_token)
+        templates = self._templates
+        family = next(self._dealt) % len(templates)
+        return GrammarMatcher(templates[family].deep_copy(), start_after_token, family)
 
 
 class GrammarMatcher:
@@ -202,9 +222,11 @@ class GrammarMatcher:
     would not have allowed puts the matcher in an error state (error names it) and accept() returns
     False."""
 
-    def __init__(self, matcher: Any, start_after_token: int | None = None):
+    def __init__(self, matcher: Any, start_after_token: int | None = None, family: int = 0):
         self._matcher = matcher
         self._waiting_for = start_after_token
+        # which of its grammar's copies (CompiledGrammar) it shares a lexer with
+        self.family = family
 
     @property
     def active(self) -> bool:
@@ -269,7 +291,9 @@ class GrammarBackend:
     loop), caches the compiled grammars per spec, and fills a batch's bitmask rows in parallel.
 
     vocab_size is the width of the model's logits (the tokenizer may have fewer tokens: the rest are
-    never allowed). eos_token_ids: the tokens that end a sequence once its grammar is complete."""
+    never allowed). eos_token_ids: the tokens that end a sequence once its grammar is complete.
+    fill_threads: the batch fill's threads (default: default_fill_threads()); families: the copies
+    of each grammar built to fill in parallel (default: default_families())."""
 
     def __init__(
         self,
@@ -279,6 +303,7 @@ class GrammarBackend:
         *,
         compile_threads: int = 2,
         fill_threads: int | None = None,
+        families: int | None = None,
         cache_size: int = DEFAULT_CACHE_SIZE,
     ):
         if not eos_token_ids:
@@ -286,7 +311,8 @@ class GrammarBackend:
         self._tokenizer_json = tokenizer_json
         self.vocab_size = int(vocab_size)
         self.eos_token_ids = [int(t) for t in eos_token_ids]
-        self._fill_threads = fill_threads
+        self._fill_threads = fill_threads or default_fill_threads()
+        self._families = families or default_families(self._fill_threads)
         self._pool = ThreadPoolExecutor(compile_threads, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()  # the cache
         self._build_lock = threading.Lock()  # the tokenizer table and the fill executor, built once
@@ -308,6 +334,15 @@ class GrammarBackend:
         raw.no_padding()
         raw.no_truncation()
         return cls(raw.to_str(), vocab_size, eos_token_ids, **kwargs)
+
+    @property
+    def fill_threads(self) -> int:
+        return self._fill_threads
+
+    @property
+    def families(self) -> int:
+        """Copies of each grammar compiled from now on (CompiledGrammar)."""
+        return self._families
 
     @property
     def bitmask_words(self) -> int:
@@ -342,13 +377,39 @@ class GrammarBackend:
         error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
         if error:
             raise refuse(error)
+        template = self._template(grammar)
+        if template.is_error():
+            raise refuse(template.get_error())
+        compiled = CompiledGrammar(spec, template)
+        if self._families > 1:
+            self._add_family_later(compiled, grammar, self._families)
+        return compiled
+
+    def _template(self, grammar: str) -> Any:
+        """A new LLMatcher at the grammar's start, with a lexer of its own."""
+        import llguidance
+
         # Quiet and terse: a matcher's errors name the token, never dump the schema or parser state
         # to logs.
         limits = llguidance.LLParserLimits(verbose_errors=False)
-        template = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
-        if template.is_error():
-            raise refuse(template.get_error())
-        return CompiledGrammar(spec, template)
+        return llguidance.LLMatcher(self._ll_tokenizer(), grammar, log_level=0, limits=limits)
+
+    def _add_family_later(self, compiled: CompiledGrammar, grammar: str, families: int) -> None:
+        """Build compiled's next family on a compile thread, one family per task: a new spec's
+        compile waits behind at most one build per thread, never behind a whole set."""
+
+        def add() -> None:
+            template = self._template(grammar)
+            if template.is_error():  # compiled once already: never expected
+                return
+            compiled.add_family(template)
+            if compiled.families < families:
+                self._add_family_later(compiled, grammar, families)
+
+        try:
+            self._pool.submit(add)
+        except RuntimeError:  # closed: the families built so far serve
+            pass
 
     def submit(self, spec: StructuredOutputs) -> Future[CompiledGrammar]:
         """The compiled grammar of spec, as a future: from the cache, or compiled on a worker
@@ -387,26 +448,32 @@ class GrammarBackend:
                 f"bitmask: expected at least [{len(matchers)}, {self.bitmask_words}], "
                 f"got {list(array.shape)}"
             )
-        pairs = []
+        active = []
         for i, m in enumerate(matchers):
             if m is None or not m.active:
                 array[i].fill(-1)
             else:
-                pairs.append((m._matcher, i))
-        if len(pairs) == 1:
-            matcher, row = pairs[0]
-            matcher.unsafe_compute_mask_ptr(array[row].ctypes.data, array.shape[1] * 4)
-        elif pairs:
+                active.append((m, i))
+        if len(active) == 1:
+            matcher, row = active[0]
+            matcher.fill(array[row])
+        elif active:
+            # Rows of one family wait on one lexer: given in family order, the executor's threads,
+            # which split the list into runs, mostly take a family each.
+            active.sort(key=lambda pair: pair[0].family)
+            pairs = [(m._matcher, i) for m, i in active]
             self._fill_executor().unsafe_compute_mask_ptr(
                 pairs, array.ctypes.data, array.shape[1] * 4, array.shape[0]
             )
-        return bool(pairs)
+        return bool(active)
 
-    def use_fill_threads(self, threads: int | None) -> None:
-        """The batch fill's thread count from the next fill on (None: llguidance's default, about
-        80% of the cores)."""
+    def use_fill_threads(self, threads: int | None, families: int | None = None) -> None:
+        """The batch fill's thread count from the next fill on (None: default_fill_threads()), and
+        the families of the grammars compiled from now on (None: default_families())."""
         with self._build_lock:
-            self._fill_threads, self._executor = threads, None
+            self._fill_threads = threads or default_fill_threads()
+            self._families = families or default_families(self._fill_threads)
+            self._executor = None
 
     def _fill_executor(self) -> Any:
         with self._build_lock:
@@ -420,45 +487,15 @@ class GrammarBackend:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def allocate_bitmask(rows: int, vocab_size: int, pin_memory: bool = False) -> torch.Tensor:
-    """A CPU int32 [rows, ceil(vocab_size / 32)] bitmask, every token allowed; pinned for a
-    non-blocking copy to the GPU."""
-    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32, pin_memory=pin_memory)
+def default_fill_threads() -> int:
+    """The batch fill's threads by default: llguidance's own rule, 80 % of the cores this process
+    may run on, 1 to 32."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(32, (cores or 1) * 80 // 100))
 
 
-_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
-
-
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """logits[i, t] = -inf wherever bit t of bitmask row i is 0, in place on the logits' device.
-
-    logits: float [N, V]; bitmask: int32 [N, W] on the same device (a row of all ones leaves its
-    logits as they are). Tokens past the bitmask's 32 * W are masked; bits past V are ignored.
-    Launches a few kernels and never reads the device, so it runs after the decode CUDA graph
-    without a sync."""
-    if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.shape[0] != logits.shape[0]:
-        raise ValueError(
-            f"apply_token_bitmask: logits {list(logits.shape)} and bitmask "
-            f"{list(bitmask.shape)} must be [N, V] and [N, W]"
-        )
-    if bitmask.dtype != torch.int32 or bitmask.device != logits.device:
-        raise ValueError(
-            f"apply_token_bitmask: bitmask must be int32 on {logits.device}, got "
-            f"{bitmask.dtype} on {bitmask.device}"
-        )
-    vocab = logits.shape[1]
-    covered = min(vocab, bitmask.shape[1] * 32)
-    if covered < vocab:
-        logits[:, covered:] = float("-inf")
-    shifts = _BIT_SHIFTS.get(logits.device)
-    if shifts is None:
-        shifts = _BIT_SHIFTS[logits.device] = torch.arange(
-            32, dtype=torch.int32, device=logits.device
-        )
-    words = (covered + 31) // 32
-    bits = (
-        bitmask[:, :words, None] >> shifts
-    ) & 1  # [N, words, 32]: bit j of word w is token 32w + j
-    blocked = bits.view(bitmask.shape[0], words * 32)[:, :covered] == 0
-    logits[:, :covered].masked_fill_(blocked, float("-inf"))
-    return logits
+def default_families(fill_threads: int) -> int:
+    """Copies of each grammar (CompiledGrammar) for a fill on fill_threads threads: two per thread,
+    so that a thread rarely waits on a lexer another thread holds (docs/structured-outputs.md has
+    the sweep); one when the fill has one thread."""
+    return 1 if fill_threads <= 1 else 2 * fill_threads

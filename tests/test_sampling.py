@@ -564,6 +564,41 @@ def test_logprobs_come_from_raw_logits():
     check_ranks(out.logprobs[3], raw_lp[3])
 
 
+@pytest.mark.parametrize("with_logprobs", [False, True])
+def test_scratch_logits_sample_the_same_tokens_and_only_scratch_is_edited(with_logprobs):
+    """sample(..., scratch=True) may edit the caller's logits in place: the same tokens and
+    logprobs as on a copy, and without scratch the caller's logits are left as they were."""
+    from engine.token_bitmask import allocate_bitmask
+
+    logits = random_logits(4, seed=21)
+    bitmask = allocate_bitmask(4, VOCAB)
+    bitmask[1, :4] = 0x0F0F0F0F  # row 1: only some of its first 128 tokens, none above
+    bitmask[1, 4:] = 0
+
+    def rows() -> list[SamplingRow]:
+        lp = 3 if with_logprobs else None
+        return [
+            row(SamplingParams(temperature=0.7, logit_bias={5: 4.0}, logprobs=lp), seed=1),
+            row(SamplingParams(temperature=0, logprobs=lp)),
+            row(SamplingParams(temperature=1.2, top_p=0.9), seed=2, banned=[3, 4]),
+            row(SamplingParams(temperature=0, repetition_penalty=1.3), prompt=[7], output=[9]),
+        ]
+
+    kept = logits.clone()
+    copied = Sampler().sample(logits, rows(), bitmask).result()
+    assert torch.equal(logits, kept)
+    scratch = logits.clone()
+    edited = Sampler().sample(scratch, rows(), bitmask, scratch=True).result()
+    assert edited.token_ids == copied.token_ids
+    assert edited.logprobs == copied.logprobs
+    allowed = set(
+        np.flatnonzero(np.unpackbits(bitmask[1].numpy().view(np.uint8), bitorder="little"))
+    )
+    assert edited.token_ids[1] in allowed
+    # logprobs need the raw logits: then the scratch stays as it was too
+    assert torch.equal(scratch, kept) == with_logprobs
+
+
 def test_logprob_ranks_with_ties():
     logits = torch.tensor([[2.0, 5.0, 5.0, 1.0, 5.0, 0.0]])
     out = Sampler()(logits, [row(SamplingParams(temperature=0, logprobs=4), banned=[1, 2, 4])])

@@ -5,9 +5,12 @@ checked by references we did not write: jsonschema, re.fullmatch, json.loads.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
+import textwrap
 import threading
+import time
 from concurrent.futures import Future
 
 import jsonschema
@@ -15,12 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.structured import (
-    GrammarBackend,
-    StructuredOutputs,
-    allocate_bitmask,
-    apply_token_bitmask,
-)
+from child_process import run_in_triton_interpreter
+from engine.structured import GrammarBackend, StructuredOutputs
+from engine.token_bitmask import allocate_bitmask, apply_token_bitmask
 from engine.tokenizer import Tokenizer
 
 ORDER_SCHEMA = {
@@ -248,20 +248,50 @@ def test_random_model_under_regex_choice_grammar_and_json_object(backend, tok, s
     assert matcher.can_end
 
 
-def test_batch_fill_matches_one_row_at_a_time_and_leaves_free_rows_open(backend, tok):
-    compiled = backend.compile(StructuredOutputs(json=ORDER_SCHEMA))
+@pytest.fixture(scope="module")
+def family_backend(tok: Tokenizer, vocab: int):
+    """Each grammar built three times (three lexers), filled by two threads."""
+    b = GrammarBackend.from_tokenizer(tok, vocab, [tok.eos_token_id], fill_threads=2, families=3)
+    yield b
+    b.close()
+
+
+def compiled_with_all_families(backend: GrammarBackend, spec: StructuredOutputs):
+    compiled = backend.compile(spec)
+    deadline = time.monotonic() + 60
+    while compiled.families < backend.families and time.monotonic() < deadline:
+        time.sleep(0.01)  # the families after the first are built in the background
+    return compiled
+
+
+def test_a_grammar_gets_one_copy_per_family_and_sequences_are_dealt_round_them(family_backend):
+    spec = StructuredOutputs(json=ORDER_SCHEMA)
+    compiled = compiled_with_all_families(family_backend, spec)
+    assert compiled.families == 3
+    dealt = [compiled.matcher().family for _ in range(7)]
+    assert sorted(set(dealt)) == [0, 1, 2]
+    assert max(dealt.count(f) for f in range(3)) - min(dealt.count(f) for f in range(3)) <= 1
+    assert family_backend.submit(spec).result() is compiled  # one compile, whatever its families
+
+
+@pytest.mark.parametrize("which", ["backend", "family_backend"])
+def test_batch_fill_matches_one_row_at_a_time_and_leaves_free_rows_open(which, tok, request):
+    backend = request.getfixturevalue(which)
+    compiled = compiled_with_all_families(backend, StructuredOutputs(json=ORDER_SCHEMA))
     prefixes = [
         '{"id": "AB',
         '{"id": "AB123", "qty": 4',
         "",
         '{"id": "ZZ999", "qty": 50, "color": "',
+        '{"id": "AB123", "qty": 4, "color": "red", "gift": true, "tags": ["a',
     ]
     matchers = []
     for p in prefixes:
         m = compiled.matcher()
         assert m.accept_tokens(tok.encode(p, add_special_tokens=False))
         matchers.append(m)
-    rows = [matchers[0], None, matchers[1], matchers[2], None, matchers[3]]
+    # rows out of family order: the fill sorts its work by family, each row must land in place
+    rows = [matchers[0], None, matchers[1], matchers[4], matchers[2], None, matchers[3]]
     batch = allocate_bitmask(len(rows) + 2, backend.vocab_size)
     batch[:] = 0
     assert backend.fill_bitmask(batch, rows)
@@ -272,8 +302,24 @@ def test_batch_fill_matches_one_row_at_a_time_and_leaves_free_rows_open(backend,
         else:
             m.fill(one[0])
             assert torch.equal(batch[i], one[0])
+    assert len({bytes(batch[i].numpy()) for i in (0, 2, 3, 4, 6)}) == 5  # five different places
     assert (batch[len(rows) :] == 0).all()  # rows past the batch are left alone
     assert not backend.fill_bitmask(batch, [None, None])  # nothing constrained: skip the masking
+
+
+def test_every_family_masks_the_same_tokens_along_a_document(family_backend, tok):
+    compiled = compiled_with_all_families(family_backend, StructuredOutputs(json=ORDER_SCHEMA))
+    matchers = [compiled.matcher() for _ in range(3)]
+    assert sorted(m.family for m in matchers) == [0, 1, 2]
+    text = '{"id": "QX042", "qty": 12, "color": "blue", "gift": false, "tags": [], '
+    text += '"ship": {"zone": "eu", "floor": 3}}'
+    batch = allocate_bitmask(3, family_backend.vocab_size)
+    for t in tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]:
+        family_backend.fill_bitmask(batch, matchers)
+        assert torch.equal(batch[0], batch[1]) and torch.equal(batch[0], batch[2])
+        assert t in allowed_ids(batch[0])
+        assert all(m.accept(t) for m in matchers)
+    assert all(m.is_finished for m in matchers)
 
 
 def test_start_after_token_leaves_the_row_free_until_that_token(backend, tok):
@@ -326,6 +372,30 @@ def test_apply_token_bitmask_matches_a_bit_by_bit_reference(vocab, words):
     assert out is logits
     assert torch.equal(logits, expected)
     assert torch.equal(logits[2, : words * 32], expected[2, : words * 32])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_the_cuda_masking_kernel_under_the_triton_interpreter_matches_torch():
+    """The CUDA path's kernel, run on the CPU by Triton's interpreter, against the torch path: rows
+    all ones, random bits, logits narrower and wider than the bitmask, a width not a multiple of
+    the kernel's block."""
+    script = textwrap.dedent("""
+        import torch
+        from engine import token_bitmask
+        gen = torch.Generator().manual_seed(0)
+        token_bitmask.MASK_BLOCK = 256
+        bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 20), dtype=torch.int32, generator=gen)
+        bitmask[1] = -1
+        for vocab in (640, 600, 700):
+            logits = torch.randn(3, vocab, generator=gen)
+            expected = token_bitmask._apply_token_bitmask_torch(logits.clone(), bitmask)
+            got = token_bitmask._apply_token_bitmask_triton(logits.clone(), bitmask)
+            assert torch.equal(got, expected), vocab
+            assert torch.isinf(got[1, 640:]).all() and torch.isfinite(got[1, :640]).all()
+        print("ok")
+    """)
+    done = run_in_triton_interpreter(script)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
 def test_apply_token_bitmask_refuses_mismatched_inputs():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.structured import apply_token_bitmask
+from engine.token_bitmask import apply_token_bitmask
 
 
 @pytest.mark.gpu
