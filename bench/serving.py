@@ -38,6 +38,7 @@ from bench.trace import (
 )
 from engine import AsyncLLM, EngineArgs
 from engine.config import ModelConfig
+from engine.layers import moe as moe_layer
 from warmup.artifacts import prepare
 
 PARTS = ("hf", "decode", "conv", "fixed", "online")  # the order they run in; "offline": conv,fixed
@@ -111,6 +112,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         choices=["auto", "dummy"],
         help="dummy: random weights made on the device (no checkpoint written; the config alone)",
+    )
+    ap.add_argument(
+        "--moe-experts",
+        default="fused",
+        choices=["fused", "loop"],
+        help="a MoE model's experts: the fused Triton kernels, or a per-expert loop of plain "
+        "matmuls (it reads the routing back, so the engine runs without CUDA graphs)",
     )
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -202,6 +210,7 @@ class Bench:
             gc.collect()
             if a.device.startswith("cuda"):
                 torch.cuda.empty_cache()
+            moe_layer.EXPERTS_IMPL = "loop" if a.moe_experts == "loop" else "auto"
             t0 = time.perf_counter()
             engine_args, self.engine_selection = prepare(
                 a.engine_mode,
@@ -219,6 +228,7 @@ class Bench:
                     quantization=a.quantization,
                     kv_cache_dtype=a.kv_cache_dtype,
                     load_format=a.load_format,
+                    enforce_eager=a.moe_experts == "loop",
                 ),
             )
             self.results["engine_mode"] = {
@@ -430,6 +440,7 @@ class Bench:
             "quantization": a.quantization,
             "kv_cache_dtype": a.kv_cache_dtype,
             "load_format": a.load_format,
+            "moe_experts": a.moe_experts,
             "weights_GB": self.bytes.weights / 1e9,
             "kv_bytes_per_token": self.bytes.kv_per_token,
             "timing": (
