@@ -12,10 +12,13 @@ on the same GPU:
 
 Each: one streamed request is sent as soon as the server listens (start -> first token, client-timed
 from the spawn), then 32 concurrent streams (mixed prompt lengths, 64 tokens, greedy): burst wall
-time, time to first token p50 / p99, the median stream's longest pause between two tokens. The
-greedy tokens of every request are compared across the four (the model's tokenizer is word-level:
-one word per token id, so texts compare token ids). For (b) and (c), the kernels the run compiled
-that its artifact did not bring are listed.
+time, time to first token p50 / p99, the median stream's longest pause between two tokens; then one
+request per burst prompt length sent alone (32 tokens). The greedy tokens of every request are
+compared across the four (the model's tokenizer is word-level: one word per token id, so texts
+compare token ids): the burst's depend on how its streams were batched, so a second (d) is their
+control; those sent alone do not. For (b) and (c), the kernels the run compiled that its artifact
+did not bring are listed. With --rounds N, (c), (b) and (d) start N times, in an order that turns by
+one each round, and the targets compare each mode's medians.
 
 `python -m bench.compiled_start --out $OUT` on a GPU machine: synthesizes the model
 (bench.checkpoint), writes $OUT/compiled-start.json and prints the table.
@@ -42,6 +45,7 @@ PORT_LINE = re.compile(r"OpenAI server on http://127\.0\.0\.1:(\d+)/v1")
 BURST = 32
 BURST_TOKENS = 64
 BURST_PROMPT_LENS = (16, 64, 128, 300, 700, 1500)
+ALONE_TOKENS = 32  # per request sent alone after the burst, one per burst prompt length
 
 
 def word_level_tokenizer(model_dir: str, vocab_size: int) -> None:
@@ -219,6 +223,12 @@ def measure(
         t.start()
     for t in threads:
         t.join()
+    # the same prompts one at a time: alone in the engine, a request's greedy tokens do not depend
+    # on what it was batched with, so they compare across starts
+    alone = [  # prompts of their own: no prefix of theirs was cached by the burst
+        stream(server.port, prompt(n, 200 + i, vocab), ALONE_TOKENS)["text"]
+        for i, n in enumerate(BURST_PROMPT_LENS)
+    ]
     waited = server.wait_for(wait_line, wait_s) if wait_line else None
     code = server.stop()
     profile = None
@@ -232,7 +242,7 @@ def measure(
     pauses = sorted(
         max((b - a for a, b in zip(r["times"], r["times"][1:])), default=0.0) for r in burst
     )
-    keep = re.compile(r"ready:|kernels:|engine mode:|fleet:|CUDA graphs|warmup")
+    keep = re.compile(r"ready:|kernels:|engine mode:|fleet:|CUDA graphs|warmup|stream")
     return {
         "name": name,
         "first_token_s": first["times"][0] - server.spawned,
@@ -243,6 +253,7 @@ def measure(
         "median_longest_pause_s": statistics.median(pauses),
         "longest_pause_s": pauses[-1],
         "burst_texts": [r["text"] for r in burst],
+        "alone_texts": alone,
         "errors": [r["error"] for r in burst if "error" in r],
         "waited_for": wait_line,
         "wait_found": waited,
@@ -262,6 +273,13 @@ def main() -> None:
     )
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="starts of (c), (b) and (d) in turn, each (b) and (c) from an empty Triton cache; "
+        "the targets compare medians (the second (d) is the burst tokens' control)",
+    )
     ap.add_argument(
         "--py-spy", default="", help="comma list of runs (a, b, c, d) to sample with py-spy"
     )
@@ -295,10 +313,17 @@ def main() -> None:
         "max_model_len": args.max_model_len,
         "burst": BURST,
         "burst_tokens": BURST_TOKENS,
+        "rounds": args.rounds,
         "runs": {},
     }
     torch.cuda.empty_cache()
-    log = lambda msg: print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", flush=True)  # noqa: E731
+    path = os.path.join(args.out, "compiled-start.json")
+
+    def log(msg: str) -> None:
+        """Print, and write what was measured so far (a run cut short keeps it)."""
+        print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", flush=True)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
 
     def env(tag: str, mode: str, triton: str | None = None) -> dict[str, str]:
         return {
@@ -321,131 +346,167 @@ def main() -> None:
     log(
         f"(a) empty cache: {runs['a']['first_token_s']:.2f} s; published: {runs['a']['wait_found']}"
     )
-    # (a)'s volume
-    runs["c"] = measure("c", {**env("c", "auto"), "CACHE_DIR": str(root / "cache-a")}, vocab)
     published = Path(model_dir) / "engines"
-    # where (a) published (warmup.fleet: beside the snapshot, or its cache dir's engines/)
-    artifact = next(
-        (p for d in (published, root / "cache-a" / "engines") for p in d.glob("*/triton-cache")),
-        None,
-    )
-    runs["c"]["artifact_kernels"] = len(kernel_names(artifact)) if artifact else 0
-    runs["c"]["compiled_at_run_time"] = compiled_at_run_time(root / "triton-c", artifact)
-    log(
-        f"(c) published artifact: {runs['c']['first_token_s']:.2f} s; its kernels "
-        f"{runs['c']['artifact_kernels']}, compiled at run time {runs['c']['compiled_at_run_time']}"
-    )
-    if published.exists():  # (b) must find only its own artifact
-        published.rename(root / "engines-published")
-    build_env = {
+    hidden = root / "engines-published"
+
+    def show_published(visible: bool) -> None:
+        """(a) may have published beside the snapshot: (c) must see it there, (b) only its own."""
+        src, dst = (hidden, published) if visible else (published, hidden)
+        if src.exists():
+            src.rename(dst)
+
+    def artifact_of(cache_dir: Path) -> Path | None:
+        # where an artifact is installed from: beside the snapshot, or its cache dir's engines/
+        dirs = (published, cache_dir / "engines")
+        return next((p for d in dirs for p in d.glob("*/triton-cache")), None)
+
+    built = None
+
+    def run_c(r: int, tag: str) -> None:
+        show_published(True)
+        c = runs["c" + tag] = measure(
+            "c" + tag, {**env("c", "auto", f"c{r}"), "CACHE_DIR": str(root / "cache-a")}, vocab
+        )
+        artifact = artifact_of(root / "cache-a")
+        c["artifact_kernels"] = len(kernel_names(artifact)) if artifact else 0
+        c["compiled_at_run_time"] = compiled_at_run_time(root / f"triton-c{r}", artifact)
+        log(
+            f"(c{tag}) published artifact: {c['first_token_s']:.2f} s; its kernels "
+            f"{c['artifact_kernels']}, compiled at run time {c['compiled_at_run_time']}"
+        )
+
+    def run_b(r: int, tag: str) -> None:
+        nonlocal built
+        show_published(False)
+        if built is None:
+            built = gpuless_build(report, model_dir, arch, args.max_model_len, root, log)
+        if built.returncode != 0:
+            return
+        b = runs["b" + tag] = measure("b" + tag, env("b", "auto", f"b{r}"), vocab)
+        artifact = artifact_of(root / "cache-b")
+        b["artifact_kernels"] = len(kernel_names(artifact)) if artifact else 0
+        b["compiled_at_run_time"] = compiled_at_run_time(root / f"triton-b{r}", artifact)
+        log(
+            f"(b{tag}) GPU-less artifact: {b['first_token_s']:.2f} s; its kernels "
+            f"{b['artifact_kernels']}, compiled at run time {b['compiled_at_run_time']}"
+        )
+
+    def run_d(r: int, tag: str) -> None:
+        # (d) of the second round is the control: how far a burst's greedy tokens agree between
+        # two runs of one mode
+        name = "d" if r == 0 else "d2" if r == 1 else "d" + tag
+        runs[name] = measure(name, env("d", "jit", "warm"), vocab)
+        log(f"({name}) warm cache: {runs[name]['first_token_s']:.2f} s")
+
+    order = [run_c, run_b, run_d]
+    for r in range(args.rounds):
+        # each round's (b) and (c) start from an empty Triton cache of their own, like a new
+        # worker; the order turns by one each round, so no mode always follows the same one
+        for run in order[r % 3 :] + order[: r % 3]:
+            run(r, "" if r == 0 else f"#{r + 1}")
+    summarize(report)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print_table(report)
+
+
+def gpuless_build(
+    report: dict, model_dir: str, arch: str, max_model_len: int, root: Path, log
+) -> subprocess.CompletedProcess:
+    """`python -m warmup build --no-gpu` for this GPU's arch with no GPU visible, into (b)'s cache
+    dir; its output in report["gpuless_build"]."""
+    env = {
         **os.environ,
         "CUDA_VISIBLE_DEVICES": "",
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
     }
-    tb = time.perf_counter()
+    t0 = time.perf_counter()
     built = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "warmup",
-            "build",
-            "--model",
-            model_dir,
-            "--no-gpu",
-            "--arch",
-            arch,
-            "--max-model-len",
-            str(args.max_model_len),
-            "--out-dir",
-            str(root / "cache-b" / "engines"),
-        ],
+        [sys.executable, "-m", "warmup", "build", "--model", model_dir, "--no-gpu"]
+        + ["--arch", arch, "--max-model-len", str(max_model_len)]
+        + ["--out-dir", str(root / "cache-b" / "engines")],
         cwd=REPO,
-        env=build_env,
+        env=env,
         capture_output=True,
         text=True,
         timeout=600,
     )
     report["gpuless_build"] = {
-        "seconds": time.perf_counter() - tb,
+        "seconds": time.perf_counter() - t0,
         "rc": built.returncode,
         "stdout": built.stdout[-2000:],
         "stderr": built.stderr[-3000:],
     }
-    log(
-        f"GPU-less build for {arch}: rc {built.returncode} in "
-        f"{report['gpuless_build']['seconds']:.1f} s"
-    )
-    if built.returncode == 0:
-        runs["b"] = measure("b", env("b", "auto"), vocab)
-        artifact = next((root / "cache-b" / "engines").glob("*/triton-cache"), None)
-        runs["b"]["artifact_kernels"] = len(kernel_names(artifact)) if artifact else 0
-        runs["b"]["compiled_at_run_time"] = compiled_at_run_time(root / "triton-b", artifact)
-        log(
-            f"(b) GPU-less artifact: {runs['b']['first_token_s']:.2f} s; its kernels "
-            f"{runs['b']['artifact_kernels']}, compiled at run time "
-            f"{runs['b']['compiled_at_run_time']}"
-        )
-    runs["d"] = measure("d", env("d", "jit", "warm"), vocab)
-    log(f"(d) warm cache: {runs['d']['first_token_s']:.2f} s")
-    # the same start again: how far a burst's greedy tokens agree between two runs of one mode
-    runs["d2"] = measure("d2", env("d", "jit", "warm"), vocab)
-    log(f"(d) again: {runs['d2']['first_token_s']:.2f} s")
-    summarize(report)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "compiled-start.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    print_table(report)
+    seconds = report["gpuless_build"]["seconds"]
+    log(f"GPU-less build for {arch}: rc {built.returncode} in {seconds:.1f} s")
+    return built
+
+
+MODES = {
+    "a": "(a) empty cache, jit",
+    "b": "(b) GPU-less artifact",
+    "c": "(c) published artifact",
+    "d": "(d) warm cache",
+}
+MEASURES = ("first_token_s", "ttft_p99_s", "median_longest_pause_s")
+
+
+def runs_of(runs: dict, mode: str) -> list[dict]:
+    """A mode's starts over the rounds: "b", "b#2", ...; (d)'s second is "d2"."""
+    return [r for k, r in runs.items() if k.split("#")[0] in (mode, mode + "2") and k != "prime"]
 
 
 def summarize(report: dict) -> None:
-    runs, d = report["runs"], report["runs"].get("d")
+    runs = report["runs"]
+    d = runs.get("d")
+    starts = {k: r for k, r in runs.items() if k != "prime"}
     report["tokens"] = {
-        "first_request_identical": len({r["first_text"] for k, r in runs.items() if k != "prime"})
-        == 1,
+        "first_request_identical": len({r["first_text"] for r in starts.values()}) == 1,
+        "alone_requests_identical": len({tuple(r["alone_texts"]) for r in starts.values()}) == 1,
         "burst_streams_identical_to_d": {
             k: sum(x == y for x, y in zip(r["burst_texts"], d["burst_texts"]))
-            for k, r in runs.items()
-            if k in ("a", "b", "c", "d2")
+            for k, r in starts.items()
+            if k != "d"
         }
         if d
         else None,
     }
-    if d:
+    report["medians"] = {
+        mode: {m: statistics.median(r[m] for r in runs_of(runs, mode)) for m in MEASURES}
+        for mode in MODES
+        if runs_of(runs, mode)
+    }
+    med = report["medians"]
+    if "d" in med:
         report["targets"] = {
             k: {
-                "first_token_within_0.3s_of_d": runs[k]["first_token_s"] - d["first_token_s"]
+                "first_token_within_0.3s_of_d": med[k]["first_token_s"] - med["d"]["first_token_s"]
                 <= 0.3,
-                "ttft_p99_within_1.2x": runs[k]["ttft_p99_s"] <= 1.2 * d["ttft_p99_s"],
-                "pause_within_1.2x": runs[k]["median_longest_pause_s"]
-                <= 1.2 * d["median_longest_pause_s"],
+                "ttft_p99_within_1.2x": med[k]["ttft_p99_s"] <= 1.2 * med["d"]["ttft_p99_s"],
+                "pause_within_1.2x": med[k]["median_longest_pause_s"]
+                <= 1.2 * med["d"]["median_longest_pause_s"],
             }
             for k in ("b", "c")
-            if k in runs
+            if k in med
         }
 
 
 def print_table(report: dict) -> None:
-    names = {
-        "a": "(a) empty cache, jit",
-        "b": "(b) GPU-less artifact",
-        "c": "(c) published artifact",
-        "d": "(d) warm cache",
-    }
     print(
         f"\n{report['device']}, {report['date']}, {report['config']} bf16, "
-        f"max-model-len {report['max_model_len']}"
+        f"max-model-len {report['max_model_len']}; medians over {report['rounds']} round(s)"
     )
     print(
-        f"{'':26}{'first token':>12}{'burst wall':>12}{'TTFT p50':>10}{'TTFT p99':>10}"
-        f"{'longest pause':>15}"
+        f"{'':26}{'first token':>12}{'TTFT p99':>10}{'longest pause':>15}"
+        "   each start's first token"
     )
-    for key, label in names.items():
-        r = report["runs"].get(key)
-        if r:
+    for mode, label in MODES.items():
+        m = report["medians"].get(mode)
+        if m:
+            each = " ".join(f"{r['first_token_s']:.2f}" for r in runs_of(report["runs"], mode))
             print(
-                f"{label:26}{r['first_token_s']:>11.2f}s{r['burst_wall_s']:>11.2f}s"
-                f"{r['ttft_p50_s']:>9.2f}s"
-                f"{r['ttft_p99_s']:>9.2f}s{r['median_longest_pause_s']:>14.3f}s"
+                f"{label:26}{m['first_token_s']:>11.2f}s{m['ttft_p99_s']:>9.2f}s"
+                f"{m['median_longest_pause_s']:>14.3f}s   {each}"
             )
     print("tokens:", json.dumps(report["tokens"]), "\ntargets:", json.dumps(report.get("targets")))
 
