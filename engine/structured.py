@@ -6,12 +6,14 @@ bitmask (engine/token_bitmask.py carries it to the logits). The grammar engine i
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
 import threading
+import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -186,32 +188,86 @@ class CompiledGrammar:
     """A spec compiled against the model's tokenizer; matcher(): one per sequence.
 
     llguidance's matchers copied from one template share its lexer behind one lock, so a batch's
-    rows of one template fill one after another however many threads fill them. The grammar is
-    therefore built several times (families: the first at compile, the rest in the background),
-    and matcher() deals sequences round the families that exist, so rows of different families
-    fill in parallel while each family's lexer states stay shared by its own rows."""
+    rows of one template fill one after another however many threads fill them. A grammar that
+    more sequences use at once than it has copies is therefore built again (families), in the
+    background, one copy at a time, up to max_families; matcher() deals sequences round the
+    families that exist, so rows of different families fill in parallel while each family's lexer
+    states stay shared by its own rows. A grammar one sequence at a time uses stays one copy.
 
-    def __init__(self, spec: StructuredOutputs, template: Any):
+    build_family: builds one more template (a new LLMatcher with its own lexer); called on the
+    caller's schedule (GrammarBackend runs it on its compile threads) through grow()."""
+
+    def __init__(
+        self,
+        spec: StructuredOutputs,
+        template: Any,
+        max_families: int = 1,
+        schedule: Callable[[Callable[[], None]], bool] | None = None,
+        build_family: Callable[[], Any] | None = None,
+    ):
         self.spec = spec
         # LLMatchers at the grammar's start, never advanced themselves; appended to, never changed
         self._templates = [template]
         self._dealt = itertools.count()
+        self._max_families = max_families
+        self._schedule = schedule
+        self._build_family = build_family
+        self._lock = threading.Lock()
+        self._live = 0  # matchers not yet garbage (sequences using the grammar now)
+        self._growing = False  # a family is being built
 
     @property
     def families(self) -> int:
         """How many independent copies of the grammar (each with its own lexer) exist now."""
         return len(self._templates)
 
-    def add_family(self, template: Any) -> None:
-        self._templates.append(template)
+    @property
+    def live(self) -> int:
+        """Matchers of this grammar still held (by sequences running or waiting)."""
+        return self._live
 
     def matcher(self, start_after_token: int | None = None) -> GrammarMatcher:
         """A matcher at the grammar's start. start_after_token: the grammar applies only to the
         tokens after this one (e.g. the end of a model's reasoning); until then the row is left
         unconstrained."""
-        templates = self._templates
-        family = next(self._dealt) % len(templates)
-        return GrammarMatcher(templates[family].deep_copy(), start_after_token, family)
+        with self._lock:
+            templates = self._templates
+            family = next(self._dealt) % len(templates)
+            self._live += 1
+        matcher = GrammarMatcher(templates[family].deep_copy(), start_after_token, family)
+        weakref.finalize(matcher, self._release)
+        self._grow_if_needed()
+        return matcher
+
+    def _release(self) -> None:
+        with self._lock:
+            self._live -= 1
+
+    def _grow_if_needed(self) -> None:
+        with self._lock:
+            if (
+                self._growing
+                or self._schedule is None
+                or len(self._templates) >= min(self._live, self._max_families)
+            ):
+                return
+            self._growing = True
+        if not self._schedule(self._add_family):
+            with self._lock:
+                self._growing = False
+
+    def _add_family(self) -> None:
+        try:
+            template = self._build_family()
+        except Exception:  # compiled once already: never expected; the families built serve
+            template = None
+        with self._lock:
+            self._growing = False
+            if template is None or template.is_error():
+                self._schedule = None  # no more tries
+                return
+            self._templates.append(template)
+        self._grow_if_needed()
 
 
 class GrammarMatcher:
@@ -380,10 +436,13 @@ class GrammarBackend:
         template = self._template(grammar)
         if template.is_error():
             raise refuse(template.get_error())
-        compiled = CompiledGrammar(spec, template)
-        if self._families > 1:
-            self._add_family_later(compiled, grammar, self._families)
-        return compiled
+        return CompiledGrammar(
+            spec,
+            template,
+            max_families=self._families,
+            schedule=self._schedule,
+            build_family=functools.partial(self._template, grammar),
+        )
 
     def _template(self, grammar: str) -> Any:
         """A new LLMatcher at the grammar's start, with a lexer of its own."""
@@ -394,22 +453,13 @@ class GrammarBackend:
         limits = llguidance.LLParserLimits(verbose_errors=False)
         return llguidance.LLMatcher(self._ll_tokenizer(), grammar, log_level=0, limits=limits)
 
-    def _add_family_later(self, compiled: CompiledGrammar, grammar: str, families: int) -> None:
-        """Build compiled's next family on a compile thread, one family per task: a new spec's
-        compile waits behind at most one build per thread, never behind a whole set."""
-
-        def add() -> None:
-            template = self._template(grammar)
-            if template.is_error():  # compiled once already: never expected
-                return
-            compiled.add_family(template)
-            if compiled.families < families:
-                self._add_family_later(compiled, grammar, families)
-
+    def _schedule(self, task: Callable[[], None]) -> bool:
+        """Run task on a compile thread, behind the compiles asked before it; False once closed."""
         try:
-            self._pool.submit(add)
-        except RuntimeError:  # closed: the families built so far serve
-            pass
+            self._pool.submit(task)
+        except RuntimeError:
+            return False
+        return True
 
     def submit(self, spec: StructuredOutputs) -> Future[CompiledGrammar]:
         """The compiled grammar of spec, as a future: from the cache, or compiled on a worker

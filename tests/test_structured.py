@@ -5,6 +5,7 @@ checked by references we did not write: jsonschema, re.fullmatch, json.loads.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import re
@@ -257,20 +258,35 @@ def family_backend(tok: Tokenizer, vocab: int):
 
 
 def compiled_with_all_families(backend: GrammarBackend, spec: StructuredOutputs):
+    """The spec compiled, used by more sequences at once than it has copies until it has all its
+    families (built in the background, one at a time)."""
     compiled = backend.compile(spec)
+    held = [compiled.matcher() for _ in range(backend.families + 1)]
     deadline = time.monotonic() + 60
     while compiled.families < backend.families and time.monotonic() < deadline:
-        time.sleep(0.01)  # the families after the first are built in the background
+        time.sleep(0.01)
+    del held
     return compiled
 
 
-def test_a_grammar_gets_one_copy_per_family_and_sequences_are_dealt_round_them(family_backend):
-    spec = StructuredOutputs(json=ORDER_SCHEMA)
-    compiled = compiled_with_all_families(family_backend, spec)
-    assert compiled.families == 3
-    dealt = [compiled.matcher().family for _ in range(7)]
-    assert sorted(set(dealt)) == [0, 1, 2]
-    assert max(dealt.count(f) for f in range(3)) - min(dealt.count(f) for f in range(3)) <= 1
+def test_a_grammar_grows_a_copy_per_sequence_in_use_up_to_its_families(family_backend):
+    spec = StructuredOutputs(json=ORDER_SCHEMA, whitespace_pattern=" ?")  # a spec of its own
+    compiled = family_backend.compile(spec)
+    one = compiled.matcher()
+    time.sleep(0.3)
+    assert compiled.families == 1 and compiled.live == 1  # one sequence at a time: one copy
+    more = [compiled.matcher() for _ in range(6)]
+    deadline = time.monotonic() + 60
+    while compiled.families < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    assert compiled.families == 3  # family_backend's three, not one per sequence
+    assert compiled.live == 7
+    del one, more
+    gc.collect()
+    assert compiled.live == 0
+    dealt = [compiled.matcher() for _ in range(6)]
+    assert sorted(m.family for m in dealt) == [0, 0, 1, 1, 2, 2]
     assert family_backend.submit(spec).result() is compiled  # one compile, whatever its families
 
 
