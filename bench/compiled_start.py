@@ -362,34 +362,32 @@ def main() -> None:
 
     built = None
 
+    def artifact_start(name: str, environ: dict[str, str], cache: str, what: str) -> None:
+        """A start that installs an artifact: measured, with the artifact's kernel count and the
+        kernels the run still compiled (its Triton cache against the artifact's)."""
+        run = runs[name] = measure(name, environ, vocab)
+        artifact = artifact_of(root / cache)
+        run["artifact_kernels"] = len(kernel_names(artifact)) if artifact else 0
+        run["compiled_at_run_time"] = compiled_at_run_time(
+            Path(environ["TRITON_CACHE_DIR"]), artifact
+        )
+        log(
+            f"({name}) {what}: {run['first_token_s']:.2f} s; its kernels "
+            f"{run['artifact_kernels']}, compiled at run time {run['compiled_at_run_time']}"
+        )
+
     def run_c(r: int, tag: str) -> None:
         show_published(True)
-        c = runs["c" + tag] = measure(
-            "c" + tag, {**env("c", "auto", f"c{r}"), "CACHE_DIR": str(root / "cache-a")}, vocab
-        )
-        artifact = artifact_of(root / "cache-a")
-        c["artifact_kernels"] = len(kernel_names(artifact)) if artifact else 0
-        c["compiled_at_run_time"] = compiled_at_run_time(root / f"triton-c{r}", artifact)
-        log(
-            f"(c{tag}) published artifact: {c['first_token_s']:.2f} s; its kernels "
-            f"{c['artifact_kernels']}, compiled at run time {c['compiled_at_run_time']}"
-        )
+        environ = {**env("c", "auto", f"c{r}"), "CACHE_DIR": str(root / "cache-a")}
+        artifact_start("c" + tag, environ, "cache-a", "published artifact")
 
     def run_b(r: int, tag: str) -> None:
         nonlocal built
         show_published(False)
         if built is None:
             built = gpuless_build(report, model_dir, arch, args.max_model_len, root, log)
-        if built.returncode != 0:
-            return
-        b = runs["b" + tag] = measure("b" + tag, env("b", "auto", f"b{r}"), vocab)
-        artifact = artifact_of(root / "cache-b")
-        b["artifact_kernels"] = len(kernel_names(artifact)) if artifact else 0
-        b["compiled_at_run_time"] = compiled_at_run_time(root / f"triton-b{r}", artifact)
-        log(
-            f"(b{tag}) GPU-less artifact: {b['first_token_s']:.2f} s; its kernels "
-            f"{b['artifact_kernels']}, compiled at run time {b['compiled_at_run_time']}"
-        )
+        if built.returncode == 0:
+            artifact_start("b" + tag, env("b", "auto", f"b{r}"), "cache-b", "GPU-less artifact")
 
     def run_d(r: int, tag: str) -> None:
         # (d) of the second round is the control: how far a burst's greedy tokens agree between
