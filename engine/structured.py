@@ -348,8 +348,9 @@ class GrammarBackend:
 
     vocab_size is the width of the model's logits (the tokenizer may have fewer tokens: the rest are
     never allowed). eos_token_ids: the tokens that end a sequence once its grammar is complete.
-    fill_threads: the batch fill's threads (default: default_fill_threads()); families: the copies
-    of each grammar built to fill in parallel (default: default_families())."""
+    fill_threads: the batch fill's threads (default: default_fill_threads()); families: the most
+    copies of one grammar built to fill in parallel, grown while sequences use it (CompiledGrammar;
+    default: default_families())."""
 
     def __init__(
         self,
