@@ -188,12 +188,29 @@ def stream(port: int, ids: list[int], max_tokens: int) -> dict:
 PROFILE: dict[str, str] = {}  # run name -> where py-spy writes its speedscope file (--py-spy)
 
 
+def busy_processes(min_cpu: float = 5.0) -> dict:
+    """What else runs as a start begins: the 1-minute load average, and the processes using at
+    least min_cpu % of a core over their life (`ps`), with their age and command line."""
+    out = subprocess.run(
+        ["ps", "-eo", "pid=,pcpu=,etimes=,args="], capture_output=True, text=True, check=False
+    ).stdout
+    busy = []
+    for line in out.splitlines():
+        pid, cpu, age, args = (line.split(None, 3) + [""])[:4]
+        if int(pid) != os.getpid() and float(cpu) >= min_cpu:
+            busy.append(
+                {"pid": int(pid), "cpu_pct": float(cpu), "age_s": int(age), "cmd": args[:160]}
+            )
+    return {"load_1m": os.getloadavg()[0], "processes": busy}
+
+
 def measure(
     name: str, env: dict[str, str], vocab: int, wait_line: str | None = None, wait_s: float = 300.0
 ) -> dict:
     """One start: the first streamed request, then the burst; optionally wait for a log line before
     stopping. With --py-spy naming this run, py-spy samples every thread of the server from its
     spawn (bench.start_profile summarises the samples)."""
+    before = busy_processes()
     server = Serve(env)
     spy = None
     if name in PROFILE:
@@ -259,6 +276,7 @@ def measure(
         "wait_found": waited,
         "exit_code": code,
         "log": [f"{t:7.2f}s {line}" for t, line in server.lines if keep.search(line)],
+        "busy_before_start": before,
         "profile": profile,
     }
 
