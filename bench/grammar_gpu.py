@@ -23,10 +23,12 @@ sampler masks the logits.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import torch
@@ -103,9 +105,10 @@ def _host_profile(llm, batch: int, tokens: int, spec, out_dir: str) -> str:
     return path
 
 
-def _timed_fills(backend) -> list[float]:
-    """Seconds of each fill_bitmask call the engine makes from now on (the engine's own call,
-    timed around it)."""
+@contextlib.contextmanager
+def _timed_fills(backend) -> Iterator[list[float]]:
+    """Seconds of each fill_bitmask call the engine makes inside the block (the engine's own call,
+    timed around it); the backend's own method again after."""
     seconds: list[float] = []
     fill = backend.fill_bitmask
 
@@ -117,7 +120,10 @@ def _timed_fills(backend) -> list[float]:
             seconds.append(time.perf_counter() - t0)
 
     backend.fill_bitmask = timed
-    return seconds
+    try:
+        yield seconds
+    finally:
+        del backend.fill_bitmask  # the class's own again
 
 
 def _fresh_grammar(backend, index: int):
@@ -164,9 +170,8 @@ def thread_sweep(llm, args, spec) -> list[dict]:
         sweep_spec = _fresh_grammar(backend, index)
         _decode_ms(llm, b, args.tokens, sweep_spec)  # its lexers warm
         plain, _ = _decode_ms(llm, b, args.tokens, None)
-        fills = _timed_fills(backend)
-        grammar, _ = _decode_ms(llm, b, args.tokens, sweep_spec)
-        del backend.fill_bitmask  # the class's own again
+        with _timed_fills(backend) as fills:
+            grammar, _ = _decode_ms(llm, b, args.tokens, sweep_spec)
         row = {
             "batch": b,
             "torch_threads": torch_threads,
@@ -224,9 +229,8 @@ def engine_decode(args, tokenizer_json: str) -> dict:
         fills: list[float] = []
         for _ in range(args.repeats):
             runs["plain_ms"].append(_decode_ms(llm, b, args.tokens, None)[0])
-            timed = _timed_fills(llm.engine.grammars)
-            ms, outs = _decode_ms(llm, b, args.tokens, spec)
-            del llm.engine.grammars.fill_bitmask
+            with _timed_fills(llm.engine.grammars) as timed:
+                ms, outs = _decode_ms(llm, b, args.tokens, spec)
             fills += timed
             runs["grammar_ms"].append(ms)
         row = {k: statistics.median(v) for k, v in runs.items()}

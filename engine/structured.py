@@ -194,8 +194,9 @@ class CompiledGrammar:
     families that exist, so rows of different families fill in parallel while each family's lexer
     states stay shared by its own rows. A grammar one sequence at a time uses stays one copy.
 
-    build_family: builds one more template (a new LLMatcher with its own lexer); called on the
-    caller's schedule (GrammarBackend runs it on its compile threads) through grow()."""
+    build_family: builds one more template (a new LLMatcher with its own lexer); schedule runs the
+    build off the caller's thread (GrammarBackend: on its compile threads) and says False once it
+    cannot."""
 
     def __init__(
         self,
@@ -398,7 +399,7 @@ class GrammarBackend:
 
     @property
     def families(self) -> int:
-        """Copies of each grammar compiled from now on (CompiledGrammar)."""
+        """The most copies a grammar compiled from now on grows to (CompiledGrammar)."""
         return self._families
 
     @property
