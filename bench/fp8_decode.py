@@ -6,7 +6,8 @@ random weights made on the GPU (load_format "dummy"), CUDA graphs on.
 `python -m bench.fp8_decode --out DIR` writes DIR/fp8_decode.json and prints a table. --paths
 measures FP8 once per decode kernel choice (engine/quant/fp8_kernels.py: ONE_ROW_PATH, and
 SKINNY_VARIANT for "skinny:<variant>"); --tiles takes bench/fp8_gemm.py's JSON and uses its swept
-best tiles.
+best tiles. --prologues off,on measures every row with engine/layers/row_gemv.py's fused norm and
+activation prologues off, then on (--row-tiles: bench/row_gemv.py's JSON, its best tiles).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from bench import family_decode
 from bench.roofline import copy_bandwidth
+from engine.layers import row_gemv as rg
 from engine.quant import fp8_kernels as fk
 
 
@@ -45,31 +47,10 @@ def decode_row(
     return row
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="llama-3.1-8b.json")
-    ap.add_argument("--model-dir", default="/tmp/coldbrew-bench/model")
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--paths", default="", help="e.g. skinny:w8a16,gemv,scaled_mm (default: as is)")
-    ap.add_argument("--tiles", default="", help="fp8_gemm.json whose best_tiles to use")
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    if args.tiles:
-        best = json.loads(Path(args.tiles).read_text())["best_tiles"]
-        for key, tiles in best.items():
-            variant, n, k = key.split(":")
-            fk.TILE_OVERRIDES[(variant, int(n), int(k))] = tuple(map(int, tiles.split(":")))
-    bandwidth = copy_bandwidth("cuda", 2 << 30)
-
-    def measure(q):
-        return decode_row(
-            args.config, args.model_dir, q, bandwidth, args.prompt_len, args.new_tokens
-        )
-
-    rows = [measure(None)]
-    for path in [p for p in args.paths.split(",") if p] or [""]:
+def fp8_rows(paths: str, measure) -> list[dict]:
+    """FP8 rows, one per decode kernel choice in `paths` (default: as is)."""
+    rows = []
+    for path in [p for p in paths.split(",") if p] or [""]:
         if path:
             fk.ONE_ROW_PATH, _, variant = path.partition(":")
             fk.SKINNY_VARIANT = variant or fk.SKINNY_VARIANT
@@ -83,6 +64,47 @@ def main() -> None:
         row["fp8_skinny_variant"] = fk.SKINNY_VARIANT
         row["quantization"] = f"fp8 ({fk.ONE_ROW_PATH}, {fk.SKINNY_VARIANT})"
         rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="llama-3.1-8b.json")
+    ap.add_argument("--model-dir", default="/tmp/coldbrew-bench/model")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--paths", default="", help="e.g. skinny:w8a16,gemv,scaled_mm (default: as is)")
+    ap.add_argument("--tiles", default="", help="fp8_gemm.json whose best_tiles to use")
+    ap.add_argument("--prologues", default="on", help="off,on: row_gemv's fusion off, then on")
+    ap.add_argument("--row-tiles", default="", help="row_gemv.json whose best_tiles to use")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if args.tiles:
+        best = json.loads(Path(args.tiles).read_text())["best_tiles"]
+        for key, tiles in best.items():
+            variant, n, k = key.split(":")
+            fk.TILE_OVERRIDES[(variant, int(n), int(k))] = tuple(map(int, tiles.split(":")))
+    if args.row_tiles:
+        best = json.loads(Path(args.row_tiles).read_text())["best_tiles"]
+        for key, tiles in best.items():
+            prologue, dtype, n, k = key.split(":")
+            rg.TILE_OVERRIDES[(int(prologue), dtype, int(n), int(k))] = tuple(
+                map(int, tiles.split(":"))
+            )
+    bandwidth = copy_bandwidth("cuda", 2 << 30)
+
+    def measure(q):
+        return decode_row(
+            args.config, args.model_dir, q, bandwidth, args.prompt_len, args.new_tokens
+        )
+
+    rows = []
+    for setting in args.prologues.split(","):
+        rg.FUSE = setting == "on"
+        rows += [dict(measure(None), fused_prologues=rg.FUSE)]
+        for row in fp8_rows(args.paths, measure):
+            rows.append(dict(row, fused_prologues=rg.FUSE))
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -91,18 +113,20 @@ def main() -> None:
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "tile_overrides": {":".join(map(str, k)): v for k, v in fk.TILE_OVERRIDES.items()},
+        "row_tile_overrides": {":".join(map(str, k)): v for k, v in rg.TILE_OVERRIDES.items()},
         "rows": rows,
     }
     with open(os.path.join(args.out, "fp8_decode.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(f"\n{result['device']}, batch 1, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    print("| weights | GB read per token | ms/step | tok/s | floor ms | of roofline |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| weights | prologues fused | GB per token | ms/step | tok/s | floor ms | of roofline |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if "error" in r:
             continue
         print(
-            f"| {r['quantization']} | {r['gb_per_token']:.2f} | {r['ms_per_step']:.2f} "
+            f"| {r['quantization']} | {r['fused_prologues']} | {r['gb_per_token']:.2f} "
+            f"| {r['ms_per_step']:.2f} "
             f"| {r['tokens_per_s']:.0f} | {r['floor_ms']:.2f} | {r['of_roofline']:.0%} |"
         )
 

@@ -36,6 +36,7 @@ ENGINE_KERNELS = {
     "_silu_and_mul_kernel",
     "_skinny_gemm_kernel",
     "_race_kernel",
+    "_row_gemv_kernel",  # batch-1 decode's norm/activation + linear (engine.layers.row_gemv)
 }
 LIMITS = ["--dtype", "bfloat16", "--max-model-len", "128", "--max-num-seqs", "4"]
 

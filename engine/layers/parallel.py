@@ -37,6 +37,10 @@ class RowParallelLinear(Linear):
         y = comm.all_reduce(y)
         return y + self.bias if self.bias is not None else y
 
+    def one_row_operands(self) -> None:
+        """None: the one-row kernel has no all-reduce (engine.layers.row_gemv)."""
+        return None
+
 
 class VocabParallelEmbedding(nn.Module):
     """Rows [first, first + rows) of the token table ([rows, dim], the last rank's padded with zero

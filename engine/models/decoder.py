@@ -28,10 +28,10 @@ from engine.attention.kv_quant import DEFAULT_KV_SCALE, is_fp8
 from engine.config import ModelConfig
 from engine.distributed.sharding import SINGLE, Shard
 from engine.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
-from engine.layers.activation import gate_and_mul
 from engine.layers.moe import SparseMoeBlock
 from engine.layers.norm import OffsetRMSNorm
 from engine.layers.parallel import RowParallelLinear, VocabParallelEmbedding
+from engine.layers.row_gemv import act_linear, norm_linear
 from engine.layers.skinny_gemm import skinny_applies, skinny_gemm
 from engine.models.checkpoint_names import is_vision_tensor, text_decoder_name
 from engine.models.moe_weights import moe_weight_rows
@@ -105,8 +105,19 @@ class Attention(nn.Module):
         kv_cache_layer: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.attend(self.qkv_proj(x), positions, rotary, kv_cache_layer, meta)
+
+    def attend(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache_layer: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Everything after the qkv projection (a caller that fused it with the norm before)."""
+        T = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
@@ -150,7 +161,11 @@ class MLP(nn.Module):
         self.down_proj = row_linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gate_and_mul(self.gate_up_proj(x), self.activation))
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """down_proj(act(gate) * up) of the gate_up projection's output."""
+        return act_linear(self.down_proj, gate_up, self.activation)
 
 
 class DecoderLayer(nn.Module):
@@ -190,15 +205,18 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it); their sum is the layer's
-        output."""
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, rotary, kv_cache_layer, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        output. Each norm is taken with the projection after it (engine.layers.row_gemv: one
+        kernel at batch-1 decode)."""
+        attn = self.self_attn
+        qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, x, residual)
+        h = attn.attend(qkv, positions, rotary, kv_cache_layer, meta)
+        if not isinstance(self.mlp, MLP):  # experts: the router reads the normed input
+            h, residual = self.post_attention_layernorm(h, residual)
+            return self.mlp(h), residual
+        gate_up, residual = norm_linear(
+            self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual
+        )
+        return self.mlp.down(gate_up), residual
 
 
 class SandwichDecoderLayer(nn.Module):

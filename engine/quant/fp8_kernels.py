@@ -7,8 +7,9 @@ are quantized dynamically, one fp32 scale per token (row), the same way. On CUDA
   engine/layers/skinny_gemm.py that reads each FP8 weight byte once. Variants (SKINNY_VARIANTS):
   the weights widened to x's dtype for a bf16 dot ("w8a16"), or x quantized per token inside the
   kernel for an fp8 dot ("w8a8"); and a dot-free GEMV for one row ("gemv": fp32 multiply-adds, one
-  reduction at the end), the fastest at batch-1 decode. (Swapping the dot's operands, y^T = W x^T,
-  measured no faster and was removed: bench/results/2026-11-26-h100-fp8/.)
+  reduction at the end: engine/layers/row_gemv.py's kernel with no prologue), the fastest at
+  batch-1 decode. (Swapping the dot's operands, y^T = W x^T, measured no faster and was removed:
+  bench/results/2026-11-26-h100-fp8/.)
 - more rows: a Triton kernel quantizes the activations per token, then torch._scaled_mm with
   row-wise scales (cuBLAS/CUTLASS FP8 tensor cores).
 Which path and tiles: bench/fp8_gemm.py (bench/results/2026-11-26-h100-fp8/), docs/engine.md.
@@ -20,6 +21,8 @@ bf16, so GPU decode differs from it only by being closer to the unquantized prod
 from __future__ import annotations
 
 import torch
+
+from engine.layers.row_gemv import row_gemv
 
 try:  # a CPU-only install may have no triton; the reference path never needs it
     import triton
@@ -147,49 +150,6 @@ if triton is not None:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=rows_ok[:, None] & (rn < N)[None, :])
 
 
-if triton is not None:
-
-    @triton.jit
-    def _fp8_gemv_kernel(
-        x_ptr,
-        w_ptr,
-        ws_ptr,
-        b_ptr,
-        y_ptr,
-        N,
-        K,
-        stride_wn,
-        HAS_BIAS: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        EVEN_K: tl.constexpr,
-    ):
-        """One row: y[n] = scale[n] * sum_k W[n, k] x[k], fp32 multiply-adds into a [BLOCK_N,
-        BLOCK_K] accumulator, reduced once at the end."""
-        pid_n = tl.program_id(0)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        rn_safe = tl.where(rn < N, rn, 0).to(tl.int64)
-        w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
-        x_ptrs = x_ptr + rk
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                w = tl.load(w_ptrs)
-                x = tl.load(x_ptrs)
-            else:
-                k_ok = (k0 + rk) < K
-                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-                x = tl.load(x_ptrs, mask=k_ok, other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
-        y = tl.sum(acc, axis=1) * tl.load(ws_ptr + rn_safe)
-        if HAS_BIAS:
-            y = y + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
-
-
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], fp32 scales [M, 1]); one Triton kernel on CUDA, the reference
     elsewhere."""
@@ -243,30 +203,15 @@ def fp8_skinny_gemm(
     m = x.shape[0]
     if variant is None:
         variant = "gemv" if m == 1 and ONE_ROW_PATH == "gemv" else SKINNY_VARIANT
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_n, block_k, num_warps, num_stages = config or default_skinny_config(n, k, variant)
-    block_k = min(block_k, max(32, triton.next_power_of_2(k)))
-    b = bias if bias is not None else weight_scale
-    if variant == "gemv":
+    tiles = config or default_skinny_config(n, k, variant)
+    if variant == "gemv":  # the one-row kernel of bf16 decode, without a prologue, scaled per row
         if m != 1:
             raise ValueError(f"fp8 gemv: one row, got {m}")
-        _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
-            x,
-            weight,
-            weight_scale,
-            b,
-            y,
-            n,
-            k,
-            weight.stride(0),
-            HAS_BIAS=bias is not None,
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-            EVEN_K=k % block_k == 0,
-            num_warps=num_warps,
-            num_stages=num_stages,
-        )
-        return y
+        return row_gemv(x, weight, weight_scale, bias, config=tiles)[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block_n, block_k, num_warps, num_stages = tiles
+    block_k = min(block_k, max(32, triton.next_power_of_2(k)))
+    b = bias if bias is not None else weight_scale
     if variant not in SKINNY_VARIANTS:
         raise ValueError(f"fp8 skinny variant {variant!r}: one of {SKINNY_VARIANTS} or 'gemv'")
     _fp8_skinny_kernel[(triton.cdiv(n, block_n),)](

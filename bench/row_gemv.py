@@ -1,0 +1,181 @@
+"""Batch-1 decode's linears with their prologue fused (engine/layers/row_gemv.py) against the
+engine's unfused pair (the residual-add + RMSNorm or SiLU-and-mul kernel, then the linear's own
+one-row kernel), at Llama-3.1-8B's shapes, bf16 and FP8 weights, with a tile sweep of the fused
+kernel.
+
+`python -m bench.row_gemv --out DIR`: GPU time per call inside CUDA graphs, weights rotated past the
+L2 (bench/gemm_micro.py, bench/fp8_gemm.py), each beside the byte floor of its weights at the
+measured copy bandwidth; the 32 layers' sum per weight type; writes DIR/row_gemv.json (its
+`best_tiles` feed bench/fp8_decode.py --row-tiles) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+
+import torch
+
+import engine.layers.row_gemv as rg
+from bench.attention_micro import time_call
+from bench.fp8_gemm import RotatingFp8
+from bench.gemm_micro import Rotating
+from bench.roofline import copy_bandwidth
+from engine.layers import Linear, RMSNorm
+from engine.quant.fp8 import Fp8Linear
+
+HIDDEN, INTER = 4096, 14336
+# (name, N, K, prologue): the linears that take a prologue (o_proj takes none)
+SHAPES = [
+    ("qkv", 6144, HIDDEN, rg.NORM),
+    ("gate_up", 2 * INTER, HIDDEN, rg.NORM),
+    ("down", HIDDEN, INTER, rg.SILU_MUL),
+]
+NUM_LAYERS = 32
+
+
+def candidates(fp8: bool) -> list[tuple[int, int, int, int]]:
+    """Tiles to sweep (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    block_ks = (256, 512, 1024) if fp8 else (128, 256, 512)
+    grid = itertools.product((4, 8, 16, 32), block_ks, ((4, 2), (4, 3), (8, 3)))
+    return [(bn, bk, w, s) for bn, bk, (w, s) in grid]
+
+
+def linear_of(weight: torch.Tensor, scale: torch.Tensor | None):
+    """A Linear / Fp8Linear around one rotated weight (parameters replaced, not copied)."""
+    n, k = weight.shape
+    if scale is None:
+        lin = Linear(k, n, False, torch.bfloat16, "meta")
+        lin.weight = torch.nn.Parameter(weight, requires_grad=False)
+    else:
+        lin = Fp8Linear(k, n, False, torch.bfloat16, "meta")
+        lin.weight = torch.nn.Parameter(weight, requires_grad=False)
+        lin.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+    return lin
+
+
+def measure(name: str, n: int, k: int, prologue: int, fp8: bool, bandwidth: float) -> dict:
+    """The unfused pair, the fused kernel with default tiles, and the sweep, for one shape."""
+    weights = RotatingFp8(n, k) if fp8 else Rotating(n, k)
+
+    def next_linear():
+        w = weights.next()
+        return linear_of(*w) if fp8 else linear_of(w, None)
+
+    norm = RMSNorm(k, 1e-5, torch.bfloat16, "cuda")
+    norm.weight.data = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
+    x = torch.randn(1, 2 * k if prologue == rg.SILU_MUL else k, device="cuda")
+    x, res = x.to(torch.bfloat16), torch.randn(1, k, device="cuda").to(torch.bfloat16)
+
+    def call(lin=None):
+        lin = lin or next_linear()
+        if prologue == rg.SILU_MUL:
+            return rg.act_linear(lin, x, "silu")
+        return rg.norm_linear(norm, lin, x, res)[0]
+
+    first = next_linear()  # the one the fused and unfused outputs are compared on
+    rg.FUSE = False
+    try:
+        unfused = time_call(call, graph=True)
+        reference = call(first).float()
+    finally:
+        rg.FUSE = True
+    default = time_call(call, graph=True)
+    y = call(first).float()
+    sweep = {}
+    for tiles in candidates(fp8):
+
+        def fused(tiles=tiles):
+            w = weights.next()
+            weight, scale = w if fp8 else (w, None)
+            if prologue == rg.SILU_MUL:
+                return rg.row_gemv(x, weight, scale, None, rg.SILU_MUL, config=tiles)[0]
+            return rg.row_gemv(
+                x, weight, scale, None, rg.NORM, norm.weight, norm.eps, res, config=tiles
+            )[0]
+
+        key = ":".join(map(str, tiles))
+        try:
+            sweep[key] = time_call(fused, graph=True)
+        except Exception as exc:  # a tile that does not build on this GPU: recorded
+            sweep[key] = f"{type(exc).__name__}: {str(exc)[:120]}"
+    timed = {t: s for t, s in sweep.items() if isinstance(s, float)}
+    best = min(timed, key=timed.get)
+    floor = n * k * (1 if fp8 else 2) / bandwidth
+    return {
+        "name": name,
+        "n": n,
+        "k": k,
+        "weights": "fp8" if fp8 else "bf16",
+        "prologue": prologue,
+        "unfused_s": unfused,
+        "fused_default_s": default,
+        "default_tiles": ":".join(map(str, rg.default_config(prologue, weights_dtype(fp8), n, k))),
+        "best_tiles": best,
+        "fused_best_s": timed[best],
+        "floor_s": floor,
+        "max_abs_diff_vs_unfused": (y - reference).abs().max().item(),
+        "max_abs_unfused": reference.abs().max().item(),
+        "sweep": sweep,
+    }
+
+
+def weights_dtype(fp8: bool) -> torch.dtype:
+    return torch.float8_e4m3fn if fp8 else torch.bfloat16
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    bandwidth = copy_bandwidth("cuda", 2 << 30)
+    rows = []
+    for fp8 in (False, True):
+        for name, n, k, prologue in SHAPES:
+            row = measure(name, n, k, prologue, fp8, bandwidth)
+            rows.append(row)
+            print(
+                f"{row['weights']} {name}: unfused {row['unfused_s'] * 1e6:.1f} us, fused "
+                f"{row['fused_default_s'] * 1e6:.1f} us (default {row['default_tiles']}), best "
+                f"{row['fused_best_s'] * 1e6:.1f} us ({row['best_tiles']}), floor "
+                f"{row['floor_s'] * 1e6:.1f} us, max diff {row['max_abs_diff_vs_unfused']:.3g} "
+                f"of {row['max_abs_unfused']:.3g}",
+                flush=True,
+            )
+    totals = {}
+    for weights in ("bf16", "fp8"):
+        mine = [r for r in rows if r["weights"] == weights]
+        totals[weights] = {
+            key: NUM_LAYERS * sum(r[key] for r in mine) * 1e3
+            for key in ("unfused_s", "fused_default_s", "fused_best_s", "floor_s")
+        }
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "copy_bandwidth": bandwidth,
+        "rows": rows,
+        "layers_ms": totals,
+        "best_tiles": {
+            f"{r['prologue']}:{'float8_e4m3fn' if r['weights'] == 'fp8' else 'bfloat16'}:"
+            f"{r['n']}:{r['k']}": r["best_tiles"]
+            for r in rows
+        },
+    }
+    with open(os.path.join(args.out, "row_gemv.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\n{result['device']}, one row, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    print("32 layers' qkv + gate_up + down with their prologues, ms per step (GPU, CUDA graphs)")
+    print("| weights | unfused | fused (default tiles) | fused (best tiles) | byte floor |")
+    print("| --- | --- | --- | --- | --- |")
+    for weights, t in totals.items():
+        print(
+            f"| {weights} | {t['unfused_s']:.3f} | {t['fused_default_s']:.3f} "
+            f"| {t['fused_best_s']:.3f} | {t['floor_s']:.3f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""Batch-1 decode's linears with the elementwise op before them folded in: one kernel computes
+linear(rms_norm(x + residual)) (attention's qkv, the MLP's gate_up) or linear(silu(gate) * up) (the
+MLP's down), so the norm and the activation cost no launch of their own.
+
+One row of input: each program reads the whole row (from L2) beside its BLOCK_N rows of the
+weight, so the prologue is recomputed per program and never written out. The norm's 1/rms is a
+scalar that factors out of the dot product: W (g * x / rms) = (W (g * x)) / rms, the sum of squares
+gathered in the same pass over K and applied once at the end. With a residual the first program
+also writes x + residual, the stream the next layer adds to.
+
+Weights in the activation dtype (bf16/fp16), or float8_e4m3fn with one fp32 scale per output row:
+without a prologue this is the FP8 linears' one-row GEMV (engine/quant/fp8_kernels.py, "gemv").
+Those do not take the norm and SiLU prologues: fused, FP8 decode measured slower than its GEMV after
+a norm kernel (bench/results/2026-11-27-h100-row-gemv/), since every program reads the residual, the
+row and the norm weight beside only half the bytes of weight a bf16 program reads.
+
+Numerics: fp32 throughout, rounded where torch rounds the sum x + residual and the activation; the
+normed input is not rounded to the activation dtype before the product, so results differ from the
+unfused layers by bf16 rounding.
+
+Who takes it: norm_linear and act_linear below (the decoder's only callers), on CUDA, for one row,
+a plain RMSNorm and a linear whose one_row_operands() gives its weight (row-parallel linears give
+none: they all-reduce after). FUSE turns it off (bench/fp8_decode.py --prologues measures both).
+Tiles: bench/row_gemv.py's sweep.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.layers.activation import gate_and_mul
+from engine.layers.norm import RMSNorm
+
+try:  # a CPU-only install may have no triton; the unfused layers never need it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only on installs without triton
+    triton = None
+
+FUSE = True  # the fused one-row path on (benchmarks turn it off to compare)
+PLAIN, NORM, SILU_MUL = 0, 1, 2  # the prologue applied to x before the product
+RowGemvConfig = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
+# (prologue, weight dtype name, N, K) -> tiles replacing the defaults (a benchmark's sweep)
+TILE_OVERRIDES: dict[tuple[int, str, int, int], RowGemvConfig] = {}
+
+
+if triton is not None:
+
+    @triton.jit
+    def _row_gemv_kernel(
+        x_ptr,
+        res_ptr,
+        g_ptr,
+        w_ptr,
+        ws_ptr,
+        b_ptr,
+        y_ptr,
+        res_out_ptr,
+        N,
+        K,
+        stride_wn,
+        eps,
+        PROLOGUE: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr,
+        HAS_SCALE: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr,
+    ):
+        """Program n: y[n * BLOCK_N : +BLOCK_N] = W[rows] @ prologue(x), fp32 multiply-adds into a
+        [BLOCK_N, BLOCK_K] accumulator reduced once at the end. SILU_MUL: x holds [gate | up], each
+        K long."""
+        pid = tl.program_id(0)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        rn_safe = tl.where(rn < N, rn, 0).to(tl.int64)  # out-of-range rows re-read row 0
+        w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + rk
+            k_ok = k < K
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                x = tl.load(x_ptr + k)
+            else:
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+                x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
+            if PROLOGUE == 1:  # NORM
+                if HAS_RESIDUAL:
+                    res = tl.load(res_ptr + k, mask=k_ok, other=0.0)
+                    # rounded to the activation dtype, as torch's x + residual is
+                    x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                    tl.store(res_out_ptr + k, x, mask=k_ok & (pid == 0))
+                xf = x.to(tl.float32)
+                squares += xf * xf
+                xf = xf * tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            elif PROLOGUE == 2:  # SILU_MUL
+                gate = x.to(tl.float32)
+                up = tl.load(x_ptr + K + k, mask=k_ok, other=0.0).to(tl.float32)
+                # silu rounded to the activation dtype before the product, as F.silu(gate) * up
+                act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
+                xf = (act * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+            else:
+                xf = x.to(tl.float32)
+            acc += w.to(tl.float32) * xf[None, :]
+            w_ptrs += BLOCK_K
+        y = tl.sum(acc, axis=1)
+        if PROLOGUE == 1:
+            y = y / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
+        if HAS_SCALE:
+            y = y * tl.load(ws_ptr + rn_safe)
+        if HAS_BIAS:
+            y = y + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
+def default_config(prologue: int, weight_dtype: torch.dtype, n: int, k: int) -> RowGemvConfig:
+    """Tiles per shape and weight width: the fastest of bench/row_gemv.py's sweep at Llama-3.1-8B's
+    shapes on an H100 (bench/results/2026-11-27-h100-row-gemv/row_gemv.json)."""
+    name = str(weight_dtype).removeprefix("torch.")
+    if (prologue, name, n, k) in TILE_OVERRIDES:
+        return TILE_OVERRIDES[(prologue, name, n, k)]
+    if weight_dtype.itemsize == 1:  # e4m3 with a prologue (bench/row_gemv.py only)
+        if n >= 16384:
+            return (8, 1024, 4, 2)
+        return (8, 512, 4, 2) if n >= 6144 else (8, 1024, 4, 3)
+    if n >= 16384:  # gate_up
+        return (4, 512, 4, 3)
+    if n >= 6144:  # qkv
+        return (16, 512, 4, 3)
+    return (4, 512, 4, 2)  # down_proj
+
+
+def row_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    prologue: int = PLAIN,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    config: RowGemvConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [1, K] (SILU_MUL: [1, 2K]) -> (y [1, N] in x's dtype, x + residual or None).
+
+    weight [N, K] in x's dtype, or e4m3 with weight_scale [N] fp32; NORM: norm_weight [K], eps, and
+    an optional residual [1, K]; SILU_MUL: x is [gate | up]. config overrides the tiles."""
+    n, k = weight.shape
+    x = x.contiguous()
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    summed = torch.empty_like(x) if residual is not None else None
+    block_n, block_k, num_warps, num_stages = config or default_config(prologue, weight.dtype, n, k)
+    block_k = min(block_k, max(32, triton.next_power_of_2(k)))
+    _row_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x,
+        residual.contiguous() if residual is not None else x,
+        norm_weight if norm_weight is not None else x,
+        weight,
+        weight_scale if weight_scale is not None else x,
+        bias if bias is not None else x,
+        y,
+        summed if summed is not None else y,
+        n,
+        k,
+        weight.stride(0),
+        eps,
+        PROLOGUE=prologue,
+        HAS_RESIDUAL=residual is not None,
+        HAS_SCALE=weight_scale is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return y, summed
+
+
+def row_gemv_applies(x: torch.Tensor) -> bool:
+    """True when x is one bf16/fp16 row on CUDA and the fused path is on (the kernel set's trace
+    sees meta tensors as CUDA here: warmup.kernel_set)."""
+    return (
+        FUSE
+        and triton is not None
+        and x.is_cuda
+        and x.dim() == 2
+        and x.shape[0] == 1
+        and x.dtype in (torch.bfloat16, torch.float16)
+    )
+
+
+def _operands(linear, x: torch.Tensor, k: int):
+    """The linear's (weight, scale, bias) when the one-row kernel can serve it for x, else None."""
+    if not row_gemv_applies(x):
+        return None
+    get = getattr(linear, "one_row_operands", None)
+    operands = get() if get is not None else None
+    if operands is None:
+        return None
+    weight, scale, _ = operands
+    if weight.shape[1] != k or weight.stride(1) != 1:
+        return None
+    if weight.dtype == x.dtype and scale is None:
+        return operands
+    if weight.dtype == torch.float8_e4m3fn and scale is not None:
+        return operands
+    return None
+
+
+def norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None):
+    """(linear(norm(x + residual)), x + residual); without a residual (linear(norm(x)), x). One
+    kernel for one row on CUDA when `norm` is a plain RMSNorm, else the layers one after the
+    other."""
+    operands = _operands(linear, x, x.shape[-1]) if type(norm) is RMSNorm else None
+    if operands is None:
+        if residual is None:
+            return linear(norm(x)), x
+        h, residual = norm(x, residual)
+        return linear(h), residual
+    weight, scale, bias = operands
+    y, summed = row_gemv(x, weight, scale, bias, NORM, norm.weight, norm.eps, residual=residual)
+    return y, (summed if residual is not None else x)
+
+
+def act_linear(linear, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """linear(act(gate) * up) of a fused [gate | up] row: one kernel for one SiLU row on CUDA, else
+    engine.layers.activation.gate_and_mul and the linear."""
+    half = gate_up.shape[-1] // 2
+    operands = _operands(linear, gate_up, half) if activation == "silu" else None
+    if operands is None:
+        return linear(gate_and_mul(gate_up, activation))
+    weight, scale, bias = operands
+    return row_gemv(gate_up, weight, scale, bias, SILU_MUL)[0]

@@ -1,0 +1,179 @@
+"""engine.layers.row_gemv: batch-1 decode's linears with the norm (and residual add) or SiLU-and-mul
+before them in one kernel. On CPU: the kernel under the Triton interpreter against the unfused torch
+layers, its compile for sm_90, and the layers' fallback; on a GPU (-m gpu): bf16 and FP8 weights at
+Llama-3.1-8B's shapes, and a model's decode step with the kernel on and off."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from child_process import run_in_triton_interpreter
+from conftest import triton_nvidia_backend
+from engine.layers import Linear, RMSNorm
+from engine.layers.activation import silu_and_mul_reference
+from engine.layers.parallel import RowParallelLinear
+from engine.layers.row_gemv import act_linear, norm_linear
+from engine.quant.fp8 import Fp8Linear
+
+REPO = Path(__file__).resolve().parents[1]
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None,
+    reason="triton is not installed (CPU torch has none)",
+)
+
+
+@needs_triton
+def test_row_gemv_under_the_triton_interpreter_matches_the_unfused_layers():
+    """Each prologue, with and without residual, scale and bias, on shapes whose K and N are not
+    multiples of the tiles (masks) and tiles that loop over K; float32 on CPU."""
+    script = textwrap.dedent("""
+        import torch
+        import engine.layers.row_gemv as rg
+        from engine.layers import RMSNorm
+        from engine.layers.activation import silu_and_mul_reference
+        torch.manual_seed(0)
+        for n, k, tiles in [(37, 40, (8, 16, 4, 1)), (64, 64, (16, 32, 4, 1)), (5, 24, None)]:
+            w = torch.randn(n, k)
+            scale, bias = torch.rand(n) + 0.5, torch.randn(n)
+            x, res = torch.randn(1, k), torch.randn(1, k)
+            norm = RMSNorm(k, 1e-5, torch.float32, "cpu")
+            norm.weight.data = torch.rand(k) + 0.5
+            for has_res in (True, False):
+                y, summed = rg.row_gemv(x, w, scale, bias, rg.NORM, norm.weight, 1e-5,
+                                        res if has_res else None, config=tiles)
+                s = x + res if has_res else x
+                ref = (norm.reference(s) @ w.t()) * scale + bias
+                torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
+                assert (summed is None) != has_res
+                if has_res:
+                    assert torch.equal(summed, s)
+            gu = torch.randn(1, 2 * k)
+            y, _ = rg.row_gemv(gu, w, None, None, rg.SILU_MUL, config=tiles)
+            torch.testing.assert_close(y, silu_and_mul_reference(gu) @ w.t(), atol=1e-4, rtol=1e-4)
+            y, _ = rg.row_gemv(x, w, scale, None, rg.PLAIN, config=tiles)
+            torch.testing.assert_close(y, (x @ w.t()) * scale, atol=1e-4, rtol=1e-4)
+        print("ok")
+    """)
+    done = run_in_triton_interpreter(script)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+@pytest.mark.skipif(not triton_nvidia_backend(), reason="triton without its CUDA backend (ptxas)")
+def test_row_gemv_compiles_for_hopper(tmp_path):
+    """The kernel with bf16 and e4m3 weights, every prologue, the default tiles of each
+    Llama-3.1-8B shape, compiled ahead of time for sm_90: types across the branches, registers and
+    shared memory, ptxas."""
+    script = textwrap.dedent("""
+        import torch
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        import engine.layers.row_gemv as rg
+
+        def build(w_type, prologue, residual, n, k):
+            w_dtype = torch.float8_e4m3fn if w_type == "fp8e4nv" else torch.bfloat16
+            bn, bk, warps, stages = rg.default_config(prologue, w_dtype, n, k)
+            ptrs = ["x_ptr", "res_ptr", "g_ptr", "w_ptr", "ws_ptr", "b_ptr", "y_ptr", "res_out_ptr"]
+            sig = {p: "*bf16" for p in ptrs}
+            sig.update(w_ptr="*" + w_type, ws_ptr="*fp32", N="i32", K="i32", stride_wn="i32",
+                       eps="fp32")
+            const = dict(PROLOGUE=prologue, HAS_RESIDUAL=residual, HAS_SCALE=w_type != "bf16",
+                         HAS_BIAS=False, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True)
+            sig.update({c: "constexpr" for c in const})
+            source = ASTSource(fn=rg._row_gemv_kernel, signature=sig, constexprs=const)
+            options = dict(num_warps=warps, num_stages=stages)
+            kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+            assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
+
+        for w_type in ("bf16", "fp8e4nv"):
+            build(w_type, rg.NORM, True, 6144, 4096)
+            build(w_type, rg.NORM, False, 28672, 4096)
+            build(w_type, rg.SILU_MUL, False, 4096, 14336)
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(REPO))
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_the_layers_fall_back_where_the_kernel_does_not_serve():
+    """On CPU (or several rows, or a row-parallel linear) the same results come from the layers one
+    after the other, with the residual stream returned as the norm returns it."""
+    torch.manual_seed(0)
+    norm, lin = RMSNorm(32, 1e-6, torch.float32, "cpu"), Linear(32, 8, True, torch.float32, "cpu")
+    for p in (*norm.parameters(), *lin.parameters()):
+        p.data.normal_()
+    x, res = torch.randn(3, 32), torch.randn(3, 32)
+    y, summed = norm_linear(norm, lin, x, res)
+    assert torch.equal(summed, x + res)
+    torch.testing.assert_close(y, lin(norm.reference(x + res)))
+    y, same = norm_linear(norm, lin, x, None)
+    assert same is x
+    torch.testing.assert_close(y, lin(norm.reference(x)))
+    down = Linear(16, 8, False, torch.float32, "cpu")
+    down.weight.data.normal_()
+    gu = torch.randn(1, 32)
+    torch.testing.assert_close(act_linear(down, gu, "silu"), down(silu_and_mul_reference(gu)))
+    # row-parallel linears all-reduce after their product: never the one-row kernel's; FP8 linears
+    # keep their own GEMV (measured faster than the fused kernel)
+    assert RowParallelLinear(16, 8, False, torch.float32, "cpu", None).one_row_operands() is None
+    assert not hasattr(Fp8Linear(16, 8, False, torch.float32, "cpu"), "one_row_operands")
+
+
+# ---- GPU ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_row_gemv_matches_the_unfused_layers_at_llama_shapes(fp8, monkeypatch):
+    """qkv and gate_up after the residual add and norm, down after SiLU-and-mul, bf16 activations:
+    within bf16 rounding of the layers one after the other (which round the normed input once
+    more); the residual stream bit for bit. FP8 weights (which the layers keep unfused) through
+    the kernel as bench/row_gemv.py calls it."""
+    import engine.layers.row_gemv as rg
+
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    make = Fp8Linear if fp8 else Linear
+    if fp8:  # the operands the FP8 linears would give
+        operands = lambda self: (self.weight, self.weight_scale, self.bias)  # noqa: E731
+        monkeypatch.setattr(Fp8Linear, "one_row_operands", operands, raising=False)
+    hidden, inter = 4096, 14336
+    norm = RMSNorm(hidden, 1e-5, dt, dev)
+    norm.weight.data = (torch.rand(hidden, device=dev) + 0.5).to(dt)
+    for n, k, act in [(6144, hidden, False), (2 * inter, hidden, False), (hidden, inter, True)]:
+        lin = make(k, n, False, dt, dev)
+        if fp8:
+            lin.fill_random(0.02, torch.Generator(dev).manual_seed(n))
+        else:
+            lin.weight.data.normal_(0.0, 0.02)
+        if act:
+            gu = torch.randn(1, 2 * k, device=dev, dtype=dt)
+            fused = act_linear(lin, gu, "silu")
+            rg.FUSE = False
+            try:
+                plain = act_linear(lin, gu, "silu")
+            finally:
+                rg.FUSE = True
+        else:
+            x, res = (torch.randn(1, k, device=dev, dtype=dt) for _ in range(2))
+            fused, summed = norm_linear(norm, lin, x, res)
+            rg.FUSE = False
+            try:
+                plain, ref_summed = norm_linear(norm, lin, x, res)
+            finally:
+                rg.FUSE = True
+            assert torch.equal(summed, ref_summed)
+        err = (fused.float() - plain.float()).abs().max().item()
+        scale = plain.float().abs().max().item()
+        assert err <= 2e-2 * scale, (n, k, err, scale)
