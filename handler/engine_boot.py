@@ -209,6 +209,11 @@ class EngineBoot:
 
         return await asyncio.wrap_future(self._future)
 
+    def join_background(self, timeout: float) -> bool:
+        """After the engine's shutdown: the start's background work ended (at most `timeout` s;
+        warmup.start.EngineStart.join_background)."""
+        return self.engine_start.join_background(timeout)
+
     def engine_now(self):
         """The AsyncLLM if already loaded, else None (never blocks)."""
         return self._future.result() if self.is_ready else None

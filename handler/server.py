@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -36,6 +37,9 @@ from handler.routes import ROUTE_METHODS, ROUTES, SSE_DONE, ApiError, ChunkStrea
 log = logging.getLogger(__name__)
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# The longest the shutdown waits for the start's background work (kernel warm-up, fleet share) to
+# see the engine stopped and end.
+BACKGROUND_JOIN_S = 10.0
 # How often the server checks that the engine thread is still alive (a dead engine exits the
 # process) and whether uvicorn was told to shut down (SIGTERM, SIGINT).
 WATCH_SECONDS = 0.2
@@ -288,6 +292,7 @@ def build_app(settings: Settings, boot: EngineBoot, metrics: Metrics | None = No
         engine = boot.engine_now()
         if engine is not None:
             engine.shutdown()
+            await asyncio.to_thread(boot.join_background, BACKGROUND_JOIN_S)
 
     def endpoint_for(route: str):
         async def endpoint(request: Request) -> Response:
@@ -471,7 +476,14 @@ def main(argv: list[str] | None = None, boot: EngineBoot | None = None) -> None:
             HealthPort(host, settings.port_health, host, port).start()
         except OSError as e:
             sys.exit(f"coldbrew: PORT_HEALTH={settings.port_health}: cannot listen on {host}: {e}")
-    sys.exit(serve(settings, host, port, boot))
+    code = serve(settings, host, port, boot)
+    # Out without finalising the interpreter, as the worker does: a daemon thread still inside
+    # torch, Triton or the CUDA driver (a decode graph's capture, a tokenizer) would meet the
+    # teardown (a segfault at exit); the logs are flushed first.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

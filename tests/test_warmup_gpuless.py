@@ -16,11 +16,13 @@ import shutil
 import struct
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import triton_nvidia_backend
 from engine import EngineArgs
 from warmup.artifacts import ARTIFACT_FILE, TRITON_DIR, artifact_key, install, select
 from warmup.kernel_set import Step, steps_for
@@ -260,3 +262,55 @@ def test_an_fp8_kv_engine_built_without_a_gpu_is_keyed_and_compiled_for_fp8(tiny
     data = json.loads((path / ARTIFACT_FILE).read_text())
     assert data["key"]["kv_cache_dtype"] == "fp8_e4m3"
     assert set(data["record"]["kernels"].values()) == ENGINE_KERNELS | {"write_kv_kernel"}
+
+
+@pytest.mark.skipif(not triton_nvidia_backend(), reason="triton without its CUDA backend (ptxas)")
+def test_a_tracer_pauses_before_each_kernel_and_stops_where_its_pause_raises(tiny_llama, tmp_path):
+    """A serving worker's background warm-up waits in `pause` before each kernel it loads
+    (warmup.ready: a burst waits out one kernel, not a step's trace) and stops when the pause raises
+    (the engine shut down); the launch patches are gone after either."""
+    script = textwrap.dedent("""
+        import sys
+        import torch
+        from triton.runtime.jit import JITFunction
+        from engine.config import ModelConfig
+        from warmup.aot import target_driver
+        from warmup.kernel_set import Step, meta_model, trace
+
+        class Stop(Exception):
+            pass
+
+        original = JITFunction.run
+        cfg = ModelConfig.from_dir(sys.argv[1])
+        step = [Step(1, 1, 8, graph=True)]
+        with target_driver("sm_90"):
+            model = meta_model(cfg, torch.bfloat16, 132)
+            calls, sink = [], []
+            trace(model, step, 16, 128, sink, pause=lambda: calls.append(len(sink)))
+            # each launch paused first, with the kernels before it already in the sink
+            assert calls == list(range(len(calls))) and len(calls) == len(sink) >= 4, calls
+            launches = len(calls)
+
+            def pause():
+                calls.append(1)
+                if len(calls) == 3:
+                    raise Stop()
+
+            calls, sink = [], []
+            try:
+                trace(model, step, 16, 128, sink, pause=pause)
+            except Stop:
+                pass
+            assert len(calls) == 3 and len(sink) == 2 < launches, (calls, sink)
+        assert JITFunction.run is original
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(REPO))
+    done = subprocess.run(
+        [sys.executable, "-c", script, tiny_llama],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

@@ -181,3 +181,16 @@ def test_an_engine_shut_down_before_serving_is_let_go(tmp_path):
     gc.unfreeze()
     gc.collect()
     assert gone() is None
+
+
+def test_shutdown_can_wait_for_the_background_work_to_end(tmp_path):
+    # `serve` joins the start's background threads after the engine's shutdown, then exits without
+    # finalising the interpreter: the join returns True once they saw the engine stopped
+    import gc
+
+    start = start_engine(_tiny_start_args(tmp_path))
+    engine = start.future.result(timeout=300)
+    assert not start.join_background(0.2)  # the warm-up waits for a first request meanwhile
+    engine.shutdown()
+    assert start.join_background(10.0)
+    gc.unfreeze()

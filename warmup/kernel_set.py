@@ -16,7 +16,7 @@ import itertools
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +76,9 @@ def _compile_only(run):
         sink = getattr(_state, "sink", None)
         if sink is None:  # every other thread (a worker serving meanwhile) launches as usual
             return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        pause = getattr(_state, "pause", None)
+        if pause is not None:  # the tracer's turn comes before each kernel it compiles or loads
+            pause()
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         if kernel is not None:
             sink.append(kernel)
@@ -110,21 +113,22 @@ def _install_patches() -> None:
 
 
 @contextlib.contextmanager
-def compile_only(sink: list) -> Iterator[None]:
+def compile_only(sink: list, pause: Callable[[], object] | None = None) -> Iterator[None]:
     """Within: this thread's Triton launches compile or load their kernel into Triton's caches (disk
     and this process's memory, for the active driver's device), append it to `sink` and run nothing;
-    meta tensors take the engine's CUDA paths. Other threads are unaffected; the patches are removed
-    when the last tracer leaves."""
+    meta tensors take the engine's CUDA paths. `pause` is called before each launch (a serving
+    worker's tracer waits there while requests run; it may raise to stop the trace). Other threads
+    are unaffected; the patches are removed when the last tracer leaves."""
     global _patch_users
     with _patch_lock:
         if _patch_users == 0:
             _install_patches()
         _patch_users += 1
-    _state.sink = sink
+    _state.sink, _state.pause = sink, pause
     try:
         yield
     finally:
-        _state.sink = None
+        _state.sink = _state.pause = None
         with _patch_lock:
             _patch_users -= 1
             if _patch_users == 0:
@@ -216,9 +220,11 @@ def trace(
     max_model_len: int,
     sink: list,
     kv_cache_dtype: str = "auto",
+    pause: Callable[[], object] | None = None,
 ) -> None:
     """Run each step's forward (and a graph step's logits, and the sampler's draw) with launches
-    compile-only, over a KV cache of the engine's kv_cache_dtype (FP8 takes other kernels)."""
+    compile-only, over a KV cache of the engine's kv_cache_dtype (FP8 takes other kernels); `pause`:
+    compile_only's."""
     from engine.attention import kv_cache_shape
     from engine.attention.kv_quant import resolve_kv_cache_dtype
     from engine.layers.random_race import race_sample
@@ -232,7 +238,7 @@ def trace(
     )
     largest = max([s.num_seqs for s in steps if s.graph], default=1)
     logits = torch.empty(largest, cfg.vocab_size, dtype=torch.float32, device="meta")
-    with compile_only(sink), torch.inference_mode():
+    with compile_only(sink, pause), torch.inference_mode():
         for step in steps:
             inputs = _inputs(step, block_size, max_model_len)
             hidden = model(inputs.input_ids, inputs.positions, kv, inputs.meta)

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 log = logging.getLogger(__name__)
 
 READY_BUDGET_S = 30.0  # tracing stops starting new first-request steps past this
-# Tracing a step holds this interpreter's lock for a fraction of a second: each step waits until no
-# request runs or waits (polled this often), at most BUSY_WAIT_S, so a burst that arrives while the
-# set loads waits out one step's trace, not the whole set's.
+# Tracing holds this interpreter's lock: each kernel the background work compiles or loads waits
+# until no request runs or waits (polled this often), at most BUSY_WAIT_S, so a burst that arrives
+# while the set loads waits out one kernel's load, not the whole set's.
 IDLE_POLL_S = 0.02
 BUSY_WAIT_S = 10.0
 COMPILE_JOBS = 8  # processes of the background compile, at most half the CPUs
@@ -50,6 +50,7 @@ class KernelWarmup:
     compile_process: subprocess.Popen | None = None
     compile_list: str | None = None  # where that process writes the entries it compiled or found
     loaded: threading.Event = field(default_factory=threading.Event)  # the whole set is loaded
+    thread: threading.Thread | None = None  # the background load of the rest
 
     def summary(self) -> str:
         made = f", {len(self.compiled)} compiled" if self.compiled else ""
@@ -85,27 +86,48 @@ def _entries(cache_dir: str) -> set[str]:
         return set()
 
 
-def _load(kernels: list) -> None:
+class EngineStopped(Exception):
+    """The engine stopped (shut down or died) while its kernels loaded: the background work ends."""
+
+
+def _pause_for(live: _Live):
+    """For a serving engine: a call made before each kernel the background work compiles or loads,
+    waiting while requests run or wait (at most BUSY_WAIT_S), so that a burst waits out one kernel's
+    load rather than a step's trace; it raises EngineStopped once the engine stopped (shutdown then
+    waits for one kernel, not the rest of the set). None for a synchronous LLM (nothing serves
+    meanwhile)."""
+    if live.serving is None:
+        return None
+    from warmup.fleet import wait_idle
+
+    def pause() -> None:
+        if not wait_idle(live.serving, IDLE_POLL_S, BUSY_WAIT_S):
+            raise EngineStopped()
+
+    return pause
+
+
+def _load(kernels: list, pause=None) -> None:
     """Put each kernel's module on the GPU now (Triton does it at a kernel's first launch
     otherwise)."""
     for kernel in kernels:
         init = getattr(kernel, "_init_handles", None)
         if init is not None:
+            if pause is not None:
+                pause()
             init()
 
 
 def _trace_steps(live: _Live, steps: list, deadline: float | None = None) -> list:
-    """Trace `steps` and load their kernels one step at a time, each once the engine is idle
-    (warmup.fleet.wait_idle); stops starting new steps past `deadline` (perf_counter)."""
-    from warmup.fleet import wait_idle
+    """Trace `steps` and load their kernels one step at a time, each kernel once the engine is idle
+    (_pause_for); stops starting new steps past `deadline` (perf_counter). Raises EngineStopped when
+    the engine stops meanwhile."""
     from warmup.kernel_set import trace
 
-    model, loaded = live.model(), []
+    model, loaded, pause = live.model(), [], _pause_for(live)
     for step in steps:
         if deadline is not None and time.perf_counter() > deadline:
             break
-        if live.serving is not None:
-            wait_idle(live.serving, IDLE_POLL_S, BUSY_WAIT_S)
         sink: list = []
         trace(
             model,
@@ -114,8 +136,9 @@ def _trace_steps(live: _Live, steps: list, deadline: float | None = None) -> lis
             live.max_model_len,
             sink,
             live.args.kv_cache_dtype,
+            pause,
         )
-        _load(sink)
+        _load(sink, pause)
         loaded += sink
     return loaded
 
@@ -127,10 +150,17 @@ def warm_kernels(
     rest.
     engine_mode: the mode that runs ("jit": the rest of the set is compiled by a background process
     first; "compiled": only if a first kernel was missing from the artifact). None where there is
-    nothing to warm (no GPU, no Triton backend)."""
+    nothing to warm (no GPU, no Triton backend) or the engine stopped first."""
     live = _Live(engine)
     if live.runner.device.type != "cuda" or live.target_programs is None:
         return None
+    try:
+        return _warm(live, engine_mode, budget_s)
+    except EngineStopped:
+        return None
+
+
+def _warm(live: _Live, engine_mode: str, budget_s: float) -> KernelWarmup:
     import triton
 
     from warmup.kernel_set import kernel_dirs, steps_for
@@ -155,9 +185,10 @@ def warm_kernels(
         result.compile_process, result.compile_list = _start_compile_process(live, cache_dir)
     done = set(first)
     rest = [s for s in steps_for(live.args, live.max_model_len) if s not in done]
-    threading.Thread(
+    result.thread = threading.Thread(
         target=_load_rest, args=(live, rest, result), name="coldbrew-kernels", daemon=True
-    ).start()
+    )
+    result.thread.start()
     log.info("kernels: %s", result.summary())
     return result
 
@@ -169,7 +200,7 @@ def _load_rest(live: _Live, steps: list, result: KernelWarmup) -> None:
 
     try:
         if result.compile_process is not None:
-            code = result.compile_process.wait()
+            code = _wait_compile(live, result.compile_process)
             if code != 0:
                 log.warning(
                     "kernels: the background compile process exited with %d; kernels it did not "
@@ -209,9 +240,9 @@ def _load_rest(live: _Live, steps: list, result: KernelWarmup) -> None:
             len(kernels),
             time.perf_counter() - t0,
         )
-    except (
-        Exception
-    ) as exc:  # serving goes on: a kernel not loaded loads (or compiles) on first use
+    except EngineStopped:
+        log.debug("kernels: the engine stopped; the background load ends")
+    except Exception as exc:  # serving goes on: a kernel not loaded loads or compiles at first use
         log.warning(
             "kernels: loading the kernel set in the background failed: %s: %s",
             type(exc).__name__,
@@ -219,6 +250,18 @@ def _load_rest(live: _Live, steps: list, result: KernelWarmup) -> None:
         )
     finally:
         result.loaded.set()
+
+
+def _wait_compile(live: _Live, proc: subprocess.Popen) -> int:
+    """The background compile process's exit code; if the engine stops first, the process is
+    stopped and EngineStopped raised."""
+    if live.serving is None:
+        return proc.wait()
+    while proc.poll() is None:
+        if live.serving.wait_stopped(IDLE_POLL_S * 10):
+            proc.terminate()
+            raise EngineStopped()
+    return proc.returncode
 
 
 def _read_list(path: str | None) -> list[str]:

@@ -140,6 +140,7 @@ class EngineStart:
         self._entry_imported = threading.Event()  # clear while an entry point makes its imports
         self._entry_imported.set()
         self._thread: threading.Thread | None = None
+        self._background: list[threading.Thread] = []  # the kernel warm-up's and share's threads
 
     def begin(self) -> EngineStart:
         """Run the sequence on a daemon thread (once; later calls do nothing)."""
@@ -273,9 +274,11 @@ class EngineStart:
         self.phases["import_engine"] = time.perf_counter() - t_import
         engine = self._timed("engine", AsyncLLM.from_engine_args, args)
         self.phases["total"] = time.perf_counter() - t0
-        threading.Thread(
+        warm = threading.Thread(
             target=self._warm_kernels, args=(engine,), name="coldbrew-kernels", daemon=True
-        ).start()
+        )
+        self._background.append(warm)
+        warm.start()
         start_pages.record_in_background(pages)
         if self.weight_stream == "device_stream" and tp_size == 1 and a.entry and a.stream_env:
             stream = dict(
@@ -306,7 +309,9 @@ class EngineStart:
             if not wait_served(engine):
                 return  # shut down unserved (a test, `chat` ended): nothing to warm
             self.kernels = warm_kernels(engine, self.selection.mode)
-            share_when_served(
+            if self.kernels is not None and self.kernels.thread is not None:
+                self._background.append(self.kernels.thread)
+            share = share_when_served(
                 engine,
                 self.kernels,
                 engine_mode=a.engine_mode,
@@ -317,8 +322,22 @@ class EngineStart:
                 s3_options=self._s3,
                 push=a.resolve_options.get("push", True),
             )
+            if share is not None:
+                self._background.append(share)
         except Exception as exc:  # the worker serves on, compiling lazily as it would without
             log.warning("kernels: background warm-up stopped: %s: %s", type(exc).__name__, exc)
+
+    def join_background(self, timeout: float) -> bool:
+        """After the engine's shutdown: wait, at most `timeout` s in all, for the background work
+        that began at ready (kernel warm-up, fleet share), which ends once it sees the engine
+        stopped; True if none is left running. A process that then exits does not tear its
+        interpreter down under a thread inside Triton or the CUDA driver."""
+        deadline = time.monotonic() + timeout
+        i = 0
+        while i < len(self._background):  # the warm-up thread appends the threads it starts
+            self._background[i].join(max(0.0, deadline - time.monotonic()))
+            i += 1
+        return not any(t.is_alive() for t in self._background)
 
     def _engine_mode(self, args):
         from cache.resolver import make_s3_options
