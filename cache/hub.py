@@ -147,6 +147,20 @@ def verify_file(path: Path, entry, where: str) -> dict:
     return {"size": got["size"], "sha256": got["sha256"]}
 
 
+def drop_torn_resume_metadata(dest: Path) -> None:
+    """Remove the client's resume metadata files that a killed fetch left torn in dest (empty, or
+    short of their three lines: commit, etag, timestamp). huggingface_hub 0.30, the oldest this
+    project admits, fails on one (its read_download_metadata removes the file, then reads a variable
+    it never set); newer clients drop it themselves. Without its metadata the client checks the
+    file against the hub again."""
+    root = dest / ".cache" / "huggingface" / "download"
+    for meta in root.rglob("*.metadata") if root.is_dir() else ():
+        try:
+            float(meta.read_text().splitlines()[2])
+        except (OSError, ValueError, IndexError):
+            meta.unlink(missing_ok=True)
+
+
 def fetch_hub(
     repo_id: str,
     commit: str,
@@ -172,6 +186,7 @@ def fetch_hub(
             f"{where}: no {CONFIG_FILE} in the repo (an HF-format checkpoint is needed)"
         )
     options = _download_options(progress)
+    drop_torn_resume_metadata(dest)
 
     def one(name: str) -> dict:
         try:

@@ -397,3 +397,32 @@ def test_four_processes_fetching_at_once_download_once_and_agree(hub, revisions,
     path = Path(paths.pop())
     assert check_snapshot(path, "full") is None
     assert json.loads((path / MANIFEST).read_text())["revision"] == hub.commits[1]
+
+
+def test_a_fetch_killed_while_writing_resume_metadata_completes_on_the_next_start(
+    hub, revisions, tmp_path
+):
+    # A kill can land while the client writes a file's resume metadata: the file is left empty.
+    # huggingface_hub 0.30 (make test-hub-oldest) fails the next download on one
+    # (UnboundLocalError in read_download_metadata); cache.hub drops torn ones first.
+    cache_dir = tmp_path / "cache"
+    hub.stall_file = WEIGHTS
+    env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN}
+    proc = _cli(["fetch", "org/tiny-lm", "--cache-dir", str(cache_dir), "--quiet"], env)
+    try:
+        assert hub.stalled.wait(90), "the fetch never reached the stalled file"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=30)
+    torn = list((cache_dir / ".staging").rglob("*.metadata"))
+    assert torn, "no resume metadata was written before the kill"
+    for meta in torn:
+        meta.write_text("")
+    hub.stall_file = None
+    hub.release.set()
+    proc = _cli(["fetch", "org/tiny-lm", "--cache-dir", str(cache_dir), "--quiet"], env)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    path = Path(out.strip().splitlines()[-1])
+    assert check_snapshot(path, "full") is None
+    assert (path / WEIGHTS).read_bytes() == revisions[1][WEIGHTS]
