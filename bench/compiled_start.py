@@ -299,12 +299,15 @@ def main() -> None:
         "the targets compare medians (the second (d) is the burst tokens' control)",
     )
     ap.add_argument(
-        "--py-spy", default="", help="comma list of runs (a, b, c, d) to sample with py-spy"
+        "--py-spy",
+        default="",
+        help="comma list of runs to sample with py-spy (a, b, c, d; later rounds: b#2, d2, ...)",
     )
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     for run in filter(None, args.py_spy.split(",")):
-        PROFILE[run] = os.path.join(args.out, f"{run}.speedscope.json")
+        # no "#" in the file name (b#2 -> b-2): the device tool returns plain names only
+        PROFILE[run] = os.path.join(args.out, f"{run.replace('#', '-')}.speedscope.json")
     import torch
 
     from bench.checkpoint import synthesize
