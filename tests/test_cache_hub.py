@@ -351,19 +351,25 @@ def test_a_flipped_byte_in_a_served_file_fails_the_fetch_and_publishes_nothing(
     assert (path / served).read_bytes() == revisions[1][served]
 
 
-def test_a_fetch_killed_mid_download_leaves_nothing_valid_and_the_next_start_completes(
-    hub, revisions, tmp_path
-):
-    cache_dir = tmp_path / "cache"
+def _kill_mid_download(hub, cache_dir: Path, env: dict) -> int:
+    """`python -m cache fetch` of org/tiny-lm, killed (SIGKILL) once the hub holds WEIGHTS back;
+    its exit status."""
     hub.stall_file = WEIGHTS
-    env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN}
     proc = _cli(["fetch", "org/tiny-lm", "--cache-dir", str(cache_dir), "--quiet"], env)
     try:
         assert hub.stalled.wait(90), "the fetch never reached the stalled file"
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.communicate(timeout=30)
-    assert proc.returncode == -signal.SIGKILL
+    return proc.returncode
+
+
+def test_a_fetch_killed_mid_download_leaves_nothing_valid_and_the_next_start_completes(
+    hub, revisions, tmp_path
+):
+    cache_dir = tmp_path / "cache"
+    env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN}
+    assert _kill_mid_download(hub, cache_dir, env) == -signal.SIGKILL
     assert not list((cache_dir / "snapshots").glob("*/*")), "a killed fetch published something"
     assert list((cache_dir / ".staging").iterdir()), "the fetch was not mid-download"
     hub.stall_file = None
@@ -406,14 +412,8 @@ def test_a_fetch_killed_while_writing_resume_metadata_completes_on_the_next_star
     # huggingface_hub 0.30 (make test-hub-oldest) fails the next download on one
     # (UnboundLocalError in read_download_metadata); cache.hub drops torn ones first.
     cache_dir = tmp_path / "cache"
-    hub.stall_file = WEIGHTS
     env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN}
-    proc = _cli(["fetch", "org/tiny-lm", "--cache-dir", str(cache_dir), "--quiet"], env)
-    try:
-        assert hub.stalled.wait(90), "the fetch never reached the stalled file"
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate(timeout=30)
+    _kill_mid_download(hub, cache_dir, env)
     torn = list((cache_dir / ".staging").rglob("*.metadata"))
     assert torn, "no resume metadata was written before the kill"
     for meta in torn:
