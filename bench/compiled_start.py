@@ -340,11 +340,14 @@ def main() -> None:
     torch.cuda.empty_cache()
     path = os.path.join(args.out, "compiled-start.json")
 
+    def save() -> None:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+
     def log(msg: str) -> None:
         """Print, and write what was measured so far (a run cut short keeps it)."""
         print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", flush=True)
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
+        save()
 
     def env(tag: str, mode: str, triton: str | None = None) -> dict[str, str]:
         return {
@@ -424,8 +427,7 @@ def main() -> None:
         for run in order[r % 3 :] + order[: r % 3]:
             run(r, "" if r == 0 else f"#{r + 1}")
     summarize(report)
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    save()
     print_table(report)
 
 

@@ -6,8 +6,9 @@ random weights made on the GPU (load_format "dummy"), CUDA graphs on.
 `python -m bench.fp8_decode --out DIR` writes DIR/fp8_decode.json and prints a table. --paths
 measures FP8 once per decode kernel choice (engine/quant/fp8_kernels.py: ONE_ROW_PATH, and
 SKINNY_VARIANT for "skinny:<variant>"); --tiles takes bench/fp8_gemm.py's JSON and uses its swept
-best tiles. --prologues off,on measures every row with engine/layers/row_gemv.py's fused norm and
-activation prologues off, then on (--row-tiles: bench/row_gemv.py's JSON, its best tiles).
+best tiles. --prologues off,on measures bf16 with engine/layers/row_gemv.py's fused norm and
+activation prologues off, then on (--row-tiles: bench/row_gemv.py's JSON, its best tiles); FP8
+linears take none.
 """
 
 from __future__ import annotations
@@ -100,11 +101,10 @@ def main() -> None:
         )
 
     rows = []
-    for setting in args.prologues.split(","):
+    for setting in args.prologues.split(","):  # bf16 only: FP8 linears take no prologue
         rg.FUSE = setting == "on"
-        rows += [dict(measure(None), fused_prologues=rg.FUSE)]
-        for row in fp8_rows(args.paths, measure):
-            rows.append(dict(row, fused_prologues=rg.FUSE))
+        rows.append(dict(measure(None), fused_prologues=rg.FUSE))
+    rows += [dict(row, fused_prologues=False) for row in fp8_rows(args.paths, measure)]
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,

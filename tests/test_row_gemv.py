@@ -60,6 +60,27 @@ def test_row_gemv_under_the_triton_interpreter_matches_the_unfused_layers():
             torch.testing.assert_close(y, silu_and_mul_reference(gu) @ w.t(), atol=1e-4, rtol=1e-4)
             y, _ = rg.row_gemv(x, w, scale, None, rg.PLAIN, config=tiles)
             torch.testing.assert_close(y, (x @ w.t()) * scale, atol=1e-4, rtol=1e-4)
+        # the layers' path (one_row_operands, norm_linear, act_linear), with the CUDA check
+        # answered yes on CPU: the kernel's results against the layers one after the other
+        from engine.layers import Linear
+        rg.row_gemv_applies = lambda x: True
+        lin = Linear(40, 24, True, torch.float32, "cpu")
+        lin.weight.data.normal_()
+        lin.bias.data.normal_()
+        norm = RMSNorm(40, 1e-5, torch.float32, "cpu")
+        norm.weight.data = torch.rand(40) + 0.5
+        x, res = torch.randn(1, 40), torch.randn(1, 40)
+        y, summed = rg.norm_linear(norm, lin, x, res)
+        assert torch.equal(summed, x + res)
+        torch.testing.assert_close(y, lin(norm.reference(x + res)), atol=1e-4, rtol=1e-4)
+        y, same = rg.norm_linear(norm, lin, x, None)
+        assert same is x
+        torch.testing.assert_close(y, lin(norm.reference(x)), atol=1e-4, rtol=1e-4)
+        down, gu = Linear(20, 24, False, torch.float32, "cpu"), torch.randn(1, 40)
+        down.weight.data.normal_()
+        torch.testing.assert_close(
+            rg.act_linear(down, gu, "silu"), down(silu_and_mul_reference(gu)), atol=1e-4, rtol=1e-4
+        )
         print("ok")
     """)
     done = run_in_triton_interpreter(script)
@@ -135,22 +156,28 @@ def test_the_layers_fall_back_where_the_kernel_does_not_serve():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True])
-def test_row_gemv_matches_the_unfused_layers_at_llama_shapes(fp8, monkeypatch):
+def test_row_gemv_matches_the_unfused_layers_at_llama_shapes(fp8):
     """qkv and gate_up after the residual add and norm, down after SiLU-and-mul, bf16 activations:
     within bf16 rounding of the layers one after the other (which round the normed input once
-    more); the residual stream bit for bit. FP8 weights (which the layers keep unfused) through
-    the kernel as bench/row_gemv.py calls it."""
+    more); the residual stream bit for bit. bf16 weights through the layers' path (norm_linear,
+    act_linear); FP8 weights, which the layers keep unfused, through the kernel as
+    bench/row_gemv.py calls it."""
     import engine.layers.row_gemv as rg
 
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
     make = Fp8Linear if fp8 else Linear
-    if fp8:  # the operands the FP8 linears would give
-        operands = lambda self: (self.weight, self.weight_scale, self.bias)  # noqa: E731
-        monkeypatch.setattr(Fp8Linear, "one_row_operands", operands, raising=False)
     hidden, inter = 4096, 14336
     norm = RMSNorm(hidden, 1e-5, dt, dev)
     norm.weight.data = (torch.rand(hidden, device=dev) + 0.5).to(dt)
+
+    def unfused(fn, *args):
+        rg.FUSE = False
+        try:
+            return fn(*args)
+        finally:
+            rg.FUSE = True
+
     for n, k, act in [(6144, hidden, False), (2 * inter, hidden, False), (hidden, inter, True)]:
         lin = make(k, n, False, dt, dev)
         if fp8:
@@ -159,20 +186,20 @@ def test_row_gemv_matches_the_unfused_layers_at_llama_shapes(fp8, monkeypatch):
             lin.weight.data.normal_(0.0, 0.02)
         if act:
             gu = torch.randn(1, 2 * k, device=dev, dtype=dt)
-            fused = act_linear(lin, gu, "silu")
-            rg.FUSE = False
-            try:
-                plain = act_linear(lin, gu, "silu")
-            finally:
-                rg.FUSE = True
+            if fp8:
+                fused = rg.row_gemv(gu, lin.weight, lin.weight_scale, None, rg.SILU_MUL)[0]
+            else:
+                fused = act_linear(lin, gu, "silu")
+            plain = unfused(act_linear, lin, gu, "silu")
         else:
             x, res = (torch.randn(1, k, device=dev, dtype=dt) for _ in range(2))
-            fused, summed = norm_linear(norm, lin, x, res)
-            rg.FUSE = False
-            try:
-                plain, ref_summed = norm_linear(norm, lin, x, res)
-            finally:
-                rg.FUSE = True
+            if fp8:
+                fused, summed = rg.row_gemv(
+                    x, lin.weight, lin.weight_scale, None, rg.NORM, norm.weight, norm.eps, res
+                )
+            else:
+                fused, summed = norm_linear(norm, lin, x, res)
+            plain, ref_summed = unfused(norm_linear, norm, lin, x, res)
             assert torch.equal(summed, ref_summed)
         err = (fused.float() - plain.float()).abs().max().item()
         scale = plain.float().abs().max().item()

@@ -19,8 +19,9 @@ normed input is not rounded to the activation dtype before the product, so resul
 unfused layers by bf16 rounding.
 
 Who takes it: norm_linear and act_linear below (the decoder's only callers), on CUDA, for one row,
-a plain RMSNorm and a linear whose one_row_operands() gives its weight (row-parallel linears give
-none: they all-reduce after). FUSE turns it off (bench/fp8_decode.py --prologues measures both).
+a plain RMSNorm and a linear whose one_row_operands() gives its weight in the activation dtype
+(row-parallel linears give none: they all-reduce after; FP8 linears have none). FUSE turns it off
+(bench/fp8_decode.py --prologues measures both).
 Tiles: bench/row_gemv.py's sweep.
 """
 
@@ -194,21 +195,17 @@ def row_gemv_applies(x: torch.Tensor) -> bool:
 
 
 def _operands(linear, x: torch.Tensor, k: int):
-    """The linear's (weight, scale, bias) when the one-row kernel can serve it for x, else None."""
+    """The linear's (weight, bias) when the one-row kernel can serve it for x, else None."""
     if not row_gemv_applies(x):
         return None
     get = getattr(linear, "one_row_operands", None)
     operands = get() if get is not None else None
     if operands is None:
         return None
-    weight, scale, _ = operands
-    if weight.shape[1] != k or weight.stride(1) != 1:
+    weight = operands[0]
+    if weight.dtype != x.dtype or weight.shape[1] != k or weight.stride(1) != 1:
         return None
-    if weight.dtype == x.dtype and scale is None:
-        return operands
-    if weight.dtype == torch.float8_e4m3fn and scale is not None:
-        return operands
-    return None
+    return operands
 
 
 def norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None):
@@ -221,8 +218,8 @@ def norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None):
             return linear(norm(x)), x
         h, residual = norm(x, residual)
         return linear(h), residual
-    weight, scale, bias = operands
-    y, summed = row_gemv(x, weight, scale, bias, NORM, norm.weight, norm.eps, residual=residual)
+    weight, bias = operands
+    y, summed = row_gemv(x, weight, None, bias, NORM, norm.weight, norm.eps, residual=residual)
     return y, (summed if residual is not None else x)
 
 
@@ -233,5 +230,5 @@ def act_linear(linear, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     operands = _operands(linear, gate_up, half) if activation == "silu" else None
     if operands is None:
         return linear(gate_and_mul(gate_up, activation))
-    weight, scale, bias = operands
-    return row_gemv(gate_up, weight, scale, bias, SILU_MUL)[0]
+    weight, bias = operands
+    return row_gemv(gate_up, weight, None, bias, SILU_MUL)[0]
