@@ -268,6 +268,7 @@ class ModelRunner:
         the matchers up to date (it may read `previous`, whose tokens the device has by then) and
         fills the rows on the host while the device runs the model; the sampler masks the logits
         with the bitmask's copy on the device."""
+        scheduled = _decodes_first(scheduled)
         plan, sampled_seqs, sample_at, prompt_spans = self._plan(scheduled, previous)
         if self.tp is not None:
             self.tp.channel.send(STEP, plan.encode())
@@ -440,6 +441,14 @@ class ModelRunner:
         """Rank 0: tell the other ranks to stop (they exit once they have)."""
         if self.tp is not None and self.shard.rank == 0:
             self.tp.channel.send(STOP)
+
+
+def _decodes_first(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+    """The step's one-token sequences before its prompt chunks, each group in its order: attention
+    runs the leading ones with its decode tiles (AttentionMetadata.num_decode_seqs)."""
+    if all(s.num_new_tokens == 1 for s in scheduled):
+        return scheduled
+    return sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
 
 
 def _write_pending(

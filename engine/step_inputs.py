@@ -197,7 +197,9 @@ class InputStager:
         if not want_views:
             return None
         qsl_list, seq_lens_list = qsl.tolist(), seq_lens.tolist()
+        chunks = np.flatnonzero(lens_np != 1)
         meta_host = dict(
+            num_decode_seqs=int(chunks[0]) if chunks.size else num_seqs,
             max_query_len=int(lens_np.max(initial=1)) if num_real else 1,
             max_seq_len=max_seq_len if max_seq_len is not None else max(seq_lens_list, default=0),
             query_start_loc_cpu=qsl_list,

@@ -188,6 +188,19 @@ def test_mixed_batch_bf16(head_dim: int, group: int, block_size: int) -> None:
 
 @pytest.mark.gpu
 @needs_cuda_triton
+@pytest.mark.parametrize("num_decodes", [1, 3, 64])
+def test_mixed_batch_with_decodes_first(num_decodes: int) -> None:
+    """The runner's order: one-token sequences first (their own launch, decode tiles), then prompt
+    chunks, one of them after a cached prefix."""
+    seq_lens = [700 - 9 * i for i in range(num_decodes)] + [77, 300, 1, 530]
+    query_lens = [1] * num_decodes + [77, 45, 1, 260]
+    case = make_case(seq_lens, query_lens, 8, 4, 128, 16, torch.bfloat16, "cuda", seed=num_decodes)
+    assert case.meta.num_decode_seqs == num_decodes
+    assert_matches(case, triton_backend())
+
+
+@pytest.mark.gpu
+@needs_cuda_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("head_dim,group", [(64, 1), (128, 4), (96, 3)])
 def test_mixed_batch_other_dtypes(dtype: torch.dtype, head_dim: int, group: int) -> None:
@@ -378,6 +391,9 @@ for (dtype, head_dim), backend in zip(
         ([9, 23, 37, 1, 50], [1, 23, 11, 1, 1], None),
         ([9, 40, 1, 70], [1, 1, 1, 1], 5),
         ([9, 23, 37, 1, 50], [1, 23, 11, 1, 1], 6),
+        # decodes first, as the runner orders a mixed step: two launches
+        ([9, 40, 37, 1, 50], [1, 1, 11, 1, 23], None),
+        ([9, 40, 37, 1, 50], [1, 1, 11, 1, 23], 6),
     ):
         padded_rows = 2 if max(qlens) == 1 else 0
         case = make_case(seqs, qlens, 2, 3, head_dim, 4, dtype, "cpu", padded_rows=padded_rows)

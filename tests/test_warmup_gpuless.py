@@ -161,9 +161,9 @@ def test_the_kernel_set_follows_the_engine_limits():
     args = EngineArgs(model="x", max_num_seqs=4, max_model_len=128)
     steps = steps_for(args, 128)
     assert [s for s in steps if s.graph] == [Step(s, s, 8, graph=True) for s in (1, 2, 4)]
-    eager = {(s.num_tokens, s.table_width) for s in steps if not s.graph}
-    # widths: 1, other, the widest (< 16)
-    assert eager == {(t, w) for t in (2, 16, 17) for w in (1, 2, 8)}
+    eager = {(s.num_tokens, s.num_seqs, s.table_width) for s in steps if not s.graph}
+    # widths: 1, other, the widest (< 16); one prompt, and a decode beside a prompt chunk
+    assert eager == {(t, n, w) for t, n in ((2, 1), (16, 1), (17, 1), (18, 2)) for w in (1, 2, 8)}
     first = steps_for(args, 128, first_only=True)
     assert [s for s in first if s.graph] == [Step(1, 1, 8, graph=True)] and set(first) <= set(steps)
     wide = steps_for(EngineArgs(model="x", max_num_seqs=4, max_model_len=4096), 4096)

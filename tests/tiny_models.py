@@ -369,8 +369,10 @@ def host_metadata(
     device: str | torch.device = "cpu",
 ) -> AttentionMetadata:
     """AttentionMetadata from host lists: block tables padded with block 0 to the widest (at least
-    one column)."""
+    one column); the leading one-token sequences counted as the stager counts them."""
     width = max(max(len(t) for t in tables), 1)
+    query_lens = [b - a for a, b in zip(query_start, query_start[1:])]
+    leading = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
@@ -378,9 +380,10 @@ def host_metadata(
         block_tables=torch.tensor(
             [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
         ),
-        max_query_len=max(b - a for a, b in zip(query_start, query_start[1:])),
+        max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
         query_start_loc_cpu=query_start,
         seq_lens_cpu=seq_lens,
         block_size=block_size,
+        num_decode_seqs=leading,
     )

@@ -155,6 +155,9 @@ def steps_for(args, max_model_len: int, first_only: bool = False) -> list[Step]:
         args.max_num_batched_tokens
     ]
     steps = [Step(t, 1, w) for t in tokens for w in widths]
+    if args.max_num_seqs > 1 and args.max_num_batched_tokens > 17:
+        # a decode beside a prompt chunk: attention launches each with its own tiles
+        steps += [Step(18, 2, w) for w in widths]
     sizes = [] if args.enforce_eager else args.graph_sizes()
     steps += [Step(s, s, width, graph=True) for s in (sizes[:1] if first_only else sizes)]
     if first_only:
@@ -200,10 +203,11 @@ def _inputs(step: Step, block_size: int, max_model_len: int):
     layout = StepLayout(step.num_tokens, step.num_seqs, step.table_width)
     _, nbytes = layout.offsets()
     buf = torch.empty(nbytes, dtype=torch.uint8, device="meta")
-    per_seq = [1] * step.num_seqs
-    per_seq[0] += step.num_tokens - step.num_seqs
+    per_seq = [1] * step.num_seqs  # the runner's order: decodes first, then the prompt chunk
+    per_seq[-1] += step.num_tokens - step.num_seqs
     starts = [0, *itertools.accumulate(per_seq)]
     host = dict(
+        num_decode_seqs=step.num_seqs - (per_seq[-1] > 1),
         max_query_len=max(per_seq),
         max_seq_len=max_model_len,
         query_start_loc_cpu=starts,

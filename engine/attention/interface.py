@@ -37,6 +37,9 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    # Leading sequences with one query token each: the runner puts a mixed step's decodes first, so
+    # a backend may attend them apart from the prompt chunks.
+    num_decode_seqs: int = 0
 
     @property
     def num_seqs(self) -> int:

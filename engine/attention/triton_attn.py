@@ -1,12 +1,15 @@
 """Paged attention in Triton (CUDA; bf16, fp16, fp32; a cache in that dtype or FP8): the fast path
 behind the reference backend's interface.
 
-Writes the step's K/V at slot_mapping, then one attention launch: split-KV decode (merged in the
-same kernel) when every query is one token (its launch depends on shapes only: CUDA-graph safe),
-tiled prefill otherwise.
+Writes the step's K/V at slot_mapping, then attends: split-KV decode (merged in the same kernel)
+when every query is one token (its launch depends on shapes only: CUDA-graph safe); otherwise the
+leading one-token sequences with the decode tiles and the rest with the prompt tiles, one launch
+each.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -28,6 +31,21 @@ MAX_SPLITS = 64
 ARRIVAL_SLOTS = 1 << 16
 LOG2_E = 1.4426950408889634
 TileConfig = tuple[int, int, int, int]  # (BLOCK_M rows, BLOCK_N keys, num_warps, num_stages)
+
+
+@dataclass
+class _Launch:
+    """What every attention launch of one layer's step shares."""
+
+    q: torch.Tensor
+    kv_cache_layer: torch.Tensor
+    out: torch.Tensor
+    meta: AttentionMetadata
+    scale: float
+    sliding_window: int | None
+    softcap: float | None
+    k_scale: float
+    v_scale: float
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -84,7 +102,6 @@ class TritonAttentionBackend(AttentionBackend):
         _check_inputs(q, k, v, kv_cache_layer, sliding_window, softcap)
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
-        group = num_heads // num_kv_heads
         block_size = kv_cache_layer.shape[2]
         block_d = triton.next_power_of_2(head_dim)
         k, v, q = _last_dim_contiguous(k), _last_dim_contiguous(v), _last_dim_contiguous(q)
@@ -118,25 +135,50 @@ class TritonAttentionBackend(AttentionBackend):
 
         # tiles that fit shared memory
         small = q.dtype == torch.float32 or block_d > 128
+        decode_tiles = self.decode_tiles or ((16, 32, 4, 2) if small else (16, 128, 4, 3))
+        prefill_tiles = self.prefill_tiles or ((64, 32, 4, 2) if small else (128, 128, 8, 3))
+        a = _Launch(q, kv_cache_layer, out, meta, scale, sliding_window, softcap, k_scale, v_scale)
         if meta.max_query_len == 1:  # decode: the launch depends on shapes only (CUDA-graph safe)
-            _, block_n, num_warps, num_stages = self.decode_tiles or (
-                (16, 32, 4, 2) if small else (16, 128, 4, 3)
-            )
-            block_m = max(16, triton.next_power_of_2(group))
-            block_q = num_q_tiles = 1
             max_context = meta.block_tables.shape[1] * block_size
             num_splits = self._num_splits(
-                num_seqs * num_kv_heads, triton.cdiv(max_context, block_n)
+                num_seqs * num_kv_heads, triton.cdiv(max_context, decode_tiles[1])
             )
-        else:
-            block_m, block_n, num_warps, num_stages = self.prefill_tiles or (
-                (64, 32, 4, 2) if small else (128, 128, 8, 3)
-            )
-            block_m = max(block_m, triton.next_power_of_2(group))
-            block_q = block_m // group
-            num_splits = 1
-            num_q_tiles = triton.cdiv(meta.max_query_len, block_q)
+            self._attend(a, 0, num_seqs, decode_tiles, 1, num_splits)
+            return out
+        # A step that mixes decodes with prompt chunks: the runner puts the one-token sequences
+        # first, and they take the decode tiles (a prompt tile would compute BLOCK_Q rows for each
+        # one). No split: a split count would follow each step's batch and table width, and each
+        # count is a kernel of its own to compile.
+        num_decodes = meta.num_decode_seqs
+        if num_decodes:
+            self._attend(a, 0, num_decodes, decode_tiles, 1, 1)
+        if num_decodes < num_seqs:
+            num_prompts = num_seqs - num_decodes
+            self._attend(a, num_decodes, num_prompts, prefill_tiles, meta.max_query_len, 1)
+        return out
 
+    def _attend(
+        self,
+        a: _Launch,
+        first_seq: int,
+        num_seqs: int,
+        tiles: TileConfig,
+        max_query_len: int,
+        num_splits: int,
+    ) -> None:
+        """One attention launch over sequences [first_seq, first_seq + num_seqs) of the step."""
+        q, out, meta, kv_cache_layer = a.q, a.out, a.meta, a.kv_cache_layer
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = kv_cache_layer.shape[3]
+        group = num_heads // num_kv_heads
+        block_d = triton.next_power_of_2(head_dim)
+        block_m, block_n, num_warps, num_stages = tiles
+        block_m = max(block_m, triton.next_power_of_2(group))
+        if max_query_len == 1:
+            block_q = num_q_tiles = 1
+        else:
+            block_q = block_m // group
+            num_q_tiles = triton.cdiv(max_query_len, block_q)
         fused_merge = (
             num_splits > 1
             and self.fused_merge
@@ -166,10 +208,11 @@ class TritonAttentionBackend(AttentionBackend):
             meta.seq_lens,
             meta.block_tables,
             # An FP8 cache's K scale multiplies every raw score q.k: folded into both.
-            scale * k_scale * LOG2_E,
-            sliding_window or 0,
-            softcap / (scale * k_scale) if softcap else 1.0,  # the kernel's cap (see _attend_tile)
-            v_scale,
+            a.scale * a.k_scale * LOG2_E,
+            a.sliding_window or 0,
+            # the kernel's cap (see _attend_tile)
+            a.softcap / (a.scale * a.k_scale) if a.softcap else 1.0,
+            a.v_scale,
             q.stride(0),
             q.stride(1),
             out.stride(0),
@@ -178,6 +221,7 @@ class TritonAttentionBackend(AttentionBackend):
             k_cache.stride(0),
             k_cache.stride(1),
             k_cache.stride(2),
+            first_seq,
             NUM_HEADS=num_heads,
             GROUP=group,
             HEAD_DIM=head_dim,
@@ -185,14 +229,14 @@ class TritonAttentionBackend(AttentionBackend):
             BLOCK_Q=block_q,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
-            PAGE=block_size,
+            PAGE=kv_cache_layer.shape[2],
             NUM_SPLITS=num_splits,
-            USE_WINDOW=sliding_window is not None,
-            SOFTCAP=softcap is not None,
+            USE_WINDOW=a.sliding_window is not None,
+            SOFTCAP=a.softcap is not None,
             IEEE=q.dtype == torch.float32,
             FUSED_MERGE=fused_merge,
             BLOCK_S=triton.next_power_of_2(num_splits),
-            FP8=fp8,
+            FP8=is_fp8(kv_cache_layer.dtype),
             num_warps=num_warps,
             num_stages=num_stages,
         )
@@ -210,7 +254,6 @@ class TritonAttentionBackend(AttentionBackend):
                 BLOCK_S=triton.next_power_of_2(num_splits),
                 num_warps=4 if block_d >= 128 else 2,
             )
-        return out
 
     def _arrivals_for(self, slots: int, device: torch.device) -> torch.Tensor | None:
         """The zeroed arrival counts for `slots` (sequence, kv head) pairs, grown outside graph

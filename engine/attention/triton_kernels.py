@@ -143,7 +143,9 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# seq_offset and the block table's row stride (the step's table width) change from step to step:
+# not specialized on (divisible by 16, equal to 1), so they never pick another compiled variant.
+@triton.jit(do_not_specialize=["stride_bt", "seq_offset"])
 def paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -167,6 +169,7 @@ def paged_attention_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
+    seq_offset,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -183,8 +186,8 @@ def paged_attention_kernel(
     BLOCK_S: tl.constexpr,
     FP8: tl.constexpr,
 ):
-    """Program (sequence b, kv head x split, query tile): rows are (query token, head of the group)
-    pairs.
+    """Program (sequence b = seq_offset + its first index, kv head x split, query tile): rows are
+    (query token, head of the group) pairs.
 
     Everything a program needs about its sequence comes from device tensors, so the grid depends on
     shapes only. With NUM_SPLITS > 1 it writes a normalised partial output and its log2-sum-exp.
@@ -194,7 +197,7 @@ def paged_attention_kernel(
     merge_splits_kernel combines them. FP8: the cache holds FP8 K/V; q stays in its dtype and
     v_scale multiplies each (partial) output (the merge is linear in them).
     """
-    b = tl.program_id(0)
+    b = tl.program_id(0) + seq_offset
     kv_head = tl.program_id(1) // NUM_SPLITS
     split = tl.program_id(1) % NUM_SPLITS
     q0 = (
