@@ -16,6 +16,9 @@ counted once), each over the whole step's device time.
 
 Any other option is bench.serving's (`--load-format dummy`, `--quantization fp8`,
 `--max-num-batched-tokens`, ...). Prints the tables; writes OUT/serving_profile.json.
+`--compare base=A.json,B.json new=C.json` compares results already written: the line of mixed-step
+device time against prompt tokens for each label, so runs whose windows carried different prompt
+amounts are compared at the same one.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ class StepClock:
     """Wraps a runner's execute: each step's kind, rows and tokens, the host seconds it took to
     queue it, and CUDA events around it; each step runs inside a profiler range named "step/<kind>".
     Recording (and a profiler) start and stop on the engine thread, at the first step after
-    `switch` asks for it."""
+    `switch` asks for it, or on the caller's thread when the engine has no step to run."""
 
     def __init__(self, runner):
         self.inner = runner.execute
@@ -316,6 +319,41 @@ def render(result: dict) -> str:
     return "\n".join(lines)
 
 
+def mixed_step_fit(files: list[str]) -> dict:
+    """Over the mixed steps sampled in these results: the least-squares line of device ms against
+    prompt tokens, and each file's output tok/s."""
+    xs, ys, rates = [], [], []
+    for path in files:
+        with open(path) as f:
+            result = json.load(f)
+        rates.append(result["serving"]["output_tok_s"])
+        for s in result["step_samples"]:
+            if s["kind"] == "mixed":
+                xs.append(s["prefill_tokens"])
+                ys.append(s["device_s"] * 1e3)
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return {"mixed_steps": n, "ms": my - slope * mx, "ms_per_token": slope, "output_tok_s": rates}
+
+
+def compare(groups: list[str], at_tokens: int) -> str:
+    """--compare LABEL=A.json,B.json ...: one line per label."""
+    lines = [
+        f"label | mixed steps | device ms = a + b x prompt tokens | at {at_tokens} | output tok/s"
+    ]
+    for group in groups:
+        label, _, files = group.partition("=")
+        fit = mixed_step_fit(files.split(","))
+        at = fit["ms"] + fit["ms_per_token"] * at_tokens
+        rates = ", ".join(f"{r:.0f}" for r in fit["output_tok_s"])
+        lines.append(
+            f"{label} | {fit['mixed_steps']} | {fit['ms']:.1f} + {fit['ms_per_token'] * 1e3:.2f} "
+            f"per 1000 | {at:.1f} ms | {rates}"
+        )
+    return "\n".join(lines)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, add_help=False)
     ap.add_argument("--profile-seconds", type=float, default=3.0, help="the profiler's window")
@@ -326,7 +364,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.0,
         help="seconds after which every thread's stack is printed and the run exits (0: never)",
     )
+    ap.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="LABEL=JSON[,JSON]",
+        help="run nothing: fit each label's mixed steps (device ms against prompt tokens)",
+    )
+    ap.add_argument("--at-tokens", type=int, default=1600, help="--compare: evaluate the fits here")
     own, rest = ap.parse_known_args(argv)
+    if own.compare:
+        return own
     if "--concurrency" not in rest:
         rest += ["--concurrency", "64"]
     a = serving.parse_args(rest + ["--parts", "online"])
@@ -342,6 +389,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     a = parse_args(argv)
+    if a.compare:
+        print(compare(a.compare, a.at_tokens))
+        return
     if a.dump_stacks_after:  # a run that hangs shows where every thread is
         faulthandler.dump_traceback_later(a.dump_stacks_after, exit=True)
     os.makedirs(a.out, exist_ok=True)

@@ -9,7 +9,14 @@ import json
 
 import pytest
 
-from bench.serving_profile import kernel_group, kernel_table, linear_params, step_table
+from bench.serving_profile import (
+    compare,
+    kernel_group,
+    kernel_table,
+    linear_params,
+    mixed_step_fit,
+    step_table,
+)
 
 
 def _trace(path, events) -> str:
@@ -196,3 +203,23 @@ def test_the_step_table_shares_and_flops():
     assert table["mixed"]["mean_prefill_tokens"] == 30
     assert table["mixed"]["linear_TFLOP"] == pytest.approx(2 * layers * 32 / 1e12)
     assert table["mixed"]["attention_TFLOP"] == pytest.approx(4 * 500 * 4 * 16 * 2 / 1e12)
+
+
+def test_compare_fits_mixed_step_time_against_prompt_tokens(tmp_path):
+    def result(path, rate, points):
+        samples = [{"kind": "decode", "prefill_tokens": 0, "device_s": 0.011}] + [
+            {"kind": "mixed", "prefill_tokens": t, "device_s": ms / 1e3} for t, ms in points
+        ]
+        path.write_text(json.dumps({"serving": {"output_tok_s": rate}, "step_samples": samples}))
+        return str(path)
+
+    # base: 12 ms + 25 ms per 1000 tokens; new: 10 ms + 25 ms per 1000, over two files
+    a = result(tmp_path / "a.json", 3000.0, [(1000, 37.0), (2000, 62.0)])
+    b = result(tmp_path / "b.json", 3100.0, [(1000, 35.0)])
+    c = result(tmp_path / "c.json", 3050.0, [(3000, 85.0)])
+    fit = mixed_step_fit([b, c])
+    assert fit["mixed_steps"] == 2 and fit["output_tok_s"] == [3100.0, 3050.0]
+    assert fit["ms"] == pytest.approx(10.0) and fit["ms_per_token"] == pytest.approx(0.025)
+    table = compare([f"base={a}", f"new={b},{c}"], 1600)
+    assert "base | 2 | 12.0 + 25.00 per 1000 | 52.0 ms | 3000" in table
+    assert "new | 2 | 10.0 + 25.00 per 1000 | 50.0 ms | 3100, 3050" in table
