@@ -162,12 +162,12 @@ def test_the_kernel_set_follows_the_engine_limits():
     steps = steps_for(args, 128)
     assert [s for s in steps if s.graph] == [Step(s, s, 8, graph=True) for s in (1, 2, 4)]
     eager = {(s.num_tokens, s.num_seqs, s.table_width) for s in steps if not s.graph}
-    # widths: 1, other, the widest (< 16); one prompt, and a decode beside a prompt chunk
-    assert eager == {(t, n, w) for t, n in ((2, 1), (16, 1), (17, 1), (18, 2)) for w in (1, 2, 8)}
+    # a prompt of 2, 16 and 17 rows, and a decode beside a prompt chunk, at the widest tables
+    assert eager == {(2, 1, 8), (16, 1, 8), (17, 1, 8), (18, 2, 8)}
     first = steps_for(args, 128, first_only=True)
     assert [s for s in first if s.graph] == [Step(1, 1, 8, graph=True)] and set(first) <= set(steps)
     wide = steps_for(EngineArgs(model="x", max_num_seqs=4, max_model_len=4096), 4096)
-    assert {s.table_width for s in wide if not s.graph} == {1, 2, 16, 256}
+    assert {s.table_width for s in wide} == {256}
     # batches above the largest graph run eager: every batch at the widest tables, every width at
     # the first
     big = steps_for(
@@ -176,7 +176,7 @@ def test_the_kernel_set_follows_the_engine_limits():
     decode = {
         (s.num_seqs, s.table_width) for s in big if not s.graph and s.num_seqs == s.num_tokens
     }
-    assert decode == {(5, 4), (5, 3), (6, 4), (6, 3), (5, 1), (5, 2)}
+    assert decode == {(5, 4), (6, 4), (5, 1), (5, 2), (5, 3)}
     eager_only = steps_for(
         EngineArgs(model="x", max_num_seqs=2, enforce_eager=True, max_model_len=32), 32
     )
@@ -184,9 +184,45 @@ def test_the_kernel_set_follows_the_engine_limits():
     assert {(s.num_seqs, s.table_width) for s in eager_only if s.num_seqs == s.num_tokens} == {
         (1, 1),
         (1, 2),
-        (2, 1),
         (2, 2),
     }
+
+
+def test_the_table_width_selects_no_other_attention_kernel(tiny_llama, tmp_path):
+    """Why the kernel set traces prompt and mixed steps at one width: their attention launches
+    compile to the same kernels at any table width (1, 2, a multiple of 16, other), so a width a
+    worker meets later never compiles on its request."""
+    script = textwrap.dedent("""
+        import sys
+        import torch
+        from engine.config import ModelConfig
+        from warmup.aot import target_driver
+        from warmup.kernel_set import Step, meta_model, trace
+
+        cfg = ModelConfig.from_dir(sys.argv[1])
+
+        def attention_kernels(width):
+            sink = []
+            trace(model, [Step(18, 2, width), Step(17, 1, width)], 16, 512, sink)
+            return {k.hash for k in sink if k.name == "paged_attention_kernel"}
+
+        with target_driver("sm_90"):
+            model = meta_model(cfg, torch.bfloat16, 132)
+            widest = attention_kernels(32)
+            assert len(widest) == 2, widest  # the decode launch and the prompt launch
+            for width in (1, 2, 16, 17):
+                assert attention_kernels(width) == widest, width
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(REPO))
+    done = subprocess.run(
+        [sys.executable, "-c", script, tiny_llama],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
 # ---- GPU ---------------------------------------------------------------------------------

@@ -143,32 +143,29 @@ def steps_for(args, max_model_len: int, first_only: bool = False) -> list[Step]:
     """Every step shape that selects a different kernel specialization, for EngineArgs `args` on a
     GPU.
 
-    Eager (prefill and mixed) steps vary the skinny GEMM's row count (1, 16, other) and the block
-    table's width (1, a multiple of 16, other); decode graphs are one step per captured size at the
-    full table width. Decode steps that run eager (enforce_eager, or batches above the largest
-    graph) vary the batch and the table width, which set the attention's split count. first_only:
-    what a first request meets (a prompt, then decode at 1).
+    Eager (prefill and mixed) steps vary the skinny GEMM's row count (1, 16, other); a mixed step
+    adds the attention's decode launch beside its prompt launch. Decode graphs are one step per
+    captured size at the full table width. The table width selects no specialization (the attention
+    kernel takes its row stride unspecialized) but sets a decode's split count: decode steps that
+    run eager (enforce_eager, or batches above the largest graph) take every batch at the widest
+    tables and every width at the smallest batch, which between them give every split count.
+    first_only: what a first request meets (a prompt, then decode at 1).
     """
     width = -(-max_model_len // args.block_size)
-    widths = sorted({w for w in (1, 2, 16, width) if w <= width})
     tokens = [t for t in (2, 16, 17) if t <= args.max_num_batched_tokens] or [
         args.max_num_batched_tokens
     ]
-    steps = [Step(t, 1, w) for t in tokens for w in widths]
+    steps = [Step(t, 1, width) for t in tokens]
     if args.max_num_seqs > 1 and args.max_num_batched_tokens > 17:
-        # a decode beside a prompt chunk: attention launches each with its own tiles
-        steps += [Step(18, 2, w) for w in widths]
+        steps.append(Step(18, 2, width))  # a decode beside a prompt chunk
     sizes = [] if args.enforce_eager else args.graph_sizes()
     steps += [Step(s, s, width, graph=True) for s in (sizes[:1] if first_only else sizes)]
     if first_only:
         return steps
     eager_from = 1 if not sizes else sizes[-1] + 1
-    # decode steps without a graph: every batch at the widest tables ...
     if eager_from <= args.max_num_seqs:
-        near = sorted({w for w in (width, width - 1, width // 16 * 16) if w >= 1})
-        steps += [Step(b, b, w) for b in range(eager_from, args.max_num_seqs + 1) for w in near]
-        # ... and every width
-        steps += [Step(eager_from, eager_from, w) for w in range(1, width + 1)]
+        steps += [Step(b, b, width) for b in range(eager_from, args.max_num_seqs + 1)]
+        steps += [Step(eager_from, eager_from, w) for w in range(1, width)]
     return steps
 
 
