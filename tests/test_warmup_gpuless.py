@@ -52,6 +52,20 @@ def cubin_sm(data: bytes) -> int:
     return (flags >> 8) & 0xFF if data[8] >= 8 else flags & 0xFF
 
 
+def run_script_ok(script: str, model_dir: str, triton_cache) -> None:
+    """Run a test script in a fresh interpreter (its own Triton driver and patches) with the model
+    dir as its argument and its own Triton cache; it must print "ok" last."""
+    env = dict(os.environ, TRITON_CACHE_DIR=str(triton_cache), PYTHONPATH=str(REPO))
+    done = subprocess.run(
+        [sys.executable, "-c", script, model_dir],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> str:
     from tiny_models import make_tiny_model
@@ -214,15 +228,7 @@ def test_the_table_width_selects_no_other_attention_kernel(tiny_llama, tmp_path)
                 assert attention_kernels(width) == widest, width
         print("ok")
     """)
-    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(REPO))
-    done = subprocess.run(
-        [sys.executable, "-c", script, tiny_llama],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    run_script_ok(script, tiny_llama, tmp_path)
 
 
 # ---- GPU ---------------------------------------------------------------------------------
@@ -341,12 +347,4 @@ def test_a_tracer_pauses_before_each_kernel_and_stops_where_its_pause_raises(tin
         assert JITFunction.run is original
         print("ok")
     """)
-    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(REPO))
-    done = subprocess.run(
-        [sys.executable, "-c", script, tiny_llama],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    run_script_ok(script, tiny_llama, tmp_path)
