@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -325,9 +326,10 @@ class Bench:
         self.results.setdefault("offline", {})["fixed"] = out
         log.info("offline fixed: %.0f output tok/s", out["output_tok_s"])
 
-    async def online(self) -> None:
+    def online_request(self) -> Callable[[int], BenchRequest]:
+        """make_request(k) for the online clients: request k of the conv trace's lengths, with its
+        own random prompt."""
         a = self.args
-        engine = await self.start_engine()
         lengths = sample_lengths(19365, SEEDS["online"], a.max_prompt, a.max_output)
 
         def make_request(k: int) -> BenchRequest:
@@ -336,6 +338,12 @@ class Bench:
                 random_prompt(p, self.mc.vocab_size, SEEDS["online"] * 1_000_003 + k), o
             )
 
+        return make_request
+
+    async def online(self) -> None:
+        a = self.args
+        engine = await self.start_engine()
+        make_request = self.online_request()
         levels, counter = [], itertools.count()
         for c in a.concurrency:
             records, w0, w1, poller = await run_online(

@@ -42,7 +42,6 @@ import torch
 from bench import serving
 from bench.drivers import run_online
 from bench.timing import summarize_window
-from bench.trace import BenchRequest, random_prompt, sample_lengths
 
 log = logging.getLogger("bench.serving_profile")
 
@@ -232,14 +231,7 @@ def kernel_table(trace_path: str) -> dict:
 async def measure(bench: serving.Bench, a: argparse.Namespace) -> dict:
     engine = await bench.start_engine()
     clock = StepClock(engine.engine.runner)
-    lengths = sample_lengths(19365, serving.SEEDS["online"], a.max_prompt, a.max_output)
-
-    def make_request(k: int) -> BenchRequest:
-        p, o = lengths[k % len(lengths)]
-        return BenchRequest(
-            random_prompt(p, bench.mc.vocab_size, serving.SEEDS["online"] * 1_000_003 + k), o
-        )
-
+    make_request = bench.online_request()
     counter = itertools.count()
     c = a.concurrency[0]
 

@@ -100,7 +100,7 @@ class TritonAttentionBackend(AttentionBackend):
         """See AttentionBackend.forward; with kv_written the caller stored this step's K/V
         (RotaryEmbedding.rotate_into_cache)."""
         _check_inputs(q, k, v, kv_cache_layer, sliding_window, softcap)
-        num_tokens, num_heads, head_dim = q.shape
+        num_tokens, _, head_dim = q.shape
         num_kv_heads = k.shape[1]
         block_size = kv_cache_layer.shape[2]
         block_d = triton.next_power_of_2(head_dim)
