@@ -26,6 +26,7 @@ from engine.distributed.sharding import SINGLE
 from engine.memory_budget import FIXED_SLACK_BYTES, FRAGMENTATION, step_peak_bytes
 from engine.models import load_model
 from engine.outputs import PositionLogprobs
+from engine.piecewise_graphs import PiecewiseGraphs, reserve_bytes, token_buckets
 from engine.sampling import DeviceSample, Sampler, SamplerOutput, SamplingRow, prompt_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
@@ -79,6 +80,12 @@ class ModelRunner:
         # structured outputs: the grammar rows' bitmask (made by the first step with a grammar)
         self._bitmask: BitmaskStaging | None = None
         self.use_graphs = self._use_cuda_graphs()
+        # prompt and mixed steps from graphs cut at attention: one GPU, dense layers
+        self.piecewise_buckets = (
+            token_buckets(args.max_num_batched_tokens)
+            if self.use_graphs and tp is None and model_config.moe is None
+            else []
+        )
         self.kv_step_bytes: int | None = None  # the step allowance the KV sizing used (GPU)
         self.num_blocks = args.num_kv_blocks or self._size_kv_cache()
         if tp is not None:  # one scheduler for all ranks: each holds as many blocks as the tightest
@@ -114,6 +121,21 @@ class ModelRunner:
             if args.cuda_graph_capture == "start":
                 # "lazy": each size is captured by its first decode step
                 self.graphs.capture()
+        self.pieces: PiecewiseGraphs | None = None
+        if self.piecewise_buckets:
+            self.pieces = PiecewiseGraphs(
+                self.model,
+                self._attention_backend(),
+                self.kv_cache,
+                self.stager,
+                self.local_config,
+                self.piecewise_buckets,
+                args.max_num_seqs,
+                -(-max_model_len // self.block_size),
+            )
+            if args.cuda_graph_capture == "start":
+                # "lazy": a bucket's first step runs eagerly, its second captures it
+                self.pieces.capture()
 
     def _use_cuda_graphs(self) -> bool:
         """Graphs need a GPU, enforce_eager off, and an attention backend whose decode launch is
@@ -188,6 +210,10 @@ class ModelRunner:
                 if self.use_graphs
                 else 0
             )
+            if self.piecewise_buckets:  # the prompt steps' graph pool and static buffers
+                graphs += reserve_bytes(
+                    self.local_config, self.dtype.itemsize, self.piecewise_buckets[-1]
+                )
             budget = (
                 total * self.args.gpu_memory_utilization - used_by_others - held - step - graphs
             )
@@ -402,10 +428,13 @@ class ModelRunner:
             if all_rows:
                 return all_logits
             return all_logits[torch.tensor(logit_rows).to(self.device, non_blocking=True)]
-        step = self.stager.stage(ids, positions, starts, plan.lens, tables)
-        if fill is not None:
-            fill(step.input_ids)
-        hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
+        if self.pieces is not None and num_rows <= self.pieces.max_tokens:
+            hidden = self.pieces.run(ids, positions, starts, plan.lens, tables, fill)
+        else:
+            step = self.stager.stage(ids, positions, starts, plan.lens, tables)
+            if fill is not None:
+                fill(step.input_ids)
+            hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
         if not logit_rows:
             return None
         if not all_rows:

@@ -130,6 +130,7 @@ class InputStager:
         dest: torch.Tensor | None = None,
         max_seq_len: int | None = None,
         want_views: bool = True,
+        pad_tokens_to: int | None = None,
     ) -> StepTensors | None:
         """Pack one step and return its device tensors.
 
@@ -138,13 +139,22 @@ class InputStager:
         static inputs); by default a new one. max_seq_len: override (graphs pass an upper bound,
         their launch must not depend on it).
         want_views: False skips building the returned tensors (a graph replay reads its own static
-        views).
+        views). pad_tokens_to: add tokens of no sequence up to this many (id 0, position 0, slot -1;
+        the piecewise graphs' padding); the sequences stay the real ones.
         """
         bs = self.block_size
         num_real = len(lens)
         num_seqs = pad_to if pad_to is not None else num_real
         lens_np = np.asarray(lens, dtype=np.int64)
-        num_tokens = int(lens_np.sum()) + (num_seqs - num_real)
+        real_tokens = int(lens_np.sum())
+        num_tokens = real_tokens + (num_seqs - num_real)
+        if pad_tokens_to is not None:
+            if pad_to is not None or pad_tokens_to < real_tokens:
+                raise ValueError(
+                    f"pad_tokens_to={pad_tokens_to}: must be >= the step's {real_tokens} tokens, "
+                    "without pad_to"
+                )
+            num_tokens = pad_tokens_to
         width = (
             table_width
             if table_width is not None
@@ -163,7 +173,6 @@ class InputStager:
         tables.fill(0)
         for i, t in enumerate(block_tables):
             tables[i, : len(t)] = t
-        real_tokens = num_tokens - (num_seqs - num_real)
         ids = section("input_ids")
         ids[:real_tokens] = token_ids
         ids[real_tokens:] = 0

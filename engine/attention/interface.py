@@ -81,6 +81,7 @@ class AttentionBackend(ABC):
         kv_written: bool = False,
         softcap: float | None = None,
         kv_scale: tuple[float, float] = (1.0, 1.0),
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D].
 
@@ -92,4 +93,7 @@ class AttentionBackend(ABC):
 
         An FP8 cache (engine.attention.kv_quant) stores k / kv_scale[0] and v / kv_scale[1],
         clamped to the FP8 range, and reads them back times their scale; other caches ignore
-        kv_scale."""
+        kv_scale.
+
+        out: a [T, H, D] tensor to write into and return (a CUDA graph's static buffer); rows of
+        tokens that belong to no sequence are left as they are."""

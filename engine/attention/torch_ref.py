@@ -32,6 +32,7 @@ class TorchAttentionBackend(AttentionBackend):
         kv_written: bool = False,
         softcap: float | None = None,
         kv_scale: tuple[float, float] = (1.0, 1.0),
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """See AttentionBackend.forward."""
         num_heads, head_dim = q.shape[1], q.shape[2]
@@ -43,7 +44,8 @@ class TorchAttentionBackend(AttentionBackend):
             write_kv(k, v, kv_cache_layer, meta.slot_mapping, kv_scale)
         k_scale, v_scale = kv_scale if is_fp8(kv_cache_layer.dtype) else (1.0, 1.0)
 
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
         starts = meta.query_start_loc_cpu
         decodes = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
         if decodes:

@@ -96,6 +96,7 @@ class TritonAttentionBackend(AttentionBackend):
         kv_written: bool = False,
         softcap: float | None = None,
         kv_scale: tuple[float, float] = (1.0, 1.0),
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """See AttentionBackend.forward; with kv_written the caller stored this step's K/V
         (RotaryEmbedding.rotate_into_cache)."""
@@ -128,7 +129,8 @@ class TritonAttentionBackend(AttentionBackend):
                 FP8=fp8,
                 FP8_MAX=fp8_max(kv_cache_layer.dtype) if fp8 else 0.0,
             )
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_seqs = meta.seq_lens.shape[0]
         if num_tokens == 0 or num_seqs == 0:
             return out

@@ -15,8 +15,9 @@ rank holds.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -361,6 +362,19 @@ class DecoderModel(nn.Module):
         if residual is None:
             return self.norm(x)
         return self.norm(x, residual)[0]
+
+    @contextlib.contextmanager
+    def attention_through(self, backend) -> Iterator[None]:
+        """Inside the block every layer's attention calls `backend` (engine.piecewise_graphs ends
+        one graph and begins the next there); the layers' own backend after it."""
+        saved = [layer.self_attn.backend for layer in self.layers]
+        for layer in self.layers:
+            layer.self_attn.backend = backend
+        try:
+            yield
+        finally:
+            for layer, own in zip(self.layers, saved):
+                layer.self_attn.backend = own
 
     def rotary_of(self, layer: int) -> RotaryEmbedding:
         """The rotary embedding of layer `layer` (Gemma 3's local layers have their own)."""
