@@ -303,13 +303,14 @@ class EngineArgs:
     # "safetensors" never uses packs.
     load_format: str = "auto"
     pack_dir: str | None = None
-    # CUDA graphs for decode steps (GPU only): off when True, as vLLM's flag. The batch sizes
+    # CUDA graphs (GPU only) for decode steps and, cut at attention, for prompt and mixed steps
+    # (engine/piecewise_graphs.py): off when True, as vLLM's flag. The decode batch sizes
     # captured, padded to: None takes DEFAULT_CUDA_GRAPH_SIZES up to max_num_seqs.
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None
-    # GPU start-up: "lazy" captures a decode graph on the first step of its padded size (the start
-    # skips the capture), "start" captures every size before the engine is ready. Graph memory is
-    # budgeted either way.
+    # GPU start-up: "lazy" captures a decode graph on the first step of its padded size, and a
+    # prompt step's token bucket on its second step (the start skips the capture), "start" captures
+    # every size and bucket before the engine is ready. Graph memory is budgeted either way.
     cuda_graph_capture: str = "lazy"
     # GPU KV sizing: "analytic" subtracts an upper bound of the largest step's activations computed
     # from the model's shapes (engine/memory_budget.py); "profile" runs that step once at start and

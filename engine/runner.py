@@ -1,6 +1,6 @@
 """The model runner: owns the weights and the KV cache tensor, turns a scheduled step into tensors,
-runs the model (decode steps from CUDA graphs on a GPU) and samples. The only engine module that
-touches the device.
+runs the model (on a GPU from CUDA graphs: whole decode steps, and prompt steps cut at attention)
+and samples. The only engine module that touches the device.
 
 Under tensor parallelism every rank has a runner over its shard: rank 0's plans each step and
 broadcasts the plan, the others run the same plans (engine/distributed/follower.py); only rank 0

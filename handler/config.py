@@ -140,7 +140,7 @@ class Settings(BaseModel):
     )
 
     enforce_eager: bool = Field(
-        False, description="Run decode steps eagerly, without CUDA graphs (as vLLM's flag)."
+        False, description="Run every step eagerly, without CUDA graphs (as vLLM's flag)."
     )
     async_scheduling: bool | None = Field(
         None,

@@ -15,6 +15,7 @@ import torch
 
 from engine import LLM, EngineArgs, SamplingParams
 from engine.sampling import Sampler, SamplingRow, apply_top_k_top_p_min_p
+from graph_parity import assert_same_generation, generate_recording
 from tiny_models import make_tiny_model
 
 
@@ -42,36 +43,16 @@ def test_cpu_never_captures(tmp_path):
 
 
 def _generate(model_dir: str, prompts, enforce_eager: bool, **kw):
-    llm = LLM(
-        model=model_dir,
-        dtype="float32",
-        device="cuda",
-        block_size=4,
+    return generate_recording(
+        model_dir,
+        prompts,
+        "graphs",
+        12,
         num_kv_blocks=256,
-        max_model_len=128,
         enforce_eager=enforce_eager,
-        cuda_graph_sizes=[1, 2, 4, 8],
         cuda_graph_capture="start",
         **kw,
     )
-    runner = llm.engine.runner
-    replays = []
-    if runner.graphs is not None:
-        run = runner.graphs.run
-
-        def counting_run(token_ids, *args, **kwargs):
-            replays.append(len(token_ids))
-            return run(token_ids, *args, **kwargs)
-
-        runner.graphs.run = counting_run  # a spy: the real replay still runs
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
-    outs = llm.generate(prompts, params)
-    result = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
-    graphs = runner.graphs
-    del llm, runner
-    gc.collect()
-    torch.cuda.empty_cache()
-    return result, replays, graphs
 
 
 @pytest.mark.gpu
@@ -93,12 +74,7 @@ def test_graph_decode_equals_eager(family, batch, tmp_path):
         assert replays, "no decode step ran from a graph"
     else:
         assert not any(n > 8 for n in replays)  # bigger batches run eager
-    for (toks_e, lps_e), (toks_g, lps_g) in zip(eager, graphed):
-        assert toks_g == toks_e
-        for pe, pg in zip(lps_e, lps_g):
-            assert pe.keys() == pg.keys()
-            for t in pe:
-                assert abs(pe[t].logprob - pg[t].logprob) < 1e-4
+    assert_same_generation(eager, graphed)
 
 
 @pytest.mark.gpu

@@ -9,14 +9,13 @@ captured at start, and eagerly; tokens equal, logprobs within float32 rounding.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.piecewise_graphs import BUCKETS, MAX_TOKENS, token_buckets
 from engine.step_inputs import InputStager, StepLayout
+from graph_parity import assert_same_generation, generate_recording
 from tiny_models import make_tiny_model
 
 
@@ -58,37 +57,16 @@ def test_cpu_runs_no_piecewise_graphs(tmp_path):
 
 
 def _generate(model_dir: str, prompts, enforce_eager: bool, capture: str = "lazy"):
-    llm = LLM(
-        model=model_dir,
-        dtype="float32",
-        device="cuda",
-        block_size=4,
+    return generate_recording(
+        model_dir,
+        prompts,
+        "pieces",
+        10,
         num_kv_blocks=512,
-        max_model_len=128,
         max_num_batched_tokens=48,
         enforce_eager=enforce_eager,
-        cuda_graph_sizes=[1, 2, 4, 8],
         cuda_graph_capture=capture,
     )
-    runner = llm.engine.runner
-    steps = []
-    if runner.pieces is not None:
-        run = runner.pieces.run
-
-        def counting_run(token_ids, *args, **kwargs):
-            steps.append(len(token_ids))
-            return run(token_ids, *args, **kwargs)
-
-        runner.pieces.run = counting_run  # a spy: the real step still runs
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
-    outs = llm.generate(prompts, params)
-    result = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
-    pieces = runner.pieces
-    captured = sorted(pieces.captured) if pieces is not None else []
-    del llm, runner, pieces
-    gc.collect()
-    torch.cuda.empty_cache()
-    return result, steps, captured
 
 
 @pytest.mark.gpu
@@ -103,18 +81,14 @@ def test_piecewise_steps_equal_eager(family, capture, tmp_path):
         for n in torch.randint(2, 90, (9,), generator=g)
     ]
     eager, eager_steps, none = _generate(str(tmp_path), prompts, enforce_eager=True)
-    graphed, steps, captured = _generate(str(tmp_path), prompts, False, capture)
-    assert not eager_steps and not none
+    graphed, steps, pieces = _generate(str(tmp_path), prompts, False, capture)
+    assert not eager_steps and none is None
     assert steps and max(steps) <= 48 and min(steps) > 1, steps
-    # lazily, a bucket is captured on its second step; at start every bucket is
-    assert captured == ([16, 32, 48] if capture == "start" else sorted(captured))
-    assert captured, "no step replayed its graphs"
-    for (toks_e, lps_e), (toks_g, lps_g) in zip(eager, graphed):
-        assert toks_g == toks_e
-        for pe, pg in zip(lps_e, lps_g):
-            assert pe.keys() == pg.keys()
-            for t in pe:
-                assert abs(pe[t].logprob - pg[t].logprob) < 1e-4
+    # at start every bucket is captured; lazily, a bucket on its second step
+    if capture == "start":
+        assert sorted(pieces.captured) == [16, 32, 48]
+    assert pieces.captured, "no step replayed its graphs"
+    assert_same_generation(eager, graphed)
 
 
 @pytest.mark.gpu
