@@ -119,6 +119,35 @@ def make_case(
     )
 
 
+def check_tokens_of_no_sequence(backend, dtype: torch.dtype, device: str) -> None:
+    """A mixed step with 5 tokens of no sequence after its real ones (slot -1, outside
+    query_start_loc: a piecewise graph's padding), written into a given `out`: the real rows and
+    the cache as the step without them gives, the other rows of `out` untouched."""
+    case = make_case([9, 40, 37, 1, 50], [1, 1, 11, 1, 23], 2, 3, 24, 4, dtype, device)
+    t, extra = case.q.shape[0], 5
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, torch.randn(extra, *x.shape[1:]).to(x)])
+
+    meta = replace(
+        case.meta,
+        slot_mapping=torch.cat([case.meta.slot_mapping, -case.meta.slot_mapping.new_ones(extra)]),
+    )
+    cache, plain_cache = case.cache.clone(), case.cache.clone()
+    q = padded(case.q)
+    out = torch.full_like(q, 7.0)
+    got = backend.forward(q, padded(case.k), padded(case.v), cache, meta, case.scale, out=out)
+    plain = backend.forward(case.q, case.k, case.v, plain_cache, case.meta, case.scale)
+    assert got is out
+    torch.testing.assert_close(out[:t], plain, rtol=0, atol=0)
+    assert torch.equal(out[t:], torch.full_like(out[t:], 7.0))
+    torch.testing.assert_close(cache, plain_cache, rtol=0, atol=0, equal_nan=True)
+
+
+def test_reference_leaves_tokens_of_no_sequence_alone() -> None:
+    check_tokens_of_no_sequence(TorchAttentionBackend(), torch.float32, "cpu")
+
+
 def run_both(case: Case, backend, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(triton output, float32 reference output on the same inputs); also checks both caches end up
     equal.
@@ -373,7 +402,7 @@ def test_select_backend_on_cpu() -> None:
 # run by tests/child_process.run_in_triton_interpreter
 INTERPRETER_SCRIPT = """
 import torch
-from tests.test_attention_triton import make_case, run_both
+from tests.test_attention_triton import check_tokens_of_no_sequence, make_case, run_both
 from engine.attention.triton_attn import TritonAttentionBackend
 
 # on CPU tensors: 2 'SMs', so decode splits 4-ways here; merged in the attention kernel or by a
@@ -404,6 +433,7 @@ for (dtype, head_dim), backend in zip(
         err = (out - ref).abs().max().item()
         assert err < bound, (dtype, seqs, window, err)
         worst = max(worst, err)
+check_tokens_of_no_sequence(backends[0], torch.float32, "cpu")
 assert backends[0].arrivals is not None and not backends[0].arrivals.any(), (
     "split arrival counts must reset to 0"
 )

@@ -145,9 +145,13 @@ def write_kv(
     kv_scale: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """Store k/v [T, Hkv, D] at flat slots (block_id * block_size + offset) of the layer's cache, in
-    place; an FP8 cache stores them quantized with kv_scale (K's, V's)."""
+    place; an FP8 cache stores them quantized with kv_scale (K's, V's). Tokens at slot -1 (padding)
+    are not stored."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     slots = slot_mapping.long()
+    stored = slots >= 0
+    if not bool(stored.all()):
+        k, v, slots = k[stored], v[stored], slots[stored]
     dtype = kv_cache_layer.dtype
     if is_fp8(dtype):
         k, v = quantize(k, kv_scale[0], dtype), quantize(v, kv_scale[1], dtype)
