@@ -27,6 +27,17 @@ from engine.step_inputs import InputStager, StepLayout, StepTensors, input_ids_v
 log = logging.getLogger(__name__)
 
 
+def primed_stream(device: torch.device, dtype: torch.dtype) -> torch.cuda.Stream:
+    """A new side stream on which this thread's cuBLAS handle and workspace exist already (a
+    matmul with a bias in `dtype` has run on it), so a capture on it allocates neither."""
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        x = torch.zeros(32, 32, dtype=dtype, device=device)
+        torch.nn.functional.linear(x, x, x[0])
+    stream.synchronize()
+    return stream
+
+
 class DecodeGraphs:
     """One CUDA graph per batch size; logits land in one static [max size, vocab] float32 buffer."""
 
@@ -281,15 +292,9 @@ class DecodeGraphs:
             self.pool = torch.cuda.graph_pool_handle()
         stream = getattr(self._primed, "stream", None)
         if stream is None:
-            stream = torch.cuda.Stream(self.device)
-            # cuBLAS's handle and workspace for this thread and stream
-            with torch.cuda.stream(stream):
-                # an FP8 KV cache has no cuBLAS mm: the handle is primed in bf16
-                fp8 = self.kv_cache.element_size() == 1
-                dtype = torch.bfloat16 if fp8 else self.kv_cache.dtype
-                x = torch.zeros(32, 32, dtype=dtype, device=self.device)
-                torch.mm(x, x)
-            stream.synchronize()
+            # an FP8 KV cache has no cuBLAS mm: the handle is primed in bf16
+            fp8 = self.kv_cache.element_size() == 1
+            stream = primed_stream(self.device, torch.bfloat16 if fp8 else self.kv_cache.dtype)
             self._primed.stream = stream
         layout = StepLayout(size, size, self.table_width)
         _, nbytes = layout.offsets()

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.cuda_graphs import primed_stream
 from engine.memory_budget import FRAGMENTATION, layer_activation_bytes
 from engine.step_inputs import InputStager, StepLayout, StepTensors
 
@@ -148,7 +149,6 @@ class PiecewiseGraphs:
         self.warmed: set[int] = set()  # buckets whose first (eager) step has run
         self.pool = None
         self.stream: torch.cuda.Stream | None = None
-        self.capture_seconds = 0.0
         self.pool_bytes = 0  # device memory the captures took (pool and outputs)
 
     @property
@@ -206,10 +206,7 @@ class PiecewiseGraphs:
         before = torch.cuda.memory_allocated(self.device)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-            self.stream = torch.cuda.Stream(self.device)
-            with torch.cuda.stream(self.stream):  # cuBLAS's handle and workspace for this stream
-                x = torch.zeros(32, 32, dtype=self.model.dtype, device=self.device)
-                torch.nn.functional.linear(x, x, x[0])
+            self.stream = primed_stream(self.device, self.model.dtype)
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         cut = _CutAtAttention(self.backend, self.static, size, self.pool)
@@ -225,7 +222,6 @@ class PiecewiseGraphs:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         self.captured[size] = _Bucket(cut.graphs, cut.calls, hidden)
         seconds = time.perf_counter() - t0
-        self.capture_seconds += seconds
         self.pool_bytes += torch.cuda.memory_allocated(self.device) - before
         log.info(
             "CUDA graphs: captured %d-token steps in %d pieces in %.3f s (%.0f MiB of graph memory "
