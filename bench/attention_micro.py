@@ -17,6 +17,7 @@ import statistics
 import torch
 
 from bench.roofline import copy_bandwidth
+from bench.trace import running_contexts
 from engine.attention import AttentionMetadata, kv_cache_shape
 from engine.attention.kv_quant import KV_CACHE_DTYPES, quantize, resolve_kv_cache_dtype
 from engine.attention.torch_ref import TorchAttentionBackend
@@ -25,7 +26,7 @@ from engine.attention.triton_attn import TritonAttentionBackend
 
 def make_step(
     batch: int,
-    context: int,
+    context: int | list[int],
     query_len: int,
     heads: int,
     kv_heads: int,
@@ -35,28 +36,34 @@ def make_step(
     kv_dtype: torch.dtype | None = None,
 ):
     """Random q/k/v, a one-layer cache (in kv_dtype, default dtype) and metadata: `batch` sequences
-    of `context` tokens, the last query_len new."""
-    blocks_per_seq = -(-context // block_size)
-    num_blocks = batch * blocks_per_seq
+    of `context` tokens (one figure, or one per sequence), the last query_len of each new."""
+    contexts = [context] * batch if isinstance(context, int) else list(context)
+    seq_blocks = [-(-c // block_size) for c in contexts]
+    num_blocks = sum(seq_blocks)
     cache = torch.randn(
         kv_cache_shape(1, num_blocks, block_size, kv_heads, head_dim), dtype=dtype, device="cuda"
     )[0]
     if kv_dtype is not None and kv_dtype != dtype:
         cache = quantize(cache, 1.0, kv_dtype)
-    tables = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq).to(torch.int32)
-    pos = torch.arange(context - query_len, context, device="cuda")
-    slots = (tables[:, pos // block_size].long() * block_size + pos % block_size).flatten()
+    # each sequence's pages scattered over the cache, its table row padded with page 0
+    pages = torch.randperm(num_blocks, device="cuda").to(torch.int32).split(seq_blocks)
+    tables = torch.zeros(batch, max(seq_blocks), dtype=torch.int32, device="cuda")
+    slots = []
+    for row, (seq_pages, c) in enumerate(zip(pages, contexts)):
+        tables[row, : len(seq_pages)] = seq_pages
+        pos = torch.arange(c - query_len, c, device="cuda")
+        slots.append(seq_pages[pos // block_size].long() * block_size + pos % block_size)
     tokens = batch * query_len
     starts = list(range(0, tokens + 1, query_len))
     meta = AttentionMetadata(
-        slot_mapping=slots,
+        slot_mapping=torch.cat(slots),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device="cuda"),
-        seq_lens=torch.full((batch,), context, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor(contexts, dtype=torch.int32, device="cuda"),
         block_tables=tables,
         max_query_len=query_len,
-        max_seq_len=context,
+        max_seq_len=max(contexts),
         query_start_loc_cpu=starts,
-        seq_lens_cpu=[context] * batch,
+        seq_lens_cpu=contexts,
         block_size=block_size,
     )
     q = torch.randn(tokens, heads, head_dim, dtype=dtype, device="cuda")
@@ -102,7 +109,10 @@ def decode_rows(args, bandwidth: float, dtype: torch.dtype, kv_name: str) -> lis
         tuple(map(int, c.split(":"))) for c in args.decode_sweep.split(",") if c
     ]
     for batch in map(int, args.batches.split(",")):
-        for context in map(int, args.contexts.split(",")):
+        for context_name in args.contexts.split(","):
+            context = (
+                running_contexts(batch, seed=0) if context_name == "conv" else int(context_name)
+            )
             kv_dtype = resolve_kv_cache_dtype(kv_name, dtype)
             q, k, v, cache, meta = make_step(
                 batch,
@@ -115,19 +125,30 @@ def decode_rows(args, bandwidth: float, dtype: torch.dtype, kv_name: str) -> lis
                 dtype,
                 kv_dtype,
             )
-            kv_bytes = batch * context * args.kv_heads * args.head_dim * 2 * cache.element_size()
+            kv_tokens = int(meta.seq_lens.sum())
+            kv_bytes = kv_tokens * args.kv_heads * args.head_dim * 2 * cache.element_size()
             scale = args.head_dim**-0.5
             results = {}
-            for pps in map(int, args.programs_per_sm.split(",")):
+            # each split target: programs per SM, or splits per (sequence, kv head) at this batch
+            targets = [f"pps={pps}" for pps in args.programs_per_sm.split(",")] + [
+                f"splits={n}" for n in args.decode_splits.split(",") if n
+            ]
+            for target in targets:
+                kind, _, count = target.partition("=")
                 for tiles in decode_configs:
                     for fused in map(int, args.fused_merge.split(",")):
                         backend = TritonAttentionBackend(
-                            "cuda", programs_per_sm=pps, decode_tiles=tiles, fused_merge=bool(fused)
+                            "cuda",
+                            programs_per_sm=int(count) if kind == "pps" else 1,
+                            decode_tiles=tiles,
+                            fused_merge=bool(fused),
                         )
+                        if kind == "splits":
+                            backend.target_programs = int(count) * batch * args.kv_heads
                         seconds = time_call(
                             lambda: backend.forward(q, k, v, cache, meta, scale), graph=True
                         )
-                        results[f"pps={pps} tiles={tiles} fused_merge={fused}"] = seconds
+                        results[f"{target} tiles={tiles} fused_merge={fused}"] = seconds
             default = TritonAttentionBackend("cuda")
             eager = time_call(lambda: default.forward(q, k, v, cache, meta, scale), graph=False)
             ref = TorchAttentionBackend()
@@ -148,7 +169,8 @@ def decode_rows(args, bandwidth: float, dtype: torch.dtype, kv_name: str) -> lis
                     "kind": "decode",
                     "kv_dtype": kv_name,
                     "batch": batch,
-                    "context": context,
+                    "context": context_name,
+                    "kv_tokens": kv_tokens,
                     "kv_bytes": kv_bytes,
                     "graph_s": results[first],
                     "eager_s": eager,
@@ -160,7 +182,7 @@ def decode_rows(args, bandwidth: float, dtype: torch.dtype, kv_name: str) -> lis
                 }
             )
             print(
-                f"decode kv={kv_name} b={batch} ctx={context}: {results[first] * 1e6:.1f} us "
+                f"decode kv={kv_name} b={batch} ctx={context_name}: {results[first] * 1e6:.1f} us "
                 f"({rows[-1]['of_bandwidth']:.0%} of copy bw), "
                 f"best {best_name} {rows[-1]['best_of_bandwidth']:.0%}",
                 flush=True,
@@ -291,12 +313,22 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--batches", default="1,64,256")
-    ap.add_argument("--contexts", default="1024,4096")
+    ap.add_argument(
+        "--contexts",
+        default="1024,4096,conv",
+        help="decode contexts: token counts, or conv (each sequence's own, as a closed-loop load "
+        "on the conv trace holds them: bench.trace.running_contexts)",
+    )
     ap.add_argument("--prefill", type=int, default=4096)
     ap.add_argument(
         "--programs-per-sm",
         default="2",
         help="decode split targets to try, the first is the default",
+    )
+    ap.add_argument(
+        "--decode-splits",
+        default="",
+        help="decode split counts to try (splits per sequence and kv head), after the pps targets",
     )
     ap.add_argument(
         "--fused-merge",

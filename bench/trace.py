@@ -75,3 +75,20 @@ def fixed_requests(
     n: int, prompt_len: int, output_len: int, vocab_size: int, seed: int
 ) -> list[BenchRequest]:
     return make_requests([(prompt_len, output_len)] * n, vocab_size, seed)
+
+
+def running_contexts(
+    n: int,
+    seed: int,
+    max_prompt: int = 4096,
+    max_output: int = 1024,
+    trace: list[tuple[int, int]] | None = None,
+) -> list[int]:
+    """Context lengths of n sequences caught in the middle of decoding under a closed-loop load on
+    the conv trace (or `trace`'s rows): a request is running in proportion to its output length,
+    and is caught at a uniform point of that output (prompt + 1 .. prompt + output tokens)."""
+    rows = load_trace() if trace is None else trace
+    rows = [(min(max(p, 1), max_prompt), min(max(o, 1), max_output)) for p, o in rows]
+    rng = random.Random(seed)
+    picked = rng.choices(rows, weights=[o for _, o in rows], k=n)
+    return [p + rng.randint(1, o) for p, o in picked]

@@ -14,7 +14,7 @@ import pytest
 
 from bench.roofline import ModelBytes, decode_window
 from bench.timing import RequestRecord
-from bench.trace import CONV_TRACE, conv_requests, sample_lengths
+from bench.trace import CONV_TRACE, conv_requests, running_contexts, sample_lengths
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_LLAMA = {
@@ -99,6 +99,23 @@ def test_trace_sampler_respects_caps_and_is_deterministic():
     assert [r.prompt_token_ids for r in reqs] == [
         r.prompt_token_ids for r in conv_requests(20, 300, 1, **CAPS)
     ]
+
+
+def test_running_contexts_are_caught_mid_output_and_weighted_by_it():
+    rows = [(min(p, 4096), min(o, 1024)) for p, o in _csv_rows()]
+    contexts = running_contexts(20000, seed=0)
+    assert contexts == running_contexts(20000, seed=0) != running_contexts(20000, seed=1)
+    assert min(contexts) >= 2 and max(contexts) <= max(p + o for p, o in rows)
+    # A sequence is running in proportion to its output length and caught at a uniform point of
+    # it: the mean context is E[o (p + (o + 1) / 2)] / E[o] over the trace's rows.
+    expected = sum(o * (p + (o + 1) / 2) for p, o in rows) / sum(o for _, o in rows)
+    mean = sum(contexts) / len(contexts)
+    assert abs(mean / expected - 1) < 0.01, (mean, expected)
+    # where the weighting shows: a 1,000-token output is running 1,000 times as often as a 1-token
+    # one, and is caught anywhere in it
+    two = running_contexts(4000, seed=0, trace=[(10, 1), (10, 1000)])
+    assert sum(c == 11 for c in two) < 20
+    assert abs(sum(two) / len(two) - 510.5) < 15
 
 
 def test_decode_window_recovers_a_lockstep_schedule():

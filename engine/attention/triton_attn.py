@@ -3,8 +3,8 @@ behind the reference backend's interface.
 
 Writes the step's K/V at slot_mapping, then attends: split-KV decode (merged in the same kernel)
 when every query is one token (its launch depends on shapes only: CUDA-graph safe); otherwise the
-leading one-token sequences with the decode tiles and the rest with the prompt tiles, one launch
-each.
+leading one-token sequences with the decode tiles, split in a fixed count, and the rest with the
+prompt tiles, one launch each.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CACHE_DTYPES = SUPPORTED_DTYPES + FP8_DTYPES
 MAX_HEAD_DIM = 256
 MAX_SPLITS = 64
+# Splits per (sequence, kv head) for the decodes of a step that mixes them with prompt chunks: one
+# count whatever the step's batch and table width, so one kernel variant (docs/engine.md).
+MIXED_DECODE_SPLITS = 4
 # (sequence, kv head) pairs the decode merge counters cover before they must grow
 ARRIVAL_SLOTS = 1 << 16
 LOG2_E = 1.4426950408889634
@@ -59,7 +62,7 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(
         self,
         device: torch.device | str | None = None,
-        programs_per_sm: int = 2,
+        programs_per_sm: int = 8,
         decode_tiles: TileConfig | None = None,
         prefill_tiles: TileConfig | None = None,
         fused_merge: bool = True,
@@ -149,11 +152,11 @@ class TritonAttentionBackend(AttentionBackend):
             return out
         # A step that mixes decodes with prompt chunks: the runner puts the one-token sequences
         # first, and they take the decode tiles (a prompt tile would compute BLOCK_Q rows for each
-        # one). No split: a split count would follow each step's batch and table width, and each
-        # count is a kernel of its own to compile.
+        # one), split in a fixed count: one that followed the step's batch and table width would
+        # make each count a kernel of its own to compile.
         num_decodes = meta.num_decode_seqs
         if num_decodes:
-            self._attend(a, 0, num_decodes, decode_tiles, 1, 1)
+            self._attend(a, 0, num_decodes, decode_tiles, 1, MIXED_DECODE_SPLITS)
         if num_decodes < num_seqs:
             num_prompts = num_seqs - num_decodes
             self._attend(a, num_decodes, num_prompts, prefill_tiles, meta.max_query_len, 1)

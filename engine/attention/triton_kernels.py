@@ -91,8 +91,9 @@ def _attend_tile(
     fp32).
 
     MASKED=False is for tiles wholly inside the context and below every row's position: no bounds,
-    no mask. FP8: K and V tiles are read as FP8 and widened to q's dtype (exact) before the dots;
-    their scales are applied outside (K's in scale_log2 and cap, V's to the output).
+    no mask. FP8: K and V tiles are read as FP8 and widened to q's dtype (fp16, or fp32 under
+    IEEE; exact) before the dots; their scales are applied outside (K's in scale_log2 and cap, V's
+    to the output).
     """
     n = start + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -194,8 +195,8 @@ def paged_attention_kernel(
     FUSED_MERGE: only the splits the context needs run; one that has the whole context writes the
     output itself, otherwise the last split to arrive (an atomic count per sequence and kv head,
     reset by it) merges the partials. Without FUSED_MERGE every split writes a partial and
-    merge_splits_kernel combines them. FP8: the cache holds FP8 K/V; q stays in its dtype and
-    v_scale multiplies each (partial) output (the merge is linear in them).
+    merge_splits_kernel combines them. FP8: the cache holds FP8 K/V; q goes to fp16 (fp32 stays)
+    and v_scale multiplies each (partial) output (the merge is linear in them).
     """
     b = tl.program_id(0) + seq_offset
     kv_head = tl.program_id(1) // NUM_SPLITS
@@ -249,6 +250,10 @@ def paged_attention_kernel(
     )
     if not FP8:
         q = q.to(k_cache_ptr.dtype.element_ty)
+    elif not IEEE:
+        # bf16/fp16 q over an FP8 cache: the dots run in fp16, the one type FP8 widens to in a
+        # single conversion (to bf16 it takes three); q is clamped to fp16's range
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     table_row = block_tables_ptr + b.to(tl.int64) * stride_bt
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
