@@ -322,7 +322,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=4096)
     ap.add_argument(
         "--programs-per-sm",
-        default="2",
+        default="8",
         help="decode split targets to try, the first is the default",
     )
     ap.add_argument(

@@ -138,9 +138,11 @@ class TritonAttentionBackend(AttentionBackend):
         if num_tokens == 0 or num_seqs == 0:
             return out
 
-        # tiles that fit shared memory
+        # tiles that fit shared memory; an FP8 cache's decode tiles keep two stages in flight
         small = q.dtype == torch.float32 or block_d > 128
-        decode_tiles = self.decode_tiles or ((16, 32, 4, 2) if small else (16, 128, 4, 3))
+        decode_tiles = self.decode_tiles or (
+            (16, 32, 4, 2) if small else (16, 128, 4, 2) if fp8 else (16, 128, 4, 3)
+        )
         prefill_tiles = self.prefill_tiles or ((64, 32, 4, 2) if small else (128, 128, 8, 3))
         a = _Launch(q, kv_cache_layer, out, meta, scale, sliding_window, softcap, k_scale, v_scale)
         if meta.max_query_len == 1:  # decode: the launch depends on shapes only (CUDA-graph safe)

@@ -1,0 +1,141 @@
+"""What bounds a serving run: the output rate its load would reach with every decode row's reads at
+the copy bandwidth and every prompt token's linears at the GEMM rate, both measured here.
+
+`python -m bench.serving_bound RUN.json [RUN.json ...] --out bound.json` reads
+`bench.serving_profile` results: the prompt tokens each decode row brought with it, the mean
+context of the decode steps, the weights and KV dtypes. It measures, on this GPU, the copy
+bandwidth and the model's linears at `--rows` rows (bf16 through cuBLAS; FP8 weights through
+`torch._scaled_mm` with per-tensor scales, the fastest FP8 GEMM measured here), then prints per run:
+the measured output tok/s, the bound and its two terms. Attention's compute, norms, RoPE and
+sampling are left out, so the bound is generous.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+from bench.checkpoint import CONFIGS
+from bench.roofline import model_bytes
+from bench.serving_profile import linear_params
+
+
+@dataclass(frozen=True)
+class Load:
+    """What a serving run asked of the GPU, per decode row."""
+
+    output_tok_s: float
+    output_per_decode_row: float  # a request's first token comes from its prompt step
+    prompt_per_decode_row: float
+    mean_context: float
+    decode_rows_per_step: float  # they share one read of the weights
+    fp8_weights: bool
+    fp8_kv: bool
+
+
+def load_of(result: dict) -> Load:
+    """The load of one bench.serving_profile result."""
+    steps = result["steps"]
+    decode_rows = sum(s["steps"] * s["mean_decode_rows"] for s in steps.values())
+    prompt = sum(s["steps"] * s["mean_prefill_tokens"] for s in steps.values())
+    decodes = [s for s in result["step_samples"] if s["kind"] == "decode" and s["decode_rows"]]
+    args = result["meta"]["args"]
+    return Load(
+        output_tok_s=result["serving"]["output_tok_s"],
+        output_per_decode_row=result["serving"]["output_tok_s"] * result["window_s"] / decode_rows,
+        prompt_per_decode_row=prompt / decode_rows,
+        mean_context=sum(s["pairs"] for s in decodes) / sum(s["decode_rows"] for s in decodes),
+        decode_rows_per_step=decode_rows / sum(s["steps"] for s in steps.values()),
+        fp8_weights=args.get("quantization") == "fp8",
+        fp8_kv=str(args.get("kv_cache_dtype", "auto")).startswith("fp8"),
+    )
+
+
+def bound(load: Load, config: dict, copy_bw: float, gemm_flop_s: float) -> dict:
+    """Output tok/s with the decode reads at copy_bw and the prompt linears at gemm_flop_s."""
+    layer_params, _ = linear_params(config)
+    size = model_bytes(config, torch.bfloat16)
+    weights = size.decode_weights - (layer_params if load.fp8_weights else 0)  # 1 byte each
+    kv_per_token = size.kv_per_token // (2 if load.fp8_kv else 1)
+    decode_s = (weights / load.decode_rows_per_step + load.mean_context * kv_per_token) / copy_bw
+    prompt_s = load.prompt_per_decode_row * 2 * layer_params / gemm_flop_s
+    rate = load.output_per_decode_row / (decode_s + prompt_s)
+    return {
+        "decode_us_per_row": decode_s * 1e6,
+        "prompt_us_per_row": prompt_s * 1e6,
+        "bound_output_tok_s": rate,
+        "measured_of_bound": load.output_tok_s / rate,
+    }
+
+
+def gemm_flop_s(config: dict, rows: int, fp8: bool) -> float:
+    """FLOP/s of one decoder layer's linears at `rows` rows, each timed in a CUDA graph."""
+    from bench.attention_micro import time_call
+
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or h // heads
+    kv = config.get("num_key_value_heads", heads)
+    shapes = [((heads + 2 * kv) * head_dim, h), (h, heads * head_dim), (2 * inter, h), (h, inter)]
+    seconds = flops = 0.0
+    for n, k in shapes:
+        x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
+        w = (0.02 * torch.randn(n, k, device="cuda")).to(torch.bfloat16)
+        if fp8:
+            xq, wq = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+            one = torch.ones((), device="cuda")
+
+            def run(xq=xq, wq=wq, one=one):
+                torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        else:
+
+            def run(x=x, w=w):
+                torch.nn.functional.linear(x, w)
+
+        seconds += time_call(run, graph=True)
+        flops += 2 * rows * n * k
+    return flops / seconds
+
+
+def main(argv: list[str] | None = None) -> None:
+    from bench.roofline import copy_bandwidth
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("runs", nargs="+", help="bench.serving_profile results (serving_profile.json)")
+    ap.add_argument("--rows", type=int, default=1024, help="rows of the timed prompt GEMMs")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench-out") + "/serving_bound.json")
+    a = ap.parse_args(argv)
+    results = {path: json.load(open(path)) for path in a.runs}
+    configs = {r["meta"]["args"]["config"] for r in results.values()}
+    config = {name: json.load(open(CONFIGS / name)) for name in configs}
+    copy_bw = copy_bandwidth("cuda", 2 << 30)
+    rates = {}
+    out = {"device": torch.cuda.get_device_name(), "copy_bandwidth": copy_bw, "runs": {}}
+    for path, result in results.items():
+        load = load_of(result)
+        name = result["meta"]["args"]["config"]
+        key = (name, load.fp8_weights)
+        if key not in rates:
+            rates[key] = gemm_flop_s(config[name], a.rows, load.fp8_weights)
+        terms = bound(load, config[name], copy_bw, rates[key])
+        out["runs"][path] = {**asdict(load), "gemm_flop_s": rates[key], **terms}
+        print(
+            f"{path}: {load.output_tok_s:.0f} output tok/s measured, "
+            f"bound {terms['bound_output_tok_s']:.0f} "
+            f"({terms['measured_of_bound']:.0%}): decode {terms['decode_us_per_row']:.0f} us/row "
+            f"at {copy_bw / 1e12:.2f} TB/s, prompt {terms['prompt_us_per_row']:.0f} us/row "
+            f"({load.prompt_per_decode_row:.2f} tokens at {rates[key] / 1e12:.0f} TFLOP/s), "
+            f"context {load.mean_context:.0f}",
+            flush=True,
+        )
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
