@@ -140,13 +140,14 @@ def write_tokenizer(model_dir: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def bench_model(config: str, root: str) -> tuple[str, str]:
-    """The random-weight checkpoint of bench/configs/`config` under `root` (written on the GPU
+def bench_model(config: str, root: str, device: str = "cuda") -> tuple[str, str]:
+    """The random-weight checkpoint of bench/configs/`config` under `root` (written on `device`
     once), with write_tokenizer's tokenizer; and the cache directory beside it that the entry
     points are given."""
     from bench.checkpoint import synthesize
 
-    model_dir = synthesize(config, os.path.join(root, config.removesuffix(".json")), device="cuda")
+    name = os.path.basename(config).removesuffix(".json")
+    model_dir = synthesize(config, os.path.join(root, name), device=device)
     write_tokenizer(model_dir)
     return model_dir, os.path.join(os.path.dirname(model_dir), "cache")
 
