@@ -142,9 +142,10 @@ def test_decode_window_recovers_a_lockstep_schedule():
     assert not decode_window(records, 1.01, mb, bandwidth=1e6)["valid"]
 
 
-def _run(args: list[str]) -> str:
+def run_bench(args: list[str], module: str = "bench.serving") -> str:
+    """`python -m module args` from the repo root; its stdout once it exits 0."""
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.serving", *args],
+        [sys.executable, "-m", module, *args],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -172,9 +173,9 @@ def test_serving_benchmark_end_to_end_on_cpu(tmp_path):
         str(out),
         *SIZES,
     ]
-    _run([*common, "--parts", "decode,offline,online"])
+    run_bench([*common, "--parts", "decode,offline,online"])
     # a second call merges its section into the same serving.json
-    stdout = _run([*common, "--parts", "hf"])
+    stdout = run_bench([*common, "--parts", "hf"])
     res = json.loads((out / "serving.json").read_text())
 
     assert {"meta", "decode", "offline", "online", "hf", "kv", "ratios"} <= set(res)
@@ -231,7 +232,7 @@ def test_serving_benchmark_end_to_end_on_cpu(tmp_path):
 
     # --merge combines result files written elsewhere without running anything.
     merged_dir = tmp_path / "merged"
-    _run(["--merge", str(out / "serving.json"), "--out", str(merged_dir)])
+    run_bench(["--merge", str(out / "serving.json"), "--out", str(merged_dir)])
     again = json.loads((merged_dir / "serving.json").read_text())
     assert (
         again["offline"] == res["offline"]

@@ -4,15 +4,10 @@ closed-loop clients over HTTP, the window's statistics."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from test_bench_serving import TINY_LLAMA
-
-REPO = Path(__file__).resolve().parent.parent
+from test_bench_serving import TINY_LLAMA, run_bench
 
 
 @pytest.mark.slow
@@ -24,14 +19,7 @@ def test_closed_loop_clients_through_the_real_server(tmp_path):
     args += ["--out", str(out), "--concurrency", "3", "--online-warmup", "1"]
     args += ["--online-seconds", "3", "--warmup-requests", "2", "--max-prompt", "48"]
     args += ["--max-output", "12", "--env", "MAX_NUM_BATCHED_TOKENS=64"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.serving_http", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    stdout = run_bench(args, module="bench.serving_http")
     result = json.loads((out / "serving_http.json").read_text())
     online = result["online"]
     assert online["error_count"] == 0, online["errors"]
@@ -42,4 +30,4 @@ def test_closed_loop_clients_through_the_real_server(tmp_path):
     assert online["output_tok_s"] == pytest.approx(online["output_tokens"] / 3, rel=0.01)
     assert result["env"]["MAX_NUM_BATCHED_TOKENS"] == "64"
     assert 0 < result["first_token_s"] < 300
-    assert "python -m handler serve, 3 clients" in proc.stdout
+    assert "python -m handler serve, 3 clients" in stdout
