@@ -27,6 +27,7 @@ from warmup.artifacts import (
     artifact_key,
     artifact_roots,
     install,
+    kernel_code_digest,
     key_id,
     mismatches,
     prepare,
@@ -46,7 +47,7 @@ LIMITS = {
     "gpu_memory_utilization": 0.9,
 }
 H100 = {"gpu_arch": "sm_90", "gpu_memory_gib": 80}
-STACK = {"torch": "2.11.0+cu130", "triton": "3.6.0", "cuda": "13.0"}
+STACK = {"torch": "2.11.0+cu130", "triton": "3.6.0", "cuda": "13.0", "kernel_code": "0123abcd"}
 
 
 def _key(**changes) -> dict:
@@ -81,6 +82,7 @@ def test_the_key_names_every_field_and_changes_with_each():
         "torch",
         "triton",
         "cuda",
+        "kernel_code",
         "dtype",
         "max_model_len",
         "max_num_seqs",
@@ -95,6 +97,7 @@ def test_the_key_names_every_field_and_changes_with_each():
         {"torch": "2.12.0"},
         {"triton": "3.7.0"},
         {"cuda": "12.8"},
+        {"kernel_code": "4567cdef"},
         {"dtype": "float16"},
         {"max_model_len": 8192},
         {"max_num_seqs": 64},
@@ -111,6 +114,25 @@ def test_the_key_names_every_field_and_changes_with_each():
     assert mismatches(fp8, key) == ["kv_cache_dtype (built for 'fp8_e4m3', this worker 'auto')"]
     with pytest.raises(ValueError, match="missing gpu_arch"):
         artifact_key("abc", LIMITS, {"gpu_memory_gib": 80}, STACK)
+
+
+def test_the_kernel_code_digest_follows_the_engine_sources(tmp_path):
+    """Another engine source (a kernel, or the host code choosing its variants) or another kernel
+    set gives another digest, so an artifact built by other code is not taken for this one."""
+    repo = Path(__file__).resolve().parent.parent
+    shutil.copytree(repo / "engine", tmp_path / "engine", ignore=shutil.ignore_patterns("*.pyc"))
+    (tmp_path / "warmup").mkdir()
+    shutil.copy(repo / "warmup" / "kernel_set.py", tmp_path / "warmup")
+    assert kernel_code_digest(tmp_path) == kernel_code_digest()
+    for edited in ("engine/attention/triton_attn.py", "warmup/kernel_set.py"):
+        path = tmp_path / edited
+        before = path.read_text()
+        path.write_text(before + "\n# another build\n")
+        assert kernel_code_digest(tmp_path) != kernel_code_digest(), edited
+        path.write_text(before)
+    assert kernel_code_digest(tmp_path) == kernel_code_digest()
+    built, here = _key(kernel_code="0000aaaa"), _key()
+    assert mismatches(built, here) == ["kernel_code (built for '0000aaaa', this worker '0123abcd')"]
 
 
 def test_an_artifact_for_another_arch_and_torch_is_refused_with_the_exact_fields(tmp_path):

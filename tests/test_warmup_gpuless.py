@@ -24,7 +24,14 @@ import torch
 
 from conftest import triton_nvidia_backend
 from engine import EngineArgs
-from warmup.artifacts import ARTIFACT_FILE, TRITON_DIR, artifact_key, install, select
+from warmup.artifacts import (
+    ARTIFACT_FILE,
+    TRITON_DIR,
+    artifact_key,
+    install,
+    kernel_code_digest,
+    select,
+)
 from warmup.kernel_set import Step, steps_for
 
 triton = pytest.importorskip("triton")
@@ -107,6 +114,7 @@ def test_a_build_without_a_gpu_has_kernels_for_each_architecture_keyed_for_it(ti
             "torch": torch.__version__,
             "triton": triton.__version__,
             "cuda": torch.version.cuda,
+            "kernel_code": kernel_code_digest(),
             "dtype": "bfloat16",
             "max_model_len": 128,
             "max_num_seqs": 4,
@@ -149,7 +157,7 @@ def test_a_build_without_a_gpu_has_kernels_for_each_architecture_keyed_for_it(ti
                 "gpu_memory_utilization": 0.95,
             },
             {"gpu_arch": arch, "gpu_memory_gib": gib},
-            {k: worker[k] for k in ("torch", "triton", "cuda")},
+            {k: worker[k] for k in ("torch", "triton", "cuda", "kernel_code")},
         )
         assert select("compiled", [str(p.parent) for p in paths], worker).artifact == str(
             by_arch[arch]

@@ -37,7 +37,7 @@ LIMITS = {
     "block_size": 16,
     "gpu_memory_utilization": 0.95,
 }
-STACK = {"torch": "2.11.0+cu130", "triton": "3.6.0", "cuda": "13.0"}
+STACK = {"torch": "2.11.0+cu130", "triton": "3.6.0", "cuda": "13.0", "kernel_code": "0123abcd"}
 
 RACER = r"""
 import json, os, sys, time

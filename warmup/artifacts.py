@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ KEY_FIELDS = (
     "torch",
     "triton",
     "cuda",
+    "kernel_code",
     "dtype",
     "max_model_len",
     "max_num_seqs",
@@ -98,6 +100,18 @@ def _limits(args, device) -> dict:
     }
 
 
+def kernel_code_digest(root: Path | None = None) -> str:
+    """A digest of the code that defines the kernels and which variants a step launches (every
+    source file of the engine package, and the kernel set the build traces) under `root` (this
+    checkout): an artifact built by other code may lack the kernels this code launches."""
+    root = root or Path(__file__).resolve().parent.parent
+    files = sorted((root / "engine").rglob("*.py")) + [root / "warmup" / "kernel_set.py"]
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def _software() -> dict:
     import torch
 
@@ -107,7 +121,12 @@ def _software() -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    return {"torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda}
+    return {
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": torch.version.cuda,
+        "kernel_code": kernel_code_digest(),
+    }
 
 
 def current_key(args) -> dict:
