@@ -21,7 +21,7 @@ import torch
 
 from bench.checkpoint import CONFIGS
 from bench.roofline import model_bytes
-from bench.serving_profile import linear_params
+from bench.serving_profile import layer_linear_shapes, linear_params
 
 
 @dataclass(frozen=True)
@@ -76,13 +76,8 @@ def gemm_flop_s(config: dict, rows: int, fp8: bool) -> float:
     """FLOP/s of one decoder layer's linears at `rows` rows, each timed in a CUDA graph."""
     from bench.attention_micro import time_call
 
-    h, inter = config["hidden_size"], config["intermediate_size"]
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or h // heads
-    kv = config.get("num_key_value_heads", heads)
-    shapes = [((heads + 2 * kv) * head_dim, h), (h, heads * head_dim), (2 * inter, h), (h, inter)]
     seconds = flops = 0.0
-    for n, k in shapes:
+    for n, k in layer_linear_shapes(config):
         x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
         w = (0.02 * torch.randn(n, k, device="cuda")).to(torch.bfloat16)
         if fp8:

@@ -150,15 +150,21 @@ class StepClock:
         return out
 
 
-def linear_params(config: dict) -> tuple[int, int]:
-    """(parameters of the decoder layers' linears, of the lm_head) of a dense Llama-like config."""
+def layer_linear_shapes(config: dict) -> list[tuple[int, int]]:
+    """(N, K) of one decoder layer's linears of a dense Llama-like config: the fused qkv, o_proj,
+    the fused gate_up, down_proj."""
     h = config["hidden_size"]
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or h // heads
     kv = config.get("num_key_value_heads", heads)
     inter = config["intermediate_size"]
-    per_layer = h * (heads + 2 * kv) * head_dim + heads * head_dim * h + 3 * h * inter
-    return per_layer * config["num_hidden_layers"], h * config["vocab_size"]
+    return [((heads + 2 * kv) * head_dim, h), (h, heads * head_dim), (2 * inter, h), (h, inter)]
+
+
+def linear_params(config: dict) -> tuple[int, int]:
+    """(parameters of the decoder layers' linears, of the lm_head) of a dense Llama-like config."""
+    per_layer = sum(n * k for n, k in layer_linear_shapes(config))
+    return per_layer * config["num_hidden_layers"], config["hidden_size"] * config["vocab_size"]
 
 
 def step_table(steps: list[dict], window_s: float, config: dict) -> dict:

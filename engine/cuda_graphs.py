@@ -27,6 +27,13 @@ from engine.step_inputs import InputStager, StepLayout, StepTensors, input_ids_v
 log = logging.getLogger(__name__)
 
 
+def smallest_at_least(sizes: list[int], n: int) -> int | None:
+    """The smallest of the sorted `sizes` >= n (the graph a step of n pads up to), or None when n
+    is bigger than every size."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
 def primed_stream(device: torch.device, dtype: torch.dtype) -> torch.cuda.Stream:
     """A new side stream on which this thread's cuBLAS handle and workspace exist already (a
     matmul with a bias in `dtype` has run on it), so a capture on it allocates neither."""
@@ -91,8 +98,7 @@ class DecodeGraphs:
     def padded_size(self, batch: int) -> int | None:
         """The smallest captured size >= batch, or None when the batch is bigger than every
         graph."""
-        i = bisect.bisect_left(self.sizes, batch)
-        return self.sizes[i] if i < len(self.sizes) else None
+        return smallest_at_least(self.sizes, batch)
 
     def _stage_padding(self, size: int, dest: torch.Tensor | None) -> StepTensors:
         """Inputs of `size` padded rows only (used to warm up and capture)."""

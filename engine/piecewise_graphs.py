@@ -18,14 +18,13 @@ for its shapes, which a capture needs); its second step captures it (recording o
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
-from engine.cuda_graphs import primed_stream
+from engine.cuda_graphs import primed_stream, smallest_at_least
 from engine.memory_budget import FRAGMENTATION, layer_activation_bytes
 from engine.step_inputs import InputStager, StepLayout, StepTensors
 
@@ -157,8 +156,7 @@ class PiecewiseGraphs:
 
     def bucket_of(self, num_tokens: int) -> int | None:
         """The smallest bucket >= num_tokens, or None when the step is bigger than every bucket."""
-        i = bisect.bisect_left(self.buckets, num_tokens)
-        return self.buckets[i] if i < len(self.buckets) else None
+        return smallest_at_least(self.buckets, num_tokens)
 
     def run(self, token_ids, positions, starts, lens, block_tables, fill_input_ids=None):
         """One step of at most max_tokens tokens -> its hidden states [tokens, hidden] (a view of

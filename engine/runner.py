@@ -131,7 +131,7 @@ class ModelRunner:
                 self.local_config,
                 self.piecewise_buckets,
                 args.max_num_seqs,
-                -(-max_model_len // self.block_size),
+                self.graphs.table_width,
             )
             if args.cuda_graph_capture == "start":
                 # "lazy": a bucket's first step runs eagerly, its second captures it

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine import LLM
+from engine.cuda_graphs import smallest_at_least
 from engine.piecewise_graphs import BUCKETS, MAX_TOKENS, token_buckets
 from engine.step_inputs import InputStager, StepLayout
 from graph_parity import assert_same_generation, generate_recording
@@ -28,6 +29,17 @@ def test_token_buckets_cover_every_step_up_to_the_budget():
         buckets = token_buckets(budget)
         assert buckets == sorted(set(buckets)) and all(b % 16 == 0 for b in buckets)
         assert buckets[-1] >= min(budget, MAX_TOKENS)
+    # a step pads up to the smallest bucket that holds it (the decode graphs' rule too)
+    buckets = token_buckets(600)
+    assert [smallest_at_least(buckets, n) for n in (1, 16, 17, 512, 513, 608)] == [
+        16,
+        16,
+        32,
+        512,
+        608,
+        608,
+    ]
+    assert smallest_at_least(buckets, 609) is None
 
 
 def test_padding_tokens_belong_to_no_sequence():
