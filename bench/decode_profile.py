@@ -17,10 +17,10 @@ from collections import defaultdict
 import torch
 
 import engine.layers.skinny_gemm as skinny
-from bench.checkpoint import synthesize
+from bench.checkpoint import CONFIGS, config_only_dir, synthesize
 from bench.reference_decode import decode_step_seconds
 from bench.roofline import copy_bandwidth
-from engine import LLM
+from engine import LLM, pdl
 from engine.cuda_graphs import DecodeGraphs
 
 SKINNY_ROWS = skinny.MAX_ROWS
@@ -99,17 +99,35 @@ def main() -> None:
     ap.add_argument(
         "--variants", default="fused,unfused", help="which graphs to capture and replay"
     )
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    model_dir = synthesize(
-        args.config, os.path.join(args.model_dir, args.config.removesuffix(".json")), device="cuda"
+    ap.add_argument("--quantization", default=None, help="EngineArgs.quantization, e.g. fp8")
+    ap.add_argument("--pdl", default="on", help="engine.pdl (programmatic dependent launch)")
+    ap.add_argument(
+        "--dummy", action="store_true", help="random weights made on the GPU (nothing written)"
     )
+    args = ap.parse_args()
+    pdl.ENABLED = args.pdl == "on"
+    os.makedirs(args.out, exist_ok=True)
+    if args.dummy:
+        config = json.loads((CONFIGS / args.config).read_text())
+        model_dir = config_only_dir(config, args.config.removesuffix(".json"), args.model_dir)
+    else:
+        model_dir = synthesize(
+            args.config,
+            os.path.join(args.model_dir, args.config.removesuffix(".json")),
+            device="cuda",
+        )
     bandwidth = copy_bandwidth("cuda", 2 << 30)
     cases = [tuple(map(int, c.split(":"))) for c in args.cases.split(",")]
     profile_cases = {tuple(map(int, c.split(":"))) for c in args.profile_cases.split(",") if c}
     sizes = sorted({b for b, _ in cases})
     llm = LLM(
-        model=model_dir, dtype="bfloat16", device="cuda", max_model_len=4096, cuda_graph_sizes=sizes
+        model=model_dir,
+        dtype="bfloat16",
+        device="cuda",
+        max_model_len=4096,
+        cuda_graph_sizes=sizes,
+        quantization=args.quantization,
+        load_format="dummy" if args.dummy else "auto",
     )
     runner = llm.engine.runner
     model = runner.model
@@ -167,6 +185,8 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "config": args.config,
+        "quantization": args.quantization,
+        "pdl": pdl.ENABLED,
         "copy_bandwidth": bandwidth,
         "weight_bytes": weight_bytes,
         "kv_bytes_per_token": kv_bytes_per_token,
@@ -184,7 +204,8 @@ def main() -> None:
             for name, k in list(row["kernels"].items())[:14]:
                 print(f"  {k['us']:9.1f} {k['launches']:6.0f}  {name[:90]}")
     print(
-        f"\n{result['device']}, {args.config}, bf16, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
+        f"\n{result['device']}, {args.config}, {args.quantization or 'bf16'}, PDL {args.pdl}, "
+        f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
         f"weights read per step {weight_bytes / 1e9:.2f} GB"
     )
     print(

@@ -22,6 +22,8 @@ import torch
 
 from bench import family_decode
 from bench.roofline import copy_bandwidth
+from engine import pdl
+from engine.attention import triton_attn
 from engine.layers import row_gemv as rg
 from engine.quant import fp8_kernels as fk
 
@@ -79,6 +81,17 @@ def main() -> None:
     ap.add_argument("--tiles", default="", help="fp8_gemm.json whose best_tiles to use")
     ap.add_argument("--prologues", default="on", help="off,on: row_gemv's fusion off, then on")
     ap.add_argument("--row-tiles", default="", help="row_gemv.json whose best_tiles to use")
+    ap.add_argument(
+        "--pdl",
+        default="on",
+        help="off,on: engine.pdl (programmatic dependent launch) off, then on",
+    )
+    ap.add_argument(
+        "--min-split-tiles", default="", help="e.g. 1,2,4: triton_attn.MIN_SPLIT_TILES each"
+    )
+    ap.add_argument(
+        "--fp8-prologues", default="off", help="off,on: FP8 linears take row_gemv's prologues"
+    )
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.tiles:
@@ -101,10 +114,28 @@ def main() -> None:
         )
 
     rows = []
-    for setting in args.prologues.split(","):  # bf16 only: FP8 linears take no prologue
-        rg.FUSE = setting == "on"
-        rows.append(dict(measure(None), fused_prologues=rg.FUSE))
-    rows += [dict(row, fused_prologues=False) for row in fp8_rows(args.paths, measure)]
+    settings = [
+        (p, int(t) if t else triton_attn.MIN_SPLIT_TILES)
+        for p in args.pdl.split(",")
+        for t in (args.min_split_tiles.split(",") if args.min_split_tiles else [""])
+    ]
+    for pdl_setting, min_tiles in settings:
+        pdl.ENABLED = pdl_setting == "on"
+        triton_attn.MIN_SPLIT_TILES = min_tiles
+        print(f"programmatic dependent launch: {pdl_setting}, min split tiles {min_tiles}")
+        for setting in args.prologues.split(","):  # bf16 only: FP8 linears take no prologue
+            rg.FUSE = setting == "on"
+            rows.append(
+                dict(measure(None), fused_prologues=rg.FUSE, pdl=pdl.ENABLED, min_tiles=min_tiles)
+            )
+        rg.FUSE = True
+        for setting in args.fp8_prologues.split(","):
+            rg.FUSE_FP8 = setting == "on"
+            rows += [
+                dict(row, fused_prologues=rg.FUSE_FP8, pdl=pdl.ENABLED, min_tiles=min_tiles)
+                for row in fp8_rows(args.paths, measure)
+            ]
+        rg.FUSE_FP8 = False
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -119,13 +150,18 @@ def main() -> None:
     with open(os.path.join(args.out, "fp8_decode.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(f"\n{result['device']}, batch 1, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    print("| weights | prologues fused | GB per token | ms/step | tok/s | floor ms | of roofline |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "| weights | prologues fused | PDL | min split tiles | GB per token | ms/step | tok/s "
+        "| floor ms | of roofline |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if "error" in r:
             continue
         print(
-            f"| {r['quantization']} | {r['fused_prologues']} | {r['gb_per_token']:.2f} "
+            f"| {r['quantization']} | {r['fused_prologues']} | {r.get('pdl', False)} "
+            f"| {r.get('min_tiles', 1)} "
+            f"| {r['gb_per_token']:.2f} "
             f"| {r['ms_per_step']:.2f} "
             f"| {r['tokens_per_s']:.0f} | {r['floor_ms']:.2f} | {r['of_roofline']:.0%} |"
         )

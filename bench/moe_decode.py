@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-import engine.layers.moe as moe_layer
+import engine.layers.experts as experts_layer
 from bench.attention_micro import time_call
 from bench.checkpoint import config_only_dir
 from bench.reference_decode import decode_step_seconds, graph_replay_seconds
@@ -92,7 +92,7 @@ def engine_rows(
     for impl, graphs in variants:
         if not graphs:
             llm.engine.runner.graphs = None  # decode steps run eager from here on
-        moe_layer.EXPERTS_IMPL = "auto" if impl == "fused" else "loop"
+        experts_layer.EXPERTS_IMPL = "auto" if impl == "fused" else "loop"
         step = decode_step_seconds(llm, 1, prompt_len=prompt_len, new_tokens=new_tokens)
         replay = graph_replay_seconds(llm, 1) if graphs else None
         row = {
@@ -112,7 +112,7 @@ def engine_rows(
             + (f", graph replay {replay * 1e3:.2f} ms" if replay else ""),
             flush=True,
         )
-    moe_layer.EXPERTS_IMPL = "auto"
+    experts_layer.EXPERTS_IMPL = "auto"
     return rows, read
 
 
@@ -143,7 +143,7 @@ def layer_rows(cfg: ModelConfig, bandwidth: float, batches: list[int], copies: i
         for impl, graph in [("fused", False), ("fused", True), ("loop", False)]:
             if graph and batch > 256:
                 continue
-            moe_layer.EXPERTS_IMPL = "auto" if impl == "fused" else "loop"
+            experts_layer.EXPERTS_IMPL = "auto" if impl == "fused" else "loop"
             turn = itertools.cycle(blocks)
             key = f"{impl}{'_graph' if graph else ''}"
             try:
@@ -155,7 +155,7 @@ def layer_rows(cfg: ModelConfig, bandwidth: float, batches: list[int], copies: i
                 continue
             row[f"{key}_us"] = seconds * 1e6
             row[f"{key}_of_roofline"] = nbytes / bandwidth / seconds
-        moe_layer.EXPERTS_IMPL = "auto"
+        experts_layer.EXPERTS_IMPL = "auto"
         rows.append(row)
         print(
             f"layer b={batch} ({row['path']} path): {row['experts_selected']:.0f} experts, "

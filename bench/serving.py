@@ -39,7 +39,7 @@ from bench.trace import (
 )
 from engine import AsyncLLM, EngineArgs
 from engine.config import ModelConfig
-from engine.layers import moe as moe_layer
+from engine.layers import experts as experts_layer
 from warmup.artifacts import prepare
 
 PARTS = ("hf", "decode", "conv", "fixed", "online")  # the order they run in; "offline": conv,fixed
@@ -211,7 +211,7 @@ class Bench:
             gc.collect()
             if a.device.startswith("cuda"):
                 torch.cuda.empty_cache()
-            moe_layer.EXPERTS_IMPL = "loop" if a.moe_experts == "loop" else "auto"
+            experts_layer.EXPERTS_IMPL = "loop" if a.moe_experts == "loop" else "auto"
             t0 = time.perf_counter()
             engine_args, self.engine_selection = prepare(
                 a.engine_mode,

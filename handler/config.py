@@ -171,6 +171,7 @@ class Settings(BaseModel):
         description=(
             "fp8: the linears of a bf16/fp16 checkpoint stored as FP8 (e4m3, a scale per output "
             "channel, quantized once as the pack is written), activations quantized per token; "
+            "a mixture-of-experts model's experts FP8 too (weights only); "
             "needs an Ada or Hopper GPU (compute capability 8.9+). Unset: the checkpoint's dtype "
             "(FP8 checkpoints, compressed-tensors or fp8, are served as FP8 without it). awq, "
             "gptq, bitsandbytes and other schemes are refused."

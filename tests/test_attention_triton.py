@@ -403,6 +403,7 @@ def test_select_backend_on_cpu() -> None:
 INTERPRETER_SCRIPT = """
 import torch
 from tests.test_attention_triton import check_tokens_of_no_sequence, make_case, run_both
+from engine.attention import triton_attn
 from engine.attention.triton_attn import TritonAttentionBackend
 
 # on CPU tensors: 2 'SMs', so decode splits 4-ways here; merged in the attention kernel or by a
@@ -412,9 +413,14 @@ backends = [
     TritonAttentionBackend(programs_per_sm=16, fused_merge=False),
 ]
 worst = 0.0
-for (dtype, head_dim), backend in zip(
-    ((torch.float32, 24), (torch.float16, 24), (torch.float32, 16)), backends + backends[:1]
+# a split of at least one key tile (every context of 2+ tiles merges) and of two (shorter ones are
+# one program with no merge); fp32's decode tiles hold 32 keys
+for (dtype, head_dim), backend, min_tiles in zip(
+    ((torch.float32, 24), (torch.float16, 24), (torch.float32, 16), (torch.float32, 24)),
+    backends + backends,
+    (2, 2, 1, 1),
 ):
+    triton_attn.MIN_SPLIT_TILES = min_tiles
     for seqs, qlens, window in (
         ([9, 40, 1, 70], [1, 1, 1, 1], None),
         ([9, 23, 37, 1, 50], [1, 23, 11, 1, 1], None),

@@ -25,7 +25,8 @@ from child_process import run_in_triton_interpreter
 from conftest import triton_nvidia_backend
 from engine.config import ModelConfig
 from engine.distributed.sharding import Shard
-from engine.layers.moe import SparseMoeBlock, experts_reference, route_reference
+from engine.layers.experts import experts_reference
+from engine.layers.moe import SparseMoeBlock, route_reference
 from engine.model_support import check_model_config
 from engine.models import build_model, load_model
 from test_model_parity import prefill_then_decode
@@ -238,7 +239,8 @@ def test_fused_moe_under_the_triton_interpreter_matches_torch():
     past DECODE_MAX_TOKENS), on CPU in float32 under TRITON_INTERPRET."""
     script = _RECORD_PATHS + textwrap.dedent("""
         import torch
-        from engine.layers.moe import experts_reference, route_reference
+        from engine.layers.experts import experts_reference
+        from engine.layers.moe import route_reference
         torch.manual_seed(0)
         big = fm.DECODE_MAX_TOKENS + 1
         for t, e, k, h, i, renorm, tiles in [
@@ -284,7 +286,7 @@ def test_decode_path_under_the_triton_interpreter_matches_torch():
         import torch
         import triton
         import triton.language as tl
-        from engine.layers.moe import experts_reference
+        from engine.layers.experts import experts_reference
 
         @triton.jit
         def through_bf16_kernel(src, dst, n, BLOCK: tl.constexpr):
@@ -337,6 +339,45 @@ def test_decode_path_under_the_triton_interpreter_matches_torch():
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
+@needs_triton
+def test_fp8_experts_under_the_triton_interpreter_match_torch():
+    """FP8 experts (e4m3 weights, one fp32 scale per expert and output row) through both paths
+    of the fused kernels, in float32 under TRITON_INTERPRET: the same as the torch reference on
+    the same quantized weights, at decode sizes (decode path, and the sorted path forced) and past
+    them."""
+    script = _RECORD_PATHS + textwrap.dedent("""
+        import torch
+        from engine.layers.experts import experts_reference
+        from engine.quant.fp8_kernels import quantize_rows_reference
+
+        def quantized(stacked):
+            q, scale = quantize_rows_reference(stacked)
+            return q, scale.squeeze(-1).contiguous()
+
+        torch.manual_seed(0)
+        big = fm.DECODE_MAX_TOKENS + 3
+        looping = fm.DecodeTiles(fm.GemvTile(8, 16, 4), fm.GemvTile(2, 16, 4))
+        for t, e, k, h, i, tiles in [
+            (1, 8, 2, 32, 48, None),
+            (3, 16, 8, 40, 24, looping),
+            (3, 8, 2, 32, 24, fm.moe_tiles(3, 8, 2)),
+            (big, 8, 2, 32, 24, None),
+        ]:
+            x = torch.randn(t, h)
+            w, ids = fm.route_topk(torch.randn(t, e), k, True)
+            gu, gu_scale = quantized(0.2 * torch.randn(e, 2 * i, h))
+            dn, dn_scale = quantized(0.2 * torch.randn(e, h, i))
+            assert gu.dtype == torch.float8_e4m3fn and gu_scale.shape == (e, 2 * i)
+            ref = experts_reference(x, gu, dn, w, ids.long(), (gu_scale, dn_scale))
+            out = fm.fused_experts(x, gu, dn, w, ids, tiles, gu_scale, dn_scale)
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        assert set(taken) == {"_decode_experts", "_sorted_experts"}, taken
+        print("ok")
+    """)
+    done = run_in_triton_interpreter(script)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
 @pytest.mark.skipif(not triton_nvidia_backend(), reason="triton without its CUDA backend (ptxas)")
 def test_fused_moe_kernels_compile_for_hopper(tmp_path):
     """Each kernel compiled ahead of time for sm_90 (no GPU needed): what the interpreter cannot
@@ -348,11 +389,13 @@ def test_fused_moe_kernels_compile_for_hopper(tmp_path):
         import engine.layers.fused_moe as fm
 
         def build(fn, signature, constexprs, tiles=None):
-            options = {}
+            # launched early on Hopper (engine.pdl)
+            options = {"launch_pdl": True}
             if tiles:
-                options = {"num_warps": tiles.num_warps}
+                options["num_warps"] = tiles.num_warps
                 options["num_stages"] = getattr(tiles, "num_stages", 3)
-            source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+            signature = dict(signature, PDL="constexpr")
+            source = ASTSource(fn=fn, signature=signature, constexprs=dict(constexprs, PDL=True))
             kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
             assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
 
@@ -370,36 +413,44 @@ def test_fused_moe_kernels_compile_for_hopper(tmp_path):
                  num_blocks=i32, BLOCK_M="constexpr", E_P2="constexpr", CHUNK="constexpr"),
             dict(BLOCK_M=16, E_P2=128, CHUNK=64),
         )
-        gemm = dict(a_ptr="*bf16", w_ptr="*bf16", c_ptr="*bf16", sorted_ptr="*i32",
-                    block_expert_ptr="*i32", route_weights_ptr="*fp32", num_pairs=i32, N=i32,
-                    K=i32, num_experts=i32, stride_am=i32, stride_we=i32, stride_wn=i32,
-                    stride_cm=i32, TOP_K="constexpr", GATE_UP="constexpr", BLOCK_M="constexpr",
-                    BLOCK_N="constexpr", BLOCK_K="constexpr", EVEN_K="constexpr", IEEE="constexpr")
-        for tiles, gate_up, even in [
-            (fm.moe_tiles(1, 128, 8), True, True), (fm.moe_tiles(8192, 128, 8), False, False)
-        ]:
-            block_n, block_k = tiles.gate_up if gate_up else tiles.down
-            build(fm._moe_gemm_kernel, gemm, dict(TOP_K=8, GATE_UP=gate_up,
-                  BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=even,
-                  IEEE=False), tiles)
-        decode_gate_up = dict(x_ptr="*bf16", w_ptr="*bf16", h_ptr="*bf16", ids_ptr="*i32",
-                              N=i32, K=i32, stride_xm=i32, stride_we=i32, stride_wn=i32,
-                              stride_hm=i32, TOP_K="constexpr", BLOCK_N="constexpr",
-                              BLOCK_K="constexpr", EVEN_K="constexpr")
-        decode_down = dict(h_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", ids_ptr="*i32",
-                           route_weights_ptr="*fp32", N=i32, K=i32, stride_hm=i32,
-                           stride_we=i32, stride_wn=i32, stride_om=i32, TOP_K="constexpr",
-                           K_P2="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr",
-                           EVEN_K="constexpr")
-        for top_k, even in [(8, True), (6, False), (1, True)]:
-            tiles = fm.decode_tiles(top_k)
-            for kernel, signature, tile, extra in [
-                (fm._decode_gate_up_kernel, decode_gate_up, tiles.gate_up, {}),
-                (fm._decode_down_kernel, decode_down, tiles.down,
-                 dict(K_P2=triton.next_power_of_2(top_k))),
+        # bf16 experts, and FP8 ones (e4m3 weights, fp32 scales per expert and row)
+        for w_type in ("*bf16", "*fp8e4nv"):
+            fp8 = w_type != "*bf16"
+            gemm = dict(a_ptr="*bf16", w_ptr=w_type, ws_ptr="*fp32", c_ptr="*bf16",
+                        sorted_ptr="*i32", block_expert_ptr="*i32", route_weights_ptr="*fp32",
+                        num_pairs=i32, N=i32, K=i32, num_experts=i32, stride_am=i32,
+                        stride_we=i32, stride_wn=i32, stride_se=i32, stride_cm=i32,
+                        TOP_K="constexpr", GATE_UP="constexpr", HAS_SCALE="constexpr",
+                        BLOCK_M="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr",
+                        EVEN_K="constexpr", IEEE="constexpr")
+            for tiles, gate_up, even in [
+                (fm.moe_tiles(1, 128, 8), True, True), (fm.moe_tiles(8192, 128, 8), False, False)
             ]:
-                build(kernel, signature, dict(TOP_K=top_k, BLOCK_N=tile.block_n,
-                      BLOCK_K=tile.block_k, EVEN_K=even, **extra), tile)
+                block_n, block_k = tiles.gate_up if gate_up else tiles.down
+                build(fm._moe_gemm_kernel, gemm, dict(TOP_K=8, GATE_UP=gate_up, HAS_SCALE=fp8,
+                      BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=even,
+                      IEEE=False), tiles)
+            decode_gate_up = dict(x_ptr="*bf16", w_ptr=w_type, ws_ptr="*fp32", h_ptr="*bf16",
+                                  ids_ptr="*i32", N=i32, K=i32, stride_xm=i32, stride_we=i32,
+                                  stride_wn=i32, stride_se=i32, stride_hm=i32, TOP_K="constexpr",
+                                  HAS_SCALE="constexpr", BLOCK_N="constexpr",
+                                  BLOCK_K="constexpr", EVEN_K="constexpr")
+            decode_down = dict(h_ptr="*bf16", w_ptr=w_type, ws_ptr="*fp32", out_ptr="*bf16",
+                               ids_ptr="*i32", route_weights_ptr="*fp32", N=i32, K=i32,
+                               stride_hm=i32, stride_we=i32, stride_wn=i32, stride_se=i32,
+                               stride_om=i32, TOP_K="constexpr", HAS_SCALE="constexpr",
+                               K_P2="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr",
+                               EVEN_K="constexpr")
+            for top_k, even in [(8, True), (6, False), (1, True)]:
+                tiles = fm.decode_tiles(top_k)
+                for kernel, signature, tile, extra in [
+                    (fm._decode_gate_up_kernel, decode_gate_up, tiles.gate_up, {}),
+                    (fm._decode_down_kernel, decode_down, tiles.down,
+                     dict(K_P2=triton.next_power_of_2(top_k))),
+                ]:
+                    build(kernel, signature, dict(TOP_K=top_k, HAS_SCALE=fp8,
+                          BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=even, **extra),
+                          tile)
         print("ok")
     """)
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(REPO))
@@ -466,6 +517,35 @@ def test_fused_experts_match_torch_reference(experts, top_k, tokens, spread):
     torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-5)
     out = fused_experts(x, gu, dn, w, ids)
     ref = experts_reference(x.float(), gu.float(), dn.float(), w_ref, i_ref)
+    assert out.dtype == torch.bfloat16 and out.shape == (tokens, hidden)
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize(
+    "experts,top_k,tokens",
+    [(8, 2, 1), (8, 2, 17), (64, 6, 8), (128, 8, 1), (128, 8, 8), (128, 8, 64), (128, 8, 2048)],
+)
+def test_fp8_experts_match_torch_reference(experts, top_k, tokens):
+    """FP8 experts (e4m3, a scale per expert and row) with bf16 activations, both paths, against
+    the fp32 product of the same quantized weights."""
+    from engine.layers.fused_moe import fused_experts, route_topk
+    from engine.quant.fp8_kernels import quantize_rows_reference
+
+    hidden, inter = 1024, 352
+    gen = torch.Generator(device="cuda").manual_seed(experts * 1000 + top_k * 10 + tokens)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    gu, gu_scale = quantize_rows_reference(
+        torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen) / hidden**0.5
+    )
+    dn, dn_scale = quantize_rows_reference(
+        torch.randn(experts, hidden, inter, device="cuda", generator=gen) / inter**0.5
+    )
+    scales = (gu_scale.squeeze(-1).contiguous(), dn_scale.squeeze(-1).contiguous())
+    w, ids = route_topk(_routing(tokens, experts, top_k, "all", gen), top_k, True)
+    out = fused_experts(x, gu, dn, w, ids, None, *scales)
+    ref = experts_reference(x.float(), gu, dn, w, ids.long(), scales)
     assert out.dtype == torch.bfloat16 and out.shape == (tokens, hidden)
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
 

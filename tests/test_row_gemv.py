@@ -21,7 +21,7 @@ from engine.layers import Linear, RMSNorm
 from engine.layers.activation import silu_and_mul_reference
 from engine.layers.parallel import RowParallelLinear
 from engine.layers.row_gemv import act_linear, norm_linear
-from engine.quant.fp8 import Fp8Linear
+from engine.quant.fp8 import Fp8Linear, RowParallelFp8Linear
 
 REPO = Path(__file__).resolve().parents[1]
 needs_triton = pytest.mark.skipif(
@@ -107,12 +107,18 @@ def test_row_gemv_compiles_for_hopper(tmp_path):
             sig.update(w_ptr="*" + w_type, ws_ptr="*fp32", N="i32", K="i32", stride_wn="i32",
                        eps="fp32")
             const = dict(PROLOGUE=prologue, HAS_RESIDUAL=residual, HAS_SCALE=w_type != "bf16",
-                         HAS_BIAS=False, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True)
+                         HAS_BIAS=False, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, PDL=True)
             sig.update({c: "constexpr" for c in const})
             source = ASTSource(fn=rg._row_gemv_kernel, signature=sig, constexprs=const)
-            options = dict(num_warps=warps, num_stages=stages)
+            options = dict(num_warps=warps, num_stages=stages, launch_pdl=True)
             kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
             assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
+            # the first weight tile is requested before the wait for the kernel before it, and
+            # the input row only after it (engine.pdl's contract)
+            ptx = kernel.asm["ptx"]
+            wait = ptx.index("griddepcontrol.wait")
+            assert "ld.global" in ptx[:wait], "no weight load before the wait"
+            assert "griddepcontrol.launch_dependents" in ptx[wait:]
 
         for w_type in ("bf16", "fp8e4nv"):
             build(w_type, rg.NORM, True, 6144, 4096)
@@ -146,9 +152,12 @@ def test_the_layers_fall_back_where_the_kernel_does_not_serve():
     gu = torch.randn(1, 32)
     torch.testing.assert_close(act_linear(down, gu, "silu"), down(silu_and_mul_reference(gu)))
     # row-parallel linears all-reduce after their product: never the one-row kernel's; FP8 linears
-    # keep their own GEMV (measured faster than the fused kernel)
+    # hand over their per-row scales with the weight
     assert RowParallelLinear(16, 8, False, torch.float32, "cpu", None).one_row_operands() is None
-    assert not hasattr(Fp8Linear(16, 8, False, torch.float32, "cpu"), "one_row_operands")
+    assert RowParallelFp8Linear(16, 8, False, torch.float32, "cpu", None).one_row_operands() is None
+    fp8 = Fp8Linear(16, 8, False, torch.float32, "cpu")
+    weight, scale, bias = fp8.one_row_operands()
+    assert weight is fp8.weight and scale is fp8.weight_scale and bias is None
 
 
 # ---- GPU ---------------------------------------------------------------------------------------

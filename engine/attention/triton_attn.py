@@ -21,6 +21,7 @@ from engine.attention.triton_kernels import (
     paged_attention_kernel,
     write_kv_kernel,
 )
+from engine.pdl import launch_options
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # an FP8 cache beside q/k/v in one of SUPPORTED_DTYPES
@@ -30,6 +31,9 @@ MAX_SPLITS = 64
 # Splits per (sequence, kv head) for the decodes of a step that mixes them with prompt chunks: one
 # count whatever the step's batch and table width, so one kernel variant (docs/engine.md).
 MIXED_DECODE_SPLITS = 4
+# Key tiles a decode split takes at least: a context that fits is one program per kv head, which
+# stores its output with no partials, atomics or merge (batch-1 decode's latency)
+MIN_SPLIT_TILES = 2
 # (sequence, kv head) pairs the decode merge counters cover before they must grow
 ARRIVAL_SLOTS = 1 << 16
 LOG2_E = 1.4426950408889634
@@ -131,6 +135,7 @@ class TritonAttentionBackend(AttentionBackend):
                 BLOCK_D=block_d,
                 FP8=fp8,
                 FP8_MAX=fp8_max(kv_cache_layer.dtype) if fp8 else 0.0,
+                **launch_options(),
             )
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -244,8 +249,10 @@ class TritonAttentionBackend(AttentionBackend):
             FUSED_MERGE=fused_merge,
             BLOCK_S=triton.next_power_of_2(num_splits),
             FP8=is_fp8(kv_cache_layer.dtype),
+            MIN_SPLIT_TILES=MIN_SPLIT_TILES if num_splits > 1 else 1,
             num_warps=num_warps,
             num_stages=num_stages,
+            **launch_options(),
         )
         if num_splits > 1 and not fused_merge:
             merge_splits_kernel[(num_tokens, num_heads)](
@@ -260,6 +267,7 @@ class TritonAttentionBackend(AttentionBackend):
                 NUM_SPLITS=num_splits,
                 BLOCK_S=triton.next_power_of_2(num_splits),
                 num_warps=4 if block_d >= 128 else 2,
+                **launch_options(),
             )
 
     def _arrivals_for(self, slots: int, device: torch.device) -> torch.Tensor | None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from engine.pdl import release
+
 
 @triton.jit
 def write_kv_kernel(
@@ -31,10 +33,12 @@ def write_kv_kernel(
     BLOCK_D: tl.constexpr,
     FP8: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per new token: copy its K and V rows [Hkv, D] to its flat slot; a negative slot
     is padding. FP8: x * (1 / scale) in fp32, clamped to +-FP8_MAX, cast rounding to nearest even
     (engine.attention.kv_quant.quantize, byte for byte)."""
+    release(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -186,6 +190,8 @@ def paged_attention_kernel(
     FUSED_MERGE: tl.constexpr,
     BLOCK_S: tl.constexpr,
     FP8: tl.constexpr,
+    MIN_SPLIT_TILES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (sequence b = seq_offset + its first index, kv head x split, query tile): rows are
     (query token, head of the group) pairs.
@@ -194,10 +200,12 @@ def paged_attention_kernel(
     shapes only. With NUM_SPLITS > 1 it writes a normalised partial output and its log2-sum-exp.
     FUSED_MERGE: only the splits the context needs run; one that has the whole context writes the
     output itself, otherwise the last split to arrive (an atomic count per sequence and kv head,
-    reset by it) merges the partials. Without FUSED_MERGE every split writes a partial and
-    merge_splits_kernel combines them. FP8: the cache holds FP8 K/V; q goes to fp16 (fp32 stays)
-    and v_scale multiplies each (partial) output (the merge is linear in them).
+    reset by it) merges the partials; a split takes at least MIN_SPLIT_TILES key tiles, so a short
+    context is one split that stores its output with no merge. Without FUSED_MERGE every split
+    writes a partial and merge_splits_kernel combines them. FP8: the cache holds FP8 K/V; q goes to
+    fp16 (fp32 stays) and v_scale multiplies each (partial) output (the merge is linear in them).
     """
+    release(PDL)
     b = tl.program_id(0) + seq_offset
     kv_head = tl.program_id(1) // NUM_SPLITS
     split = tl.program_id(1) % NUM_SPLITS
@@ -224,7 +232,7 @@ def paged_attention_kernel(
     num_active = 1
     if NUM_SPLITS > 1:
         tiles = tl.cdiv(hi - lo, BLOCK_N)
-        per_split_tiles = tl.cdiv(tiles, NUM_SPLITS)
+        per_split_tiles = tl.maximum(tl.cdiv(tiles, NUM_SPLITS), MIN_SPLIT_TILES)
         num_active = tl.maximum(tl.cdiv(tiles, tl.maximum(per_split_tiles, 1)), 1)
         if FUSED_MERGE:
             if split >= num_active:
@@ -416,9 +424,11 @@ def merge_splits_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (token, head): weight each split's output by exp2(its lse - max); no context
     gives zeros."""
+    release(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)

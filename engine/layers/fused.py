@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.pdl import launch_options, release
+
 try:  # a CPU-only install may have no triton; the torch reference layers never need it
     import triton
     import triton.language as tl
@@ -39,7 +41,9 @@ if triton is not None:
         eps,
         HAS_RESIDUAL: tl.constexpr,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        release(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -58,7 +62,10 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr):
+    def _silu_and_mul_kernel(
+        x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr
+    ):
+        release(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -144,10 +151,12 @@ if triton is not None:
         BLOCK_HK: tl.constexpr,
         HAS_NORM: tl.constexpr,
         TO_CACHE: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """One program per token. TO_CACHE: k_out_ptr is a paged KV cache layer [2, slots, Hkv, D]
         and the rotated K and the untouched V go straight to the token's slot (a negative slot is
         padding: nothing written)."""
+        release(PDL)
         tok = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + tok).to(tl.int64)
         dims = tl.arange(0, BLOCK_D)[None, :]
@@ -253,6 +262,7 @@ def rms_norm_fused(
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
             num_warps=min(16, max(1, block // 256)),
+            **launch_options(),
         )
     return out.view(shape), (res_out.view(shape) if res_out is not None else None)
 
@@ -273,6 +283,7 @@ def silu_and_mul_fused(gate_up: torch.Tensor) -> torch.Tensor:
             n_cols,
             BLOCK=block,
             num_warps=4,
+            **launch_options(),
         )
     return out.view(*gate_up.shape[:-1], n_cols)
 
@@ -341,5 +352,6 @@ def rope_fused(
             HAS_NORM=has_norm,
             TO_CACHE=to_cache,
             num_warps=4,
+            **launch_options(),
         )
     return q_out, (None if to_cache else k_out)

@@ -21,6 +21,8 @@ from typing import NamedTuple
 
 import torch
 
+from engine.pdl import launch_options, release
+
 try:  # a CPU-only install may have no triton; the torch reference never needs it
     import triton
     import triton.language as tl
@@ -99,9 +101,11 @@ if triton is not None:
         K_P2: tl.constexpr,
         E_P2: tl.constexpr,
         RENORMALISE: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Program t: the float32 softmax of token t's router logits, its TOP_K largest in
         descending order (ties: the lower expert id), divided by their sum when RENORMALISE."""
+        release(PDL)
         row = tl.program_id(0)
         experts = tl.arange(0, E_P2)
         real = experts < num_experts
@@ -135,11 +139,13 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         E_P2: tl.constexpr,
         CHUNK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """One program sorts the num_pairs (token, slot) pairs of ids_ptr (flat [T * top_k] expert
         ids) by expert: sorted_ptr receives each pair's flat index, expert e's group starting at a
         multiple of BLOCK_M and padded to one with num_pairs; block_expert_ptr receives the expert
         of each block, E_P2 (or more) for blocks past the last group."""
+        release(PDL)
         experts = tl.arange(0, E_P2)
         counts = tl.zeros([E_P2], dtype=tl.int32)
         for first in range(0, num_pairs, CHUNK):
@@ -171,6 +177,7 @@ if triton is not None:
     def _moe_gemm_kernel(
         a_ptr,
         w_ptr,
+        ws_ptr,
         c_ptr,
         sorted_ptr,
         block_expert_ptr,
@@ -182,14 +189,17 @@ if triton is not None:
         stride_am,
         stride_we,
         stride_wn,
+        stride_se,
         stride_cm,
         TOP_K: tl.constexpr,
         GATE_UP: tl.constexpr,
+        HAS_SCALE: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr,
         IEEE: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Program (b, n): columns [n * BLOCK_N, +BLOCK_N) of sorted block b, through its expert's
         weights only.
@@ -197,7 +207,10 @@ if triton is not None:
         GATE_UP: A rows are tokens (pair // TOP_K), W is [E, 2N, K] (gate rows, then up rows), the
         output is silu(gate) * up at the block's sorted rows. Otherwise (down): A rows are the
         sorted rows, W is [E, N, K], the output is scaled by the pair's router weight and lands at
-        the pair's row (flat index token * TOP_K + slot)."""
+        the pair's row (flat index token * TOP_K + slot). HAS_SCALE: W is float8_e4m3fn, widened
+        to A's dtype for the dot, with one fp32 scale per (expert, output row) at ws_ptr applied to
+        the accumulators."""
+        release(PDL)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         expert = tl.load(block_expert_ptr + pid_m)
@@ -233,6 +246,8 @@ if triton is not None:
             else:
                 a = tl.load(a_ptrs, mask=real[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            if HAS_SCALE:
+                w = w.to(a_ptr.dtype.element_ty)
             if IEEE:
                 acc += tl.dot(a, tl.trans(w), input_precision="ieee")
             else:
@@ -242,12 +257,19 @@ if triton is not None:
                     w_up = tl.load(w_ptrs + up_offset)
                 else:
                     w_up = tl.load(w_ptrs + up_offset, mask=k_ok[None, :], other=0.0)
+                if HAS_SCALE:
+                    w_up = w_up.to(a_ptr.dtype.element_ty)
                 if IEEE:
                     acc_up += tl.dot(a, tl.trans(w_up), input_precision="ieee")
                 else:
                     acc_up += tl.dot(a, tl.trans(w_up))
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+        if HAS_SCALE:
+            scales = ws_ptr + expert.to(tl.int64) * stride_se + rn_safe
+            acc = acc * tl.load(scales)[None, :]
+            if GATE_UP:
+                acc_up = acc_up * tl.load(scales + N)[None, :]
         if GATE_UP:
             acc = _silu_and_mul_rounded(acc, acc_up, c_ptr.dtype.element_ty)
         else:
@@ -261,6 +283,7 @@ if triton is not None:
     def _decode_gate_up_kernel(
         x_ptr,
         w_ptr,
+        ws_ptr,
         h_ptr,
         ids_ptr,
         N,
@@ -268,15 +291,20 @@ if triton is not None:
         stride_xm,
         stride_we,
         stride_wn,
+        stride_se,
         stride_hm,
         TOP_K: tl.constexpr,
+        HAS_SCALE: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Program (p, n): h[p, n * BLOCK_N : +BLOCK_N] = silu(gate) * up of pair p (token
         p // TOP_K, flat index token * TOP_K + slot) through expert ids[p]; W is [E, 2N, K] (gate
-        rows, then up rows). One A row: products on CUDA cores, summed over K at the end."""
+        rows, then up rows). One A row: products on CUDA cores, summed over K at the end.
+        HAS_SCALE: W is float8_e4m3fn with one fp32 scale per (expert, row) at ws_ptr."""
+        release(PDL)
         pair = tl.program_id(0)
         pid_n = tl.program_id(1)
         expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -308,13 +336,20 @@ if triton is not None:
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         dtype = h_ptr.dtype.element_ty
-        h = _silu_and_mul_rounded(tl.sum(gate_acc, axis=1), tl.sum(up_acc, axis=1), dtype)
+        gate = tl.sum(gate_acc, axis=1)
+        up = tl.sum(up_acc, axis=1)
+        if HAS_SCALE:
+            scales = ws_ptr + expert * stride_se + rn_safe
+            gate = gate * tl.load(scales)
+            up = up * tl.load(scales + N)
+        h = _silu_and_mul_rounded(gate, up, dtype)
         tl.store(h_ptr + pair.to(tl.int64) * stride_hm + rn, h.to(dtype), mask=rn < N)
 
     @triton.jit
     def _decode_down_kernel(
         h_ptr,
         w_ptr,
+        ws_ptr,
         out_ptr,
         ids_ptr,
         route_weights_ptr,
@@ -323,12 +358,15 @@ if triton is not None:
         stride_hm,
         stride_we,
         stride_wn,
+        stride_se,
         stride_om,
         TOP_K: tl.constexpr,
+        HAS_SCALE: tl.constexpr,
         K_P2: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Program (t, n): out[t, n * BLOCK_N : +BLOCK_N] = the sum over token t's TOP_K slots j
         of route[t, j] * (h[t * TOP_K + j] @ W[ids[t, j]]^T), W [E, N, K]. Each step loads the
@@ -337,7 +375,9 @@ if triton is not None:
 
         Rounded as the sorted path rounds: each slot's product through the activation dtype, times
         its route weight rounded the same way, the result rounded again (the sorted path stores
-        it), the slots summed in float32 and rounded once."""
+        it), the slots summed in float32 and rounded once. HAS_SCALE: W is float8_e4m3fn with one
+        fp32 scale per (expert, row) at ws_ptr."""
+        release(PDL)
         token = tl.program_id(0)
         pid_n = tl.program_id(1)
         slots = tl.arange(0, K_P2)
@@ -366,8 +406,12 @@ if triton is not None:
             h_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         dtype = out_ptr.dtype.element_ty
+        products = tl.sum(acc, axis=2)
+        if HAS_SCALE:
+            scales = ws_ptr + experts[:, None] * stride_se + rn_safe.to(tl.int64)[None, :]
+            products = products * tl.load(scales, mask=slot_ok[:, None], other=0.0)
         route = _rounded(tl.load(route_weights_ptr + pairs, mask=slot_ok, other=0.0), dtype)
-        weighted = _rounded(_rounded(tl.sum(acc, axis=2), dtype) * route[:, None], dtype)
+        weighted = _rounded(_rounded(products, dtype) * route[:, None], dtype)
         total = tl.sum(weighted, axis=0)
         tl.store(out_ptr + token.to(tl.int64) * stride_om + rn, total.to(dtype), mask=rn < N)
 
@@ -419,6 +463,7 @@ def route_topk(
             K_P2=triton.next_power_of_2(top_k),
             E_P2=triton.next_power_of_2(e),
             RENORMALISE=renormalise,
+            **launch_options(),
         )
     return weights, ids
 
@@ -452,6 +497,7 @@ def align_by_expert(
         E_P2=e_p2,
         CHUNK=max(16, min(triton.next_power_of_2(max(pairs, capacity // block_m)), 8192 // e_p2)),
         num_warps=4,
+        **launch_options(),
     )
     return sorted_pairs, block_expert
 
@@ -483,9 +529,13 @@ def fused_experts(
     weights: torch.Tensor,
     ids: torch.Tensor,
     tiles: MoeTiles | DecodeTiles | None = None,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; router weights [T, k] float32 and expert ids
-    [T, k] -> [T, H] in x's dtype: what engine.layers.moe.experts_reference computes. Up to
+    [T, k] -> [T, H] in x's dtype: what engine.layers.experts.experts_reference computes. FP8
+    experts: gate_up and down float8_e4m3fn with fp32 scales [E, 2I] and [E, H] (one per output
+    row; the weights widen to x's dtype in the kernels, the scales apply to the fp32 sums). Up to
     DECODE_MAX_TOKENS tokens by the decode path (two launches), beyond by the sorted path (sort,
     gate_up, down, and a sum over k). `tiles` overrides the choice of path (MoeTiles: sorted,
     DecodeTiles: decode) and of tiles: the benchmark and tests sweep them."""
@@ -501,9 +551,12 @@ def fused_experts(
     if tiles is None:
         decode = uses_decode_path(t)
         tiles = decode_tiles(top_k) if decode else moe_tiles(t, gate_up.shape[0], top_k)
+    scales = (gate_up_scale, down_scale)
+    if (gate_up_scale is None) != (down_scale is None):
+        raise ValueError("fused_experts: FP8 experts need both gate_up_scale and down_scale")
     if isinstance(tiles, DecodeTiles):
-        return _decode_experts(x, gate_up, down, route, flat_ids, top_k, tiles)
-    return _sorted_experts(x, gate_up, down, route, flat_ids, top_k, tiles)
+        return _decode_experts(x, gate_up, down, route, flat_ids, top_k, tiles, scales)
+    return _sorted_experts(x, gate_up, down, route, flat_ids, top_k, tiles, scales)
 
 
 def _block_k(block_k: int, k: int) -> int:
@@ -519,6 +572,7 @@ def _decode_experts(
     flat_ids: torch.Tensor,
     top_k: int,
     tiles: DecodeTiles,
+    scales: tuple[torch.Tensor | None, torch.Tensor | None],
 ) -> torch.Tensor:
     """The decode path: h [T * k, I] = silu(gate) * up of every (token, slot) pair, then each
     token's weighted sum over its k experts' down projections, written straight to out [T, H]."""
@@ -528,9 +582,11 @@ def _decode_experts(
     out = torch.empty_like(x)
     tile = tiles.gate_up
     block_k = _block_k(tile.block_k, hidden)
+    gate_up_scale, down_scale = scales
     _decode_gate_up_kernel[(t * top_k, triton.cdiv(inter, tile.block_n))](
         x,
         gate_up,
+        gate_up_scale if gate_up_scale is not None else x,
         h,
         flat_ids,
         inter,
@@ -538,18 +594,22 @@ def _decode_experts(
         x.stride(0),
         gate_up.stride(0),
         gate_up.stride(1),
+        gate_up_scale.stride(0) if gate_up_scale is not None else 0,
         h.stride(0),
         TOP_K=top_k,
+        HAS_SCALE=gate_up_scale is not None,
         BLOCK_N=tile.block_n,
         BLOCK_K=block_k,
         EVEN_K=hidden % block_k == 0,
         num_warps=tile.num_warps,
+        **launch_options(),
     )
     tile = tiles.down
     block_k = _block_k(tile.block_k, inter)
     _decode_down_kernel[(t, triton.cdiv(hidden, tile.block_n))](
         h,
         down,
+        down_scale if down_scale is not None else h,
         out,
         flat_ids,
         route,
@@ -558,13 +618,16 @@ def _decode_experts(
         h.stride(0),
         down.stride(0),
         down.stride(1),
+        down_scale.stride(0) if down_scale is not None else 0,
         out.stride(0),
         TOP_K=top_k,
+        HAS_SCALE=down_scale is not None,
         K_P2=triton.next_power_of_2(top_k),
         BLOCK_N=tile.block_n,
         BLOCK_K=block_k,
         EVEN_K=inter % block_k == 0,
         num_warps=tile.num_warps,
+        **launch_options(),
     )
     return out
 
@@ -577,6 +640,7 @@ def _sorted_experts(
     flat_ids: torch.Tensor,
     top_k: int,
     tiles: MoeTiles,
+    scales: tuple[torch.Tensor | None, torch.Tensor | None],
 ) -> torch.Tensor:
     """The sorted path: the pairs sorted by expert, both grouped GEMMs over the sorted blocks, and
     a torch sum over each token's k weighted rows."""
@@ -587,14 +651,15 @@ def _sorted_experts(
     num_blocks = block_expert.numel()
     h = torch.empty((sorted_pairs.numel(), inter), dtype=x.dtype, device=x.device)
     out = torch.empty((t * top_k, hidden), dtype=x.dtype, device=x.device)
-    for a, w, c, n, k, (block_n, block_k), first in (
-        (x, gate_up, h, inter, hidden, tiles.gate_up, True),
-        (h, down, out, hidden, inter, tiles.down, False),
+    for a, w, ws, c, n, k, (block_n, block_k), first in (
+        (x, gate_up, scales[0], h, inter, hidden, tiles.gate_up, True),
+        (h, down, scales[1], out, hidden, inter, tiles.down, False),
     ):
         block_k = _block_k(block_k, k)
         _moe_gemm_kernel[(num_blocks, triton.cdiv(n, block_n))](
             a,
             w,
+            ws if ws is not None else a,
             c,
             sorted_pairs,
             block_expert,
@@ -606,9 +671,11 @@ def _sorted_experts(
             a.stride(0),
             w.stride(0),
             w.stride(1),
+            ws.stride(0) if ws is not None else 0,
             c.stride(0),
             TOP_K=top_k,
             GATE_UP=first,
+            HAS_SCALE=ws is not None,
             BLOCK_M=tiles.block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
@@ -616,6 +683,7 @@ def _sorted_experts(
             IEEE=x.dtype == torch.float32,
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
+            **launch_options(),
         )
     if top_k == 1:
         return out

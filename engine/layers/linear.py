@@ -42,9 +42,9 @@ class Linear(nn.Module):
             return skinny_gemm(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
-    def one_row_operands(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(weight, bias) for engine.layers.row_gemv's one-row kernel."""
-        return self.weight, self.bias
+    def one_row_operands(self) -> tuple[torch.Tensor, None, torch.Tensor | None]:
+        """(weight, its per-row scale: none, bias) for engine.layers.row_gemv's one-row kernel."""
+        return self.weight, None, self.bias
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"

@@ -1,26 +1,20 @@
 """The sparse MLP of mixture-of-experts decoders (Qwen3-MoE, Qwen2-MoE, Mixtral): a softmax top-k
-router, experts stored stacked ([E, 2I, H] gate_up and [E, H, I] down, the fused kernel's layout),
-and Qwen2-MoE's sigmoid-gated shared expert.
-
-On CUDA the experts run as the Triton kernels of engine/layers/fused_moe.py (grouped GEMMs over the
-tokens sorted by expert, or at decode batches one read of its expert per pick); the plain torch
-path here (a loop over the experts that received tokens) is the CPU reference.
+router (the Triton kernel of engine/layers/fused_moe.py on CUDA, route_reference elsewhere), the
+experts (engine/layers/experts.py, or a quantization scheme's), and Qwen2-MoE's sigmoid-gated
+shared expert.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.layers import experts as experts_layer
 from engine.layers.activation import silu_and_mul
+from engine.layers.experts import StackedExperts
 from engine.layers.fused import fused_kernels_available
 from engine.layers.linear import Linear
-
-# "auto": the fused Triton kernels on CUDA, the torch loop elsewhere; "loop": always the torch loop
-# (the benchmark's baseline; its host syncs keep it out of CUDA graphs).
-EXPERTS_IMPL = "auto"
 
 
 def route_reference(
@@ -33,58 +27,6 @@ def route_reference(
     if renormalise:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
-
-
-def experts_reference(
-    x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-) -> torch.Tensor:
-    """sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = ids[t, j], one plain
-    matmul pair per expert that received tokens, in expert order. x [T, H]; gate_up [E, 2I, H];
-    down [E, H, I] -> [T, H] in x's dtype."""
-    out = torch.zeros_like(x)
-    for expert in ids.unique().tolist():  # ascending
-        tokens, slots = torch.where(ids == expert)
-        h = silu_and_mul(F.linear(x[tokens], gate_up[expert]))
-        y = F.linear(h, down[expert]) * weights[tokens, slots, None].to(x.dtype)
-        out.index_add_(0, tokens, y)
-    return out
-
-
-class StackedExperts(nn.Module):
-    """The experts' weights, one tensor per projection: gate_up_proj [E, 2I, H] (gate rows first,
-    then up) and down_proj [E, H, I]."""
-
-    def __init__(
-        self,
-        num_experts: int,
-        hidden: int,
-        inter: int,
-        dtype: torch.dtype,
-        device: torch.device | str | None,
-    ) -> None:
-        super().__init__()
-        self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
-        empty = dict(dtype=dtype, device=device)
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, 2 * inter, hidden, **empty), requires_grad=False
-        )
-        self.down_proj = nn.Parameter(
-            torch.empty(num_experts, hidden, inter, **empty), requires_grad=False
-        )
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if EXPERTS_IMPL == "auto" and fused_kernels_available(x):
-            from engine.layers.fused_moe import fused_experts
-
-            return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
-        return experts_reference(x, self.gate_up_proj, self.down_proj, weights, ids)
-
-    def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, hidden={self.hidden}, inter={self.inter}"
 
 
 class SharedExpert(nn.Module):
@@ -106,7 +48,11 @@ class SparseMoeBlock(nn.Module):
     shared expert shared_expert.{gate_up,down}_proj and shared_expert_gate ([1, H]).
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device) -> None:
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype, device, experts: type[nn.Module] | None = None
+    ) -> None:
+        """experts: the experts' class (a quantization scheme's, engine.quant.QuantConfig.experts);
+        StackedExperts by default."""
         super().__init__()
         moe = cfg.moe
         if moe is None:
@@ -114,7 +60,7 @@ class SparseMoeBlock(nn.Module):
         self.top_k = moe.top_k
         self.renormalise = moe.norm_topk_prob
         self.gate = Linear(cfg.hidden_size, moe.num_experts, False, dtype, device)
-        self.experts = StackedExperts(
+        self.experts = (experts or StackedExperts)(
             moe.num_experts, cfg.hidden_size, moe.expert_intermediate_size, dtype, device
         )
         shared = moe.shared_expert_intermediate_size
@@ -128,7 +74,7 @@ class SparseMoeBlock(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, top_k] float32, expert ids [T, top_k]) of each token."""
         logits = self.gate(x)
-        if EXPERTS_IMPL == "auto" and fused_kernels_available(logits):
+        if experts_layer.EXPERTS_IMPL == "auto" and fused_kernels_available(logits):
             from engine.layers.fused_moe import route_topk
 
             return route_topk(logits, self.top_k, self.renormalise)

@@ -10,18 +10,24 @@ also writes x + residual, the stream the next layer adds to.
 
 Weights in the activation dtype (bf16/fp16), or float8_e4m3fn with one fp32 scale per output row:
 without a prologue this is the FP8 linears' one-row GEMV (engine/quant/fp8_kernels.py, "gemv").
-Those do not take the norm and SiLU prologues: fused, FP8 decode measured slower than its GEMV after
-a norm kernel (bench/results/2026-11-27-h100-row-gemv/), since every program reads the residual, the
-row and the norm weight beside only half the bytes of weight a bf16 program reads.
+Those do not take the norm and SiLU prologues unless FUSE_FP8: fused, FP8 decode measured slower
+than its GEMV after a norm kernel (bench/results/2026-11-27-h100-row-gemv/, and again with
+programmatic dependent launch: bench/results/2026-11-27-h100-pdl/), since every program reads the
+residual, the row and the norm weight beside only half the bytes of weight a bf16 program reads.
+
+Launch (engine.pdl): each program requests its first weight tile, then waits for the kernel before;
+the kernel launches early only without a prologue (its kernel before is then small: attention, the
+norm or SiLU before an FP8 linear).
 
 Numerics: fp32 throughout, rounded where torch rounds the sum x + residual and the activation; the
 normed input is not rounded to the activation dtype before the product, so results differ from the
 unfused layers by bf16 rounding.
 
 Who takes it: norm_linear and act_linear below (the decoder's only callers), on CUDA, for one row,
-a plain RMSNorm and a linear whose one_row_operands() gives its weight in the activation dtype
-(row-parallel linears give none: they all-reduce after; FP8 linears have none). FUSE turns it off
-(bench/fp8_decode.py --prologues measures both).
+a plain RMSNorm and a linear whose one_row_operands() gives (weight, scale, bias) with its weight
+in the activation dtype, or FP8 with its scales when FUSE_FP8 (row-parallel linears give none: they
+all-reduce after). FUSE turns it off (bench/fp8_decode.py --prologues and --fp8-prologues measure
+both).
 Tiles: bench/row_gemv.py's sweep.
 """
 
@@ -31,6 +37,7 @@ import torch
 
 from engine.layers.activation import gate_and_mul
 from engine.layers.norm import RMSNorm
+from engine.pdl import launch_options, release
 
 try:  # a CPU-only install may have no triton; the unfused layers never need it
     import triton
@@ -39,6 +46,7 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
     triton = None
 
 FUSE = True  # the fused one-row path on (benchmarks turn it off to compare)
+FUSE_FP8 = False  # FP8 weights take the prologues too (benchmarks compare)
 PLAIN, NORM, SILU_MUL = 0, 1, 2  # the prologue applied to x before the product
 RowGemvConfig = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 # (prologue, weight dtype name, N, K) -> tiles replacing the defaults (a benchmark's sweep)
@@ -46,6 +54,37 @@ TILE_OVERRIDES: dict[tuple[int, str, int, int], RowGemvConfig] = {}
 
 
 if triton is not None:
+
+    @triton.jit
+    def _accumulate(
+        acc, squares, w, x_ptr, res_ptr, g_ptr, res_out_ptr, k, K, pid,
+        PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
+    ):  # fmt: skip
+        """One BLOCK_K step: acc += w * prologue(x[k]) (and the norm's sum of squares)."""
+        k_ok = k < K
+        if EVEN_K:
+            x = tl.load(x_ptr + k)
+        else:
+            x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
+        if PROLOGUE == 1:  # NORM
+            if HAS_RESIDUAL:
+                res = tl.load(res_ptr + k, mask=k_ok, other=0.0)
+                # rounded to the activation dtype, as torch's x + residual is
+                x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                tl.store(res_out_ptr + k, x, mask=k_ok & (pid == 0))
+            xf = x.to(tl.float32)
+            squares += xf * xf
+            xf = xf * tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        elif PROLOGUE == 2:  # SILU_MUL
+            gate = x.to(tl.float32)
+            up = tl.load(x_ptr + K + k, mask=k_ok, other=0.0).to(tl.float32)
+            # silu rounded to the activation dtype before the product, as F.silu(gate) * up
+            act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
+            xf = (act * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            xf = x.to(tl.float32)
+        acc += w.to(tl.float32) * xf[None, :]
+        return acc, squares
 
     @triton.jit
     def _row_gemv_kernel(
@@ -68,10 +107,12 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Program n: y[n * BLOCK_N : +BLOCK_N] = W[rows] @ prologue(x), fp32 multiply-adds into a
         [BLOCK_N, BLOCK_K] accumulator reduced once at the end. SILU_MUL: x holds [gate | up], each
-        K long."""
+        K long. The first weight tile is requested before the wait for the kernel before (no kernel
+        writes the weights) and used by a first step outside the loop."""
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -79,34 +120,25 @@ if triton is not None:
         w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         squares = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + rk
-            k_ok = k < K
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=(rk < K)[None, :], other=0.0)
+        release(PDL)
+        acc, squares = _accumulate(
+            acc, squares, w, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, K, pid,
+            PROLOGUE, HAS_RESIDUAL, EVEN_K,
+        )  # fmt: skip
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            w_ptrs += BLOCK_K
             if EVEN_K:
                 w = tl.load(w_ptrs)
-                x = tl.load(x_ptr + k)
             else:
-                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-                x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
-            if PROLOGUE == 1:  # NORM
-                if HAS_RESIDUAL:
-                    res = tl.load(res_ptr + k, mask=k_ok, other=0.0)
-                    # rounded to the activation dtype, as torch's x + residual is
-                    x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
-                    tl.store(res_out_ptr + k, x, mask=k_ok & (pid == 0))
-                xf = x.to(tl.float32)
-                squares += xf * xf
-                xf = xf * tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-            elif PROLOGUE == 2:  # SILU_MUL
-                gate = x.to(tl.float32)
-                up = tl.load(x_ptr + K + k, mask=k_ok, other=0.0).to(tl.float32)
-                # silu rounded to the activation dtype before the product, as F.silu(gate) * up
-                act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
-                xf = (act * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-            else:
-                xf = x.to(tl.float32)
-            acc += w.to(tl.float32) * xf[None, :]
-            w_ptrs += BLOCK_K
+                w = tl.load(w_ptrs, mask=((k0 + rk) < K)[None, :], other=0.0)
+            acc, squares = _accumulate(
+                acc, squares, w, x_ptr, res_ptr, g_ptr, res_out_ptr, k0 + rk, K, pid,
+                PROLOGUE, HAS_RESIDUAL, EVEN_K,
+            )  # fmt: skip
         y = tl.sum(acc, axis=1)
         if PROLOGUE == 1:
             y = y / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
@@ -177,6 +209,9 @@ def row_gemv(
         EVEN_K=k % block_k == 0,
         num_warps=num_warps,
         num_stages=num_stages,
+        # engine.pdl: only without a prologue (the module docstring); with one, the kernel before
+        # is often another GEMV, and launched early this one measured slower
+        **launch_options(wanted=prologue == PLAIN),
     )
     return y, summed
 
@@ -202,8 +237,9 @@ def _operands(linear, x: torch.Tensor, k: int):
     operands = get() if get is not None else None
     if operands is None:
         return None
-    weight = operands[0]
-    if weight.dtype != x.dtype or weight.shape[1] != k or weight.stride(1) != 1:
+    weight, scale, _ = operands
+    widths_match = weight.dtype == x.dtype or (FUSE_FP8 and scale is not None)
+    if not widths_match or weight.shape[1] != k or weight.stride(1) != 1:
         return None
     return operands
 
@@ -218,8 +254,8 @@ def norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None):
             return linear(norm(x)), x
         h, residual = norm(x, residual)
         return linear(h), residual
-    weight, bias = operands
-    y, summed = row_gemv(x, weight, None, bias, NORM, norm.weight, norm.eps, residual=residual)
+    weight, scale, bias = operands
+    y, summed = row_gemv(x, weight, scale, bias, NORM, norm.weight, norm.eps, residual=residual)
     return y, (summed if residual is not None else x)
 
 
@@ -230,5 +266,5 @@ def act_linear(linear, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     operands = _operands(linear, gate_up, half) if activation == "silu" else None
     if operands is None:
         return linear(gate_and_mul(gate_up, activation))
-    weight, bias = operands
-    return row_gemv(gate_up, weight, None, bias, SILU_MUL)[0]
+    weight, scale, bias = operands
+    return row_gemv(gate_up, weight, scale, bias, SILU_MUL)[0]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.pdl import launch_options, release
+
 try:  # a CPU-only install may have no triton; the torch layers never need it
     import triton
     import triton.language as tl
@@ -40,12 +42,14 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Program n: output columns [n * BLOCK_N, +BLOCK_N) of every row; the loop walks K once.
 
         ROUND: round the fp32 result to x's dtype before storing into a wider y (bf16 logits in an
         fp32 buffer).
         """
+        release(PDL)
         pid_n = tl.program_id(0)
         rm = tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -144,6 +148,7 @@ def skinny_gemm(
         EVEN_K=k % block_k == 0,
         num_warps=num_warps,
         num_stages=num_stages,
+        **launch_options(),
     )
     if out is not None:
         return out

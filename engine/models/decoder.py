@@ -186,13 +186,14 @@ class DecoderLayer(nn.Module):
         row_linear=Linear,
         layer: int = 0,
         linear=Linear,
+        experts=None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.self_attn = Attention(cfg, backend, dtype, device, row_linear, layer, linear)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         if cfg.moe is not None and cfg.moe.is_sparse(layer):  # experts (engine/layers/moe.py)
-            self.mlp = SparseMoeBlock(cfg, dtype, device)
+            self.mlp = SparseMoeBlock(cfg, dtype, device, experts)
         else:
             self.mlp = MLP(cfg, dtype, device, row_linear, linear)
 
@@ -313,10 +314,18 @@ class DecoderModel(nn.Module):
             row_linear = functools.partial(RowParallelLinear, comm=comm)
         else:
             self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, params_on)
+        experts = {}
         if quant is not None:
             quant.check_model(cfg)
             linear = quant.linear
             row_linear = functools.partial(quant.linear, comm=comm, row_parallel=shard.size > 1)
+            if cfg.moe is not None:
+                if quant.experts is None:
+                    raise ValueError(
+                        f"quantization: {quant.name} has no mixture-of-experts layers "
+                        f"({cfg.architecture}); unset QUANTIZATION to serve its own dtype"
+                    )
+                experts = {"experts": quant.experts}
         local = shard.local_config(cfg)
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.rope, cfg.max_position_embeddings, dtype, device, cfg.rotary_dim
@@ -334,7 +343,7 @@ class DecoderModel(nn.Module):
         )
         layer_class = SandwichDecoderLayer if cfg.gemma_norms else DecoderLayer
         self.layers = nn.ModuleList(
-            layer_class(local, backend, dtype, params_on, row_linear, i, linear)
+            layer_class(local, backend, dtype, params_on, row_linear, i, linear, **experts)
             for i in range(cfg.num_layers)
         )
         self.norm = norm_class(cfg)(cfg.hidden_size, cfg.rms_norm_eps, dtype, params_on)
@@ -548,15 +557,19 @@ class DecoderModel(nn.Module):
         self.zero_vocab_padding()
 
     def quantized_linears(self) -> dict:
-        """Weight parameter name -> its quantized linear (engine.quant.base.QuantizedLinear), which
-        quantizes high-precision rows into place."""
+        """Weight parameter name -> what quantizes high-precision rows into place (and fills random
+        ones): each quantized linear (engine.quant.base.QuantizedLinear), and each parameter a
+        module lists in quantized_parameters() (a scheme's stacked experts)."""
         from engine.quant.base import QuantizedLinear
 
-        return {
-            f"{name}.weight": m
-            for name, m in self.named_modules()
-            if isinstance(m, QuantizedLinear)
-        }
+        out = {}
+        for name, m in self.named_modules():
+            if isinstance(m, QuantizedLinear):
+                out[f"{name}.weight"] = m
+            listed = getattr(m, "quantized_parameters", None)
+            if listed is not None:
+                out.update({f"{name}.{param}": rows for param, rows in listed().items()})
+        return out
 
     @torch.no_grad()
     def zero_vocab_padding(self) -> None:

@@ -12,6 +12,9 @@ class QuantConfig:
     one scheme (or none) is never read for another."""
 
     name: str = ""
+    # a mixture-of-experts layer's experts in this scheme (engine.layers.experts.StackedExperts'
+    # constructor and forward); None: MoE models are refused with the scheme
+    experts: type[nn.Module] | None = None
 
     def linear(
         self,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.layers.experts import StackedExperts
 from engine.quant.base import QuantConfig, QuantizedLinear, QuantizedRows
 from engine.quant.fp8_kernels import FP8, fp8_linear, quantize_rows_reference
 
@@ -58,12 +59,16 @@ class Fp8Config(QuantConfig):
         if error is not None:
             raise ValueError(error)
 
+    @property
+    def experts(self) -> type[nn.Module]:
+        return Fp8StackedExperts
+
     def check_model(self, model_config) -> None:
-        if model_config.moe is not None:
+        if model_config.moe is not None and getattr(model_config, "checkpoint_fp8", None):
             raise ValueError(
-                f"quantization: fp8 is not supported for mixture-of-experts models yet "
-                f"({model_config.architecture}: FP8 experts come later); unset QUANTIZATION to "
-                "serve its bf16 weights"
+                f"quantization: FP8 mixture-of-experts checkpoints are not supported yet "
+                f"({model_config.architecture}): serve its bf16 original with QUANTIZATION=fp8, "
+                "which quantizes the experts as they load"
             )
 
 
@@ -97,32 +102,18 @@ class Fp8Linear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.weight_scale, self.bias)
 
-    @torch.no_grad()
+    def one_row_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(weight, weight_scale, bias) for engine.layers.row_gemv's one-row kernel."""
+        return self.weight, self.weight_scale, self.bias
+
     def load_weight_rows(self, start: int, end: int, rows: torch.Tensor | QuantizedRows) -> None:
         """Quantize high-precision weight rows [end - start, in] into rows [start, end), each with
         its own scale; e4m3 QuantizedRows (an FP8 checkpoint's) are kept with their scales."""
-        if tuple(rows.shape) != (end - start, self.in_features):
-            raise ValueError(
-                f"weights: {tuple(rows.shape)} rows for an fp8 linear expecting "
-                f"{(end - start, self.in_features)}"
-            )
-        if isinstance(rows, QuantizedRows) and rows.values.dtype == FP8:
-            q, scale = rows.values, rows.scales
-        else:
-            if isinstance(rows, QuantizedRows):  # e5m2 values: quantized again as e4m3
-                rows = rows.dequantize()
-            q, scale = quantize_rows_reference(rows.to(self.weight.device))
-        self.weight[start:end].copy_(q)
-        self.weight_scale[start:end].copy_(scale.view(-1))
+        load_rows(self.weight, self.weight_scale, start, end, rows, "an fp8 linear")
 
-    @torch.no_grad()
     def fill_random(self, std: float, generator: torch.Generator) -> None:
-        """N(0, std) weights, quantized like a checkpoint's (in slices of rows, to bound memory)."""
-        step = max(1, (64 << 20) // (4 * self.in_features))
-        for start in range(0, self.out_features, step):
-            end = min(start + step, self.out_features)
-            rows = torch.empty(end - start, self.in_features, device=self.weight.device)
-            self.load_weight_rows(start, end, rows.normal_(0.0, std, generator=generator))
+        """N(0, std) weights, quantized like a checkpoint's."""
+        fill_random_rows(self.weight, self.weight_scale, std, generator)
 
     def extra_repr(self) -> str:
         return (
@@ -143,3 +134,95 @@ class RowParallelFp8Linear(Fp8Linear):
 
         y = _need(self.comm).all_reduce(fp8_linear(x, self.weight, self.weight_scale))
         return y + self.bias if self.bias is not None else y
+
+    def one_row_operands(self) -> None:
+        """None: the one-row kernel has no all-reduce (engine.layers.row_gemv)."""
+        return None
+
+
+@torch.no_grad()
+def load_rows(
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    start: int,
+    end: int,
+    rows: torch.Tensor | QuantizedRows,
+    what: str,
+) -> None:
+    """Rows [start, end) of e4m3 `values` ([..., in], rows counted flattened to 2-D) and their fp32
+    `scales` from high-precision rows (quantized per row here) or e4m3 QuantizedRows (kept)."""
+    flat_values, flat_scales = values.view(-1, values.shape[-1]), scales.view(-1)
+    if tuple(rows.shape) != (end - start, flat_values.shape[1]):
+        raise ValueError(
+            f"weights: {tuple(rows.shape)} rows for {what} expecting "
+            f"{(end - start, flat_values.shape[1])}"
+        )
+    if isinstance(rows, QuantizedRows) and rows.values.dtype == FP8:
+        q, scale = rows.values, rows.scales
+    else:
+        if isinstance(rows, QuantizedRows):  # e5m2 values: quantized again as e4m3
+            rows = rows.dequantize()
+        q, scale = quantize_rows_reference(rows.to(values.device))
+    flat_values[start:end].copy_(q)
+    flat_scales[start:end].copy_(scale.view(-1))
+
+
+@torch.no_grad()
+def fill_random_rows(
+    values: torch.Tensor, scales: torch.Tensor, std: float, generator: torch.Generator
+) -> None:
+    """N(0, std) rows quantized as a checkpoint's would be, in slices that bound memory."""
+    width = values.shape[-1]
+    total = values.numel() // width
+    step = max(1, (64 << 20) // (4 * width))
+    for start in range(0, total, step):
+        end = min(start + step, total)
+        rows = torch.empty(end - start, width, device=values.device)
+        load_rows(values, scales, start, end, rows.normal_(0.0, std, generator=generator), "")
+
+
+class StackedRows:
+    """What the loader asks of one FP8 stacked projection (load_weight_rows, fill_random): its
+    rows counted as the stacked parameter flattened to [E * R, C]."""
+
+    def __init__(self, values: nn.Parameter, scales: nn.Parameter, what: str) -> None:
+        self.values, self.scales, self.what = values, scales, what
+
+    def load_weight_rows(self, start: int, end: int, rows: torch.Tensor | QuantizedRows) -> None:
+        load_rows(self.values, self.scales, start, end, rows, self.what)
+
+    def fill_random(self, std: float, generator: torch.Generator) -> None:
+        fill_random_rows(self.values, self.scales, std, generator)
+
+
+class Fp8StackedExperts(StackedExperts):
+    """A mixture-of-experts layer's experts (engine.layers.experts.StackedExperts' layout) with
+    float8_e4m3fn weights and one fp32 scale per (expert, output row): gate_up_proj [E, 2I, H] with
+    gate_up_proj_scale [E, 2I], down_proj [E, H, I] with down_proj_scale [E, H].
+
+    The experts run W8A16: the kernels widen each weight tile to the activation dtype (the sorted
+    path's tensor-core dot, the decode path's fp32 multiply-adds) and apply the scales to the sums;
+    the activations are not quantized (the one-row dense decode does the same). On CPU the torch
+    reference dequantizes one expert at a time."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, dtype, device) -> None:
+        super().__init__(num_experts, hidden, inter, FP8, device)
+        for name, rows in (("gate_up_proj_scale", 2 * inter), ("down_proj_scale", hidden)):
+            scale = torch.empty(num_experts, rows, dtype=torch.float32, device=device)
+            self.register_parameter(name, nn.Parameter(scale, requires_grad=False))
+
+    def quantized_parameters(self) -> dict[str, StackedRows]:
+        """Parameter name -> what loads its rows (engine.models.decoder.quantized_linears)."""
+        return {
+            "gate_up_proj": StackedRows(self.gate_up_proj, self.gate_up_proj_scale, "fp8 experts"),
+            "down_proj": StackedRows(self.down_proj, self.down_proj_scale, "fp8 experts"),
+        }
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.run(x, weights, ids, (self.gate_up_proj_scale, self.down_proj_scale))
+
+    def extra_repr(self) -> str:
+        return (
+            f"experts={self.num_experts}, hidden={self.hidden}, inter={self.inter}, "
+            "fp8 e4m3 per channel"
+        )

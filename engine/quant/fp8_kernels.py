@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from engine.layers.row_gemv import row_gemv
+from engine.pdl import launch_options, release
 
 try:  # a CPU-only install may have no triton; the reference path never needs it
     import triton
@@ -64,8 +65,11 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr):
+    def _quantize_rows_kernel(
+        x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr, PDL: tl.constexpr
+    ):
         """Program r: row r's amax, its scale amax / 448, and the row as e4m3."""
+        release(PDL)
         row = tl.program_id(0).to(tl.int64)
         rk = tl.arange(0, BLOCK_K)
         x_row = x_ptr + row * stride_xm
@@ -100,11 +104,13 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Program n: output columns [n * BLOCK_N, +BLOCK_N) of every row; the main loop walks the
         FP8 weight rows once. QUANTIZE_X: a first pass over x (few rows, from L2) finds each row's
         scale, the main loop quantizes x to e4m3 for an fp8 dot; else the weights are widened to
         x's dtype for the dot. Scales apply to the fp32 accumulator at the end."""
+        release(PDL)
         pid_n = tl.program_id(0)
         rm = tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -163,8 +169,9 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if m:
         block_k = min(triton.next_power_of_2(k), 4096)
         _quantize_rows_kernel[(m,)](
-            x, q, scale, k, x.stride(0), q.stride(0), BLOCK_K=block_k, num_warps=4
-        )
+            x, q, scale, k, x.stride(0), q.stride(0), BLOCK_K=block_k, num_warps=4,
+            **launch_options(),
+        )  # fmt: skip
     return q, scale
 
 
@@ -234,6 +241,7 @@ def fp8_skinny_gemm(
         EVEN_K=k % block_k == 0,
         num_warps=num_warps,
         num_stages=num_stages,
+        **launch_options(),
     )
     return y
 
