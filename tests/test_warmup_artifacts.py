@@ -26,6 +26,7 @@ from warmup.artifacts import (
     ArtifactError,
     artifact_key,
     artifact_roots,
+    gpuless_key,
     install,
     kernel_code_digest,
     key_id,
@@ -112,8 +113,27 @@ def test_the_key_names_every_field_and_changes_with_each():
     fp8 = artifact_key("abc123", {**LIMITS, "kv_cache_dtype": "fp8_e4m3"}, H100, STACK)
     assert fp8["kv_cache_dtype"] == "fp8_e4m3" and key_id(fp8) != key_id(key)
     assert mismatches(fp8, key) == ["kv_cache_dtype (built for 'fp8_e4m3', this worker 'auto')"]
+    # so are FP8 weights: a worker quantizing the same checkpoint takes no bf16 engine (its linears'
+    # kernels, and a KV sizing measured beside twice the weight bytes), nor the reverse
+    assert artifact_key("abc123", {**LIMITS, "quantization": None}, H100, STACK) == key
+    w8 = artifact_key("abc123", {**LIMITS, "quantization": "fp8"}, H100, STACK)
+    assert w8["quantization"] == "fp8" and key_id(w8) != key_id(key)
+    assert mismatches(key, w8) == ["quantization (built for None, this worker 'fp8')"]
     with pytest.raises(ValueError, match="missing gpu_arch"):
         artifact_key("abc", LIMITS, {"gpu_memory_gib": 80}, STACK)
+
+
+def test_a_worker_quantizing_its_weights_asks_for_an_fp8_engine(tmp_path):
+    """The key a worker (or a GPU-less build) computes from its EngineArgs names the scheme its
+    weights run: QUANTIZATION=fp8 on a bf16 checkpoint, and none (the field left out) without."""
+    from engine import EngineArgs
+    from tiny_models import make_tiny_model
+
+    make_tiny_model("llama", str(tmp_path))
+    plain = gpuless_key(EngineArgs(model=str(tmp_path)), "sm_90")
+    fp8 = gpuless_key(EngineArgs(model=str(tmp_path), quantization="fp8"), "sm_90")
+    assert "quantization" not in plain and fp8["quantization"] == "fp8"
+    assert mismatches(plain, fp8) == ["quantization (built for None, this worker 'fp8')"]
 
 
 def test_the_kernel_code_digest_follows_the_engine_sources(tmp_path):

@@ -43,11 +43,13 @@ KEY_FIELDS = (
     "block_size",
     "gpu_memory_utilization",
     "kv_cache_dtype",
+    "quantization",
 )
 # Fields a key holds only when they differ from their default, so the keys (and ids) of engines
 # built before the field existed stay valid: an FP8 KV cache changes the attention kernels and the
-# KV sizing ("fp8" is spelled "fp8_e4m3", the same kernels).
-DEFAULTED_FIELDS = {"kv_cache_dtype": "auto"}
+# KV sizing ("fp8" is spelled "fp8_e4m3", the same kernels); FP8 weights (QUANTIZATION=fp8, or an
+# FP8 checkpoint) change the linears' kernels and halve the weights the KV sizing measured beside.
+DEFAULTED_FIELDS = {"kv_cache_dtype": "auto", "quantization": None}
 # An artifact with no measured KV-sizing record (built without a GPU, or published by a worker that
 # sized its cache analytically) holds kernels only, which depend on neither field: its key says
 # "any" in both.
@@ -65,7 +67,8 @@ def artifact_key(model_digest: str, limits: dict, device: dict, software: dict) 
     """The key from its parts (pure: tests build keys for machines they are not on).
 
     limits: dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
-    gpu_memory_utilization (and kv_cache_dtype, left out when "auto": see DEFAULTED_FIELDS).
+    gpu_memory_utilization (and kv_cache_dtype, left out when "auto", and quantization, left out
+    when None: see DEFAULTED_FIELDS).
     device: gpu_arch ("sm_90"), gpu_memory_gib. software: torch, triton, cuda versions."""
     key = {"format": ARTIFACT_FORMAT, "model_digest": model_digest, **device, **software, **limits}
     missing = [f for f in KEY_FIELDS if f not in key and f not in DEFAULTED_FIELDS]
@@ -87,6 +90,7 @@ def _limits(args, device) -> dict:
     engine does)."""
     from engine.config import ModelConfig
     from engine.models.weights import resolve_dtype
+    from engine.quant import model_quantization
 
     cfg = ModelConfig.from_dir(args.model)
     return {
@@ -97,6 +101,7 @@ def _limits(args, device) -> dict:
         "block_size": args.block_size,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "kv_cache_dtype": "fp8_e4m3" if args.kv_cache_dtype == "fp8" else args.kv_cache_dtype,
+        "quantization": model_quantization(args.quantization, cfg),
     }
 
 
