@@ -317,6 +317,23 @@ def test_an_fp8_kv_engine_built_without_a_gpu_is_keyed_and_compiled_for_fp8(tiny
     assert set(data["record"]["kernels"].values()) == ENGINE_KERNELS | {"write_kv_kernel"}
 
 
+def test_an_fp8_weights_engine_built_without_a_gpu_is_keyed_and_compiled_for_fp8(tiny_llama):
+    """QUANTIZATION=fp8: the kernel set is traced through the FP8 linears (the one-row GEMV over
+    e4m3 weights, the few-row skinny kernel; the per-token quantizer runs only where _scaled_mm
+    takes the shapes, not this tiny model's), so an FP8 worker compiles none of them on a request;
+    the key says fp8."""
+    (path,) = build(
+        tiny_llama, "--no-gpu", "--arch", "sm_90", "--jobs", "1", "--quantization", "fp8"
+    )
+    data = json.loads((path / ARTIFACT_FILE).read_text())
+    assert data["key"]["quantization"] == "fp8"
+    kernels = set(data["record"]["kernels"].values())
+    assert {"_fp8_skinny_kernel", "_row_gemv_kernel"} <= kernels
+    # the one-row GEMV over e4m3 weights: its PTX widens them (cvt ... e4m3x2)
+    ptx = [p.read_text() for p in (path / TRITON_DIR).rglob("_row_gemv_kernel.ptx")]
+    assert any("e4m3x2" in text for text in ptx), "no one-row GEMV over e4m3 weights in the set"
+
+
 @pytest.mark.skipif(not triton_nvidia_backend(), reason="triton without its CUDA backend (ptxas)")
 def test_a_tracer_pauses_before_each_kernel_and_stops_where_its_pause_raises(tiny_llama, tmp_path):
     """A serving worker's background warm-up waits in `pause` before each kernel it loads

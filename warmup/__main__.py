@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--block-size", type=int, default=16)
     b.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8, fp8_e4m3 or fp8_e5m2")
     b.add_argument(
+        "--quantization", default=None, help="fp8: the worker's QUANTIZATION (FP8 weights)"
+    )
+    b.add_argument(
         "--out-dir", default=None, help="where artifacts go (default: <snapshot>/engines)"
     )
     b.add_argument(
@@ -108,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization,
         block_size=args.block_size,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
     )
     where = dict(
         out_dir=args.out_dir, cache_dir=args.cache_dir, revision=args.revision, push=args.push

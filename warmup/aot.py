@@ -163,10 +163,12 @@ def _compile_items(
 
     from engine import EngineArgs
     from engine.config import ModelConfig, resolve_dtype
+    from engine.quant import model_quantization
     from warmup.kernel_set import kernel_dirs, meta_model, split_target, trace
 
     args = EngineArgs(**engine_args)
     cfg = ModelConfig.from_dir(args.model)
+    quantization = model_quantization(args.quantization, cfg)
     max_model_len = args.max_model_len or cfg.max_position_embeddings
     dtype = resolve_dtype(args.dtype, cfg, torch.device("cuda"))
     sink: list = []
@@ -175,7 +177,7 @@ def _compile_items(
         models = {}
         for count, step in items:
             if count not in models:
-                models[count] = meta_model(cfg, dtype, split_target(count))
+                models[count] = meta_model(cfg, dtype, split_target(count), quantization)
             trace(models[count], [step], args.block_size, max_model_len, sink, args.kv_cache_dtype)
         build_runtime_modules(sink)
         return kernel_dirs(sink)

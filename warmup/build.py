@@ -73,6 +73,7 @@ def build(
     gpu_memory_utilization: float = 0.9,
     block_size: int = 16,
     kv_cache_dtype: str = "auto",
+    quantization: str | None = None,
     out_dir: str | None = None,
     cache_dir: str | None = None,
     revision: str | None = None,
@@ -103,6 +104,7 @@ def build(
             gpu_memory_utilization=gpu_memory_utilization,
             block_size=block_size,
             kv_cache_dtype=kv_cache_dtype,
+            quantization=quantization,
         )
         key = current_key(args)
         llm = LLM(**{**vars(args), "kv_sizing": "profile", "cuda_graph_capture": "start"})
@@ -159,8 +161,8 @@ def build_without_gpu(
 ) -> list[tuple[str, dict]]:
     """One artifact per architecture in `arches`, compiled here without a GPU (each in `jobs`
     processes); returns [(its directory, its artifact.json)]. limits: dtype, max_model_len,
-    max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, block_size, kv_cache_dtype
-    (EngineArgs' names)."""
+    max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, block_size, kv_cache_dtype,
+    quantization (EngineArgs' names)."""
     from warmup.aot import sm_counts_for
 
     model = _resolve(model, cache_dir, revision)

@@ -30,6 +30,7 @@ _CUDA_CHECKS = (
     ("engine.layers.fused", "fused_kernels_available"),
     ("engine.layers.skinny_gemm", "skinny_applies"),
     ("engine.layers.row_gemv", "row_gemv_applies"),
+    ("engine.quant.fp8_kernels", "fp8_kernels_apply"),
 )
 # layer 0 (no residual into its first norm) and any later one: every layer's launches
 TRACED_LAYERS = 2
@@ -171,17 +172,24 @@ def steps_for(args, max_model_len: int, first_only: bool = False) -> list[Step]:
 
 # ---- tracing
 # -------------------------------------------------------------------------------------------------
-def meta_model(model_config, dtype: torch.dtype, target_programs: int):
+def meta_model(model_config, dtype: torch.dtype, target_programs: int, quantization=None):
     """The decoder on the meta device with the Triton attention backend, TRACED_LAYERS layers deep;
     the backend splits decode as a GPU whose split target is `target_programs` (programs per SM x
-    the SM count) would."""
+    the SM count) would; quantization: the engine's scheme (its name or QuantConfig), whose linears
+    and experts launch their own kernels."""
     from engine.attention.triton_attn import TritonAttentionBackend
     from engine.models.decoder import build_model
 
     backend = TritonAttentionBackend(None)
     backend.target_programs = target_programs
     layers = min(TRACED_LAYERS, model_config.num_layers)
-    return build_model(dataclasses.replace(model_config, num_layers=layers), dtype, "meta", backend)
+    return build_model(
+        dataclasses.replace(model_config, num_layers=layers),
+        dtype,
+        "meta",
+        backend,
+        quant=quantization,
+    )
 
 
 def split_target(num_sms: int) -> int:

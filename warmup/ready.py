@@ -76,7 +76,12 @@ class _Live:
     def model(self):
         from warmup.kernel_set import meta_model
 
-        return meta_model(self.runner.model_config, self.runner.dtype, self.target_programs)
+        return meta_model(
+            self.runner.model_config,
+            self.runner.dtype,
+            self.target_programs,
+            getattr(self.runner.model, "quant", None),
+        )
 
 
 def _entries(cache_dir: str) -> set[str]:
