@@ -30,7 +30,6 @@ _CUDA_CHECKS = (
     ("engine.layers.fused", "fused_kernels_available"),
     ("engine.layers.skinny_gemm", "skinny_applies"),
     ("engine.layers.row_gemv", "row_gemv_applies"),
-    ("engine.quant.fp8_kernels", "fp8_kernels_apply"),
 )
 # layer 0 (no residual into its first norm) and any later one: every layer's launches
 TRACED_LAYERS = 2
@@ -99,6 +98,7 @@ def _install_patches() -> None:
     # the modules whose checks are patched are loaded first
     import engine.attention.triton_attn  # noqa: F401
     import engine.models.decoder  # noqa: F401
+    import engine.quant.fp8_kernels  # noqa: F401  (FP8 linears ask fused_kernels_available)
     import engine.sampling  # noqa: F401
 
     _patched.append((JITFunction, "run", JITFunction.run))

@@ -80,7 +80,7 @@ class _Live:
             self.runner.model_config,
             self.runner.dtype,
             self.target_programs,
-            getattr(self.runner.model, "quant", None),
+            self.runner.model.quant,
         )
 
 

@@ -233,7 +233,7 @@ def paged_attention_kernel(
     if NUM_SPLITS > 1:
         tiles = tl.cdiv(hi - lo, BLOCK_N)
         per_split_tiles = tl.maximum(tl.cdiv(tiles, NUM_SPLITS), MIN_SPLIT_TILES)
-        num_active = tl.maximum(tl.cdiv(tiles, tl.maximum(per_split_tiles, 1)), 1)
+        num_active = tl.maximum(tl.cdiv(tiles, per_split_tiles), 1)
         if FUSED_MERGE:
             if split >= num_active:
                 return

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.layers.fused import fused_kernels_available
 from engine.layers.row_gemv import row_gemv
 from engine.pdl import launch_options, release
 
@@ -283,12 +284,6 @@ def _scaled_mm_fits(weight: torch.Tensor) -> bool:
     return n % 16 == 0 and k % 16 == 0
 
 
-def fp8_kernels_apply(x: torch.Tensor) -> bool:
-    """True when x lives on CUDA and triton is importable: fp8_linear then takes the kernels (the
-    kernel set's trace sees meta tensors as CUDA here: warmup.kernel_set)."""
-    return triton is not None and x.is_cuda
-
-
 def cuda_path(rows: int, dtype: torch.dtype) -> str:
     """Which kernel fp8_linear runs for `rows` rows of `dtype` on CUDA: "gemv", a skinny variant,
     "scaled_mm_one_row", or "scaled_mm_rowwise" (per-token quantizer + _scaled_mm)."""
@@ -316,7 +311,7 @@ def fp8_linear(
     kernel for decode rows, per-token quantization + _scaled_mm for more, the reference on CPU."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
-    path = cuda_path(x2.shape[0], x2.dtype) if fp8_kernels_apply(x) else "reference"
+    path = cuda_path(x2.shape[0], x2.dtype) if fused_kernels_available(x) else "reference"
     if x2.shape[0] == 0 or (path.startswith("scaled_mm") and not _scaled_mm_fits(weight)):
         path = "reference"
     if path == "reference":
