@@ -663,7 +663,7 @@ COLUMNS = [
     ("resolve+stream", lambda p: _sum(p, "resolve", "resolve_tokenizer", "stream_start")),
     ("torch", lambda p: p.get("import_torch")),
     ("entry_imp", lambda p: p.get("entry_imports")),
-    ("cuda+claim", lambda p: p.get("preload_start", p.get("cuda_init"))),
+    ("cuda+claim", lambda p: _sum(p, "cuda_context", "preload_start", "cuda_init")),
     (
         "engine_imp",
         lambda p: _sum(p, "triton_key", "engine_mode", "import_engine", "import_transformers"),

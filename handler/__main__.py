@@ -4,10 +4,10 @@
 Worker flags are the runpod SDK's own (--rp_serve_api --rp_api_host H --rp_api_port N, --test_input
 JSON, ...). The worker and the server begin the same way: the last start's weight stream, when the
 variables that chose it are unchanged (cache.early_stream), then the settings, then the engine's
-start (the weights moving, or adopting that stream), and only then their own imports, made once
-`import torch` is done while the start waits for them (Starlette and uvicorn; the worker's job
-handling). The RunPod SDK gets a process of
-its own, started before anything else (handler.sdk_front), so its import runs beside the start.
+start (the weights moving, or adopting that stream), then their own imports (Starlette and uvicorn;
+the worker's job handling), made while the start makes the GPU's context, which leaves the
+interpreter free, and before it imports torch, which waits for them. The RunPod SDK gets a process
+of its own, started before anything else (handler.sdk_front), so its import runs beside the start.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def begin(entry: str):
 
 def import_entry(entry: str, boot) -> None:
     """The entry point's own heavy imports (its module, and what that module imports late), in the
-    start's turn when a start is running: after `import torch`, before the engine's build
+    start's turn when a start is running: while it makes the GPU's context, before `import torch`
     (EngineBoot.entry_imports)."""
     with boot.entry_imports() if boot is not None else contextlib.nullcontext():
         if entry == "serve":

@@ -105,7 +105,7 @@ def _load_error(exc: BaseException) -> BaseException:
 def begin(settings: Settings, entry: str = "") -> "EngineBoot":
     """What an entry point does once it has its settings, before its own imports: logging, then the
     engine's start, returning once the weights move (up to STREAM_HEAD_START_S). With an entry
-    ("serve", "worker", "worker-api"), the start reads that entry's start pages and, after torch's
+    ("serve", "worker", "worker-api"), the start reads that entry's start pages and, before torch's
     import, waits for the caller's entry_imports() block."""
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

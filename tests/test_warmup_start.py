@@ -15,14 +15,15 @@ import pytest
 
 from engine import LLM, SamplingParams
 from tests.tiny_models import make_tiny_model
-from warmup.start import EngineStart, ResolveError, StartArgs, start_engine
+from warmup.start import EngineStart, ResolveError, StartArgs, cuda_ordinal, start_engine
 
 ORDER = [
     "before_boot",
     "resolve",
     "stream_start",
-    "import_torch",
+    "cuda_context",
     "entry_imports",
+    "import_torch",
     "preload_start",
     "engine_mode",
     "import_engine",
@@ -69,20 +70,26 @@ def test_a_local_model_starts_through_every_phase_in_order(tmp_path):
         engine.shutdown()
 
 
-def test_the_entry_points_imports_come_between_torch_and_the_build(tmp_path):
+def test_the_entry_points_imports_come_before_torch_which_waits_for_them(tmp_path):
     args = _tiny_start_args(tmp_path)
     start = EngineStart(args).hold_for_entry_imports().begin()
     assert start.wait_streaming(60)
     with start.entry_imports():
-        seen = list(start.phases)  # torch is imported; the start waits for this block
-        time.sleep(0.3)
-        still = list(start.phases)
+        time.sleep(0.3)  # the start makes no context on the CPU, then waits
+        seen = list(start.phases)
     engine = start.future.result(timeout=300)
     try:
-        assert seen[-1] == "import_torch" and still == seen
-        assert start.phases["entry_imports"] >= 0.3
+        assert seen[-1] == "cuda_context"  # not import_torch: it waits for the block
+        assert start.phases["entry_imports"] >= 0.2
+        phases = list(start.phases)
+        assert phases.index("entry_imports") < phases.index("import_torch")
     finally:
         engine.shutdown()
+
+
+def test_the_context_is_made_on_the_device_the_setting_names():
+    assert [cuda_ordinal(d) for d in ("auto", "cuda", "cuda:0", "cuda:3")] == [0, 0, 0, 3]
+    assert [cuda_ordinal(d) for d in ("cpu", "mps", "cuda:x")] == [None, None, None]
 
 
 def test_a_download_does_not_hold_the_entry_points_imports(tmp_path):

@@ -8,11 +8,13 @@ timed:
   stream_start   the weights set moving: the pack to the GPU from a second process, else the
                  page-cache prefetch (cache.device_stream.start_weights); Triton's compiler key
                  begins in a second interpreter
-  import_torch   `import torch` (the floor of any Python engine), the engine's config and weights
+  cuda_context   the GPU's primary context made (the one torch then uses) by driver calls that
+                 leave the interpreter free
   entry_imports  the entry point's own imports (Starlette and uvicorn; the job handling), which it
-                 makes now, while the start waits (EngineStart.entry_imports)
+                 makes meanwhile; the start waits for them to end (EngineStart.entry_imports)
+  import_torch   `import torch` (the floor of any Python engine), the engine's config and weights
   preload_start  the engine's load of the pack begins and takes over what is already moving (the
-                 one hand-off of the weights; with a pack, CUDA is initialised here)
+                 one hand-off of the weights)
   triton_key     Triton's compiler key, computed meanwhile, handed to Triton
   engine_mode    ENGINE_MODE: a compiled engine's kernels and records when one matches, else jit
   import_engine  the engine's modules
@@ -40,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cache import early_stream, start_pages
+from cache import cuda_driver, early_stream, start_pages
 from cache.device_stream import cancel_early, start_weights
 from warmup.ranks import launch as launch_ranks
 
@@ -48,8 +50,8 @@ log = logging.getLogger(__name__)
 
 # cache.resolve's keywords that also reach the S3 store of compiled engines
 _S3_KEYS = ("s3_endpoint_url", "aws_access_key_id", "aws_secret_access_key", "aws_region")
-# The longest an entry point waits for torch's import before making its own, and the longest the
-# start waits for them in turn (neither normally comes near it).
+# The longest the start waits for an entry point's own imports before importing torch (it normally
+# comes nowhere near it).
 ENTRY_IMPORTS_WAIT_S = 60.0
 
 
@@ -136,7 +138,6 @@ class EngineStart:
         self._s3 = None  # the S3 options of compiled engines (cache.resolver.make_s3_options)
         self.future: Future = Future()
         self._streaming = threading.Event()  # set once the weights move (or the start failed)
-        self._torch_imported = threading.Event()  # set once torch is imported (or the start failed)
         self._entry_imported = threading.Event()  # clear while an entry point makes its imports
         self._entry_imported.set()
         self._thread: threading.Thread | None = None
@@ -164,23 +165,20 @@ class EngineStart:
         return self._streaming.wait(timeout)
 
     def hold_for_entry_imports(self) -> EngineStart:
-        """Before begin(): the start waits after `import torch` until an entry_imports() block
+        """Before begin(): the start waits before `import torch` until an entry_imports() block
         ends (at most ENTRY_IMPORTS_WAIT_S)."""
         self._entry_imported.clear()
         return self
 
     @contextlib.contextmanager
-    def entry_imports(self, wait_s: float = ENTRY_IMPORTS_WAIT_S) -> Iterator[None]:
-        """The block where an entry point makes its own heavy imports, in turn with the start's:
-        after `import torch`, while the start waits (hold_for_entry_imports), then the engine's
-        build.
+    def entry_imports(self) -> Iterator[None]:
+        """The block where an entry point makes its own heavy imports: while the start makes the
+        GPU's context, which leaves this interpreter free, and before `import torch`, which waits
+        for the block to end (hold_for_entry_imports).
 
         Two imports in one interpreter take longer side by side than one after the other: each
         gives up the interpreter's lock on every file it reads and then waits out the other's
-        switch interval to get it back. While the weights are not moving yet (a download), the
-        block runs at once and the start does not wait for it."""
-        if self._streaming.is_set() and not self.future.done():
-            self._torch_imported.wait(wait_s)
+        switch interval to get it back; so torch's import does not begin until this block ends."""
         try:
             yield
         finally:
@@ -199,7 +197,7 @@ class EngineStart:
             self.future.set_result(engine)
         finally:
             self._streaming.set()
-            self._torch_imported.set()
+            self._entry_imported.set()
 
     def _timed(self, phase: str, fn, *args):
         t0 = time.perf_counter()
@@ -247,6 +245,10 @@ class EngineStart:
 
         triton_key = start_triton_key()
         self._streaming.set()
+        # Meanwhile the entry point makes its imports: this thread holds no interpreter lock in the
+        # driver's calls.
+        self._timed("cuda_context", self._cuda_context)
+        self._timed("entry_imports", self._entry_imported.wait, ENTRY_IMPORTS_WAIT_S)
 
         t_import = time.perf_counter()
         import torch  # noqa: F401 - the floor: timed on its own
@@ -255,8 +257,6 @@ class EngineStart:
         from engine.models.weights import preload_weights  # torch and the config, no model code
 
         self.phases["import_torch"] = time.perf_counter() - t_import
-        self._torch_imported.set()
-        self._timed("entry_imports", self._entry_imported.wait, ENTRY_IMPORTS_WAIT_S)
         tokenizer = str(tokenizer_dir) if tokenizer_dir else None
         args = EngineArgs(
             model=str(self.model_dir), tokenizer=tokenizer, device=a.device, **a.engine_options
@@ -339,6 +339,18 @@ class EngineStart:
             i += 1
         return not any(t.is_alive() for t in self._background)
 
+    def _cuda_context(self) -> None:
+        """Make the engine's GPU's primary context current on this thread (torch's CUDA start then
+        finds it made): driver calls through ctypes, which leave the interpreter to the entry
+        point's imports. Nothing on CPU or without a driver or device: torch decides then."""
+        ordinal = cuda_ordinal(self.args.device)
+        if ordinal is None:
+            return
+        try:
+            cuda_driver.primary_context(ordinal)
+        except (cuda_driver.CudaError, OSError) as exc:
+            log.debug("no CUDA context before torch: %s", exc)
+
     def _engine_mode(self, args):
         from cache.resolver import make_s3_options
         from warmup.artifacts import prepare
@@ -353,6 +365,17 @@ class EngineStart:
         )
         log.info("engine mode: %s (%s)", self.selection.mode, self.selection.reason)
         return args
+
+
+def cuda_ordinal(device: str) -> int | None:
+    """The CUDA device number a device setting names ("auto" and "cuda": torch's first); None for
+    the CPU or a setting that names no CUDA device."""
+    if device in ("auto", "cuda"):
+        return 0
+    kind, _, index = device.partition(":")
+    if kind == "cuda" and index.isdigit():
+        return int(index)
+    return None
 
 
 def start_engine(args: StartArgs) -> EngineStart:
