@@ -49,7 +49,7 @@ log = logging.getLogger("bench.serving_profile")
 KERNEL_GROUPS = (
     ("attention", ("paged_attention", "merge_splits")),
     ("kv write + rope", ("write_kv", "rope")),
-    ("norm + activation", ("rms_norm", "silu_and_mul")),
+    ("norm + activation", ("rms_norm", "silu_and_mul", "gate_and_mul")),
     ("linears (Triton)", ("skinny_gemm", "row_gemv", "fp8_skinny", "quantize_rows")),
     ("linears (cuBLAS)", ("gemm", "nvjet", "cutlass", "xmma", "splitk")),
     ("sampling", ("race", "mask_logits", "softmax", "argmax", "topk", "sort", "exponential")),

@@ -1,5 +1,5 @@
 """Triton kernels (engine/layers/fused.py, skinny_gemm.py, random_race.py) against transformers' and
-torch's layers.
+torch's layers (Llama's and Gemma 3's norms, activations and rotation).
 
 GPU tests check the compiled kernels in bf16/fp16/fp32 on random shapes; one CPU test runs them
 under Triton's interpreter in float32 so CI catches a broken kernel without a GPU.
@@ -80,6 +80,67 @@ def test_silu_and_mul_matches_torch(dtype, rows, inter):
         assert (
             out != ref
         ).float().mean() < 0.01  # rounded where torch rounds: almost every element is exact
+
+
+def hf_gemma_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    norm = Gemma3RMSNorm(weight.shape[0], eps).to(device=x.device, dtype=weight.dtype)
+    norm.weight.data.copy_(weight)
+    return norm(x)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,hidden", [(1, 5376), (7, 2560), (3, 96), (0, 64)])
+def test_gemmas_offset_norm_matches_transformers(dtype, rows, hidden):
+    from engine.layers.fused import rms_norm_fused
+
+    gen = torch.Generator(device="cuda").manual_seed(rows * 5 + hidden)
+    x = torch.randn(rows, hidden, device="cuda", generator=gen).to(dtype)
+    res = torch.randn(rows, hidden, device="cuda", generator=gen).to(dtype)
+    weight = (0.3 * torch.randn(hidden, device="cuda", generator=gen)).to(dtype)
+    normed, new_res = rms_norm_fused(x, weight, 1e-6, res, offset=True)
+    assert torch.equal(new_res, x + res)
+    torch.testing.assert_close(normed, hf_gemma_norm(x + res, weight, 1e-6), **TOL[dtype])
+    alone, _ = rms_norm_fused(x, weight, 1e-6, offset=True)
+    torch.testing.assert_close(alone, hf_gemma_norm(x, weight, 1e-6), **TOL[dtype])
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("activation", ["gelu_pytorch_tanh", "gelu"])
+@pytest.mark.parametrize("rows,inter", [(1, 21504), (5, 10240), (0, 128)])
+def test_gelu_gate_matches_transformers(dtype, activation, rows, inter):
+    from transformers.activations import ACT2FN
+
+    from engine.layers.fused import gate_and_mul_fused
+
+    gen = torch.Generator(device="cuda").manual_seed(rows + inter)
+    x = (3 * torch.randn(rows, 2 * inter, device="cuda", generator=gen)).to(dtype)
+    ref = ACT2FN[activation](x[:, :inter]) * x[:, inter:]
+    torch.testing.assert_close(gate_and_mul_fused(x, activation), ref, **TOL[dtype])
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_with_gemmas_qk_norm_matches_transformers(dtype):
+    from engine.layers.fused import rope_fused
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    rot = RotaryEmbedding(128, RopeConfig(theta=1000000.0), 4096, dtype, "cuda")
+    q = torch.randn(9, 32, 128, device="cuda", generator=gen).to(dtype)
+    k = torch.randn(9, 16, 128, device="cuda", generator=gen).to(dtype)
+    wq = (0.3 * torch.randn(128, device="cuda", generator=gen)).to(dtype)
+    wk = (0.3 * torch.randn(128, device="cuda", generator=gen)).to(dtype)
+    pos = torch.randint(0, 4096, (9,), device="cuda", generator=gen)
+    qo, ko = rope_fused(pos, q, k, rot.cos, rot.sin, wq, wk, 1e-6, norm_offset=True)
+    qr, kr = hf_rope(hf_gemma_norm(q, wq, 1e-6), hf_gemma_norm(k, wk, 1e-6), rot, pos)
+    torch.testing.assert_close(qo, qr, **TOL[dtype])
+    torch.testing.assert_close(ko, kr, **TOL[dtype])
 
 
 ROPES = [
@@ -310,6 +371,57 @@ def test_kernels_under_the_triton_interpreter_match_torch_in_float32():
             F.linear(x, w).double(),
             atol=1e-4,
             rtol=1e-4,
+        )
+        print("ok")
+    """)
+    done = run_in_triton_interpreter(script)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None,
+    reason="triton is not installed (CPU torch has none)",
+)
+def test_gemmas_kernels_under_the_triton_interpreter_match_its_torch_layers_in_float32():
+    """Gemma's (1 + w) norm (alone, after a residual, per head before the rotation and the cache
+    write) and its GELU gates, in the fused kernels against the torch layers the CPU runs."""
+    script = textwrap.dedent("""
+        import torch, torch.nn.functional as F
+        from engine.config import RopeConfig
+        from engine.layers.activation import gate_and_mul
+        from engine.layers.fused import gate_and_mul_fused, rms_norm_fused, rope_fused
+        from engine.layers.norm import OffsetRMSNorm
+        from engine.layers.rotary import RotaryEmbedding, apply_rotary
+        torch.manual_seed(0)
+        x, r = torch.randn(3, 96), torch.randn(3, 96)
+        norm = OffsetRMSNorm(96, 1e-6, torch.float32)
+        norm.weight.data.copy_(torch.randn(96))
+        alone, none = rms_norm_fused(x, norm.weight, 1e-6, offset=True)
+        torch.testing.assert_close(alone, norm.reference(x))
+        normed, res = rms_norm_fused(x, norm.weight, 1e-6, r, offset=True)
+        assert none is None and torch.equal(res, x + r)
+        torch.testing.assert_close(normed, norm.reference(x + r))
+        gu = 3 * torch.randn(4, 2 * 1500)
+        for act in ("gelu_pytorch_tanh", "gelu", "silu"):
+            torch.testing.assert_close(gate_and_mul_fused(gu, act), gate_and_mul(gu, act))
+        rot = RotaryEmbedding(80, RopeConfig(theta=10000.0), 64, torch.float32)
+        qkv = torch.randn(5, (6 + 2 * 2) * 80)
+        q, k = qkv[:, :480].view(5, 6, 80), qkv[:, 480:640].view(5, 2, 80)
+        v = qkv[:, 640:].view(5, 2, 80)
+        pos = torch.tensor([0, 7, 63, 1, 30])
+        qn, kn = OffsetRMSNorm(80, 1e-6, torch.float32), OffsetRMSNorm(80, 1e-6, torch.float32)
+        qn.weight.data.copy_(torch.randn(80)); kn.weight.data.copy_(torch.randn(80))
+        w = dict(q_norm_weight=qn.weight, k_norm_weight=kn.weight, eps=1e-6, norm_offset=True)
+        qo, ko = rope_fused(pos, q, k, rot.cos, rot.sin, **w)
+        torch.testing.assert_close(qo, apply_rotary(qn(q), rot.cos[pos], rot.sin[pos]))
+        torch.testing.assert_close(ko, apply_rotary(kn(k), rot.cos[pos], rot.sin[pos]))
+        cache = torch.full((2, 6, 4, 2, 80), 7.0)
+        slots = torch.tensor([3, 22, -1, 0, 9])
+        qo = rot.rotate_into_cache(pos, q, k, v, cache, slots, qn, kn)
+        torch.testing.assert_close(qo, apply_rotary(qn(q), rot.cos[pos], rot.sin[pos]))
+        flat, real = cache.view(2, 24, 2, 80), slots >= 0
+        torch.testing.assert_close(
+            flat[0, slots[real]], apply_rotary(kn(k), rot.cos[pos], rot.sin[pos])[real]
         )
         print("ok")
     """)

@@ -42,7 +42,7 @@ ENGINE_KERNELS = {
     "paged_attention_kernel",
     "_rms_norm_kernel",
     "_rope_kernel",
-    "_silu_and_mul_kernel",
+    "_gate_and_mul_kernel",
     "_skinny_gemm_kernel",
     "_race_kernel",
     "_row_gemv_kernel",  # batch-1 decode's norm/activation + linear (engine.layers.row_gemv)
@@ -332,6 +332,19 @@ def test_an_fp8_weights_engine_built_without_a_gpu_is_keyed_and_compiled_for_fp8
     # the one-row GEMV over e4m3 weights: its PTX widens them (cvt ... e4m3x2)
     ptx = [p.read_text() for p in (path / TRITON_DIR).rglob("_row_gemv_kernel.ptx")]
     assert any("e4m3x2" in text for text in ptx), "no one-row GEMV over e4m3 weights in the set"
+
+
+def test_a_gemma_engine_built_without_a_gpu_takes_the_fused_norm_gate_and_rope(tmp_path):
+    """Gemma 3's (1 + w) norms, its GELU gate and its per-head q/k norms run in the same fused
+    kernels as Llama's on CUDA (engine.layers.fused), so its kernel set holds them; plain torch ops
+    (as before) would leave them out."""
+    from tiny_models import make_tiny_model
+
+    model = str(tmp_path / "gemma3")
+    make_tiny_model("gemma3", model)
+    (path,) = build(model, "--no-gpu", "--arch", "sm_90", "--jobs", "1")
+    kernels = set(json.loads((path / ARTIFACT_FILE).read_text())["record"]["kernels"].values())
+    assert {"_rms_norm_kernel", "_gate_and_mul_kernel", "_rope_kernel"} <= kernels, kernels
 
 
 @pytest.mark.skipif(not triton_nvidia_backend(), reason="triton without its CUDA backend (ptxas)")

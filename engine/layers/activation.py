@@ -2,7 +2,7 @@
 fused gate_up projection.
 
 The fused tensor holds the gate in its first half and the up projection in its second half (last
-dim); on CUDA one Triton kernel computes it.
+dim); on CUDA one Triton kernel computes either.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.layers.fused import fused_kernels_available, silu_and_mul_fused
+from engine.layers.fused import fused_kernels_available, gate_and_mul_fused, silu_and_mul_fused
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -37,5 +37,7 @@ def gate_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
         return silu_and_mul(gate_up)
     if activation not in _GELU_APPROXIMATIONS:
         raise ValueError(f"hidden_act: {activation!r} is not supported")
+    if fused_kernels_available(gate_up):
+        return gate_and_mul_fused(gate_up, activation)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate=_GELU_APPROXIMATIONS[activation]) * up

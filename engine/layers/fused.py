@@ -1,5 +1,6 @@
-"""Fused Triton kernels of the CUDA fast path: residual-add + RMSNorm, SiLU-and-mul, RoPE (+ Qwen3
-q/k norm, KV write).
+"""Fused Triton kernels of the CUDA fast path: residual-add + RMSNorm (Llama's, or Gemma's (1 + w)),
+the MLP's gate activation times up (SiLU, or Gemma's GELU), RoPE (+ Qwen3's or Gemma's per-head q/k
+norm, KV write).
 
 Each kernel rounds to the activation dtype where the torch reference does, so results match it
 within bf16 rounding.
@@ -40,9 +41,12 @@ if triton is not None:
         n_cols,
         eps,
         HAS_RESIDUAL: tl.constexpr,
+        OFFSET: tl.constexpr,
         BLOCK: tl.constexpr,
         PDL: tl.constexpr,
     ):
+        """OFFSET: Gemma's norm, normalised(x) * (1 + w) in float32 and rounded once; else Llama's,
+        normalised(x) rounded to the activation dtype, then times w."""
         release(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -56,23 +60,42 @@ if triton is not None:
             tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
         xf = x.to(tl.float32)
         var = tl.sum(xf * xf, axis=0) / n_cols
-        normed = (xf * (1.0 / tl.sqrt(var + eps))).to(out_ptr.dtype.element_ty)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        y = normed.to(tl.float32) * w.to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if OFFSET:
+            y = xf * (1.0 / tl.sqrt(var + eps)) * (1.0 + w)
+        else:
+            normed = (xf * (1.0 / tl.sqrt(var + eps))).to(out_ptr.dtype.element_ty)
+            y = normed.to(tl.float32) * w
         tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _silu_and_mul_kernel(
-        x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr
+    def _gate_and_mul_kernel(
+        x_ptr,
+        out_ptr,
+        stride_x,
+        stride_out,
+        n_cols,
+        ACT: tl.constexpr,
+        BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        """act(gate) * up; ACT: GATE_ACTIVATIONS' code (SiLU, GELU's tanh form, GELU's erf)."""
         release(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols
         gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        # silu is rounded to the activation dtype before the product, as F.silu(gate) * up does
-        act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+        if ACT == 0:
+            act = gate / (1.0 + tl.exp(-gate))
+        elif ACT == 1:  # 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))); tanh u = 1 - 2/(e^2u + 1)
+            u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+            act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
+        else:
+            act = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))
+        # the activation is rounded to the activation dtype before the product, as torch's
+        # act(gate) * up does
+        act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
         tl.store(
             out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask
         )
@@ -94,6 +117,7 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
         BLOCK_H: tl.constexpr,
         HAS_NORM: tl.constexpr,
+        NORM_OFFSET: tl.constexpr,
     ):
         """Rotate the num_heads heads of one token ([BLOCK_H, HALF] tiles of both halves) and store
         them densely from dst_row (when store_ok)."""
@@ -104,15 +128,19 @@ if triton is not None:
         x1 = tl.load(base, mask=mask, other=0.0)
         x2 = tl.load(base + HALF, mask=mask, other=0.0)
         dtype = dst_row.dtype.element_ty
-        if HAS_NORM:  # Qwen3: per-head RMSNorm over head_dim, before the rotation
+        if HAS_NORM:  # Qwen3, Gemma 3: per-head RMSNorm over head_dim, before the rotation
             f1 = x1.to(tl.float32)
             f2 = x2.to(tl.float32)
             var = (tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / HEAD_DIM
             rstd = (1.0 / tl.sqrt(var + eps))[:, None]
             w1 = tl.load(norm_w_ptr + dims, mask=dims < HALF, other=0.0).to(tl.float32)
             w2 = tl.load(norm_w_ptr + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)
-            x1 = ((f1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype)
-            x2 = ((f2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype)
+            if NORM_OFFSET:  # Gemma's (1 + w), in float32, rounded once
+                x1 = (f1 * rstd * (1.0 + w1)).to(dtype)
+                x2 = (f2 * rstd * (1.0 + w2)).to(dtype)
+            else:
+                x1 = ((f1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype)
+                x2 = ((f2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype)
         f1 = x1.to(tl.float32)
         f2 = x2.to(tl.float32)
         # every product and sum rounded to the activation dtype, as the torch reference computes it
@@ -150,6 +178,7 @@ if triton is not None:
         BLOCK_HQ: tl.constexpr,
         BLOCK_HK: tl.constexpr,
         HAS_NORM: tl.constexpr,
+        NORM_OFFSET: tl.constexpr,
         TO_CACHE: tl.constexpr,
         PDL: tl.constexpr,
     ):
@@ -178,6 +207,7 @@ if triton is not None:
             BLOCK_D,
             BLOCK_HQ,
             HAS_NORM,
+            NORM_OFFSET,
         )
         if TO_CACHE:
             slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -198,6 +228,7 @@ if triton is not None:
                 BLOCK_D,
                 BLOCK_HK,
                 HAS_NORM,
+                NORM_OFFSET,
             )
             heads = tl.arange(0, BLOCK_HK)[:, None]
             full = tl.arange(0, 2 * BLOCK_D)[None, :]
@@ -221,6 +252,7 @@ if triton is not None:
                 BLOCK_D,
                 BLOCK_HK,
                 HAS_NORM,
+                NORM_OFFSET,
             )
 
 
@@ -231,9 +263,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm_fused(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One kernel: s = x + residual (when given, rounded to x's dtype), then RMSNorm(s) * weight.
+    """One kernel: s = x + residual (when given, rounded to x's dtype), then RMSNorm(s) * weight
+    (offset: Gemma's RMSNorm(s) * (1 + weight)).
 
     Returns (normed, s), or (normed, None) without a residual. x and residual keep their shapes.
     """
@@ -260,6 +297,7 @@ def rms_norm_fused(
             n_cols,
             eps,
             HAS_RESIDUAL=residual is not None,
+            OFFSET=offset,
             BLOCK=block,
             num_warps=min(16, max(1, block // 256)),
             **launch_options(),
@@ -267,25 +305,36 @@ def rms_norm_fused(
     return out.view(shape), (res_out.view(shape) if res_out is not None else None)
 
 
-def silu_and_mul_fused(gate_up: torch.Tensor) -> torch.Tensor:
-    """[..., 2 * I] -> [..., I] = silu(gate) * up in one kernel."""
+# the gate activations the kernel computes (transformers' names) -> its ACT code
+GATE_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
+
+
+def gate_and_mul_fused(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """[..., 2 * I] -> [..., I] = act(gate) * up in one kernel; activation: a GATE_ACTIVATIONS
+    name."""
     x2 = _rows(gate_up)
     n_rows, width = x2.shape
     n_cols = width // 2
     out = torch.empty((n_rows, n_cols), dtype=gate_up.dtype, device=gate_up.device)
     if n_rows:
         block = 1024
-        _silu_and_mul_kernel[(n_rows, triton.cdiv(n_cols, block))](
+        _gate_and_mul_kernel[(n_rows, triton.cdiv(n_cols, block))](
             x2,
             out,
             x2.stride(0),
             out.stride(0),
             n_cols,
+            ACT=GATE_ACTIVATIONS[activation],
             BLOCK=block,
             num_warps=4,
             **launch_options(),
         )
     return out.view(*gate_up.shape[:-1], n_cols)
+
+
+def silu_and_mul_fused(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * I] -> [..., I] = silu(gate) * up in one kernel."""
+    return gate_and_mul_fused(gate_up, "silu")
 
 
 def rope_fused(
@@ -300,14 +349,16 @@ def rope_fused(
     v: torch.Tensor | None = None,
     kv_cache_layer: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
+    norm_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q [T, H, D], k [T, Hkv, D] (strided views of a fused qkv output are fine) -> new contiguous
     rotated q, k.
 
     cos/sin are the [max_positions, D/2] caches; with norm weights, each head is RMS-normalised
-    first (Qwen3). With v, kv_cache_layer [2, blocks, block_size, Hkv, D] (contiguous, q's dtype)
-    and slot_mapping [T], the rotated k and v are written to the cache at their slots instead (as
-    the attention backend's KV write would): (q, None).
+    first (Qwen3; norm_offset: Gemma's (1 + w) norm). With v, kv_cache_layer [2, blocks,
+    block_size, Hkv, D] (contiguous, q's dtype) and slot_mapping [T], the rotated k and v are
+    written to the cache at their slots instead (as the attention backend's KV write would):
+    (q, None).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -350,6 +401,7 @@ def rope_fused(
             BLOCK_HQ=triton.next_power_of_2(num_heads),
             BLOCK_HK=triton.next_power_of_2(num_kv_heads),
             HAS_NORM=has_norm,
+            NORM_OFFSET=norm_offset,
             TO_CACHE=to_cache,
             num_warps=4,
             **launch_options(),

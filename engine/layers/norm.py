@@ -54,13 +54,15 @@ class RMSNorm(nn.Module):
 
 class OffsetRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the weight is stored as an offset from 1 and applied in float32,
-    (normalised(x) * (1 + w)) cast back; plain torch on every device (the fused kernel is
-    Llama's)."""
+    (normalised(x) * (1 + w)) cast back; on CUDA the same fused kernel as Llama's, told so."""
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with a residual: (norm(x + residual), x + residual)."""
+        if fused_kernels_available(x):
+            normed, new_residual = rms_norm_fused(x, self.weight, self.eps, residual, offset=True)
+            return normed if residual is None else (normed, new_residual)
         if residual is None:
             return self.reference(x)
         residual = x + residual

@@ -4,7 +4,7 @@ position.
 Supports the rope types of ModelConfig.rope: "default", "linear" (positions / factor), "llama3"
 (banded rescale) and "longrope" (Phi-3: per-frequency factors, scaled cos/sin), and partial rotary
 (the first rotary_dim dims of a head); on CUDA one Triton kernel rotates whole heads q and k (after
-Qwen3's per-head q/k norm when given), or writes k, v to the cache.
+Qwen3's or Gemma 3's per-head q/k norm when given), or writes k, v to the cache.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.config import RopeConfig
 from engine.layers.fused import fused_kernels_available, rope_fused
-from engine.layers.norm import RMSNorm
+from engine.layers.norm import OffsetRMSNorm, RMSNorm
 
 
 def compute_inv_freq(head_dim: int, rope: RopeConfig, max_position_embeddings: int) -> torch.Tensor:
@@ -78,6 +78,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def _norm_args(q_norm: RMSNorm, k_norm: RMSNorm) -> dict:
+    """rope_fused's keywords for per-head q/k norms (Gemma's: the (1 + w) form)."""
+    return dict(
+        q_norm_weight=q_norm.weight,
+        k_norm_weight=k_norm.weight,
+        eps=q_norm.eps,
+        norm_offset=isinstance(q_norm, OffsetRMSNorm),
+    )
+
+
 class RotaryEmbedding(nn.Module):
     """Holds cos/sin [max_positions, rotary_dim // 2] in the model dtype; rotates q [T, H, D] and
     k [T, Hkv, D] (their first rotary_dim dims; all by default, as Phi-3's partial rotary asks)."""
@@ -107,9 +117,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", (freqs.sin() * scale).to(dtype), persistent=False)
 
     def _fusable(self, q: torch.Tensor, q_norm) -> bool:
-        """The fused kernel rotates whole heads and applies the plain RMSNorm only."""
-        plain_norm = q_norm is None or type(q_norm) is RMSNorm
-        return self.rotary_dim == self.head_dim and plain_norm and fused_kernels_available(q)
+        """The fused kernel rotates whole heads and applies Llama's RMSNorm or Gemma's."""
+        known_norm = q_norm is None or type(q_norm) in (RMSNorm, OffsetRMSNorm)
+        return self.rotary_dim == self.head_dim and known_norm and fused_kernels_available(q)
 
     def forward(
         self,
@@ -124,9 +134,7 @@ class RotaryEmbedding(nn.Module):
         if self._fusable(q, q_norm):
             if q_norm is None:
                 return rope_fused(positions, q, k, self.cos, self.sin)
-            return rope_fused(
-                positions, q, k, self.cos, self.sin, q_norm.weight, k_norm.weight, q_norm.eps
-            )
+            return rope_fused(positions, q, k, self.cos, self.sin, **_norm_args(q_norm, k_norm))
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
         cos = self.cos[positions]
@@ -164,11 +172,7 @@ class RotaryEmbedding(nn.Module):
     ) -> torch.Tensor:
         """forward's rotation, with the rotated k and v written into the paged cache at slot_mapping
         in the same kernel (see can_write_cache); returns the rotated q."""
-        norm = (
-            {}
-            if q_norm is None
-            else dict(q_norm_weight=q_norm.weight, k_norm_weight=k_norm.weight, eps=q_norm.eps)
-        )
+        norm = {} if q_norm is None else _norm_args(q_norm, k_norm)
         q, _ = rope_fused(
             positions,
             q,
