@@ -2,7 +2,8 @@
 architecture.
 
 Speed does not depend on weight values, and the GPU machine has no network: benchmarks build their
-models here.
+models here. A model whose checkpoint and pack do not both fit the machine's disk (Qwen3-30B-A3B's
+61 GB twice on 64 GB) gets sparse shards and its pack written directly (synthesize_packed).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 from pathlib import Path
 
 import torch
@@ -71,6 +73,80 @@ def synthesize(
     }
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index))
     os.replace(tmp, out)
+    return str(out)
+
+
+def write_sparse_shard(path: Path, shapes: dict[str, tuple[int, ...]]) -> None:
+    """A valid bf16 safetensors file of `shapes` whose tensors are all zeros and take no disk
+    blocks: the header, then the file extended to its full size (a hole where the data would be)."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shapes.items():
+        nbytes = 2 * _numel(shape)
+        header[name] = {
+            "dtype": "BF16",
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
+
+
+def synthesize_packed(
+    config: str | dict,
+    out_dir: str,
+    shard_bytes: int = 5 << 30,
+    device: str = "cuda",
+    seed: int = 0,
+) -> str:
+    """Write `configs/<config>` (or a config dict) to out_dir as sparse zero-filled shards with
+    their index, then the engine's pack of random weights made on `device` (engine.models.weights'
+    dummy fill, the seed's), keyed to those files; reuse a complete one. A start then loads the
+    pack and never reads the shards, and the disk holds the pack's bytes only. The shards' tensors
+    are zeros: a reference that reads them (transformers) sees another model than the pack."""
+    from engine.models.weights import load_model, pack_key, pack_path, write_model_pack
+
+    out = Path(out_dir)
+    if (out / "model.safetensors.index.json").exists():
+        return str(out)
+    config = config if isinstance(config, dict) else json.loads((CONFIGS / config).read_text())
+    shapes = hf_tensor_shapes(config)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shards: list[dict[str, tuple[int, ...]]] = [{}]
+    size = 0
+    for name, shape in shapes.items():
+        if size >= shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = shape
+        size += 2 * _numel(shape)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_sparse_shard(tmp / file, shard)
+        weight_map.update({name: file for name in shard})
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    index = {
+        "metadata": {"total_size": sum(2 * _numel(s) for s in shapes.values())},
+        "weight_map": weight_map,
+    }
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index))
+    model_cfg = ModelConfig.from_dict(config)
+    model = load_model(str(tmp), model_cfg, "auto", device, load_format="dummy")
+    if seed:
+        from engine.models.weights import fill_random
+
+        fill_random(model, seed)
+    dtype = next(model.parameters()).dtype
+    os.replace(tmp, out)  # the key hashes the files' names, sizes and times, which a rename keeps
+    write_model_pack(model, pack_path(str(out), dtype), pack_key(str(out), dtype))
+    del model
     return str(out)
 
 

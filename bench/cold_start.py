@@ -140,14 +140,19 @@ def write_tokenizer(model_dir: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def bench_model(config: str, root: str, device: str = "cuda") -> tuple[str, str]:
+def bench_model(
+    config: str, root: str, device: str = "cuda", packed: bool = False
+) -> tuple[str, str]:
     """The random-weight checkpoint of bench/configs/`config` under `root` (written on `device`
     once), with write_tokenizer's tokenizer; and the cache directory beside it that the entry
-    points are given."""
-    from bench.checkpoint import synthesize
+    points are given. packed: sparse shards and the pack written directly
+    (bench.checkpoint.synthesize_packed), for a model whose checkpoint and pack don't both fit the
+    disk."""
+    from bench.checkpoint import synthesize, synthesize_packed
 
     name = os.path.basename(config).removesuffix(".json")
-    model_dir = synthesize(config, os.path.join(root, name), device=device)
+    make = synthesize_packed if packed else synthesize
+    model_dir = make(config, os.path.join(root, name), device=device)
     write_tokenizer(model_dir)
     return model_dir, os.path.join(os.path.dirname(model_dir), "cache")
 
@@ -451,6 +456,12 @@ def main() -> None:
         help="a file of bench/configs (random bf16 weights)",
     )
     ap.add_argument("--model-dir", default="/tmp/coldbrew-bench/model")
+    ap.add_argument(
+        "--packed",
+        action="store_true",
+        help="write sparse shards and the pack directly (a model whose checkpoint and pack don't "
+        "both fit the disk; HF runs then read zeros: use --hf-runs 0)",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--warm-runs", type=int, default=5)
@@ -511,7 +522,7 @@ def main() -> None:
     }
     t_run = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - t_run:7.1f}s] {msg}", flush=True)  # noqa: E731
-    model_dir, cache_dir = bench_model(args.config, args.model_dir)
+    model_dir, cache_dir = bench_model(args.config, args.model_dir, packed=args.packed)
     torch.cuda.empty_cache()
     prompt = prompt_text(args.prompt_len)
     log(f"checkpoint ready: {model_dir}")
@@ -590,7 +601,8 @@ def main() -> None:
         )
         for entry in entries:
             run_checkouts(entry, "warm")
-    warm_cache([p for p in weight_files(model_dir) if p.endswith(".safetensors")])
+    if args.hf_runs:
+        warm_cache([p for p in weight_files(model_dir) if p.endswith(".safetensors")])
     for _ in range(args.hf_runs):
         record("HF from_pretrained + generate", "warm", run_child("hf", model_dir, args.prompt_len))
 
