@@ -6,7 +6,6 @@ models with FP8 experts."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
@@ -225,9 +224,9 @@ def test_moe_models_with_fp8_experts_track_their_fp32_selves(family, tmp_path):
     assert torch.equal(prefill_then_decode(again, cfg, list(range(3, 39))), b)
 
 
-def test_fp8_moe_dummy_weights_and_prequantized_refusal(tmp_path):
-    """Random FP8 experts for load_format "dummy" (N(0, 0.02), quantized); an FP8 MoE checkpoint
-    (its own quantization_config) is refused in one line, naming what to serve instead."""
+def test_fp8_moe_dummy_weights(tmp_path):
+    """Random FP8 experts for load_format "dummy" (N(0, 0.02), quantized). (FP8 MoE checkpoints:
+    tests/test_fp8_moe_checkpoints.py.)"""
     make_tiny_model("qwen3-moe", str(tmp_path))
     cfg = ModelConfig.from_dir(str(tmp_path))
     model = load_model(
@@ -237,9 +236,6 @@ def test_fp8_moe_dummy_weights_and_prequantized_refusal(tmp_path):
     deq = experts.down_proj.float() * experts.down_proj_scale[..., None]
     assert 0.015 < deq.std().item() < 0.025
     assert torch.isfinite(prefill_then_decode(model, cfg, list(range(3, 25)))).all()
-    prequantized = dataclasses.replace(cfg, checkpoint_fp8=object())
-    with pytest.raises(ValueError, match="FP8 mixture-of-experts checkpoints are not supported"):
-        quant_config("fp8").check_model(prequantized)
 
 
 def test_tensor_parallel_fp8_tracks_one_process(tmp_path):

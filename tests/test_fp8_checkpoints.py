@@ -137,13 +137,6 @@ def test_other_quantizations_are_refused_before_download(path, value, field) -> 
         check_model_config(_edited(path, value))
 
 
-def test_fp8_moe_checkpoints_are_refused() -> None:
-    cfg = _config(FIXTURES / "fp8-dynamic")
-    cfg.update(architectures=["MixtralForCausalLM"], num_local_experts=4, num_experts_per_tok=2)
-    with pytest.raises(ValueError, match="FP8 experts"):
-        check_model_config(cfg)
-
-
 def _all_checkpoints(hf_fp8_dir) -> list[str]:
     return [str(FIXTURES / name) for name in CT_SCHEMES] + [hf_fp8_dir]
 

@@ -20,6 +20,13 @@ _HF_NAMES = {
 }
 
 
+def expert_projection_names(family: str) -> tuple[str, str, str] | None:
+    """The per-expert (gate, up, down) projection names of a family's checkpoints; None for a
+    family without experts."""
+    names = _HF_NAMES.get(family)
+    return names[1] if names is not None else None
+
+
 def moe_weight_rows(cfg: ModelConfig, layer: int) -> Iterator[tuple[str, str, int, int]]:
     """(HF tensor name, our parameter, first row, row count) of every tensor of layer `layer`'s
     sparse MLP, rows counted in our parameter flattened to 2-D; nothing for a dense layer."""

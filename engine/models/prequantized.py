@@ -5,6 +5,11 @@ tensor, the static activation scales dropped.
 Weights with one scale per tensor or per output channel arrive as QuantizedRows, which an FP8
 linear keeps as they are (the same FP8 values, one scale per row); block-scaled weights are
 multiplied out in float32 and quantized again per output channel.
+
+Mixture-of-experts checkpoints carry one FP8 weight per expert and projection, each with its scale
+(as the hub's publish them: experts.E.gate_proj.weight_scale_inv), or, as transformers writes them,
+with one stacked scale per layer (experts.gate_up_proj_scale_inv [E, gate and up blocks, K
+blocks], experts.down_proj_scale_inv), which is cut into each expert's here.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import torch
 
 from engine.checkpoint_quant import CheckpointFp8
 from engine.models.checkpoint_names import text_decoder_name
+from engine.models.moe_weights import expert_projection_names
 from engine.quant.base import QuantizedRows
 
 if TYPE_CHECKING:
@@ -31,13 +37,17 @@ def checkpoint_weights(
     tensors: Iterator[tuple[str, torch.Tensor]],
     fmt: CheckpointFp8,
     slots: dict[str, "WeightSlot"] | None = None,
+    family: str | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
     """(name, tensor) of a checkpoint, with every FP8 weight paired with its scale tensor (in any
     order, across shards) and yielded once (weight_rows); other tensors pass through. With `slots`
     (a tensor-parallel rank's hf_weight_map), a weight named there arrives as its slot's slice and
-    its scales are cut to match. Raises ValueError for an FP8 weight without a scale, or a scale
-    without a weight."""
+    its scales are cut to match. `family`: the model's (ModelConfig.family), whose expert names a
+    layer's stacked expert scales are cut into. Raises ValueError for an FP8 weight without a
+    scale, or a scale without a weight."""
     slots = slots or {}
+    if family is not None and expert_projection_names(family) is not None:
+        tensors = per_expert_scales(tensors, fmt, expert_projection_names(family))
 
     def rows(prefix: str, weight: torch.Tensor, scale: torch.Tensor):
         return weight_rows(weight, scale, fmt, slots.get(text_decoder_name(prefix + ".weight")))
@@ -68,6 +78,39 @@ def checkpoint_weights(
             f"weights: FP8 weights and their {fmt.scale_name} tensors don't pair up "
             f"(e.g. {lone}): the checkpoint is incomplete; fetch it again"
         )
+
+
+_STACKED_SCALES = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def per_expert_scales(
+    tensors: Iterator[tuple[str, torch.Tensor]], fmt: CheckpointFp8, names: tuple[str, str, str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors, with each stacked expert scale (transformers' experts.gate_up_proj_scale_inv
+    [E, ...], experts.down_proj_scale_inv) replaced by every expert's own, named as its weight's
+    (experts.E.<gate>/<up>/<down>.weight_scale_inv). The gate and up halves split on a block
+    boundary only: a block straddling them raises ValueError."""
+    gate, up, down = names
+    suffix = "_" + fmt.scale_name.removeprefix("weight_")  # gate_up_proj_scale_inv
+    for name, tensor in tensors:
+        stacked = next((s for s in _STACKED_SCALES if name.endswith(f".{s}{suffix}")), None)
+        if stacked is None:
+            yield name, tensor
+            continue
+        prefix = name.removesuffix(suffix).removesuffix(stacked.split(".")[1])
+        for e in range(tensor.shape[0]):
+            scale = tensor[e]
+            if stacked == "experts.down_proj":
+                yield f"{prefix}{e}.{down}.{fmt.scale_name}", scale
+                continue
+            if scale.dim() == 0 or scale.shape[0] % 2:
+                raise ValueError(
+                    f"weights: {name} {list(tensor.shape)}: the gate and up projections of an "
+                    f"expert don't split on a {fmt.block} block boundary"
+                )
+            half = scale.shape[0] // 2
+            yield f"{prefix}{e}.{gate}.{fmt.scale_name}", scale[:half]
+            yield f"{prefix}{e}.{up}.{fmt.scale_name}", scale[half:]
 
 
 def weight_rows(

@@ -138,7 +138,9 @@ def checkpoint_tensors(model_dir: str, model: "DecoderModel") -> Iterator[tuple[
         )
     slots = model.hf_weight_map()
     tensors = iter_safetensors(model_dir, slots)
-    return checkpoint_weights(tensors, fmt, slots) if fmt is not None else tensors
+    if fmt is None:
+        return tensors
+    return checkpoint_weights(tensors, fmt, slots, model.config.family)
 
 
 # ---- which pack belongs to this checkpoint -------------------------------------------------------

@@ -63,14 +63,6 @@ class Fp8Config(QuantConfig):
     def experts(self) -> type[nn.Module]:
         return Fp8StackedExperts
 
-    def check_model(self, model_config) -> None:
-        if model_config.moe is not None and getattr(model_config, "checkpoint_fp8", None):
-            raise ValueError(
-                f"quantization: FP8 mixture-of-experts checkpoints are not supported yet "
-                f"({model_config.architecture}): serve its bf16 original with QUANTIZATION=fp8, "
-                "which quantizes the experts as they load"
-            )
-
 
 class Fp8Linear(QuantizedLinear):
     """y = x @ (weight * weight_scale[:, None])^T (+ b): weight [out, in] float8_e4m3fn,

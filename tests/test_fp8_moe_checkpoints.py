@@ -1,0 +1,183 @@
+"""FP8 mixture-of-experts checkpoints (Qwen3-MoE, block scales as Qwen3-*-FP8 publish them), read by
+the engine as transformers reads them.
+
+transformers' FineGrainedFP8 quantizer writes the checkpoint: each expert's FP8 weights under their
+own names, and each layer's expert scales stacked (experts.gate_up_proj_scale_inv [E, ...]). The
+hub's checkpoints carry one scale per expert and projection instead
+(experts.E.gate_proj.weight_scale_inv); the engine cuts the stacked ones into those
+(engine.models.prequantized.per_expert_scales), and transformers' own loader, which dequantizes on
+a machine without a GPU, reads the cut checkpoint: that is the reference.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.checkpoint_quant import checkpoint_quantization
+from engine.config import ModelConfig
+from engine.model_support import check_model_config
+from engine.models import load_model
+from engine.models.prequantized import checkpoint_weights, per_expert_scales
+from engine.models.weights import iter_safetensors
+from tiny_models import PagedSeq, make_step, make_tiny_model
+
+BLOCK = (32, 32)
+TOKS = torch.randint(3, 256, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory) -> dict[str, str]:
+    """bf16: a tiny Qwen3-MoE in bf16; transformers: its FP8 checkpoint as transformers' quantizer
+    writes it; hub: the same with every expert's own scale."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    root = tmp_path_factory.mktemp("fp8-moe")
+    make_tiny_model("qwen3-moe", str(root / "float32"))
+    bf16 = AutoModelForCausalLM.from_pretrained(root / "float32", dtype=torch.bfloat16)
+    bf16.save_pretrained(root / "bf16")
+    # The quantizer itself is plain torch; only its environment check asks for a GPU.
+    check = FineGrainedFP8HfQuantizer.validate_environment
+    FineGrainedFP8HfQuantizer.validate_environment = lambda self, *a, **k: None
+    try:
+        quantized = AutoModelForCausalLM.from_pretrained(
+            root / "bf16",
+            quantization_config=FineGrainedFP8Config(weight_block_size=BLOCK),
+            dtype=torch.bfloat16,
+            device_map="cpu",
+        )
+        quantized.save_pretrained(root / "transformers")
+    finally:
+        FineGrainedFP8HfQuantizer.validate_environment = check
+    hub = root / "hub"
+    hub.mkdir()
+    (hub / "config.json").write_text((root / "transformers" / "config.json").read_text())
+    fmt = checkpoint_quantization(_config(root / "transformers"))
+    written = {}
+    for shard in sorted((root / "transformers").glob("*.safetensors")):
+        written.update(load_file(shard))
+    cut = per_expert_scales(iter(written.items()), fmt, ("gate_proj", "up_proj", "down_proj"))
+    save_file({k: v.contiguous() for k, v in cut}, hub / "model.safetensors")
+    return {name: str(root / name) for name in ("bf16", "transformers", "hub")}
+
+
+def _config(path) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def _transformers_dequantized(path: str):
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, output_loading_info=True
+    )
+    return model.eval(), info
+
+
+def test_fp8_moe_checkpoints_pass_the_pre_download_check(moe_dirs) -> None:
+    assert check_model_config(_config(moe_dirs["hub"])) == ("Qwen3MoeForCausalLM", "qwen3_moe")
+
+
+def test_transformers_reads_every_expert_scale_of_the_cut_checkpoint(moe_dirs) -> None:
+    _, info = _transformers_dequantized(moe_dirs["hub"])
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+@pytest.mark.parametrize("layout", ["transformers", "hub"])
+def test_the_expert_weights_read_are_transformers_own(moe_dirs, layout) -> None:
+    """Each expert's FP8 weight times its block scales, in bf16, is exactly the weight transformers
+    dequantizes (the gate and up halves of its stacked gate_up_proj, its down_proj), and within
+    e4m3's rounding of the bf16 weight the quantizer started from (a scale cut from the wrong
+    block would be far off)."""
+    from transformers import AutoModelForCausalLM
+
+    path = moe_dirs[layout]
+    fmt = checkpoint_quantization(_config(path))
+    ours = dict(checkpoint_weights(iter_safetensors(path), fmt, family="qwen3_moe"))
+    hf, _ = _transformers_dequantized(moe_dirs["hub"])
+    original = AutoModelForCausalLM.from_pretrained(moe_dirs["bf16"], dtype=torch.bfloat16)
+    cfg = hf.config
+    inter = cfg.moe_intermediate_size
+    sparse = [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")]
+    assert sparse
+    for layer in sparse:
+        experts = hf.model.layers[layer].mlp.experts
+        source = original.model.layers[layer].mlp.experts
+        for e in range(cfg.num_experts):
+            prefix = f"model.layers.{layer}.mlp.experts.{e}"
+            for proj, rows in (("gate_proj", slice(inter)), ("up_proj", slice(inter, None))):
+                _same(ours[f"{prefix}.{proj}.weight"], experts.gate_up_proj[e, rows], prefix)
+                _near(ours[f"{prefix}.{proj}.weight"], source.gate_up_proj[e, rows], prefix)
+            _same(ours[f"{prefix}.down_proj.weight"], experts.down_proj[e], prefix)
+            _near(ours[f"{prefix}.down_proj.weight"], source.down_proj[e], prefix)
+
+
+def _same(mine: torch.Tensor, theirs: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(mine.to(torch.bfloat16), theirs, rtol=0, atol=0, msg=what)
+
+
+def _near(mine: torch.Tensor, source: torch.Tensor, what: str) -> None:
+    """Within e4m3's rounding: 2^-4 relative, and half its smallest step (2^-10 of the block's
+    scale, amax / 448) near zero."""
+    source = source.float()
+    atol = source.abs().max().item() / 448 / 1024
+    torch.testing.assert_close(mine.float(), source, rtol=2**-4, atol=atol, msg=what)
+
+
+def _logits(model, cfg: ModelConfig) -> torch.Tensor:
+    """The model's prefill logits of TOKS through a paged cache (the torch attention on CPU)."""
+    from engine.attention import kv_cache_shape
+
+    block, num_blocks = 4, 16
+    kv = torch.zeros(
+        kv_cache_shape(cfg.num_layers, num_blocks, block, cfg.num_kv_heads, cfg.head_dim)
+    )
+    ids, positions, meta = make_step([PagedSeq(TOKS, list(range(num_blocks)))], [len(TOKS)], block)
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, positions, kv, meta)).float()
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_fp8_moe_logits_stay_as_near_the_dense_forward_as_quantizing_the_bf16_model(
+    moe_dirs,
+) -> None:
+    """The engine serves the FP8 checkpoint's experts as FP8 (weights quantized again per row,
+    activations per token): its float32 logits stay as near transformers' dequantized forward as
+    the engine's own QUANTIZATION=fp8 of the bf16 model stays near that model's forward, and its
+    argmax mostly agrees."""
+    from transformers import AutoModelForCausalLM
+
+    hub, bf16 = moe_dirs["hub"], moe_dirs["bf16"]
+    with torch.no_grad():
+        dense = _transformers_dequantized(hub)[0].float()(torch.tensor([TOKS])).logits[0]
+        bf16_model = AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.float32)
+        bf16_dense = bf16_model(torch.tensor([TOKS])).logits[0]
+    cfg = ModelConfig.from_dir(hub)
+    model = load_model(hub, cfg, torch.float32, "cpu", load_format="safetensors")
+    assert type(model.layers[0].mlp.experts).__name__ == "Fp8StackedExperts"
+    ours = _logits(model, cfg)
+    bf16_cfg = ModelConfig.from_dir(bf16)
+    online = load_model(
+        bf16, bf16_cfg, torch.float32, "cpu", load_format="safetensors", quantization="fp8"
+    )
+    error, online_error = _relative(ours, dense), _relative(_logits(online, bf16_cfg), bf16_dense)
+    print(f"FP8 checkpoint: {error:.4f}; QUANTIZATION=fp8 of the bf16 model: {online_error:.4f}")
+    assert error < 1.5 * online_error
+    assert (ours.argmax(-1) == dense.argmax(-1)).float().mean().item() >= 0.7
+
+
+def test_a_stacked_scale_that_straddles_gate_and_up_is_refused() -> None:
+    fmt = checkpoint_quantization(
+        {"quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32]}}
+    )
+    stacked = [("model.layers.0.mlp.experts.gate_up_proj_scale_inv", torch.ones(4, 3, 2))]
+    with pytest.raises(ValueError, match="block boundary"):
+        list(per_expert_scales(iter(stacked), fmt, ("gate_proj", "up_proj", "down_proj")))
