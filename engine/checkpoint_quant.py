@@ -18,8 +18,12 @@ SUPPORTED = (
     "channel or in blocks; dynamic or static activations) or quant_method fp8 with "
     "weight_block_size"
 )
-# Modules a checkpoint may leave unquantized that the engine keeps in high precision anyway.
-_KEPT_HIGH = re.compile(r"(lm_head|embed|vision|visual|multi_modal|mm_projector|mlp\.gate$|router)")
+# Modules a checkpoint may leave unquantized that the engine keeps in high precision anyway (a
+# mixture of experts' router and shared-expert gate among them).
+_KEPT_HIGH = re.compile(
+    r"(lm_head|embed|vision|visual|multi_modal|mm_projector|router"
+    r"|(mlp|block_sparse_moe)\.gate$|shared_expert_gate$)"
+)
 
 
 @dataclass(frozen=True)
@@ -136,7 +140,8 @@ def _block(field: str, value: Any) -> tuple[int, int]:
 def _check_ignored(field: str, names: list) -> None:
     """The engine quantizes every attention and MLP linear: a checkpoint that keeps one of them in
     high precision is refused rather than quantized against its author's choice."""
-    kept = [n for n in names if not _KEPT_HIGH.search(str(n).removeprefix("re:"))]
+    # a name, or a regular expression as llm-compressor writes them ("re:.*mlp.gate$")
+    kept = [n for n in names if not _KEPT_HIGH.search(str(n).removeprefix("re:").removesuffix("$"))]
     if kept:
         raise ValueError(
             f"quantization_config.{field}: this checkpoint keeps {kept[:3]} unquantized; the "

@@ -137,6 +137,24 @@ def test_other_quantizations_are_refused_before_download(path, value, field) -> 
         check_model_config(_edited(path, value))
 
 
+@pytest.mark.parametrize(
+    "ignore",
+    [
+        ["lm_head", "re:.*mlp.gate$"],  # Qwen3-MoE's router, as llm-compressor's presets write it
+        ["lm_head", "re:.*block_sparse_moe.gate"],  # Mixtral's
+        ["lm_head", "re:.*mlp.gate$", "re:.*mlp.shared_expert_gate$"],  # Qwen2-MoE's
+        ["lm_head", "model.layers.0.mlp.gate"],
+    ],
+)
+def test_a_moe_checkpoint_may_keep_its_routers_unquantized(ignore) -> None:
+    """A mixture of experts' routers (and Qwen2-MoE's shared-expert gate) stay in high precision in
+    the engine anyway: a checkpoint that leaves them unquantized passes the pre-download check."""
+    cfg = _edited("quantization_config.ignore", ignore)
+    cfg.update(architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2)
+    cfg.update(moe_intermediate_size=32, model_type="qwen3_moe")
+    assert check_model_config(cfg)[1] == "qwen3_moe"
+
+
 def _all_checkpoints(hf_fp8_dir) -> list[str]:
     return [str(FIXTURES / name) for name in CT_SCHEMES] + [hf_fp8_dir]
 
