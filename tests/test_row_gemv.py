@@ -1,7 +1,8 @@
 """engine.layers.row_gemv: batch-1 decode's linears with the norm (and residual add) or SiLU-and-mul
-before them in one kernel. On CPU: the kernel under the Triton interpreter against the unfused torch
-layers, its compile for sm_90, and the layers' fallback; on a GPU (-m gpu): bf16 and FP8 weights at
-Llama-3.1-8B's shapes, and a model's decode step with the kernel on and off."""
+(Gemma: the (1 + w) norm, the tanh GELU) before them in one kernel. On CPU: the kernel under the
+Triton interpreter against the unfused torch layers, its compile for sm_90, and the layers'
+fallback; on a GPU (-m gpu): bf16 and FP8 weights at Llama-3.1-8B's shapes, bf16 at Gemma-3-27B's,
+and a model's decode step with the kernel on and off."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def test_row_gemv_under_the_triton_interpreter_matches_the_unfused_layers():
         import torch
         import engine.layers.row_gemv as rg
         from engine.layers import RMSNorm
-        from engine.layers.activation import silu_and_mul_reference
+        from engine.layers.activation import gate_and_mul, silu_and_mul_reference
+        from engine.layers.norm import OffsetRMSNorm
         torch.manual_seed(0)
         for n, k, tiles in [(37, 40, (8, 16, 4, 1)), (64, 64, (16, 32, 4, 1)), (5, 24, None)]:
             w = torch.randn(n, k)
@@ -55,9 +57,19 @@ def test_row_gemv_under_the_triton_interpreter_matches_the_unfused_layers():
                 assert (summed is None) != has_res
                 if has_res:
                     assert torch.equal(summed, s)
+            gemma = OffsetRMSNorm(k, 1e-6, torch.float32, "cpu")
+            gemma.weight.data = torch.randn(k) * 0.3
+            y, summed = rg.row_gemv(x, w, scale, bias, rg.NORM, gemma.weight, 1e-6, res,
+                                    config=tiles, offset=True)
+            ref = (gemma.reference(x + res) @ w.t()) * scale + bias
+            torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
+            assert torch.equal(summed, x + res)
             gu = torch.randn(1, 2 * k)
             y, _ = rg.row_gemv(gu, w, None, None, rg.SILU_MUL, config=tiles)
             torch.testing.assert_close(y, silu_and_mul_reference(gu) @ w.t(), atol=1e-4, rtol=1e-4)
+            y, _ = rg.row_gemv(gu, w, None, None, rg.GELU_MUL, config=tiles)
+            gelu = gate_and_mul(gu, "gelu_pytorch_tanh")
+            torch.testing.assert_close(y, gelu @ w.t(), atol=1e-4, rtol=1e-4)
             y, _ = rg.row_gemv(x, w, scale, None, rg.PLAIN, config=tiles)
             torch.testing.assert_close(y, (x @ w.t()) * scale, atol=1e-4, rtol=1e-4)
         # the layers' path (one_row_operands, norm_linear, act_linear), with the CUDA check
@@ -81,6 +93,17 @@ def test_row_gemv_under_the_triton_interpreter_matches_the_unfused_layers():
         torch.testing.assert_close(
             rg.act_linear(down, gu, "silu"), down(silu_and_mul_reference(gu)), atol=1e-4, rtol=1e-4
         )
+        torch.testing.assert_close(
+            rg.act_linear(down, gu, "gelu_pytorch_tanh"),
+            down(gate_and_mul(gu, "gelu_pytorch_tanh")),
+            atol=1e-4,
+            rtol=1e-4,
+        )
+        gemma = OffsetRMSNorm(40, 1e-6, torch.float32, "cpu")
+        gemma.weight.data = torch.randn(40) * 0.3
+        y, summed = rg.norm_linear(gemma, lin, x, res)
+        assert torch.equal(summed, x + res)
+        torch.testing.assert_close(y, lin(gemma.reference(x + res)), atol=1e-4, rtol=1e-4)
         print("ok")
     """)
     done = run_in_triton_interpreter(script)
@@ -90,8 +113,8 @@ def test_row_gemv_under_the_triton_interpreter_matches_the_unfused_layers():
 @pytest.mark.skipif(not triton_nvidia_backend(), reason="triton without its CUDA backend (ptxas)")
 def test_row_gemv_compiles_for_hopper(tmp_path):
     """The kernel with bf16 and e4m3 weights, every prologue, the default tiles of each
-    Llama-3.1-8B shape, compiled ahead of time for sm_90: types across the branches, registers and
-    shared memory, ptxas."""
+    Llama-3.1-8B shape (and Gemma 3's norm and GELU), compiled ahead of time for sm_90: types across
+    the branches, registers and shared memory, ptxas."""
     script = textwrap.dedent("""
         import torch
         import triton
@@ -99,7 +122,7 @@ def test_row_gemv_compiles_for_hopper(tmp_path):
         from triton.compiler import ASTSource
         import engine.layers.row_gemv as rg
 
-        def build(w_type, prologue, residual, n, k):
+        def build(w_type, prologue, residual, n, k, offset=False):
             w_dtype = torch.float8_e4m3fn if w_type == "fp8e4nv" else torch.bfloat16
             bn, bk, warps, stages = rg.default_config(prologue, w_dtype, n, k)
             ptrs = ["x_ptr", "res_ptr", "g_ptr", "w_ptr", "ws_ptr", "b_ptr", "y_ptr", "res_out_ptr"]
@@ -107,7 +130,8 @@ def test_row_gemv_compiles_for_hopper(tmp_path):
             sig.update(w_ptr="*" + w_type, ws_ptr="*fp32", N="i32", K="i32", stride_wn="i32",
                        eps="fp32")
             const = dict(PROLOGUE=prologue, HAS_RESIDUAL=residual, HAS_SCALE=w_type != "bf16",
-                         HAS_BIAS=False, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, PDL=True)
+                         HAS_BIAS=False, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, OFFSET=offset,
+                         PDL=True)
             sig.update({c: "constexpr" for c in const})
             source = ASTSource(fn=rg._row_gemv_kernel, signature=sig, constexprs=const)
             options = dict(num_warps=warps, num_stages=stages, launch_pdl=True)
@@ -124,6 +148,9 @@ def test_row_gemv_compiles_for_hopper(tmp_path):
             build(w_type, rg.NORM, True, 6144, 4096)
             build(w_type, rg.NORM, False, 28672, 4096)
             build(w_type, rg.SILU_MUL, False, 4096, 14336)
+        # Gemma 3 27B: its (1 + w) norm before qkv and gate_up, its tanh GELU before down
+        build("bf16", rg.NORM, True, 8192, 5376, offset=True)
+        build("bf16", rg.GELU_MUL, False, 5376, 21504)
         print("ok")
     """)
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(REPO))
@@ -208,6 +235,44 @@ def test_row_gemv_matches_the_unfused_layers_at_llama_shapes(fp8):
                 )
             else:
                 fused, summed = norm_linear(norm, lin, x, res)
+            plain, ref_summed = unfused(norm_linear, norm, lin, x, res)
+            assert torch.equal(summed, ref_summed)
+        err = (fused.float() - plain.float()).abs().max().item()
+        scale = plain.float().abs().max().item()
+        assert err <= 2e-2 * scale, (n, k, err, scale)
+
+
+@pytest.mark.gpu
+def test_row_gemv_matches_the_unfused_layers_at_gemma_shapes():
+    """Gemma-3-27B's qkv and gate_up after its (1 + w) norm (the residual added first), and down
+    after the tanh GELU, through the layers' path, bf16: within bf16 rounding of the layers one
+    after the other; the residual stream bit for bit."""
+    import engine.layers.row_gemv as rg
+    from engine.layers.norm import OffsetRMSNorm
+
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    hidden, inter = 5376, 21504
+    norm = OffsetRMSNorm(hidden, 1e-6, dt, dev)
+    norm.weight.data = (0.3 * torch.randn(hidden, device=dev)).to(dt)
+
+    def unfused(fn, *args):
+        rg.FUSE = False
+        try:
+            return fn(*args)
+        finally:
+            rg.FUSE = True
+
+    for n, k, act in [(8192, hidden, False), (2 * inter, hidden, False), (hidden, inter, True)]:
+        lin = Linear(k, n, False, dt, dev)
+        lin.weight.data.normal_(0.0, 0.02)
+        if act:
+            gu = torch.randn(1, 2 * k, device=dev, dtype=dt)
+            fused = act_linear(lin, gu, "gelu_pytorch_tanh")
+            plain = unfused(act_linear, lin, gu, "gelu_pytorch_tanh")
+        else:
+            x, res = (torch.randn(1, k, device=dev, dtype=dt) for _ in range(2))
+            fused, summed = norm_linear(norm, lin, x, res)
             plain, ref_summed = unfused(norm_linear, norm, lin, x, res)
             assert torch.equal(summed, ref_summed)
         err = (fused.float() - plain.float()).abs().max().item()

@@ -1,6 +1,7 @@
 """Batch-1 decode's linears with the elementwise op before them folded in: one kernel computes
-linear(rms_norm(x + residual)) (attention's qkv, the MLP's gate_up) or linear(silu(gate) * up) (the
-MLP's down), so the norm and the activation cost no launch of their own.
+linear(rms_norm(x + residual)) (attention's qkv, the MLP's gate_up; Llama's norm or Gemma's (1 + w))
+or linear(act(gate) * up) (the MLP's down; SiLU or Gemma's tanh GELU), so the norm and the
+activation cost no launch of their own.
 
 One row of input: each program reads the whole row (from L2) beside its BLOCK_N rows of the
 weight, so the prologue is recomputed per program and never written out. The norm's 1/rms is a
@@ -24,10 +25,10 @@ normed input is not rounded to the activation dtype before the product, so resul
 unfused layers by bf16 rounding.
 
 Who takes it: norm_linear and act_linear below (the decoder's only callers), on CUDA, for one row,
-a plain RMSNorm and a linear whose one_row_operands() gives (weight, scale, bias) with its weight
-in the activation dtype, or FP8 with its scales when FUSE_FP8 (row-parallel linears give none: they
-all-reduce after). FUSE turns it off (bench/fp8_decode.py --prologues and --fp8-prologues measure
-both).
+an RMSNorm (Llama's or Gemma's) and a linear whose one_row_operands() gives (weight, scale, bias)
+with its weight in the activation dtype, or FP8 with its scales when FUSE_FP8 (row-parallel linears
+give none: they all-reduce after). FUSE turns it off (bench/fp8_decode.py --prologues and
+--fp8-prologues measure both).
 Tiles: bench/row_gemv.py's sweep.
 """
 
@@ -36,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from engine.layers.activation import gate_and_mul
-from engine.layers.norm import RMSNorm
+from engine.layers.norm import OffsetRMSNorm, RMSNorm
 from engine.pdl import launch_options, release
 
 try:  # a CPU-only install may have no triton; the unfused layers never need it
@@ -47,7 +48,9 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
 
 FUSE = True  # the fused one-row path on (benchmarks turn it off to compare)
 FUSE_FP8 = False  # FP8 weights take the prologues too (benchmarks compare)
-PLAIN, NORM, SILU_MUL = 0, 1, 2  # the prologue applied to x before the product
+# the prologue applied to x before the product (GELU_MUL: the tanh form, Gemma's)
+PLAIN, NORM, SILU_MUL, GELU_MUL = 0, 1, 2, 3
+_ACT_PROLOGUES = {"silu": SILU_MUL, "gelu_pytorch_tanh": GELU_MUL}
 RowGemvConfig = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 # (prologue, weight dtype name, N, K) -> tiles replacing the defaults (a benchmark's sweep)
 TILE_OVERRIDES: dict[tuple[int, str, int, int], RowGemvConfig] = {}
@@ -59,6 +62,7 @@ if triton is not None:
     def _accumulate(
         acc, squares, w, x_ptr, res_ptr, g_ptr, res_out_ptr, k, K, pid,
         PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
+        OFFSET: tl.constexpr,
     ):  # fmt: skip
         """One BLOCK_K step: acc += w * prologue(x[k]) (and the norm's sum of squares)."""
         k_ok = k < K
@@ -74,12 +78,21 @@ if triton is not None:
                 tl.store(res_out_ptr + k, x, mask=k_ok & (pid == 0))
             xf = x.to(tl.float32)
             squares += xf * xf
-            xf = xf * tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-        elif PROLOGUE == 2:  # SILU_MUL
+            g = tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            if OFFSET:  # Gemma's norm scales by (1 + w)
+                g = 1.0 + g
+            xf = xf * g
+        elif PROLOGUE == 2 or PROLOGUE == 3:  # SILU_MUL, GELU_MUL
             gate = x.to(tl.float32)
             up = tl.load(x_ptr + K + k, mask=k_ok, other=0.0).to(tl.float32)
-            # silu rounded to the activation dtype before the product, as F.silu(gate) * up
-            act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
+            if PROLOGUE == 2:
+                act = gate / (1.0 + tl.exp(-gate))
+            else:  # 0.5 g (1 + tanh u), tanh u = 1 - 2/(e^2u + 1)
+                u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+                act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
+            # the activation rounded to the activation dtype before the product, as torch's
+            # act(gate) * up
+            act = act.to(x_ptr.dtype.element_ty).to(tl.float32)
             xf = (act * up).to(x_ptr.dtype.element_ty).to(tl.float32)
         else:
             xf = x.to(tl.float32)
@@ -107,12 +120,14 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr,
+        OFFSET: tl.constexpr,
         PDL: tl.constexpr,
     ):
         """Program n: y[n * BLOCK_N : +BLOCK_N] = W[rows] @ prologue(x), fp32 multiply-adds into a
-        [BLOCK_N, BLOCK_K] accumulator reduced once at the end. SILU_MUL: x holds [gate | up], each
-        K long. The first weight tile is requested before the wait for the kernel before (no kernel
-        writes the weights) and used by a first step outside the loop."""
+        [BLOCK_N, BLOCK_K] accumulator reduced once at the end. SILU_MUL, GELU_MUL: x holds
+        [gate | up], each K long. OFFSET: NORM scales by (1 + w). The first weight tile is
+        requested before the wait for the kernel before (no kernel writes the weights) and used by
+        a first step outside the loop."""
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -127,7 +142,7 @@ if triton is not None:
         release(PDL)
         acc, squares = _accumulate(
             acc, squares, w, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, K, pid,
-            PROLOGUE, HAS_RESIDUAL, EVEN_K,
+            PROLOGUE, HAS_RESIDUAL, EVEN_K, OFFSET,
         )  # fmt: skip
         for k0 in range(BLOCK_K, K, BLOCK_K):
             w_ptrs += BLOCK_K
@@ -137,7 +152,7 @@ if triton is not None:
                 w = tl.load(w_ptrs, mask=((k0 + rk) < K)[None, :], other=0.0)
             acc, squares = _accumulate(
                 acc, squares, w, x_ptr, res_ptr, g_ptr, res_out_ptr, k0 + rk, K, pid,
-                PROLOGUE, HAS_RESIDUAL, EVEN_K,
+                PROLOGUE, HAS_RESIDUAL, EVEN_K, OFFSET,
             )  # fmt: skip
         y = tl.sum(acc, axis=1)
         if PROLOGUE == 1:
@@ -153,6 +168,7 @@ def default_config(prologue: int, weight_dtype: torch.dtype, n: int, k: int) -> 
     """Tiles per shape and weight width: the fastest of bench/row_gemv.py's sweep at Llama-3.1-8B's
     shapes on an H100 (bench/results/2026-11-27-h100-row-gemv/row_gemv.json)."""
     name = str(weight_dtype).removeprefix("torch.")
+    prologue = SILU_MUL if prologue == GELU_MUL else prologue  # the same loads, the same tiles
     if (prologue, name, n, k) in TILE_OVERRIDES:
         return TILE_OVERRIDES[(prologue, name, n, k)]
     if weight_dtype.itemsize == 1:  # e4m3 with a prologue (bench/row_gemv.py only)
@@ -176,11 +192,13 @@ def row_gemv(
     eps: float = 1e-6,
     residual: torch.Tensor | None = None,
     config: RowGemvConfig | None = None,
+    offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x [1, K] (SILU_MUL: [1, 2K]) -> (y [1, N] in x's dtype, x + residual or None).
+    """x [1, K] (SILU_MUL, GELU_MUL: [1, 2K]) -> (y [1, N] in x's dtype, x + residual or None).
 
-    weight [N, K] in x's dtype, or e4m3 with weight_scale [N] fp32; NORM: norm_weight [K], eps, and
-    an optional residual [1, K]; SILU_MUL: x is [gate | up]. config overrides the tiles."""
+    weight [N, K] in x's dtype, or e4m3 with weight_scale [N] fp32; NORM: norm_weight [K], eps, an
+    optional residual [1, K], and offset for Gemma's (1 + w); SILU_MUL, GELU_MUL: x is
+    [gate | up]. config overrides the tiles."""
     n, k = weight.shape
     x = x.contiguous()
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
@@ -207,6 +225,7 @@ def row_gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN_K=k % block_k == 0,
+        OFFSET=offset,
         num_warps=num_warps,
         num_stages=num_stages,
         # engine.pdl: only without a prologue (the module docstring); with one, the kernel before
@@ -246,25 +265,30 @@ def _operands(linear, x: torch.Tensor, k: int):
 
 def norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None):
     """(linear(norm(x + residual)), x + residual); without a residual (linear(norm(x)), x). One
-    kernel for one row on CUDA when `norm` is a plain RMSNorm, else the layers one after the
-    other."""
-    operands = _operands(linear, x, x.shape[-1]) if type(norm) is RMSNorm else None
+    kernel for one row on CUDA when `norm` is Llama's RMSNorm or Gemma's, else the layers one after
+    the other."""
+    known = type(norm) in (RMSNorm, OffsetRMSNorm)
+    operands = _operands(linear, x, x.shape[-1]) if known else None
     if operands is None:
         if residual is None:
             return linear(norm(x)), x
         h, residual = norm(x, residual)
         return linear(h), residual
     weight, scale, bias = operands
-    y, summed = row_gemv(x, weight, scale, bias, NORM, norm.weight, norm.eps, residual=residual)
+    offset = isinstance(norm, OffsetRMSNorm)
+    y, summed = row_gemv(
+        x, weight, scale, bias, NORM, norm.weight, norm.eps, residual=residual, offset=offset
+    )
     return y, (summed if residual is not None else x)
 
 
 def act_linear(linear, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    """linear(act(gate) * up) of a fused [gate | up] row: one kernel for one SiLU row on CUDA, else
-    engine.layers.activation.gate_and_mul and the linear."""
+    """linear(act(gate) * up) of a fused [gate | up] row: one kernel for one SiLU or tanh-GELU row
+    on CUDA, else engine.layers.activation.gate_and_mul and the linear."""
     half = gate_up.shape[-1] // 2
-    operands = _operands(linear, gate_up, half) if activation == "silu" else None
+    prologue = _ACT_PROLOGUES.get(activation)
+    operands = _operands(linear, gate_up, half) if prologue is not None else None
     if operands is None:
         return linear(gate_and_mul(gate_up, activation))
     weight, scale, bias = operands
-    return row_gemv(gate_up, weight, scale, bias, SILU_MUL)[0]
+    return row_gemv(gate_up, weight, scale, bias, prologue)[0]

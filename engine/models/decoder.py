@@ -257,11 +257,16 @@ class SandwichDecoderLayer(nn.Module):
         kv_cache_layer: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's normed MLP output, the residual stream before it)."""
-        residual = x if residual is None else x + residual
-        h = self.self_attn(self.input_layernorm(residual), positions, rotary, kv_cache_layer, meta)
-        h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
-        return self.post_feedforward_layernorm(self.mlp(h)), residual
+        """(this layer's normed MLP output, the residual stream before it). The norms before qkv
+        and gate_up are taken with their projections (engine.layers.row_gemv: one kernel at
+        batch-1 decode), as DecoderLayer's are."""
+        attn = self.self_attn
+        qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, x, residual)
+        h = self.post_attention_layernorm(attn.attend(qkv, positions, rotary, kv_cache_layer, meta))
+        gate_up, residual = norm_linear(
+            self.pre_feedforward_layernorm, self.mlp.gate_up_proj, h, residual
+        )
+        return self.post_feedforward_layernorm(self.mlp.down(gate_up)), residual
 
 
 def norm_class(cfg: ModelConfig) -> type[RMSNorm]:
