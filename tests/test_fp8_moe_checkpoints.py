@@ -181,3 +181,39 @@ def test_a_stacked_scale_that_straddles_gate_and_up_is_refused() -> None:
     stacked = [("model.layers.0.mlp.experts.gate_up_proj_scale_inv", torch.ones(4, 3, 2))]
     with pytest.raises(ValueError, match="block boundary"):
         list(per_expert_scales(iter(stacked), fmt, ("gate_proj", "up_proj", "down_proj")))
+
+
+def test_the_pack_of_an_fp8_moe_checkpoint_holds_its_fp8_experts(moe_dirs, tmp_path) -> None:
+    """The first load writes an FP8 pack (the experts' e4m3 values and scales among its tensors);
+    the next start reads it byte for byte, and the engine's greedy tokens are the same from
+    either."""
+    from engine import LLM, SamplingParams
+
+    hub = moe_dirs["hub"]
+    cfg = ModelConfig.from_dir(hub)
+    first = load_model(hub, cfg, torch.float32, "cpu", pack_dir=str(tmp_path))
+    assert first.load_stats["source"] == "safetensors"
+    assert "-fp8-" in first.load_stats["pack_written"]
+    again = load_model(hub, cfg, torch.float32, "cpu", pack_dir=str(tmp_path))
+    assert again.load_stats["source"] == "pack"
+    names = [name for name, _ in again.named_parameters()]
+    assert any(name.endswith("experts.gate_up_proj_scale") for name in names)
+    for (name, a), (_, b) in zip(first.named_parameters(), again.named_parameters()):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens = []
+    for load_format in ("safetensors", "pack"):
+        llm = LLM(
+            model=hub,
+            device="cpu",
+            dtype="float32",
+            num_kv_blocks=32,
+            block_size=4,
+            load_format=load_format,
+            pack_dir=str(tmp_path),
+        )
+        try:
+            tokens.append(llm.generate([TOKS[:12]], params)[0].outputs[0].token_ids)
+        finally:
+            llm.shutdown()
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 8
