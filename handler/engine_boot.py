@@ -175,8 +175,8 @@ class EngineBoot:
         return self
 
     def entry_imports(self):
-        """A block for the entry point's own heavy imports, made after torch's while the start
-        waits (warmup.start.EngineStart.entry_imports)."""
+        """A block for the entry point's own heavy imports, made while the start makes the GPU's
+        context and before it imports torch (warmup.start.EngineStart.entry_imports)."""
         return self.engine_start.entry_imports()
 
     def _settle(self, done: Future) -> None:

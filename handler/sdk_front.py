@@ -1,7 +1,7 @@
 """The RunPod SDK's own process. `python -m handler` starts it first thing, so the SDK's import
 (aiohttp, paramiko, its CPU probe: over a second) runs beside the worker's start instead of in the
-worker interpreter's turn after `import torch`; an import in a second interpreter costs torch's
-import nothing measurable (bench/start_overlap.py).
+worker interpreter's own turn; an import in a second interpreter costs torch's import nothing
+measurable (bench/start_overlap.py).
 
 `python -m handler.sdk_front FD [SDK flags]`, FD its end of the worker's socket (handler.front_link,
 which also lists the messages). It waits for the worker's settings, then runs
