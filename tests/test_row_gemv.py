@@ -188,6 +188,21 @@ def test_the_layers_fall_back_where_the_kernel_does_not_serve():
 
 
 # ---- GPU ---------------------------------------------------------------------------------------
+def _unfused(fn, *args):
+    """fn(*args) with the one-row kernel off: the layers one after the other."""
+    import engine.layers.row_gemv as rg
+
+    rg.FUSE = False
+    try:
+        return fn(*args)
+    finally:
+        rg.FUSE = True
+
+
+def _assert_within_bf16(fused: torch.Tensor, plain: torch.Tensor, what) -> None:
+    err = (fused.float() - plain.float()).abs().max().item()
+    scale = plain.float().abs().max().item()
+    assert err <= 2e-2 * scale, (what, err, scale)
 
 
 @pytest.mark.gpu
@@ -206,14 +221,6 @@ def test_row_gemv_matches_the_unfused_layers_at_llama_shapes(fp8):
     hidden, inter = 4096, 14336
     norm = RMSNorm(hidden, 1e-5, dt, dev)
     norm.weight.data = (torch.rand(hidden, device=dev) + 0.5).to(dt)
-
-    def unfused(fn, *args):
-        rg.FUSE = False
-        try:
-            return fn(*args)
-        finally:
-            rg.FUSE = True
-
     for n, k, act in [(6144, hidden, False), (2 * inter, hidden, False), (hidden, inter, True)]:
         lin = make(k, n, False, dt, dev)
         if fp8:
@@ -226,7 +233,7 @@ def test_row_gemv_matches_the_unfused_layers_at_llama_shapes(fp8):
                 fused = rg.row_gemv(gu, lin.weight, lin.weight_scale, None, rg.SILU_MUL)[0]
             else:
                 fused = act_linear(lin, gu, "silu")
-            plain = unfused(act_linear, lin, gu, "silu")
+            plain = _unfused(act_linear, lin, gu, "silu")
         else:
             x, res = (torch.randn(1, k, device=dev, dtype=dt) for _ in range(2))
             if fp8:
@@ -235,11 +242,9 @@ def test_row_gemv_matches_the_unfused_layers_at_llama_shapes(fp8):
                 )
             else:
                 fused, summed = norm_linear(norm, lin, x, res)
-            plain, ref_summed = unfused(norm_linear, norm, lin, x, res)
+            plain, ref_summed = _unfused(norm_linear, norm, lin, x, res)
             assert torch.equal(summed, ref_summed)
-        err = (fused.float() - plain.float()).abs().max().item()
-        scale = plain.float().abs().max().item()
-        assert err <= 2e-2 * scale, (n, k, err, scale)
+        _assert_within_bf16(fused, plain, (n, k))
 
 
 @pytest.mark.gpu
@@ -247,7 +252,6 @@ def test_row_gemv_matches_the_unfused_layers_at_gemma_shapes():
     """Gemma-3-27B's qkv and gate_up after its (1 + w) norm (the residual added first), and down
     after the tanh GELU, through the layers' path, bf16: within bf16 rounding of the layers one
     after the other; the residual stream bit for bit."""
-    import engine.layers.row_gemv as rg
     from engine.layers.norm import OffsetRMSNorm
 
     torch.manual_seed(0)
@@ -255,26 +259,16 @@ def test_row_gemv_matches_the_unfused_layers_at_gemma_shapes():
     hidden, inter = 5376, 21504
     norm = OffsetRMSNorm(hidden, 1e-6, dt, dev)
     norm.weight.data = (0.3 * torch.randn(hidden, device=dev)).to(dt)
-
-    def unfused(fn, *args):
-        rg.FUSE = False
-        try:
-            return fn(*args)
-        finally:
-            rg.FUSE = True
-
     for n, k, act in [(8192, hidden, False), (2 * inter, hidden, False), (hidden, inter, True)]:
         lin = Linear(k, n, False, dt, dev)
         lin.weight.data.normal_(0.0, 0.02)
         if act:
             gu = torch.randn(1, 2 * k, device=dev, dtype=dt)
             fused = act_linear(lin, gu, "gelu_pytorch_tanh")
-            plain = unfused(act_linear, lin, gu, "gelu_pytorch_tanh")
+            plain = _unfused(act_linear, lin, gu, "gelu_pytorch_tanh")
         else:
             x, res = (torch.randn(1, k, device=dev, dtype=dt) for _ in range(2))
             fused, summed = norm_linear(norm, lin, x, res)
-            plain, ref_summed = unfused(norm_linear, norm, lin, x, res)
+            plain, ref_summed = _unfused(norm_linear, norm, lin, x, res)
             assert torch.equal(summed, ref_summed)
-        err = (fused.float() - plain.float()).abs().max().item()
-        scale = plain.float().abs().max().item()
-        assert err <= 2e-2 * scale, (n, k, err, scale)
+        _assert_within_bf16(fused, plain, (n, k))
