@@ -22,7 +22,7 @@ from engine.checkpoint_quant import checkpoint_quantization
 from engine.config import ModelConfig
 from engine.model_support import check_model_config
 from engine.models import load_model
-from engine.models.prequantized import checkpoint_weights, per_expert_scales
+from engine.models.prequantized import checkpoint_weights, expert_layout, per_expert_scales
 from engine.models.weights import iter_safetensors
 from tiny_models import PagedSeq, make_step, make_tiny_model
 
@@ -61,7 +61,8 @@ def moe_dirs(tmp_path_factory) -> dict[str, str]:
     written = {}
     for shard in sorted((root / "transformers").glob("*.safetensors")):
         written.update(load_file(shard))
-    cut = per_expert_scales(iter(written.items()), fmt, ("gate_proj", "up_proj", "down_proj"))
+    inter = _config(root / "transformers")["moe_intermediate_size"]
+    cut = per_expert_scales(iter(written.items()), fmt, expert_layout("qwen3_moe", inter))
     save_file({k: v.contiguous() for k, v in cut}, hub / "model.safetensors")
     return {name: str(root / name) for name in ("bf16", "transformers", "hub")}
 
@@ -98,11 +99,12 @@ def test_the_expert_weights_read_are_transformers_own(moe_dirs, layout) -> None:
 
     path = moe_dirs[layout]
     fmt = checkpoint_quantization(_config(path))
-    ours = dict(checkpoint_weights(iter_safetensors(path), fmt, family="qwen3_moe"))
+    inter = _config(path)["moe_intermediate_size"]
+    layout_of_experts = expert_layout("qwen3_moe", inter)
+    ours = dict(checkpoint_weights(iter_safetensors(path), fmt, experts=layout_of_experts))
     hf, _ = _transformers_dequantized(moe_dirs["hub"])
     original = AutoModelForCausalLM.from_pretrained(moe_dirs["bf16"], dtype=torch.bfloat16)
     cfg = hf.config
-    inter = cfg.moe_intermediate_size
     sparse = [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")]
     assert sparse
     for layer in sparse:
@@ -175,12 +177,13 @@ def test_fp8_moe_logits_stay_as_near_the_dense_forward_as_quantizing_the_bf16_mo
 
 
 def test_a_stacked_scale_that_straddles_gate_and_up_is_refused() -> None:
+    """56 rows of gate and 56 of up in 32-row blocks: the second block holds both."""
     fmt = checkpoint_quantization(
         {"quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32]}}
     )
-    stacked = [("model.layers.0.mlp.experts.gate_up_proj_scale_inv", torch.ones(4, 3, 2))]
+    stacked = [("model.layers.0.mlp.experts.gate_up_proj_scale_inv", torch.ones(4, 4, 2))]
     with pytest.raises(ValueError, match="block boundary"):
-        list(per_expert_scales(iter(stacked), fmt, ("gate_proj", "up_proj", "down_proj")))
+        list(per_expert_scales(iter(stacked), fmt, expert_layout("qwen3_moe", 56)))
 
 
 def test_the_pack_of_an_fp8_moe_checkpoint_holds_its_fp8_experts(moe_dirs, tmp_path) -> None:

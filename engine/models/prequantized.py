@@ -15,6 +15,7 @@ blocks], experts.down_proj_scale_inv), which is cut into each expert's here.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,17 +38,17 @@ def checkpoint_weights(
     tensors: Iterator[tuple[str, torch.Tensor]],
     fmt: CheckpointFp8,
     slots: dict[str, "WeightSlot"] | None = None,
-    family: str | None = None,
+    experts: "ExpertLayout | None" = None,
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
     """(name, tensor) of a checkpoint, with every FP8 weight paired with its scale tensor (in any
     order, across shards) and yielded once (weight_rows); other tensors pass through. With `slots`
     (a tensor-parallel rank's hf_weight_map), a weight named there arrives as its slot's slice and
-    its scales are cut to match. `family`: the model's (ModelConfig.family), whose expert names a
-    layer's stacked expert scales are cut into. Raises ValueError for an FP8 weight without a
-    scale, or a scale without a weight."""
+    its scales are cut to match. `experts`: a mixture of experts' names and rows, into which a
+    layer's stacked expert scales are cut (per_expert_scales). Raises ValueError for an FP8 weight
+    without a scale, or a scale without a weight."""
     slots = slots or {}
-    if family is not None and expert_projection_names(family) is not None:
-        tensors = per_expert_scales(tensors, fmt, expert_projection_names(family))
+    if experts is not None:
+        tensors = per_expert_scales(tensors, fmt, experts)
 
     def rows(prefix: str, weight: torch.Tensor, scale: torch.Tensor):
         return weight_rows(weight, scale, fmt, slots.get(text_decoder_name(prefix + ".weight")))
@@ -83,14 +84,30 @@ def checkpoint_weights(
 _STACKED_SCALES = ("experts.gate_up_proj", "experts.down_proj")
 
 
+@dataclass(frozen=True)
+class ExpertLayout:
+    """A checkpoint's per-expert (gate, up, down) projection names and the rows of each gate or up
+    projection (the expert's intermediate size)."""
+
+    names: tuple[str, str, str]
+    rows: int
+
+
+def expert_layout(family: str, rows: int) -> ExpertLayout | None:
+    """The family's ExpertLayout; None for a family without experts."""
+    names = expert_projection_names(family)
+    return ExpertLayout(names, rows) if names is not None else None
+
+
 def per_expert_scales(
-    tensors: Iterator[tuple[str, torch.Tensor]], fmt: CheckpointFp8, names: tuple[str, str, str]
+    tensors: Iterator[tuple[str, torch.Tensor]], fmt: CheckpointFp8, experts: ExpertLayout
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors, with each stacked expert scale (transformers' experts.gate_up_proj_scale_inv
     [E, ...], experts.down_proj_scale_inv) replaced by every expert's own, named as its weight's
-    (experts.E.<gate>/<up>/<down>.weight_scale_inv). The gate and up halves split on a block
-    boundary only: a block straddling them raises ValueError."""
-    gate, up, down = names
+    (experts.E.<gate>/<up>/<down>.weight_scale_inv). The gate and up projections split on a block
+    boundary only: a block straddling them (rows not a multiple of the block's) raises
+    ValueError."""
+    gate, up, down = experts.names
     suffix = "_" + fmt.scale_name.removeprefix("weight_")  # gate_up_proj_scale_inv
     for name, tensor in tensors:
         stacked = next((s for s in _STACKED_SCALES if name.endswith(f".{s}{suffix}")), None)
@@ -98,19 +115,20 @@ def per_expert_scales(
             yield name, tensor
             continue
         prefix = name.removesuffix(suffix).removesuffix(stacked.split(".")[1])
+        if stacked == "experts.down_proj":
+            for e in range(tensor.shape[0]):
+                yield f"{prefix}{e}.{down}.{fmt.scale_name}", tensor[e]
+            continue
+        block_rows = fmt.block[0] if fmt.block else 0
+        if not block_rows or experts.rows % block_rows:
+            raise ValueError(
+                f"weights: {name}: the gate and up projections ({experts.rows} rows each) of "
+                f"an expert don't split on a {fmt.block} block boundary"
+            )
+        half = experts.rows // block_rows
         for e in range(tensor.shape[0]):
-            scale = tensor[e]
-            if stacked == "experts.down_proj":
-                yield f"{prefix}{e}.{down}.{fmt.scale_name}", scale
-                continue
-            if scale.dim() == 0 or scale.shape[0] % 2:
-                raise ValueError(
-                    f"weights: {name} {list(tensor.shape)}: the gate and up projections of an "
-                    f"expert don't split on a {fmt.block} block boundary"
-                )
-            half = scale.shape[0] // 2
-            yield f"{prefix}{e}.{gate}.{fmt.scale_name}", scale[:half]
-            yield f"{prefix}{e}.{up}.{fmt.scale_name}", scale[half:]
+            yield f"{prefix}{e}.{gate}.{fmt.scale_name}", tensor[e, :half]
+            yield f"{prefix}{e}.{up}.{fmt.scale_name}", tensor[e, half:]
 
 
 def weight_rows(

@@ -38,7 +38,7 @@ from cache.loader import (
 from engine.config import EngineArgs, ModelConfig, resolve_dtype
 from engine.distributed.sharding import SINGLE, Shard
 from engine.models.checkpoint_names import is_vision_tensor, text_decoder_name
-from engine.models.prequantized import checkpoint_weights
+from engine.models.prequantized import checkpoint_weights, expert_layout
 from engine.quant import model_quantization
 
 if TYPE_CHECKING:
@@ -140,7 +140,9 @@ def checkpoint_tensors(model_dir: str, model: "DecoderModel") -> Iterator[tuple[
     tensors = iter_safetensors(model_dir, slots)
     if fmt is None:
         return tensors
-    return checkpoint_weights(tensors, fmt, slots, model.config.family)
+    moe = model.config.moe
+    experts = expert_layout(model.config.family, moe.expert_intermediate_size) if moe else None
+    return checkpoint_weights(tensors, fmt, slots, experts)
 
 
 # ---- which pack belongs to this checkpoint -------------------------------------------------------
