@@ -224,6 +224,16 @@ def test_moe_models_with_fp8_experts_track_their_fp32_selves(family, tmp_path):
     assert torch.equal(prefill_then_decode(again, cfg, list(range(3, 39))), b)
 
 
+def test_a_scheme_without_experts_refuses_a_moe_model_in_one_line(tmp_path):
+    from engine.quant.base import QuantConfig
+
+    make_tiny_model("qwen3-moe", str(tmp_path))
+    cfg = ModelConfig.from_dir(str(tmp_path))
+    quant_config("fp8").check_model(cfg)  # FP8 has experts
+    with pytest.raises(ValueError, match="has no mixture-of-experts layers .*unset QUANTIZATION"):
+        QuantConfig().check_model(cfg)
+
+
 def test_fp8_moe_dummy_weights(tmp_path):
     """Random FP8 experts for load_format "dummy" (N(0, 0.02), quantized). (FP8 MoE checkpoints:
     tests/test_fp8_moe_checkpoints.py.)"""

@@ -324,12 +324,7 @@ class DecoderModel(nn.Module):
             quant.check_model(cfg)
             linear = quant.linear
             row_linear = functools.partial(quant.linear, comm=comm, row_parallel=shard.size > 1)
-            if cfg.moe is not None:
-                if quant.experts is None:
-                    raise ValueError(
-                        f"quantization: {quant.name} has no mixture-of-experts layers "
-                        f"({cfg.architecture}); unset QUANTIZATION to serve its own dtype"
-                    )
+            if cfg.moe is not None:  # check_model refused a scheme without experts
                 experts = {"experts": quant.experts}
         local = shard.local_config(cfg)
         self.rotary = RotaryEmbedding(

@@ -34,7 +34,13 @@ class QuantConfig:
         """Raise ValueError (naming the GPU) when the scheme can't run on `device`."""
 
     def check_model(self, model_config) -> None:
-        """Raise ValueError when the scheme can't serve this model (one message naming both)."""
+        """Raise ValueError when the scheme can't serve this model (one message naming both): a
+        mixture-of-experts model when the scheme has no experts."""
+        if model_config.moe is not None and self.experts is None:
+            raise ValueError(
+                f"quantization: {self.name} has no mixture-of-experts layers "
+                f"({model_config.architecture}); unset QUANTIZATION to serve its own dtype"
+            )
 
 
 class QuantizedRows:
