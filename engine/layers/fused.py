@@ -69,6 +69,18 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def gate_activation(gate, ACT: tl.constexpr):
+        """act(gate) in float32, ACT a GATE_ACTIVATIONS code: SiLU, GELU's tanh form, GELU's erf
+        (also the one-row GEMV's prologue, engine.layers.row_gemv)."""
+        if ACT == 0:
+            return gate / (1.0 + tl.exp(-gate))
+        elif ACT == 1:  # 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))); tanh u = 1 - 2/(e^2u + 1)
+            u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+            return 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
+        else:
+            return 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))
+
+    @triton.jit
     def _gate_and_mul_kernel(
         x_ptr,
         out_ptr,
@@ -86,16 +98,9 @@ if triton is not None:
         mask = cols < n_cols
         gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        if ACT == 0:
-            act = gate / (1.0 + tl.exp(-gate))
-        elif ACT == 1:  # 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))); tanh u = 1 - 2/(e^2u + 1)
-            u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-            act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
-        else:
-            act = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))
         # the activation is rounded to the activation dtype before the product, as torch's
         # act(gate) * up does
-        act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
+        act = gate_activation(gate, ACT).to(out_ptr.dtype.element_ty).to(tl.float32)
         tl.store(
             out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask
         )

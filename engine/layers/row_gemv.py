@@ -57,6 +57,7 @@ TILE_OVERRIDES: dict[tuple[int, str, int, int], RowGemvConfig] = {}
 
 
 if triton is not None:
+    from engine.layers.fused import gate_activation
 
     @triton.jit
     def _accumulate(
@@ -85,13 +86,12 @@ if triton is not None:
         elif PROLOGUE == 2 or PROLOGUE == 3:  # SILU_MUL, GELU_MUL
             gate = x.to(tl.float32)
             up = tl.load(x_ptr + K + k, mask=k_ok, other=0.0).to(tl.float32)
-            if PROLOGUE == 2:
-                act = gate / (1.0 + tl.exp(-gate))
-            else:  # 0.5 g (1 + tanh u), tanh u = 1 - 2/(e^2u + 1)
-                u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-                act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
             # the activation rounded to the activation dtype before the product, as torch's
             # act(gate) * up
+            if PROLOGUE == 2:
+                act = gate_activation(gate, 0)  # engine.layers.fused.GATE_ACTIVATIONS' SiLU
+            else:
+                act = gate_activation(gate, 1)  # and its tanh GELU
             act = act.to(x_ptr.dtype.element_ty).to(tl.float32)
             xf = (act * up).to(x_ptr.dtype.element_ty).to(tl.float32)
         else:
