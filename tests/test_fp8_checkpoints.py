@@ -310,15 +310,22 @@ def test_an_incomplete_checkpoint_names_the_missing_scale(tmp_path) -> None:
 def test_the_pack_of_an_fp8_checkpoint_holds_its_fp8_weights(tmp_path) -> None:
     """The first load writes an FP8 pack (keyed by the scheme the checkpoint implies); the next
     start reads it: the same FP8 bytes and scales, no safetensors read."""
-    path = str(FIXTURES / "fp8-dynamic")
+    reloaded_from_its_fp8_pack(str(FIXTURES / "fp8-dynamic"), str(tmp_path))
+
+
+def reloaded_from_its_fp8_pack(path: str, pack_dir: str):
+    """Load an FP8 checkpoint twice: the first load reads safetensors and writes an FP8 pack
+    under pack_dir, the second reads that pack with the same bytes in every parameter. Returns
+    the second model."""
     cfg = ModelConfig.from_dir(path)
-    first = load_model(path, cfg, torch.float32, "cpu", pack_dir=str(tmp_path))
+    first = load_model(path, cfg, torch.float32, "cpu", pack_dir=pack_dir)
     assert first.load_stats["source"] == "safetensors"
     assert "-fp8-" in first.load_stats["pack_written"]
-    again = load_model(path, cfg, torch.float32, "cpu", pack_dir=str(tmp_path))
+    again = load_model(path, cfg, torch.float32, "cpu", pack_dir=pack_dir)
     assert again.load_stats["source"] == "pack"
     for (name, a), (_, b) in zip(first.named_parameters(), again.named_parameters()):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+    return again
 
 
 @pytest.mark.gpu
