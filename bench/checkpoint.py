@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, resolve_dtype
 from engine.models import build_model
+from engine.models.weights import INDEX_FILE, fill_random, pack_key, pack_path, write_model_pack
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 
@@ -36,13 +37,9 @@ def synthesize(
     """Write `configs/<config_name>` with N(0, 0.02) bf16 weights (norms = 1) to out_dir; reuse a
     complete one."""
     out = Path(out_dir)
-    if (out / "model.safetensors.index.json").exists():
+    if (out / INDEX_FILE).exists():
         return str(out)
-    config = json.loads((CONFIGS / config_name).read_text())
-    shapes = hf_tensor_shapes(config)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    config, shapes, tmp = _begin(config_name, out)
     gen = torch.Generator(device=device).manual_seed(seed)
     weight_map: dict[str, str] = {}
     shard: dict[str, torch.Tensor] = {}
@@ -66,14 +63,30 @@ def synthesize(
             flush()
     if shard:
         flush()
+    _write_config_and_index(tmp, config, shapes, weight_map)
+    os.replace(tmp, out)
+    return str(out)
+
+
+def _begin(config: str | dict, out: Path) -> tuple[dict, dict[str, tuple[int, ...]], Path]:
+    """(the config: bench/configs/<config>, or the dict itself; its HF tensor shapes; an empty
+    directory beside `out` to write into, moved onto `out` when complete)."""
+    config = config if isinstance(config, dict) else json.loads((CONFIGS / config).read_text())
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return config, hf_tensor_shapes(config), tmp
+
+
+def _write_config_and_index(
+    tmp: Path, config: dict, shapes: dict[str, tuple[int, ...]], weight_map: dict[str, str]
+) -> None:
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
     index = {
         "metadata": {"total_size": sum(2 * _numel(s) for s in shapes.values())},
         "weight_map": weight_map,
     }
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(index))
-    os.replace(tmp, out)
-    return str(out)
+    (tmp / INDEX_FILE).write_text(json.dumps(index))
 
 
 def write_sparse_shard(path: Path, shapes: dict[str, tuple[int, ...]]) -> None:
@@ -108,16 +121,10 @@ def synthesize_packed(
     dummy fill, the seed's), keyed to those files; reuse a complete one. A start then loads the
     pack and never reads the shards, and the disk holds the pack's bytes only. The shards' tensors
     are zeros: a reference that reads them (transformers) sees another model than the pack."""
-    from engine.models.weights import load_model, pack_key, pack_path, write_model_pack
-
     out = Path(out_dir)
-    if (out / "model.safetensors.index.json").exists():
+    if (out / INDEX_FILE).exists():
         return str(out)
-    config = config if isinstance(config, dict) else json.loads((CONFIGS / config).read_text())
-    shapes = hf_tensor_shapes(config)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    config, shapes, tmp = _begin(config, out)
     shards: list[dict[str, tuple[int, ...]]] = [{}]
     size = 0
     for name, shape in shapes.items():
@@ -131,22 +138,14 @@ def synthesize_packed(
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         write_sparse_shard(tmp / file, shard)
         weight_map.update({name: file for name in shard})
-    (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    index = {
-        "metadata": {"total_size": sum(2 * _numel(s) for s in shapes.values())},
-        "weight_map": weight_map,
-    }
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(index))
+    _write_config_and_index(tmp, config, shapes, weight_map)
     model_cfg = ModelConfig.from_dict(config)
-    model = load_model(str(tmp), model_cfg, "auto", device, load_format="dummy")
-    if seed:
-        from engine.models.weights import fill_random
-
-        fill_random(model, seed)
-    dtype = next(model.parameters()).dtype
+    # the dtype the engine takes for "auto" on that device, which names and keys the pack
+    dtype = resolve_dtype("auto", model_cfg, torch.device(device))
+    model = build_model(model_cfg, dtype, device)
+    fill_random(model, seed)
     os.replace(tmp, out)  # the key hashes the files' names, sizes and times, which a rename keeps
     write_model_pack(model, pack_path(str(out), dtype), pack_key(str(out), dtype))
-    del model
     return str(out)
 
 
