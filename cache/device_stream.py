@@ -318,10 +318,12 @@ def _start(
         if not packs:
             return None
         path = packs[0]
-    _, _, index = device.partition(":")
+    ordinal = cuda_ordinal(device)
+    if ordinal is None:
+        raise ValueError(f"device: {device!r} names no CUDA device")
     if start_pages and not os.path.isfile(start_pages):
         start_pages = None
-    real, ordinal = os.path.realpath(path), int(index or 0)
+    real = os.path.realpath(path)
     for stream in early:
         if (stream.path, stream.ordinal, stream.start_pages) == (real, ordinal, start_pages):
             log.info("weights: the stream begun at process start is the one wanted")
@@ -368,6 +370,17 @@ def _stop(early: list[DeviceStream]) -> None:
 def gpu_of(device: str) -> str:
     """The CUDA device a device setting streams to: "auto" is the current one."""
     return "cuda" if device == "auto" else device
+
+
+def cuda_ordinal(device: str) -> int | None:
+    """The CUDA device number a device setting names ("auto" and "cuda": torch's first); None for
+    the CPU or a setting that names no CUDA device."""
+    if device in ("auto", "cuda"):
+        return 0
+    kind, _, index = device.partition(":")
+    if kind == "cuda" and index.isdigit():
+        return int(index)
+    return None
 
 
 def start_weights(

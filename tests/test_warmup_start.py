@@ -13,9 +13,10 @@ import time
 
 import pytest
 
+from cache.device_stream import cuda_ordinal
 from engine import LLM, SamplingParams
 from tests.tiny_models import make_tiny_model
-from warmup.start import EngineStart, ResolveError, StartArgs, cuda_ordinal, start_engine
+from warmup.start import EngineStart, ResolveError, StartArgs, start_engine
 
 ORDER = [
     "before_boot",

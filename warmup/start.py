@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from cache import cuda_driver, early_stream, start_pages
-from cache.device_stream import cancel_early, start_weights
+from cache.device_stream import cancel_early, cuda_ordinal, start_weights
 from warmup.ranks import launch as launch_ranks
 
 log = logging.getLogger(__name__)
@@ -365,17 +365,6 @@ class EngineStart:
         )
         log.info("engine mode: %s (%s)", self.selection.mode, self.selection.reason)
         return args
-
-
-def cuda_ordinal(device: str) -> int | None:
-    """The CUDA device number a device setting names ("auto" and "cuda": torch's first); None for
-    the CPU or a setting that names no CUDA device."""
-    if device in ("auto", "cuda"):
-        return 0
-    kind, _, index = device.partition(":")
-    if kind == "cuda" and index.isdigit():
-        return int(index)
-    return None
 
 
 def start_engine(args: StartArgs) -> EngineStart:
