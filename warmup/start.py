@@ -14,11 +14,13 @@ timed:
                  makes meanwhile; the start waits for them to end (EngineStart.entry_imports)
   import_torch   `import torch` (the floor of any Python engine), the engine's config and weights
   preload_start  the engine's load of the pack begins and takes over what is already moving (the
-                 one hand-off of the weights)
+                 one hand-off of the weights); cuBLAS's first-use setup begins on a thread
+                 (engine.device_warmup)
   triton_key     Triton's compiler key, computed meanwhile, handed to Triton
   engine_mode    ENGINE_MODE: a compiled engine's kernels and records when one matches, else jit
   import_engine  the engine's modules
   engine         its build (model, KV cache, tokenizer) while the last weights arrive
+  cublas         what is left of cuBLAS's setup (nothing, normally: it ended during the build)
 
 After ready, once the first request is served, the rest of the kernel set is loaded (or compiled out
 of process) in the background (warmup.ready) and shared with the next worker (warmup.fleet).
@@ -254,6 +256,7 @@ class EngineStart:
         import torch  # noqa: F401 - the floor: timed on its own
 
         from engine.config import EngineArgs
+        from engine.device_warmup import begin_cublas
         from engine.models.weights import preload_weights  # torch and the config, no model code
 
         self.phases["import_torch"] = time.perf_counter() - t_import
@@ -262,6 +265,7 @@ class EngineStart:
             model=str(self.model_dir), tokenizer=tokenizer, device=a.device, **a.engine_options
         )
         self._timed("preload_start", preload_weights, args)
+        cublas = begin_cublas(args)
         if triton_key is not None:
             self._timed("triton_key", triton_key.install)
             from warmup.compile_log import install as log_compiles
@@ -273,6 +277,8 @@ class EngineStart:
 
         self.phases["import_engine"] = time.perf_counter() - t_import
         engine = self._timed("engine", AsyncLLM.from_engine_args, args)
+        if cublas is not None:
+            self._timed("cublas", cublas.join)
         self.phases["total"] = time.perf_counter() - t0
         warm = threading.Thread(
             target=self._warm_kernels, args=(engine,), name="coldbrew-kernels", daemon=True
