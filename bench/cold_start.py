@@ -445,6 +445,34 @@ def import_costs(repeats: int) -> dict:
     return out
 
 
+_BYTECODE_CHECK = """
+import importlib.util, json, os, sys
+import handler.server, torch, triton, warmup.start, engine
+mods = {n: m.__file__ for n, m in list(sys.modules.items())
+        if (getattr(m, "__file__", None) or "").endswith(".py")}
+without = {}
+for name, path in mods.items():
+    if not os.path.exists(importlib.util.cache_from_source(path)):
+        top = name.split(".")[0]
+        without[top] = without.get(top, 0) + 1
+print(json.dumps({"modules": len(mods), "without_bytecode": sum(without.values()),
+                  "by_package": without, "pycache_prefix": sys.pycache_prefix}))
+"""
+
+
+def bytecode_state() -> dict:
+    """How many of the modules a start imports (torch, Triton, the engine, the server) a fresh
+    interpreter found without cached bytecode: each of those is compiled from source at every start
+    where the directory is not writable (a read-only site-packages without its .pyc files); an image
+    built with pip and the Dockerfile's compileall has none."""
+    done = subprocess.run(
+        [sys.executable, "-c", _BYTECODE_CHECK], cwd=REPO, env=child_env(), capture_output=True
+    )
+    if done.returncode != 0:
+        return {"error": done.stderr.decode(errors="replace")[-500:]}
+    return json.loads(done.stdout.decode().strip().splitlines()[-1])
+
+
 # ---- the run -------------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(
@@ -565,6 +593,8 @@ def main() -> None:
         raise SystemExit("no pack was written: see the first start's log above")
     pack = packs[0]
     report["pack_bytes"] = os.path.getsize(pack)
+    report["bytecode"] = bytecode_state()
+    log(f"bytecode: {report['bytecode']}")
     if args.import_repeats:
         report["import_costs_s"] = import_costs(args.import_repeats)
         log(
@@ -680,7 +710,7 @@ COLUMNS = [
         "engine_imp",
         lambda p: _sum(p, "triton_key", "engine_mode", "import_engine", "import_transformers"),
     ),
-    ("build", lambda p: p.get("engine", p.get("weights"))),
+    ("build", lambda p: _sum(p, "engine", "weights", "cublas")),
     ("ready", lambda p: p.get("ready")),
 ]
 
