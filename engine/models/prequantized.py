@@ -143,6 +143,8 @@ def weight_rows(
     if fmt.weight_scales == "block":
         bn, bk = fmt.block
         grid = ((n + bn - 1) // bn, (k + bk - 1) // bk)
+        if s.dim() == 1 and 1 in grid and s.numel() == grid[0] * grid[1]:
+            s = s.reshape(grid)  # transformers 5.17 writes a grid of one row or column flat
         if tuple(s.shape) != grid:
             raise ValueError(
                 f"weights: a [{n}, {k}] FP8 weight with {bn}x{bk} blocks needs a {list(grid)} "
