@@ -45,6 +45,63 @@ def primed_stream(device: torch.device, dtype: torch.dtype) -> torch.cuda.Stream
     return stream
 
 
+class CaptureQueue:
+    """Sizes waiting for a capture thread of their own: started when a size is queued and none
+    runs, ended when the queue is empty or `enabled()` turns false. `capture(size)` runs there, one
+    size at a time; an exception from it goes to `failed(size, exc)`. `captured(size)`: True when
+    there is nothing left to queue for that size."""
+
+    def __init__(
+        self,
+        name: str,
+        capture: Callable[[int], None],
+        enabled: Callable[[], bool],
+        captured: Callable[[int], bool],
+        failed: Callable[[int, Exception], None],
+    ) -> None:
+        self.name = name
+        self._capture, self._enabled, self._captured, self._failed = (
+            capture,
+            enabled,
+            captured,
+            failed,
+        )
+        self._lock = threading.Lock()
+        self._queue: list[int] = []
+        self._worker: threading.Thread | None = None
+
+    def request(self, size: int) -> None:
+        """Queue `size` (once), starting the thread when none runs."""
+        with self._lock:
+            if size in self._queue or self._captured(size):
+                return
+            self._queue.append(size)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._worker.start()
+
+    def pending(self) -> list[int]:
+        """The sizes queued or being captured."""
+        with self._lock:
+            return list(self._queue)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue or not self._enabled():
+                    self._queue.clear()
+                    self._worker = None
+                    return
+                size = self._queue[0]
+            try:
+                self._capture(size)
+            except Exception as exc:  # the caller's steps go on without this size's graph
+                self._failed(size, exc)
+            finally:
+                with self._lock:
+                    self._queue.remove(size)
+
+
 class DecodeGraphs:
     """One CUDA graph per batch size; logits land in one static [max size, vocab] float32 buffer."""
 
@@ -83,10 +140,15 @@ class DecodeGraphs:
         # the calling thread; the worker's warm-up sets both.
         self.background = False
         self.prepare_size: Callable[[int], None] | None = None
-        self._lock = threading.Lock()  # the dicts above and the queue below
+        self._lock = threading.Lock()  # the dicts above
         self._capturing = threading.Lock()  # one capture at a time into the shared pool
-        self._queue: list[int] = []  # sizes waiting for the background thread
-        self._worker: threading.Thread | None = None
+        self._captures = CaptureQueue(
+            "coldbrew-graph-capture",
+            self._capture_queued,
+            lambda: self.background,
+            lambda size: size in self.graphs,
+            self._background_failed,
+        )
         # size -> its packed inputs for steps run eagerly
         self._eager_inputs: dict[int, torch.Tensor] = {}
         self._primed = threading.local()
@@ -192,7 +254,7 @@ class DecodeGraphs:
             if not self.background:
                 self.capture([size])
             else:
-                self._request(size)
+                self._captures.request(size)
                 larger = self.sizes[self.sizes.index(size) :]
                 size = next((s for s in larger if s in self.graphs), None)
                 if size is None:  # no larger graph yet either: this step runs eagerly
@@ -247,44 +309,24 @@ class DecodeGraphs:
 
     # ---- background capture
     # ------------------------------------------------------------------------------------
-    def _request(self, size: int) -> None:
-        """Queue `size` for the background thread (started when none runs)."""
-        with self._lock:
-            if size in self._queue or size in self.graphs:
-                return
-            self._queue.append(size)
-            if self._worker is None:
-                self._worker = threading.Thread(
-                    target=self._capture_queued, name="coldbrew-graph-capture", daemon=True
-                )
-                self._worker.start()
+    def _capture_queued(self, size: int) -> None:
+        """On the capture thread: the size's kernels loaded (prepare_size), then its graph."""
+        if self.prepare_size is not None:
+            self.prepare_size(size)
+        with self._capturing:
+            if size not in self.graphs:
+                self._capture_background(size)
 
-    def _capture_queued(self) -> None:
-        while True:
-            with self._lock:
-                if not self._queue or not self.background:
-                    self._queue.clear()
-                    self._worker = None
-                    return
-                size = self._queue[0]
-            try:
-                if self.prepare_size is not None:
-                    self.prepare_size(size)
-                with self._capturing:
-                    if size not in self.graphs:
-                        self._capture_background(size)
-            except Exception as exc:  # steps go on eager or from larger graphs; later sizes inline
-                self.background = False
-                log.warning(
-                    "CUDA graphs: capturing batch size %d in the background failed "
-                    "(%s: %s); sizes not captured yet are captured in their first step",
-                    size,
-                    type(exc).__name__,
-                    exc,
-                )
-            finally:
-                with self._lock:
-                    self._queue.remove(size)
+    def _background_failed(self, size: int, exc: Exception) -> None:
+        """Steps go on eager or from larger graphs; later sizes are captured inline."""
+        self.background = False
+        log.warning(
+            "CUDA graphs: capturing batch size %d in the background failed "
+            "(%s: %s); sizes not captured yet are captured in their first step",
+            size,
+            type(exc).__name__,
+            exc,
+        )
 
     @torch.inference_mode()
     def _capture_background(self, size: int) -> None:

@@ -14,19 +14,22 @@ heuristics at each new M; a replayed step pays one launch per graph plus the att
 
 A bucket's first step runs eagerly at the bucket's size (that compiles its kernels and primes cuBLAS
 for its shapes, which a capture needs); its second step captures it (recording only), then replays.
+With `background` on (warmup.ready turns it on once the kernel set is loaded), that capture happens
+on a thread of its own instead, while the bucket's steps go on eagerly: no step waits for it.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
 import torch
 
-from engine.cuda_graphs import primed_stream, smallest_at_least
+from engine.cuda_graphs import CaptureQueue, primed_stream, smallest_at_least
 from engine.memory_budget import FRAGMENTATION, layer_activation_bytes
-from engine.step_inputs import InputStager, StepLayout, StepTensors
+from engine.step_inputs import InputStager, StepLayout, StepTensors, views
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +150,17 @@ class PiecewiseGraphs:
         self.captured: dict[int, _Bucket] = {}
         self.warmed: set[int] = set()  # buckets whose first (eager) step has run
         self.pool = None
-        self.stream: torch.cuda.Stream | None = None
         self.pool_bytes = 0  # device memory the captures took (pool and outputs)
+        self.background = False  # capture on a thread of its own (see the module's docstring)
+        self._capturing = threading.Lock()  # one capture at a time into the pool
+        self._captures = CaptureQueue(
+            "coldbrew-prompt-graphs",
+            self._capture_background,
+            lambda: self.background,
+            lambda size: size in self.captured,
+            self._background_failed,
+        )
+        self._primed = threading.local()  # each capturing thread's stream, cuBLAS primed on it
 
     @property
     def max_tokens(self) -> int:
@@ -173,11 +185,14 @@ class PiecewiseGraphs:
         if fill_input_ids is not None:
             fill_input_ids(step.input_ids)
         if size not in self.captured:
-            if size not in self.warmed:  # the bucket's first step: eager, at the bucket's shapes
+            if size in self.warmed and self.background:
+                self._captures.request(size)
+            elif size in self.warmed:
+                self._capture(size, step, warm=False)
+            if size not in self.captured:  # eager, at the bucket's shapes
                 self.warmed.add(size)
                 hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
                 return hidden[:num_tokens]
-            self._capture(size, step, warm=False)
         bucket = self.captured[size]
         static = self.static
         q, out, k, v = (x[:size] for x in (static.q, static.out, static.k, static.v))
@@ -197,15 +212,21 @@ class PiecewiseGraphs:
                 step = self.stager.stage([], [], [], [], [], pad_tokens_to=size, dest=self.inputs)
                 self._capture(size, step, warm=True)
 
-    def _capture(self, size: int, step: StepTensors, warm: bool) -> None:
+    def _capture(self, size: int, step: StepTensors, warm: bool, where: str = "") -> None:
         """Record bucket `size` from `step`'s static views (warm: first run the forward eagerly on
         the capture stream)."""
+        with self._capturing:
+            if size not in self.captured:
+                self._record(size, step, warm, where)
+
+    def _record(self, size: int, step: StepTensors, warm: bool, where: str) -> None:
         t0 = time.perf_counter()
         before = torch.cuda.memory_allocated(self.device)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-            self.stream = primed_stream(self.device, self.model.dtype)
-        stream = self.stream
+        stream = getattr(self._primed, "stream", None)
+        if stream is None:
+            stream = self._primed.stream = primed_stream(self.device, self.model.dtype)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         cut = _CutAtAttention(self.backend, self.static, size, self.pool)
         with torch.cuda.stream(stream):
@@ -220,12 +241,48 @@ class PiecewiseGraphs:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         self.captured[size] = _Bucket(cut.graphs, cut.calls, hidden)
         seconds = time.perf_counter() - t0
+        # (in the background, what other threads allocated meanwhile is counted too)
         self.pool_bytes += torch.cuda.memory_allocated(self.device) - before
         log.info(
-            "CUDA graphs: captured %d-token steps in %d pieces in %.3f s (%.0f MiB of graph memory "
-            "for prompt steps in all)",
+            "CUDA graphs: captured %d-token steps in %d pieces%s in %.3f s (%.0f MiB of graph "
+            "memory for prompt steps in all)",
             size,
             len(cut.graphs),
+            where,
             seconds,
             self.pool_bytes / (1 << 20),
         )
+
+    # ---- background capture ----------------------------------------------------------------------
+    def pending(self) -> list[int]:
+        """The buckets queued for the capture thread or being captured there."""
+        return self._captures.pending()
+
+    def _background_failed(self, size: int, exc: Exception) -> None:
+        """Steps go on eagerly; later buckets are captured in their second step."""
+        self.background = False
+        log.warning(
+            "CUDA graphs: capturing %d-token steps in the background failed (%s: %s); "
+            "buckets not captured yet are captured in their second step",
+            size,
+            type(exc).__name__,
+            exc,
+        )
+
+    @torch.inference_mode()
+    def _capture_background(self, size: int) -> None:
+        """Record bucket `size` on this (non-step) thread. Its pieces read the token sections of the
+        shared inputs buffer, whose places depend on the bucket's size alone: they are taken as
+        views, not staged (the step loop stages into that buffer meanwhile). No warm-up run: the
+        bucket's first step ran its kernels. Attention is cut on this thread only
+        (DecoderModel.attention_through), so the steps meanwhile run their own."""
+        meta_host = dict(
+            num_decode_seqs=0,
+            max_query_len=1,
+            max_seq_len=0,
+            query_start_loc_cpu=[0],
+            seq_lens_cpu=[],
+            block_size=self.stager.block_size,
+        )
+        step = views(self.inputs, StepLayout(size, 0, 1), meta_host)
+        self._capture(size, step, warm=False, where=" in the background")

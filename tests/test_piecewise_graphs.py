@@ -4,15 +4,19 @@ steps give.
 CPU: the token buckets, and the stager's token padding (tokens of no sequence, at offsets set by the
 token count alone). GPU: tiny random models of several families in float32 generate through chunked
 prefill (a small token budget, so prompt chunks ride beside decodes) with the graphs, lazily and
-captured at start, and eagerly; tokens equal, logprobs within float32 rounding.
+captured at start, in the background (a bucket's steps eager while another thread records it),
+and eagerly; tokens equal, logprobs within float32 rounding.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+
 import pytest
 import torch
 
-from engine import LLM
+from engine import LLM, SamplingParams
 from engine.cuda_graphs import smallest_at_least
 from engine.piecewise_graphs import BUCKETS, MAX_TOKENS, token_buckets
 from engine.step_inputs import InputStager, StepLayout
@@ -109,3 +113,47 @@ def test_experts_run_their_prompt_steps_eagerly(tmp_path):
     make_tiny_model("qwen3-moe", str(tmp_path))
     llm = LLM(model=str(tmp_path), dtype="float32", device="cuda", num_kv_blocks=64, block_size=4)
     assert llm.engine.runner.graphs is not None and llm.engine.runner.pieces is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_prompt_steps_captured_in_the_background_equal_eager(family, tmp_path, caplog):
+    """With background capture on, a bucket's steps run eagerly (through the layers' own attention)
+    while another thread records its graphs with attention cut on that thread alone, then replay:
+    the tokens are the eager ones before and after, and no bucket was captured on the step loop."""
+    make_tiny_model(family, str(tmp_path))
+    g = torch.Generator().manual_seed(7)
+    prompts = [
+        torch.randint(3, 256, (int(n),), generator=g).tolist()
+        for n in torch.randint(2, 90, (9,), generator=g)
+    ]
+    eager, _, _ = _generate(str(tmp_path), prompts, enforce_eager=True)
+    llm = LLM(
+        model=str(tmp_path),
+        dtype="float32",
+        device="cuda",
+        block_size=4,
+        max_model_len=128,
+        cuda_graph_sizes=[1, 2, 4, 8],
+        num_kv_blocks=512,
+        max_num_batched_tokens=48,
+    )
+    pieces = llm.engine.runner.pieces
+    pieces.background = True
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
+    with caplog.at_level(logging.INFO, logger="engine.piecewise_graphs"):
+        runs = []
+        for _ in range(2):
+            outs = llm.generate(prompts, params)
+            runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+            deadline = time.monotonic() + 120
+            while pieces.pending() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not pieces.pending()
+    captures = [r.getMessage() for r in caplog.records if "-token steps in" in r.getMessage()]
+    assert captures and pieces.captured, "no bucket was captured"
+    assert all("in the background" in line for line in captures), captures
+    for run in runs:
+        assert_same_generation(eager, run)
+    del llm, pieces

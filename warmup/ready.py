@@ -10,7 +10,8 @@ What is not loaded yet is loaded by a background thread: when the first kernels 
 away; when they had to be compiled (an empty cache), a separate process (`python -m warmup kernels`,
 no GPU context, so no step of this worker waits on its compiles) compiles the whole set into this
 worker's Triton cache first. Once the set is loaded, decode graphs are captured in the background
-(engine.cuda_graphs) with each size's kernels loaded by the capture thread.
+(engine.cuda_graphs) with each size's kernels loaded by the capture thread, and so are the prompt
+steps' piecewise graphs (engine.piecewise_graphs) after each bucket's first step.
 """
 
 from __future__ import annotations
@@ -239,9 +240,11 @@ def _load_rest(live: _Live, steps: list, result: KernelWarmup) -> None:
 
             graphs.prepare_size = prepare_size
             graphs.background = True
+        if live.runner.pieces is not None:  # a bucket's kernels load in its first (eager) step
+            live.runner.pieces.background = True
         log.info(
             "kernels: the rest of the set (%d kernels) loaded in the background in %.2f s; "
-            "decode graphs are captured off the step loop",
+            "decode graphs and prompt steps' graphs are captured off the step loop",
             len(kernels),
             time.perf_counter() - t0,
         )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
@@ -37,6 +38,11 @@ from engine.layers.skinny_gemm import skinny_applies, skinny_gemm
 from engine.models.checkpoint_names import is_vision_tensor, text_decoder_name
 from engine.models.moe_weights import moe_weight_rows
 from engine.quant.base import QuantizedRows
+
+# A piecewise capture's stand-in for every layer's attention backend (DecoderModel.
+# attention_through), seen by the capturing thread only: steps on other threads meanwhile run the
+# layers' own backends.
+_ATTENTION_CUT = threading.local()
 
 # Phi-3 checkpoints' fused tensors and the HF parts they stand for
 _PHI3_FUSED = (
@@ -127,7 +133,8 @@ class Attention(nn.Module):
             kwargs["softcap"] = self.softcap
         if is_fp8(kv_cache_layer.dtype):
             kwargs["kv_scale"] = self.kv_scale
-        if getattr(self.backend, "accepts_written_kv", False) and rotary.can_write_cache(
+        backend = getattr(_ATTENTION_CUT, "backend", None) or self.backend
+        if getattr(backend, "accepts_written_kv", False) and rotary.can_write_cache(
             q, kv_cache_layer, self.q_norm
         ):
             # one kernel rotates q and k (Qwen3: normalises each head first) and stores k, v in the
@@ -139,7 +146,7 @@ class Attention(nn.Module):
         else:
             # Qwen3 normalises each head before rotating
             q, k = rotary(positions, q, k, self.q_norm, self.k_norm)
-        out = self.backend.forward(q, k, v, kv_cache_layer, meta, self.scale, **kwargs)
+        out = backend.forward(q, k, v, kv_cache_layer, meta, self.scale, **kwargs)
         return self.o_proj(out.reshape(T, self.q_size))
 
 
@@ -374,16 +381,16 @@ class DecoderModel(nn.Module):
 
     @contextlib.contextmanager
     def attention_through(self, backend) -> Iterator[None]:
-        """Inside the block every layer's attention calls `backend` (engine.piecewise_graphs ends
-        one graph and begins the next there); the layers' own backend after it."""
-        saved = [layer.self_attn.backend for layer in self.layers]
-        for layer in self.layers:
-            layer.self_attn.backend = backend
+        """Inside the block every layer's attention called from this thread calls `backend`
+        (engine.piecewise_graphs ends one graph and begins the next there); the layers' own
+        backend after it, and all along on other threads (a step that runs while a bucket is
+        captured in the background)."""
+        previous = getattr(_ATTENTION_CUT, "backend", None)
+        _ATTENTION_CUT.backend = backend
         try:
             yield
         finally:
-            for layer, own in zip(self.layers, saved):
-                layer.self_attn.backend = own
+            _ATTENTION_CUT.backend = previous
 
     def rotary_of(self, layer: int) -> RotaryEmbedding:
         """The rotary embedding of layer `layer` (Gemma 3's local layers have their own)."""
