@@ -36,8 +36,6 @@ def begin_cublas(args: EngineArgs) -> threading.Thread | None:
     except Exception as exc:  # noqa: BLE001 - only a head start
         log.debug("cuBLAS: no warm-up (%s: %s)", type(exc).__name__, exc)
         return None
-    if not dtype.is_floating_point or dtype.itemsize < 2:
-        return None
     thread = threading.Thread(
         target=_first_gemm,
         args=(device, dtype, config.hidden_size),

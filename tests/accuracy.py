@@ -41,13 +41,27 @@ def fixed_text_ids(llm: LLM, num_tokens: int) -> list[int]:
     return ids[:num_tokens]
 
 
+def prompt_logprobs(llm: LLM, ids: list[int]) -> list[float]:
+    """The engine's log-probability of each of ids[1:] given its prefix."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    (out,) = llm.generate([{"prompt_token_ids": ids}], params)
+    return [entry[tok].logprob for entry, tok in zip(out.prompt_logprobs[1:], ids[1:])]
+
+
+def engine_prompt_logprobs(model_dir: str, ids: list[int], **engine) -> list[float]:
+    """prompt_logprobs from a fresh engine reading `model_dir`'s safetensors (engine: LLM's
+    keywords), shut down after."""
+    llm = LLM(model=model_dir, load_format="safetensors", **engine)
+    try:
+        return prompt_logprobs(llm, ids)
+    finally:
+        llm.shutdown()
+
+
 def perplexity(llm: LLM, ids: list[int]) -> float:
     """exp(mean negative log-likelihood) of ids[1:] given their prefixes, as the engine scores
     them."""
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    (out,) = llm.generate([{"prompt_token_ids": ids}], params)
-    scored = out.prompt_logprobs[1:]
-    nll = [-entry[tok].logprob for entry, tok in zip(scored, ids[1:])]
+    nll = [-logprob for logprob in prompt_logprobs(llm, ids)]
     return math.exp(sum(nll) / len(nll))
 
 

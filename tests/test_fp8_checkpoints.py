@@ -334,18 +334,15 @@ def test_an_fp8_checkpoint_on_the_gpu_matches_the_cpu_reference() -> None:
     """The FP8_DYNAMIC checkpoint served by the engine on the GPU in bf16 (FP8 kernels, CUDA
     graphs) against the same checkpoint on the CPU in float32: the prompt's most likely next
     tokens agree, and so do their log-probabilities."""
-    from engine import LLM, SamplingParams
+    from accuracy import engine_prompt_logprobs
 
     path = str(FIXTURES / "fp8-dynamic")
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-
-    def scored(**engine) -> list[float]:
-        llm = LLM(model=path, max_model_len=256, load_format="safetensors", **engine)
-        (out,) = llm.generate([{"prompt_token_ids": TOKS}], params)
-        return [entry[tok].logprob for entry, tok in zip(out.prompt_logprobs[1:], TOKS[1:])]
-
-    cpu = torch.tensor(scored(dtype="float32", device="cpu"))
-    gpu = torch.tensor(scored(dtype="bfloat16", device="cuda"))
+    cpu = torch.tensor(
+        engine_prompt_logprobs(path, TOKS, max_model_len=256, dtype="float32", device="cpu")
+    )
+    gpu = torch.tensor(
+        engine_prompt_logprobs(path, TOKS, max_model_len=256, dtype="bfloat16", device="cuda")
+    )
     # bf16 activations on the GPU against float32 on the CPU: measured on an H200 (2026-11-26) the
     # log-probabilities (about -6) differ by 0.043 on average, 0.133 at most
     diff = (gpu - cpu).abs()

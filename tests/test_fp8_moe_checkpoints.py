@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from accuracy import engine_prompt_logprobs
 from engine.checkpoint_quant import checkpoint_quantization
 from engine.config import ModelConfig
 from engine.model_support import check_model_config
@@ -264,20 +265,13 @@ def test_an_fp8_moe_checkpoint_on_the_gpu_matches_the_cpu_reference(moe_dirs) ->
     """The FP8 MoE checkpoint served on the GPU in bf16 (the router's Triton top-k, the fused FP8
     experts, CUDA graphs) against the same checkpoint on the CPU in float32: the prompt's
     log-probabilities agree within bf16's reach, as the dense FP8 checkpoint's do."""
-    from engine import LLM, SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-
-    def scored(**engine) -> list[float]:
-        llm = LLM(model=moe_dirs["hub"], max_model_len=128, load_format="safetensors", **engine)
-        try:
-            (out,) = llm.generate([{"prompt_token_ids": TOKS}], params)
-        finally:
-            llm.shutdown()
-        return [entry[tok].logprob for entry, tok in zip(out.prompt_logprobs[1:], TOKS[1:])]
-
-    cpu = torch.tensor(scored(dtype="float32", device="cpu"))
-    gpu = torch.tensor(scored(dtype="bfloat16", device="cuda"))
+    hub = moe_dirs["hub"]
+    cpu = torch.tensor(
+        engine_prompt_logprobs(hub, TOKS, max_model_len=128, dtype="float32", device="cpu")
+    )
+    gpu = torch.tensor(
+        engine_prompt_logprobs(hub, TOKS, max_model_len=128, dtype="bfloat16", device="cuda")
+    )
     diff = (gpu - cpu).abs()
     print(f"GPU bf16 against CPU float32 log-probabilities: mean {diff.mean():.4f}")
     print(f"GPU bf16 against CPU float32 log-probabilities: max {diff.max():.4f}")
