@@ -5,11 +5,12 @@ A decode batch is padded up to the next captured size; its inputs are copied int
 buffer, then the graph replays. Padded rows have seq_len 0 and slot -1: attention writes nothing for
 them and returns zeros.
 
-Lazy capture in the background (`background` on, once `prepare_size` can load a size's kernels off
-the step loop):
-a step whose size has no graph yet is replayed from a larger captured graph, or run eagerly, while
-another thread
-captures that size (capture records, it runs nothing), so no step waits for a capture.
+Lazy capture in the background (`background` on; the worker's warm-up turns it on at ready): a step
+whose size has no graph yet replays a larger captured graph, or runs eagerly at its size (which
+loads the size's kernels on the step loop, as an eager step would), while another thread captures
+that size (capture records, it runs nothing), so no step waits for a capture. A size is queued once
+its kernels are loaded: after its first eager step, or at once when `prepare_size` can load them on
+the capture thread (set once the worker's whole kernel set is on disk and loaded).
 """
 
 from __future__ import annotations
@@ -135,11 +136,12 @@ class DecodeGraphs:
         self.inputs: dict[int, torch.Tensor] = {}  # size -> the graph's static packed input buffer
         self.capture_seconds = 0.0
         self.pool_bytes = 0
-        # Background capture: on once prepare_size(size) loads a size's kernels (compiled, modules
-        # on the GPU) in
-        # the calling thread; the worker's warm-up sets both.
+        # Background capture (see the module's docstring); prepare_size(size), when set, loads a
+        # size's kernels (compiled, modules on the GPU) in the calling thread. The worker's warm-up
+        # sets both.
         self.background = False
         self.prepare_size: Callable[[int], None] | None = None
+        self._ran: set[int] = set()  # sizes whose kernels an eager step loaded
         self._lock = threading.Lock()  # the dicts above
         self._capturing = threading.Lock()  # one capture at a time into the shared pool
         self._captures = CaptureQueue(
@@ -254,13 +256,20 @@ class DecodeGraphs:
             if not self.background:
                 self.capture([size])
             else:
-                self._captures.request(size)
+                if size in self._ran or self.prepare_size is not None:
+                    # its kernels are loaded, or the capture thread loads them
+                    self._captures.request(size)
                 larger = self.sizes[self.sizes.index(size) :]
-                size = next((s for s in larger if s in self.graphs), None)
-                if size is None:  # no larger graph yet either: this step runs eagerly
-                    return self._run_eager(
+                replay = next((s for s in larger if s in self.graphs), None)
+                if replay is None:  # no larger graph yet either: this step runs eagerly
+                    logits = self._run_eager(
                         batch, token_ids, positions, starts, block_tables, fill_input_ids
                     )
+                    if size not in self._ran:  # its kernels are loaded now
+                        self._ran.add(size)
+                        self._captures.request(size)
+                    return logits
+                size = replay
         self.stager.stage(
             token_ids,
             positions,
@@ -310,8 +319,9 @@ class DecodeGraphs:
     # ---- background capture
     # ------------------------------------------------------------------------------------
     def _capture_queued(self, size: int) -> None:
-        """On the capture thread: the size's kernels loaded (prepare_size), then its graph."""
-        if self.prepare_size is not None:
+        """On the capture thread: the size's kernels loaded (prepare_size, unless a step ran at that
+        size), then its graph."""
+        if self.prepare_size is not None and size not in self._ran:
             self.prepare_size(size)
         with self._capturing:
             if size not in self.graphs:
@@ -330,11 +340,9 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture_background(self, size: int) -> None:
-        """Capture one size on this (non-step) thread: no warm-up run (prepare_size loaded the
-        kernels; cuBLAS is
-        primed on the capture stream once per thread), and thread-local capture, so the step loop's
-        own CUDA calls
-        stay legal meanwhile."""
+        """Capture one size on this (non-step) thread: no warm-up run (an eager step or prepare_size
+        loaded the kernels; cuBLAS is primed on the capture stream once per thread), and
+        thread-local capture, so the step loop's own CUDA calls stay legal meanwhile."""
         t0 = time.perf_counter()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()

@@ -14,8 +14,8 @@ heuristics at each new M; a replayed step pays one launch per graph plus the att
 
 A bucket's first step runs eagerly at the bucket's size (that compiles its kernels and primes cuBLAS
 for its shapes, which a capture needs); its second step captures it (recording only), then replays.
-With `background` on (warmup.ready turns it on once the kernel set is loaded), that capture happens
-on a thread of its own instead, while the bucket's steps go on eagerly: no step waits for it.
+With `background` on (warmup.ready turns it on at ready), that capture happens on a thread of its
+own instead, while the bucket's steps go on eagerly: no step waits for it.
 """
 
 from __future__ import annotations

@@ -9,9 +9,13 @@ and timed for the start-up log.
 What is not loaded yet is loaded by a background thread: when the first kernels were on disk, right
 away; when they had to be compiled (an empty cache), a separate process (`python -m warmup kernels`,
 no GPU context, so no step of this worker waits on its compiles) compiles the whole set into this
-worker's Triton cache first. Once the set is loaded, decode graphs are captured in the background
-(engine.cuda_graphs) with each size's kernels loaded by the capture thread, and so are the prompt
-steps' piecewise graphs (engine.piecewise_graphs) after each bucket's first step.
+worker's Triton cache first.
+
+From ready on (capture_in_background, which the start calls), CUDA graphs are captured off the
+step loop: a decode batch size (engine.cuda_graphs) or a prompt-step bucket
+(engine.piecewise_graphs) is captured by a thread of its own once a step ran at it eagerly, which
+loaded its kernels; once the whole set is loaded, the capture thread loads a decode size's kernels
+itself, so a size whose steps replay a larger graph is captured too.
 """
 
 from __future__ import annotations
@@ -160,6 +164,7 @@ def warm_kernels(
     live = _Live(engine)
     if live.runner.device.type != "cuda" or live.target_programs is None:
         return None
+    capture_in_background(engine)  # (the start did at ready; a caller without one too)
     try:
         return _warm(live, engine_mode, budget_s)
     except EngineStopped:
@@ -199,9 +204,22 @@ def _warm(live: _Live, engine_mode: str, budget_s: float) -> KernelWarmup:
     return result
 
 
+def capture_in_background(engine) -> None:
+    """`engine`'s (an AsyncLLM or LLM) CUDA graphs captured off its step loop from now on (see the
+    module's docstring); nothing where it runs without graphs, or over several GPUs (each rank
+    replays or captures a size in the same step, so their collectives pair up)."""
+    runner = engine.engine.runner
+    if runner.tp is not None:
+        return
+    if runner.graphs is not None:
+        runner.graphs.background = True
+    if runner.pieces is not None:
+        runner.pieces.background = True
+
+
 def _load_rest(live: _Live, steps: list, result: KernelWarmup) -> None:
     """Background: wait for the compile process (if any), load every other kernel of the set from
-    disk, then let decode graphs be captured off the step loop."""
+    disk, then let the decode graphs' capture thread load a size's kernels itself."""
     from warmup.kernel_set import kernel_dirs
 
     try:
@@ -239,12 +257,8 @@ def _load_rest(live: _Live, steps: list, result: KernelWarmup) -> None:
                 _load(sink)
 
             graphs.prepare_size = prepare_size
-            graphs.background = True
-        if live.runner.pieces is not None:  # a bucket's kernels load in its first (eager) step
-            live.runner.pieces.background = True
         log.info(
-            "kernels: the rest of the set (%d kernels) loaded in the background in %.2f s; "
-            "decode graphs and prompt steps' graphs are captured off the step loop",
+            "kernels: the rest of the set (%d kernels) loaded in the background in %.2f s",
             len(kernels),
             time.perf_counter() - t0,
         )

@@ -280,6 +280,9 @@ class EngineStart:
         if cublas is not None:
             self._timed("cublas", cublas.join)
         self.phases["total"] = time.perf_counter() - t0
+        from warmup.ready import capture_in_background
+
+        capture_in_background(engine)  # no step waits for a graph's capture from here on
         warm = threading.Thread(
             target=self._warm_kernels, args=(engine,), name="coldbrew-kernels", daemon=True
         )
