@@ -9,6 +9,7 @@ CudaError naming the call.
 from __future__ import annotations
 
 import ctypes
+import threading
 from typing import Any
 
 # Enum values from cuda.h (stable across CUDA 11.x-13.x)
@@ -118,6 +119,22 @@ def primary_context(ordinal: int) -> ctypes.c_void_p:
     _call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
     _call("cuCtxSetCurrent", ctx)
     return ctx
+
+
+def begin_primary_context(ordinal: int) -> threading.Thread:
+    """primary_context(ordinal) on a daemon thread: the context is made while the calling thread
+    goes on (these calls leave the interpreter free). A later primary_context() finds it made, or
+    waits inside the driver while it is being made; a failure here is left for that call to meet."""
+
+    def make() -> None:
+        try:
+            primary_context(ordinal)
+        except (CudaError, OSError):
+            pass
+
+    thread = threading.Thread(target=make, name="coldbrew-cuda-context", daemon=True)
+    thread.start()
+    return thread
 
 
 def set_current(ctx: ctypes.c_void_p) -> None:

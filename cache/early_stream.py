@@ -9,7 +9,10 @@ starts that stream at once, while the interpreter goes on to import and validate
 pages, and stops it otherwise: a wrong guess costs a cancelled read, never a wrong weight.
 
 Worth it when the disk is cold (a fresh machine, dropped caches): the stream's first reads, the
-start pages, come before the settings' own imports instead of after them.
+start pages, come before the settings' own imports instead of after them. With the stream, this
+process's own context on that GPU begins on a thread (cache.cuda_driver.begin_primary_context), so
+the driver's calls that make it run beside the settings' import; the start sequence then finds it
+made.
 
 Standard library only: `begin` runs before anything else is imported.
 """
@@ -87,13 +90,19 @@ def begin(entry: str, env: Mapping[str, str] | None = None) -> bool:
         stream = body["stream"]
         if not os.path.isdir(stream["model_dir"]):
             return False
-        from cache.device_stream import start_early
+        from cache.device_stream import cuda_ordinal, start_early
 
-        return start_early(
+        started = start_early(
             stream["model_dir"],
             stream["device"],
             start_pages=stream["start_pages"],
             want=tuple(stream["want"]) if stream["want"] is not None else None,
         )
+        ordinal = cuda_ordinal(stream["device"])
+        if started and ordinal is not None:
+            from cache.cuda_driver import begin_primary_context
+
+            begin_primary_context(ordinal)
+        return started
     except (OSError, ValueError, KeyError, TypeError):
         return False

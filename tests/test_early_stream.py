@@ -1,7 +1,8 @@
 """The last start's weight stream begun before the settings (cache.early_stream): which record a
 process finds, when it begins the stream, and that the record keeps no secret. On a machine without
 a GPU no stream can start, so what `begin` would start is observed at cache.device_stream's
-start_early; the adoption by the start proper runs on a GPU (tests/test_start_order.py).
+start_early, and the GPU context it would begin beside it at cache.cuda_driver's
+begin_primary_context; the adoption by the start proper runs on a GPU (tests/test_start_order.py).
 """
 
 from __future__ import annotations
@@ -11,14 +12,23 @@ import os
 
 import pytest
 
+import cache.cuda_driver as cuda_driver
 import cache.device_stream as device_stream
 from cache import early_stream
 from handler.config import load_settings, stream_env_names
 
 
 @pytest.fixture
-def started(monkeypatch) -> list[tuple]:
-    """What begin() hands to start_early (which, here, starts nothing)."""
+def contexts(monkeypatch) -> list[int]:
+    """The GPUs begin() would begin this process's context on (here, none is made)."""
+    ordinals: list[int] = []
+    monkeypatch.setattr(cuda_driver, "begin_primary_context", ordinals.append)
+    return ordinals
+
+
+@pytest.fixture
+def started(monkeypatch, contexts) -> list[tuple]:
+    """What begin() hands to start_early (which, here, starts nothing but says it did)."""
     calls: list[tuple] = []
 
     def start_early(model_dir, device, start_pages=None, want=None):
@@ -64,11 +74,32 @@ def test_the_early_reader_finds_the_cache_the_settings_name(spelling, tmp_path):
     assert early == str(load_settings(env).resolved_cache_dir())
 
 
-def test_an_unchanged_environment_begins_the_recorded_stream(tmp_path, started):
+def test_an_unchanged_environment_begins_the_recorded_stream(tmp_path, started, contexts):
     env = {"CACHE_DIR": str(tmp_path / "c"), "MODEL_NAME": "org/model", "DTYPE": "bfloat16"}
     stream = _recorded(tmp_path, env)
     assert early_stream.begin("serve", env) is True
     assert started == [(stream["model_dir"], "auto", stream["start_pages"], ("auto", None))]
+    assert contexts == [0]  # and the context on the stream's GPU ("auto": the first)
+
+
+@pytest.mark.parametrize(("device", "ordinals"), [("cuda:1", [1]), ("cpu", [])])
+def test_the_context_begins_on_the_streams_gpu_only_when_a_stream_began(
+    device, ordinals, tmp_path, monkeypatch, contexts
+):
+    env = {"CACHE_DIR": str(tmp_path / "c"), "MODEL_NAME": "org/model"}
+    stream = _recorded(tmp_path, env)
+    path = early_stream.record_path(str(tmp_path / "c"), "serve")
+    body = json.loads(open(path).read())
+    body["stream"]["device"] = device
+    with open(path, "w") as f:
+        json.dump(body, f)
+    began = {"value": True}
+    monkeypatch.setattr(device_stream, "start_early", lambda *a, **k: began["value"])
+    assert early_stream.begin("serve", env) is True
+    assert contexts == ordinals
+    began["value"] = False  # no stream (no driver, another process's exclusive GPU): no context
+    assert early_stream.begin("serve", env) is False
+    assert contexts == ordinals and os.path.isdir(stream["model_dir"])
 
 
 @pytest.mark.parametrize(
@@ -81,11 +112,11 @@ def test_an_unchanged_environment_begins_the_recorded_stream(tmp_path, started):
         {"TOKENIZER": "org/tok"},  # a worker-vllm alias of TOKENIZER_NAME
     ],
 )
-def test_a_changed_variable_begins_nothing(change, tmp_path, started):
+def test_a_changed_variable_begins_nothing(change, tmp_path, started, contexts):
     env = {"CACHE_DIR": str(tmp_path / "c"), "MODEL_NAME": "org/model", "DTYPE": "bfloat16"}
     _recorded(tmp_path, env)
     assert early_stream.begin("serve", {**env, **change}) is False
-    assert started == []
+    assert started == [] and contexts == []
 
 
 def test_another_entry_point_a_missing_model_or_a_torn_record_begin_nothing(tmp_path, started):
@@ -125,3 +156,7 @@ def test_with_no_gpu_nothing_is_begun(tmp_path):
     env = {"CACHE_DIR": str(tmp_path / "c"), "MODEL_NAME": "org/model"}
     _recorded(tmp_path, env)
     assert early_stream.begin("serve", env) is False
+    # a context begun anyway (no driver here) ends its thread without raising
+    thread = cuda_driver.begin_primary_context(0)
+    thread.join(10)
+    assert not thread.is_alive()

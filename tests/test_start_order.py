@@ -61,8 +61,8 @@ _thread_start = threading.Thread.start
 
 
 def _start(self):
-    if self.name == "prefetch":
-        _note("prefetch_thread", "")
+    if self.name in ("prefetch", "coldbrew-cuda-context"):
+        _note(self.name + "_thread", "")
     return _thread_start(self)
 
 
@@ -249,9 +249,9 @@ def test_on_a_gpu_the_stream_process_starts_before_torch(tmp_path):
 @pytest.mark.gpu
 def test_on_a_gpu_the_last_starts_stream_begins_before_the_settings(tmp_path):
     """A serve start that reached ready records its stream (cache.early_stream); the next start
-    under the same variables spawns that stream before it imports the settings' pydantic, and the
-    start proper adopts it (one stream process). A record that names another GPU makes the start
-    stop the early stream and start its own."""
+    under the same variables spawns that stream, and begins making its own GPU context, before it
+    imports the settings' pydantic, and the start proper adopts the stream (one stream process). A
+    record that names another GPU makes the start stop the early stream and start its own."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -273,6 +273,9 @@ def test_on_a_gpu_the_last_starts_stream_begins_before_the_settings(tmp_path):
     events, _ = _run_until(argv, "starlette", model_dir, tmp_path / "again", cache_dir)
     spawns = [t for t, e, _ in events if e == "stream_process"]
     assert len(spawns) == 1 and spawns[0] < _first(events, "import", "pydantic"), events
+    # this process's GPU context is made beside the settings' import, not after it
+    contexts = [t for t, e, _ in events if e == "coldbrew-cuda-context_thread"]
+    assert len(contexts) == 1 and contexts[0] < _first(events, "import", "pydantic"), events
     assert (
         "the stream begun at process start is the one wanted"
         in (tmp_path / "again" / "entry.log").read_text()
