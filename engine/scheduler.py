@@ -74,10 +74,10 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         kept: list[Sequence] = []
+        # self.running stays the old list until `kept` replaces it (another thread's stats read it
+        # meanwhile: never an empty list while sequences run). queue[head:end] are the running
+        # sequences not yet scheduled; victims are taken from the end.
         queue = self.running
-        self.running = []
-        # queue[head:end] are the running sequences not yet scheduled; victims are taken from the
-        # end.
         head, end = 0, len(queue)
         while head < end and budget > 0:
             seq = queue[head]
@@ -126,9 +126,9 @@ class Scheduler:
                 self.kv.free(seq)  # drop blocks shared from the parent, if any; retried next step
                 seq.num_computed_tokens = 0
                 break  # first come, first served: nobody younger jumps the queue
-            self.waiting.pop(i)
             seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=_order)
+            bisect.insort(self.running, seq, key=_order)  # before it leaves waiting (stats, above)
+            self.waiting.pop(i)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return out

@@ -83,3 +83,28 @@ def test_a_sequence_that_cannot_grow_preempts_itself_when_it_is_the_youngest():
     young.num_computed_tokens += 1
     out = sched.schedule()
     assert young in out.preempted and old in [s.seq for s in out.scheduled]
+
+
+def test_stats_never_read_an_empty_queue_while_a_step_is_scheduled():
+    """Another thread (the worker's warm-up, waiting for the engine to be idle) reads
+    len(running) + len(waiting) while schedule() runs: every read taken inside schedule() (at each
+    KV allocation) counts every sequence."""
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    reads: list[int] = []
+    allocate = kv.allocate
+
+    def observed(*args, **kwargs):
+        reads.append(len(sched.running) + len(sched.waiting))
+        return allocate(*args, **kwargs)
+
+    kv.allocate = observed
+    seqs = [make_seq([i, i + 1, i + 2], arrival=i) for i in range(3)]
+    sched.add(seqs[0])
+    advance(sched, sched.schedule())  # one decoding
+    for s in seqs[1:]:
+        sched.add(s)
+    for _ in range(3):  # admissions, then decodes of all three
+        advance(sched, sched.schedule())
+    assert reads and min(reads) >= 1
+    assert reads[-3:] == [3, 3, 3]
