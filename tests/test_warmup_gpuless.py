@@ -17,6 +17,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -389,3 +390,31 @@ def test_a_tracer_pauses_before_each_kernel_and_stops_where_its_pause_raises(tin
         print("ok")
     """)
     run_script_ok(script, tiny_llama, tmp_path)
+
+
+def test_the_warm_ups_pause_waits_while_requests_run_and_counts_the_wait():
+    """warmup.ready's pause for a serving engine: it polls the engine's counters (as
+    AsyncLLM.stats_nowait gives them) until no request runs or waits, and the time it waited is
+    what the start-up log reports as waiting for requests."""
+    from types import SimpleNamespace
+
+    from warmup import ready
+
+    class Busy:
+        def __init__(self) -> None:
+            self.polls = 0
+
+        def stats_nowait(self):
+            self.polls += 1  # a request runs for the first three polls
+            return SimpleNamespace(num_running=int(self.polls <= 3), num_waiting=0)
+
+        def wait_stopped(self, timeout: float) -> bool:
+            time.sleep(timeout)
+            return False
+
+    live = SimpleNamespace(serving=Busy(), waited_s=0.0)
+    pause = ready._pause_for(live)
+    pause()
+    assert live.serving.polls == 4 and live.waited_s >= 3 * ready.IDLE_POLL_S
+    pause()  # idle: no wait
+    assert live.serving.polls == 5 and live.waited_s < 4 * ready.IDLE_POLL_S

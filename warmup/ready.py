@@ -47,6 +47,7 @@ class KernelWarmup:
 
     seconds: float = 0.0
     kernels: int = 0  # kernels loaded or compiled before ready
+    waited_s: float = 0.0  # of `seconds`, the time spent waiting for requests to end
     # Triton cache entries that appeared meanwhile
     compiled: list[str] = field(default_factory=list)
     cache_dir: str | None = None  # this worker's Triton cache
@@ -60,7 +61,8 @@ class KernelWarmup:
     def summary(self) -> str:
         made = f", {len(self.compiled)} compiled" if self.compiled else ""
         rest = "; the rest compiled in a background process" if self.compile_process else ""
-        return f"{self.kernels} kernels loaded in {self.seconds:.2f} s{made}{rest}"
+        waited = f" ({self.waited_s:.2f} s of it waiting for requests)"
+        return f"{self.kernels} kernels loaded in {self.seconds:.2f} s{waited}{made}{rest}"
 
 
 class _Live:
@@ -77,6 +79,7 @@ class _Live:
         )
         # None: not the Triton backend
         self.target_programs = getattr(backend, "target_programs", None)
+        self.waited_s = 0.0  # how long the background work has waited for requests to end
 
     def model(self):
         from warmup.kernel_set import meta_model
@@ -111,7 +114,10 @@ def _pause_for(live: _Live):
     from warmup.fleet import wait_idle
 
     def pause() -> None:
-        if not wait_idle(live.serving, IDLE_POLL_S, BUSY_WAIT_S):
+        t0 = time.perf_counter()
+        serving = wait_idle(live.serving, IDLE_POLL_S, BUSY_WAIT_S)
+        live.waited_s += time.perf_counter() - t0
+        if not serving:
             raise EngineStopped()
 
     return pause
@@ -186,6 +192,7 @@ def _warm(live: _Live, engine_mode: str, budget_s: float) -> KernelWarmup:
     result = KernelWarmup(
         seconds=time.perf_counter() - t0,
         kernels=len(kernels),
+        waited_s=live.waited_s,
         compiled=sorted(_entries(cache_dir) - before),
         cache_dir=cache_dir,
         before=before,
@@ -232,7 +239,7 @@ def _load_rest(live: _Live, steps: list, result: KernelWarmup) -> None:
                     code,
                 )
             result.entries |= set(_read_list(result.compile_list))
-        t0 = time.perf_counter()
+        t0, waited = time.perf_counter(), live.waited_s
         kernels = _trace_steps(live, steps)
         result.entries |= set(kernel_dirs(kernels))
         graphs = live.runner.graphs
@@ -258,9 +265,11 @@ def _load_rest(live: _Live, steps: list, result: KernelWarmup) -> None:
 
             graphs.prepare_size = prepare_size
         log.info(
-            "kernels: the rest of the set (%d kernels) loaded in the background in %.2f s",
+            "kernels: the rest of the set (%d kernels) loaded in the background in %.2f s "
+            "(%.2f s of it waiting for requests)",
             len(kernels),
             time.perf_counter() - t0,
+            live.waited_s - waited,
         )
     except EngineStopped:
         log.debug("kernels: the engine stopped; the background load ends")
