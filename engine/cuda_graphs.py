@@ -141,7 +141,7 @@ class DecodeGraphs:
         # sets both.
         self.background = False
         self.prepare_size: Callable[[int], None] | None = None
-        self._ran: set[int] = set()  # sizes whose kernels an eager step loaded
+        self._warmed: set[int] = set()  # sizes whose first (eager) step ran (kernels loaded)
         self._lock = threading.Lock()  # the dicts above
         self._capturing = threading.Lock()  # one capture at a time into the shared pool
         self._captures = CaptureQueue(
@@ -256,7 +256,7 @@ class DecodeGraphs:
             if not self.background:
                 self.capture([size])
             else:
-                if size in self._ran or self.prepare_size is not None:
+                if size in self._warmed or self.prepare_size is not None:
                     # its kernels are loaded, or the capture thread loads them
                     self._captures.request(size)
                 larger = self.sizes[self.sizes.index(size) :]
@@ -265,8 +265,8 @@ class DecodeGraphs:
                     logits = self._run_eager(
                         batch, token_ids, positions, starts, block_tables, fill_input_ids
                     )
-                    if size not in self._ran:  # its kernels are loaded now
-                        self._ran.add(size)
+                    if size not in self._warmed:  # its kernels are loaded now
+                        self._warmed.add(size)
                         self._captures.request(size)
                     return logits
                 size = replay
@@ -321,7 +321,7 @@ class DecodeGraphs:
     def _capture_queued(self, size: int) -> None:
         """On the capture thread: the size's kernels loaded (prepare_size, unless a step ran at that
         size), then its graph."""
-        if self.prepare_size is not None and size not in self._ran:
+        if self.prepare_size is not None and size not in self._warmed:
             self.prepare_size(size)
         with self._capturing:
             if size not in self.graphs:

@@ -25,17 +25,18 @@ PROMPTS = [[3 + i, 11, 7 * i % 50 + 1, 19] * (1 + i) for i in range(8)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
+# the engine every test here runs (through LLM, or through the start sequence)
+ENGINE = dict(
+    dtype="bfloat16",
+    max_model_len=128,
+    max_num_seqs=8,
+    gpu_memory_utilization=0.3,
+    cuda_graph_sizes=[1, 2, 4, 8],
+)
+
+
 def _llm(model_dir: str, **kw) -> LLM:
-    return LLM(
-        model=model_dir,
-        dtype="bfloat16",
-        device="cuda",
-        max_model_len=128,
-        max_num_seqs=8,
-        gpu_memory_utilization=0.3,
-        cuda_graph_sizes=[1, 2, 4, 8],
-        **kw,
-    )
+    return LLM(model=model_dir, device="cuda", **ENGINE, **kw)
 
 
 def _wait_captured(graphs, sizes, timeout=120.0) -> None:
@@ -147,22 +148,14 @@ def test_from_the_starts_ready_on_no_capture_runs_on_the_step_loop(tmp_path, cap
     expected = _outputs(eager, 1)[0].outputs[0].token_ids
     del eager
     free_gpu_memory()
-    options = dict(
-        dtype="bfloat16",
-        max_model_len=128,
-        max_num_seqs=8,
-        gpu_memory_utilization=0.3,
-        cuda_graph_sizes=[1, 2, 4, 8],
-    )
     args = StartArgs(
-        model=model_dir, cache_dir=str(tmp_path / "cache"), device="cuda", engine_options=options
+        model=model_dir, cache_dir=str(tmp_path / "cache"), device="cuda", engine_options=ENGINE
     )
     start = start_engine(args)
     engine = start.future.result(timeout=300)
     graphs = engine.engine.runner.graphs
     try:
         assert graphs.background and graphs.graphs == {}
-
         with caplog.at_level("INFO", logger="engine.cuda_graphs"):
             tokens = asyncio.run(_first_tokens(engine, PROMPTS[0]))
             _wait_captured(graphs, [1])
