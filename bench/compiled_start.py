@@ -208,8 +208,9 @@ def measure(
     name: str, env: dict[str, str], vocab: int, wait_line: str | None = None, wait_s: float = 300.0
 ) -> dict:
     """One start: the first streamed request, then the burst; optionally wait for a log line before
-    stopping. With --py-spy naming this run, py-spy samples every thread of the server from its
-    spawn (bench.start_profile summarises the samples)."""
+    stopping. With --py-spy naming this run, py-spy samples every thread of the server from when
+    it listens to its exit (bench.start_profile summarises the samples; bench.burst_profile places
+    them by the exit, stopped_s)."""
     before = busy_processes()
     server = Serve(env)
     spy = None
@@ -248,6 +249,7 @@ def measure(
     ]
     waited = server.wait_for(wait_line, wait_s) if wait_line else None
     code = server.stop()
+    stopped = time.perf_counter() - server.spawned
     profile = None
     if spy is not None:
         from bench.start_profile import summarise
@@ -275,6 +277,7 @@ def measure(
         "waited_for": wait_line,
         "wait_found": waited,
         "exit_code": code,
+        "stopped_s": stopped,
         "log": [f"{t:7.2f}s {line}" for t, line in server.lines if keep.search(line)],
         "busy_before_start": before,
         "profile": profile,
@@ -362,9 +365,7 @@ def main() -> None:
     runs = report["runs"]
     # The first start writes the pack; it also fills the warm cache of (d) with the whole kernel
     # set.
-    runs["prime"] = measure(
-        "prime", env("prime", "jit", "warm"), vocab, r"kernels: the rest of the set"
-    )
+    runs["prime"] = measure("prime", env("prime", "jit", "warm"), vocab, r"kernels: the set's")
     log(f"prime (writes the pack, warms (d)'s cache): {runs['prime']['first_token_s']:.2f} s")
     runs["a"] = measure("a", env("a", "auto"), vocab, r"fleet: (shared|could not)")
     log(

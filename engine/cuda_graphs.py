@@ -9,8 +9,8 @@ Lazy capture in the background (`background` on; the worker's warm-up turns it o
 whose size has no graph yet replays a larger captured graph, or runs eagerly at its size (which
 loads the size's kernels on the step loop, as an eager step would), while another thread captures
 that size (capture records, it runs nothing), so no step waits for a capture. A size is queued once
-its kernels are loaded: after its first eager step, or at once when `prepare_size` can load them on
-the capture thread (set once the worker's whole kernel set is on disk and loaded).
+its kernels are loaded: after its first eager step, or at once when `kernels_loaded` says the
+worker's whole kernel set is (warmup.ready sets it).
 """
 
 from __future__ import annotations
@@ -136,11 +136,10 @@ class DecodeGraphs:
         self.inputs: dict[int, torch.Tensor] = {}  # size -> the graph's static packed input buffer
         self.capture_seconds = 0.0
         self.pool_bytes = 0
-        # Background capture (see the module's docstring); prepare_size(size), when set, loads a
-        # size's kernels (compiled, modules on the GPU) in the calling thread. The worker's warm-up
-        # sets both.
+        # Background capture (see the module's docstring); kernels_loaded: every size's kernels are
+        # in the JIT's cache with their modules on the GPU. The worker's warm-up sets both.
         self.background = False
-        self.prepare_size: Callable[[int], None] | None = None
+        self.kernels_loaded = False
         self._warmed: set[int] = set()  # sizes whose first (eager) step ran (kernels loaded)
         self._lock = threading.Lock()  # the dicts above
         self._capturing = threading.Lock()  # one capture at a time into the shared pool
@@ -256,8 +255,7 @@ class DecodeGraphs:
             if not self.background:
                 self.capture([size])
             else:
-                if size in self._warmed or self.prepare_size is not None:
-                    # its kernels are loaded, or the capture thread loads them
+                if size in self._warmed or self.kernels_loaded:
                     self._captures.request(size)
                 larger = self.sizes[self.sizes.index(size) :]
                 replay = next((s for s in larger if s in self.graphs), None)
@@ -319,10 +317,7 @@ class DecodeGraphs:
     # ---- background capture
     # ------------------------------------------------------------------------------------
     def _capture_queued(self, size: int) -> None:
-        """On the capture thread: the size's kernels loaded (prepare_size, unless a step ran at that
-        size), then its graph."""
-        if self.prepare_size is not None and size not in self._warmed:
-            self.prepare_size(size)
+        """On the capture thread: the size's graph (its kernels are loaded)."""
         with self._capturing:
             if size not in self.graphs:
                 self._capture_background(size)
@@ -340,8 +335,8 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture_background(self, size: int) -> None:
-        """Capture one size on this (non-step) thread: no warm-up run (an eager step or prepare_size
-        loaded the kernels; cuBLAS is primed on the capture stream once per thread), and
+        """Capture one size on this (non-step) thread: no warm-up run (an eager step or the worker's
+        warm-up loaded the kernels; cuBLAS is primed on the capture stream once per thread), and
         thread-local capture, so the step loop's own CUDA calls stay legal meanwhile."""
         t0 = time.perf_counter()
         if self.pool is None:

@@ -1,7 +1,7 @@
-"""bench.burst_profile: a py-spy speedscope file's samples inside a burst's window, bucketed by what
-the engine thread and the kernel warm-up were doing (a file written here in py-spy's speedscope
-layout: shared frames, one sampled profile per thread, samples as frame indices, weights in
-seconds)."""
+"""bench.burst_profile: the engine thread's py-spy samples inside a burst's window, bucketed by what
+it was doing, each thread placed by its end at the server's exit (a file written here in py-spy's
+speedscope layout: shared frames, one sampled profile per thread starting at that thread's first
+sample, samples as frame indices, weights in seconds)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from bench.burst_profile import summarise
+from bench.burst_profile import describe, summarise
 
 FRAMES = [
     "AsyncLLM._loop",
@@ -40,24 +40,26 @@ def _profile(tmp_path, threads: dict[str, list[tuple[list[int], float]]]) -> str
     return str(path)
 
 
-def test_samples_inside_the_window_are_bucketed_by_what_each_thread_did(tmp_path):
-    run = {"first_token_s": 1.0, "burst_wall_s": 1.0}  # window: 1.1 s to 2.2 s
-    engine = [([0, 2], 1.1)]  # before the window: not counted
-    engine += [([0, 1], 0.3), ([0, 3], 0.2), ([0, 2], 0.4)]
-    engine += [([0, 1], 5.0)]  # starts at 2.0 s: inside; counted whole
-    engine += [([0, 1], 1.0)]  # starts at 7.0 s: after the window
-    warmup = [([4, 5], 1.5), ([4], 0.5), ([4, 5], 1.0)]
-    main = [([6], 3.0)]
-    path = _profile(tmp_path, {"coldbrew-engine": engine, "kernels": warmup, "main": main})
-    seconds = summarise(path, run)
-    # a sample counts where it starts: engine samples at 1.1, 1.4, 1.6 and 2.0 s; the warm-up's at
-    # 1.5 (tracing) and 2.0 s (waiting for requests); the main thread's fits no bucket
-    assert seconds == pytest.approx(
-        {
-            "engine: GPU wait": 0.3 + 5.0,
-            "engine: host": 0.2,
-            "engine: no work": 0.4,
-            "warm-up: tracing": 0.5,
-            "warm-up: waiting": 1.0,
-        }
+def test_engine_samples_are_placed_by_the_thread_s_end_at_the_server_s_exit(tmp_path):
+    # window: 1.1 s to 2.2 s since the spawn; the server exits at 4.0 s
+    run = {"first_token_s": 1.0, "burst_wall_s": 1.0, "stopped_s": 4.0}
+    main = [([6], 4.0)]
+    # the engine thread's samples sum to 3.0 s, so its first one begins at 1.0 s since the spawn;
+    # from its own start they would begin at 0, 0.5, 0.8, 1.0, 1.4 and 2.0 s instead
+    engine = [([0, 2], 0.5)]  # 1.0 s: before the window
+    engine += [([0, 1], 0.3), ([0, 3], 0.2), ([0, 2], 0.4)]  # 1.5, 1.8 and 2.0 s: inside
+    engine += [([0, 1], 0.6), ([0, 3], 1.0)]  # 2.4 and 3.0 s: after the window
+    warmup = [([4, 5], 1.0), ([4], 1.0)]  # ends early: cannot be placed, not counted
+    path = _profile(tmp_path, {"main": main, "coldbrew-engine": engine, "kernels": warmup})
+    assert summarise(path, run) == pytest.approx(
+        {"engine: GPU wait": 0.3, "engine: host": 0.2, "engine: no work": 0.4}
     )
+
+
+def test_a_run_without_the_server_s_exit_time_cannot_be_aligned(tmp_path):
+    run = {"first_token_s": 1.0, "burst_wall_s": 1.0, "ttft_p99_s": 0.5}
+    path = _profile(tmp_path, {"coldbrew-engine": [([0, 1], 3.0)]})
+    line = describe("b#3", run, path)
+    assert line.startswith("b#3   burst 1.00 s, TTFT p99 0.50 s: ")
+    assert "cannot be aligned" in line
+    assert "engine:" not in line

@@ -63,10 +63,12 @@ def test_background_capture_gives_the_tokens_of_inline_capture_and_eager(tmp_pat
         del llm
         free_gpu_memory()
     llm = _llm(model_dir)
-    warm = warm_kernels(llm, "jit")
+    warm = warm_kernels(llm)
     assert llm.engine.runner.graphs.background  # from ready on, before the set is loaded
     assert warm.loaded.wait(600)
     graphs = llm.engine.runner.graphs
+    # the set preloaded: a size is captured without an eager step first
+    assert graphs.kernels_loaded and warm.skipped == 0, warm.summary()
     # nothing captured yet, nothing captured inline
     assert graphs.background and graphs.graphs == {}
     tokens["background"] = [
@@ -88,7 +90,7 @@ def test_a_step_without_its_graph_replays_a_larger_one_and_queues_its_size(tmp_p
     graphs = llm.engine.runner.graphs
     graphs.capture([8])
     # the tiny model's kernels are loaded by the capture above
-    graphs.prepare_size = lambda size: None
+    graphs.kernels_loaded = True
     graphs.background = True
     replays = []
     original = graphs.graphs[8].replay
@@ -105,7 +107,7 @@ def test_a_step_without_its_graph_replays_a_larger_one_and_queues_its_size(tmp_p
 def test_before_the_set_is_loaded_a_size_runs_eagerly_then_is_captured_off_the_loop(
     tmp_path, caplog
 ):
-    """As at ready, before the kernel set's background load ends: no prepare_size, so a size is
+    """As at ready, before the kernel set's background load ends (kernels_loaded off), a size is
     queued only after a step ran at it eagerly; no capture happens on the step loop."""
     model_dir = str(tmp_path / "m")
     make_tiny_model("llama", model_dir)
@@ -127,7 +129,7 @@ def test_before_the_set_is_loaded_a_size_runs_eagerly_then_is_captured_off_the_l
         first = [[o.outputs[0].token_ids for o in _outputs(llm, n)] for n in (1, 3, 8)]
         _wait_captured(graphs, [1, 4, 8])
         again = [[o.outputs[0].token_ids for o in _outputs(llm, n)] for n in (1, 3, 8)]
-    assert graphs.prepare_size is None
+    assert not graphs.kernels_loaded
     assert {1, 4, 8} <= set(eager_sizes) and set(eager_sizes) <= set(graphs.graphs)
     assert first == again == expected
     captures = [r.getMessage() for r in caplog.records if "captured decode batch" in r.getMessage()]

@@ -285,20 +285,22 @@ def test_an_artifact_built_with_no_gpu_visible_leaves_the_worker_nothing_to_comp
             assert sel.artifact.startswith(str(tmp_path / "engines"))
         before = set(os.listdir(cache)) if cache.exists() else set()
         llm = LLM(**vars(engine_args))
-        warm = warm_kernels(llm, sel.mode)
+        warm = warm_kernels(llm)
         tokens[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
         # every decode graph size, prompts alone and batched, the sampler's draw
         for n in (1, 3, 4):
             llm.generate(prompts[:n], sampled)
+        assert warm.loaded.wait(300)
         after = set(os.listdir(cache))
         if mode == "compiled":
             assert warm.compiled == [] and after == before, (
                 f"compiled at run time: {sorted(after - before)}"
             )
         else:
-            # the empty cache compiled the first request's kernels before ready
+            # the empty cache: the background trace compiled the rest of the set
             assert warm.compiled
-        warm.loaded.wait(300)
+        # the set's kernels for this GPU's SM count, preloaded from the trace's list
+        assert warm.kernels >= len(ENGINE_KERNELS) and warm.skipped == 0, warm.summary()
         del llm
         from conftest import free_gpu_memory
 
@@ -349,47 +351,93 @@ def test_a_gemma_engine_built_without_a_gpu_takes_the_fused_norm_gate_and_rope(t
 
 
 @pytest.mark.skipif(not triton_nvidia_backend(), reason="triton without its CUDA backend (ptxas)")
-def test_a_tracer_pauses_before_each_kernel_and_stops_where_its_pause_raises(tiny_llama, tmp_path):
-    """A serving worker's background warm-up waits in `pause` before each kernel it loads
-    (warmup.ready: a burst waits out one kernel, not a step's trace) and stops when the pause raises
-    (the engine shut down); the launch patches are gone after either."""
+def test_the_sets_records_preload_each_sm_counts_kernels_with_no_trace(tiny_llama, tmp_path):
+    """What a serving worker does with the background trace's list (warmup.ready): a fresh process
+    preloads one SM count's records into Triton's JIT cache without tracing, so it imports no
+    sympy (torch's Python meta kernels import it, about a second of a worker's interpreter lock);
+    then tracing that count's whole set there compiles nothing (every kernel a GPU of that count
+    launches was listed for it), and a pause before each record stops the preload where it
+    raises. A record for a kernel that no longer exists is counted, not fatal."""
+    found = tmp_path / "set.json"
+    record_script = textwrap.dedent("""
+        import json, sys
+        from engine import EngineArgs
+        from warmup.aot import compile_kernel_set
+        args = EngineArgs(model=sys.argv[1], dtype="bfloat16", max_model_len=128, max_num_seqs=4)
+        found = compile_kernel_set(args, sys.argv[2], [132, 114], "sm_90")
+        json.dump(found.preload, open(sys.argv[3], "w"))
+        print("ok")
+    """)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run(
+        [sys.executable, "-c", record_script, tiny_llama, str(tmp_path / "tc"), str(found)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = json.loads(found.read_text())
+    assert {r["sm_count"] for r in records} == {132, 114}
     script = textwrap.dedent("""
-        import sys
+        import json, os, sys
         import torch
-        from triton.runtime.jit import JITFunction
+        from triton import knobs
+        from engine import EngineArgs
         from engine.config import ModelConfig
         from warmup.aot import target_driver
-        from warmup.kernel_set import Step, meta_model, trace
+        from warmup.kernel_set import meta_model, split_target, steps_for, trace
+        from warmup.ready import preload
 
-        class Stop(Exception):
-            pass
-
-        original = JITFunction.run
-        cfg = ModelConfig.from_dir(sys.argv[1])
-        step = [Step(1, 1, 8, graph=True)]
-        with target_driver("sm_90"):
-            model = meta_model(cfg, torch.bfloat16, 132)
-            calls, sink = [], []
-            trace(model, step, 16, 128, sink, pause=lambda: calls.append(len(sink)))
-            # each launch paused first, with the kernels before it already in the sink
-            assert calls == list(range(len(calls))) and len(calls) == len(sink) >= 4, calls
-            launches = len(calls)
+        records = json.load(open(sys.argv[2]))
+        count = int(sys.argv[3])
+        mine = [r for r in records if r["sm_count"] == count]
+        ghost = dict(mine[0], name="no_such_kernel")
+        cache = os.environ["TRITON_CACHE_DIR"]
+        on_disk = set(os.listdir(cache))
+        with target_driver("sm_90", count):
+            calls = []
 
             def pause():
                 calls.append(1)
                 if len(calls) == 3:
-                    raise Stop()
+                    raise InterruptedError()
 
-            calls, sink = [], []
             try:
-                trace(model, step, 16, 128, sink, pause=pause)
-            except Stop:
+                preload(mine, pause)
+            except InterruptedError:
                 pass
-            assert len(calls) == 3 and len(sink) == 2 < launches, (calls, sink)
-        assert JITFunction.run is original
+            assert len(calls) == 3
+            # no GPU here: the modules' load (after every record) is not reached
+            loaded = []
+            try:
+                preload([ghost] + mine, lambda: loaded.append(1))
+            except Exception:
+                pass
+            assert len(loaded) == len(mine) + 2, (len(loaded), len(mine))
+            assert "sympy" not in sys.modules, "preloading traced"
+            # each kernel read from the cache, none compiled (a record's options are the cache's)
+            assert set(os.listdir(cache)) == on_disk
+            compiled = []
+            knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["repr"])
+            args = EngineArgs(
+                model=sys.argv[1], dtype="bfloat16", max_model_len=128, max_num_seqs=4
+            )
+            config = ModelConfig.from_dir(sys.argv[1])
+            model = meta_model(config, torch.bfloat16, split_target(count))
+            trace(model, steps_for(args, 128), 16, 128, [])
+            assert compiled == [], compiled
         print("ok")
     """)
-    run_script_ok(script, tiny_llama, tmp_path)
+    for count in ("132", "114"):
+        done = subprocess.run(
+            [sys.executable, "-c", script, tiny_llama, str(found), count],
+            env=dict(env, TRITON_CACHE_DIR=str(tmp_path / "tc")),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
 def test_the_warm_ups_pause_waits_while_requests_run_and_counts_the_wait():

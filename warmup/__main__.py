@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     k = sub.add_parser(
         "kernels",
-        help="compile an engine's kernel set into a Triton cache without a GPU (what a "
-        "worker runs in the background when its cache was empty)",
+        help="compile (or find) an engine's kernel set in a Triton cache without a GPU, at a low "
+        "CPU priority (what a worker runs in the background after its first request)",
     )
     k.add_argument("--engine-args", required=True, help="the engine's EngineArgs as a JSON object")
     k.add_argument("--arch", required=True, help="one architecture, e.g. sm_90")
@@ -90,7 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         "--triton-cache", required=True, help="the Triton cache directory to compile into"
     )
     k.add_argument(
-        "--list", default=None, help="write the cache entries of the set here (a JSON list)"
+        "--list",
+        default=None,
+        help="write the set here: a JSON object of its cache entries and, for each SM count, its "
+        "kernels' specialization data (what the worker preloads)",
     )
     k.add_argument("--jobs", type=int, default=1, help="processes compiling at once")
     args = ap.parse_args(argv)
@@ -147,17 +150,18 @@ def _kernels(args) -> int:
     import json
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    os.nice(10)  # beside a serving worker: its own threads come first
     from engine import EngineArgs
     from warmup.aot import compile_kernel_set, parse_arches
 
     engine_args = EngineArgs(**json.loads(args.engine_args))
-    entries = compile_kernel_set(
+    found = compile_kernel_set(
         engine_args, args.triton_cache, args.sm_count, parse_arches(args.arch)[0], args.jobs
     )
     if args.list:
         tmp = f"{args.list}.tmp"
         with open(tmp, "w") as f:
-            json.dump(sorted(entries), f)
+            json.dump({"entries": sorted(found.entries), "preload": found.preload}, f)
         os.replace(tmp, args.list)
     return 0
 

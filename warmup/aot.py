@@ -6,16 +6,20 @@ device, and warmup.kernel_set traces the model's steps with launches compile-onl
 in Triton's cache directory under the key Triton's JIT computes on a GPU of that architecture
 (source, target, options, environment), so a worker that has the directory compiles nothing. The
 decode attention splits its work by the GPU's SM count, so the set is traced once per SM count of
-the architecture's GPUs.
+the architecture's GPUs, each on a (virtual) device of its own, so that every kernel a GPU of that
+count launches is recorded for it (KernelSet.preload).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from operator import itemgetter
 
 log = logging.getLogger(__name__)
 
@@ -51,17 +55,18 @@ def capability(arch: str) -> int:
 
 class TargetDriver:
     """Stands in for Triton's CUDA driver where there is no GPU: it names the target and the
-    (virtual) device the JIT keys its in-memory cache by; nothing is launched through it
-    (kernel_set's launches are compile-only)."""
+    (virtual) device the JIT keys its in-memory cache by (one per SM count when given); nothing is
+    launched through it (kernel_set's launches are compile-only)."""
 
-    def __init__(self, arch: str):
+    def __init__(self, arch: str, sm_count: int | None = None):
         from triton.backends.compiler import GPUTarget
 
         self.arch = arch
+        self.device = f"aot:{arch}" if sm_count is None else f"aot:{arch}:{sm_count}sm"
         self.target = GPUTarget("cuda", capability(arch), WARP_SIZE)
 
     def get_current_device(self) -> str:
-        return f"aot:{self.arch}"
+        return self.device
 
     def get_current_stream(self, device=None) -> int:
         return 0
@@ -76,13 +81,13 @@ class TargetDriver:
 
 
 @contextlib.contextmanager
-def target_driver(arch: str) -> Iterator[None]:
+def target_driver(arch: str, sm_count: int | None = None) -> Iterator[None]:
     """Triton's active driver names `arch` inside (the previous one is restored, never created:
     creating the real one needs a CUDA driver)."""
     from triton.runtime.driver import driver
 
     previous = getattr(driver, "_active", None)
-    driver.set_active(TargetDriver(arch))
+    driver.set_active(TargetDriver(arch, sm_count))
     try:
         yield
     finally:
@@ -124,13 +129,32 @@ def sm_counts_for(arch: str, extra: list[int] | None = None) -> list[int]:
     return sorted(set(counts), reverse=True)
 
 
+@dataclass
+class KernelSet:
+    """What compile_kernel_set found: {Triton cache entry directory: kernel name}, and for each SM
+    count the specialization data of every kernel a GPU of that count launches ({sm_count, module,
+    name, data}: JITFunction.preload's input, by the kernel's module and qualified name)."""
+
+    entries: dict[str, str] = field(default_factory=dict)
+    preload: list[dict] = field(default_factory=list)
+
+    def add(self, other: KernelSet) -> None:
+        """`other`'s kernels too (a kernel two processes traced is recorded once)."""
+        self.entries.update(other.entries)
+        seen = {(r["sm_count"], r["module"], r["name"], r["data"]) for r in self.preload}
+        for record in other.preload:
+            if (record["sm_count"], record["module"], record["name"], record["data"]) not in seen:
+                seen.add((record["sm_count"], record["module"], record["name"], record["data"]))
+                self.preload.append(record)
+
+
 def compile_kernel_set(
     args, cache_dir: str, sm_counts: list[int], arch: str | None = None, jobs: int = 1
-) -> dict[str, str]:
+) -> KernelSet:
     """Compile every kernel EngineArgs `args` can launch into Triton cache dir `cache_dir` (kernels
     already there are kept), for `arch` without a GPU (in `jobs` processes, each tracing a share of
-    the steps), or (arch None) for this process's GPU through Triton's own driver. Returns {cache
-    entry directory name: kernel name}."""
+    the steps), or (arch None) for this process's GPU through Triton's own driver (whose one device
+    records a kernel shared by several SM counts under the first only)."""
     from engine.config import ModelConfig
     from warmup.kernel_set import steps_for
 
@@ -145,20 +169,18 @@ def compile_kernel_set(
 
     # neighbours (the same kernels) go to different processes
     shares = [items[i::jobs] for i in range(jobs)]
-    out: dict[str, str] = {}
+    out = KernelSet()
     with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
         for part in pool.map(
             _compile_items, [vars(args)] * jobs, [cache_dir] * jobs, [arch] * jobs, shares
         ):
-            out.update(part)
+            out.add(part)
     return out
 
 
-def _compile_items(
-    engine_args: dict, cache_dir: str, arch: str | None, items: list
-) -> dict[str, str]:
+def _compile_items(engine_args: dict, cache_dir: str, arch: str | None, items: list) -> KernelSet:
     """Trace (SM count, step) items with compile-only launches (run in a process of its own when
-    jobs > 1)."""
+    jobs > 1), each SM count's on a device of its own."""
     import torch
 
     from engine import EngineArgs
@@ -172,15 +194,27 @@ def _compile_items(
     max_model_len = args.max_model_len or cfg.max_position_embeddings
     dtype = resolve_dtype(args.dtype, cfg, torch.device("cuda"))
     sink: list = []
-    driver = target_driver(arch) if arch is not None else contextlib.nullcontext()
-    with triton_cache_dir(cache_dir), driver:
-        models = {}
-        for count, step in items:
-            if count not in models:
-                models[count] = meta_model(cfg, dtype, split_target(count), quantization)
-            trace(models[count], [step], args.block_size, max_model_len, sink, args.kv_cache_dtype)
-        build_runtime_modules(sink)
-        return kernel_dirs(sink)
+    preload: list[dict] = []
+    with triton_cache_dir(cache_dir):
+        for count, group in itertools.groupby(sorted(items, key=itemgetter(0)), itemgetter(0)):
+            model = meta_model(cfg, dtype, split_target(count), quantization)
+            driver = target_driver(arch, count) if arch is not None else contextlib.nullcontext()
+            found: list[dict] = []
+            with driver:
+                for _, step in group:
+                    trace(
+                        model,
+                        [step],
+                        args.block_size,
+                        max_model_len,
+                        sink,
+                        args.kv_cache_dtype,
+                        found,
+                    )
+            preload += [dict(record, sm_count=count) for record in found]
+        with target_driver(arch) if arch is not None else contextlib.nullcontext():
+            build_runtime_modules(sink)
+        return KernelSet(kernel_dirs(sink), preload)
 
 
 def build_runtime_modules(kernels: list) -> int:

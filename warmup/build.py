@@ -195,7 +195,7 @@ def _build_arch(
             "graph_sizes": args.graph_sizes(),
             "built_without_gpu": True,
             "sm_counts": sm_counts,
-            "kernels": kernels,
+            "kernels": kernels.entries,
             "build_seconds": round(time.perf_counter() - t0, 2),
             "built_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         }
@@ -210,7 +210,7 @@ def _build_arch(
         "warmup: built %s for %s without a GPU: %d kernels in %.1f s",
         final,
         arch,
-        len(kernels),
+        len(kernels.entries),
         record["build_seconds"],
     )
     return final, {"key": key, "record": record}

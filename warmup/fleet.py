@@ -34,15 +34,9 @@ def share_when_served(
     s3_options=None,
     push: bool = True,
 ) -> threading.Thread | None:
-    """Start the publishing thread when this worker should share (auto mode, no artifact used, and
-    kernels were compiled: `warm` is warm_kernels()'s result); None otherwise."""
-    if (
-        engine_mode != "auto"
-        or selection is None
-        or selection.mode != "jit"
-        or warm is None
-        or not warm.compiled
-    ):
+    """Start the publishing thread when this worker may share (auto mode, no artifact used; `warm`
+    is warm_kernels()'s result; it publishes only if kernels were compiled); None otherwise."""
+    if engine_mode != "auto" or selection is None or selection.mode != "jit" or warm is None:
         return None
     thread = threading.Thread(
         target=_share,
@@ -97,6 +91,8 @@ def engines_root(model_dir: str, cache_dir: str) -> str:
 def _share(engine, warm, model_dir: str, cache_dir: str, remote: str | None, s3_options) -> None:
     try:
         warm.loaded.wait()
+        if not warm.compiled:
+            return  # nothing this worker compiled: the kernels it found are someone else's to share
         if not wait_served(engine):
             return
         path = publish_compiled(engine, warm, model_dir, cache_dir, remote, s3_options)

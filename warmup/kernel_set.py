@@ -5,7 +5,10 @@ launch compiles or loads its kernel instead of running it.
 The launches are the engine's own: its layers and attention backend compute every argument, so each
 kernel's specialization (argument types, 16-divisibility, constexprs, warps, stages) is the one a
 real step looks up. Whether that compile is for this GPU or for a named target depends on Triton's
-active driver (see warmup.aot).
+active driver (see warmup.aot). Each kernel compiled or loaded is also recorded as Triton's
+specialization data, from which a serving worker puts it in its JIT's cache with no trace
+(JITFunction.preload; warmup.ready): tracing on meta tensors runs torch's Python meta kernels, whose
+first call imports a large part of torch, about a second of the interpreter's lock.
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ import itertools
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-_state = threading.local()  # .sink: the list this thread's launches go to while it traces
+# .sink: the list this thread's launches go to while it traces; .records: where the specialization
+# data of the kernels it compiles or loads goes
+_state = threading.local()
 _patch_lock = threading.Lock()
 _patch_users = 0
 _patched: list[tuple[object, str, object]] = []  # (owner, attribute, original) to put back
@@ -74,11 +79,8 @@ def _compile_only(run):
 
     def patched(self, *args, grid, warmup, **kwargs):
         sink = getattr(_state, "sink", None)
-        if sink is None:  # every other thread (a worker serving meanwhile) launches as usual
+        if sink is None:  # every other thread launches as usual
             return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-        pause = getattr(_state, "pause", None)
-        if pause is not None:  # the tracer's turn comes before each kernel it compiles or loads
-            pause()
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         if kernel is not None:
             sink.append(kernel)
@@ -88,11 +90,30 @@ def _compile_only(run):
     return patched
 
 
+def _record_specialization(previous):
+    """Triton's after-compile hook (called where a kernel enters the JIT's in-memory cache) for a
+    thread that traces: the kernel's specialization data into its records; `previous` hook runs
+    too."""
+
+    def hook(*, fn, compile, **kwargs):
+        records = getattr(_state, "records", None)
+        if records is not None:
+            records.append(
+                {"module": fn.module, "name": fn.name, "data": compile["specialization_data"]}
+            )
+        if previous is not None:
+            return previous(fn=fn, compile=compile, **kwargs)
+        return None
+
+    return hook
+
+
 def _install_patches() -> None:
-    """The compile-only launch and the meta-aware CUDA checks, in every engine module that holds
-    them."""
+    """The compile-only launch, the specialization recorder and the meta-aware CUDA checks, in
+    every engine module that holds them."""
     import importlib
 
+    from triton import knobs
     from triton.runtime.jit import JITFunction
 
     # the modules whose checks are patched are loaded first
@@ -103,6 +124,9 @@ def _install_patches() -> None:
 
     _patched.append((JITFunction, "run", JITFunction.run))
     JITFunction.run = _compile_only(JITFunction.run)
+    previous = knobs.runtime.jit_post_compile_hook
+    _patched.append((knobs.runtime, "jit_post_compile_hook", previous))
+    knobs.runtime.jit_post_compile_hook = _record_specialization(previous)
     for module_name, name in _CUDA_CHECKS:
         original = getattr(importlib.import_module(module_name), name)
         for module in [
@@ -114,22 +138,23 @@ def _install_patches() -> None:
 
 
 @contextlib.contextmanager
-def compile_only(sink: list, pause: Callable[[], object] | None = None) -> Iterator[None]:
+def compile_only(sink: list, records: list | None = None) -> Iterator[None]:
     """Within: this thread's Triton launches compile or load their kernel into Triton's caches (disk
     and this process's memory, for the active driver's device), append it to `sink` and run nothing;
-    meta tensors take the engine's CUDA paths. `pause` is called before each launch (a serving
-    worker's tracer waits there while requests run; it may raise to stop the trace). Other threads
-    are unaffected; the patches are removed when the last tracer leaves."""
+    meta tensors take the engine's CUDA paths. `records` gets {module, name, data} (Triton's
+    specialization data, for JITFunction.preload) for each kernel that entered the in-memory cache
+    meanwhile. Other threads are unaffected; the patches are removed when the last tracer
+    leaves."""
     global _patch_users
     with _patch_lock:
         if _patch_users == 0:
             _install_patches()
         _patch_users += 1
-    _state.sink, _state.pause = sink, pause
+    _state.sink, _state.records = sink, records
     try:
         yield
     finally:
-        _state.sink = _state.pause = None
+        _state.sink = _state.records = None
         with _patch_lock:
             _patch_users -= 1
             if _patch_users == 0:
@@ -229,11 +254,11 @@ def trace(
     max_model_len: int,
     sink: list,
     kv_cache_dtype: str = "auto",
-    pause: Callable[[], object] | None = None,
+    records: list | None = None,
 ) -> None:
     """Run each step's forward (and a graph step's logits, and the sampler's draw) with launches
-    compile-only, over a KV cache of the engine's kv_cache_dtype (FP8 takes other kernels); `pause`:
-    compile_only's."""
+    compile-only, over a KV cache of the engine's kv_cache_dtype (FP8 takes other kernels);
+    `records`: compile_only's."""
     from engine.attention import kv_cache_shape
     from engine.attention.kv_quant import resolve_kv_cache_dtype
     from engine.layers.random_race import race_sample
@@ -247,7 +272,7 @@ def trace(
     )
     largest = max([s.num_seqs for s in steps if s.graph], default=1)
     logits = torch.empty(largest, cfg.vocab_size, dtype=torch.float32, device="meta")
-    with compile_only(sink, pause), torch.inference_mode():
+    with compile_only(sink, records), torch.inference_mode():
         for step in steps:
             inputs = _inputs(step, block_size, max_model_len)
             hidden = model(inputs.input_ids, inputs.positions, kv, inputs.meta)

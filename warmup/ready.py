@@ -1,25 +1,29 @@
-"""A worker's kernels before its first request, and never a compile inside a step after it.
+"""A worker's kernels loaded in the background after its first request, and never a compile inside a
+step after it.
 
-warm_kernels() runs once the engine is built, before the worker reports ready: the kernel set of a
-first request (prompts of every specialization class, then decode at batch 1; warmup.kernel_set) is
-traced with this GPU's driver, so each kernel is loaded from Triton's disk cache (an installed
-artifact, a warm cache) or compiled, and its module is on the GPU. It is bounded by a time budget
-and timed for the start-up log.
-
-What is not loaded yet is loaded by a background thread: when the first kernels were on disk, right
-away; when they had to be compiled (an empty cache), a separate process (`python -m warmup kernels`,
-no GPU context, so no step of this worker waits on its compiles) compiles the whole set into this
-worker's Triton cache first.
+warm_kernels() runs once the worker has served its first request and is idle. A background process
+(`python -m warmup kernels`: no GPU visible, a low CPU priority) traces the engine's whole kernel
+set (warmup.kernel_set) for this GPU's architecture into this worker's Triton cache: it finds each
+kernel there (an installed artifact, a warm cache) or compiles it, and lists every kernel's
+specialization data for this GPU's SM count. This process then puts each listed kernel in Triton's
+JIT cache (JITFunction.preload: read from disk, nothing traced) and its module on the GPU, one
+kernel at a time, each once no request runs or waits, so a burst that arrives meanwhile waits out
+one kernel's load at most. The trace itself never runs here: on meta tensors it runs torch's Python
+meta kernels, whose first call imports a large part of torch (about a second of this interpreter's
+lock, which every step of a burst would share). Until a kernel is loaded, a step that needs it
+loads it (or compiles it) at its first launch, as without this warm-up.
 
 From ready on (capture_in_background, which the start calls), CUDA graphs are captured off the
 step loop: a decode batch size (engine.cuda_graphs) or a prompt-step bucket
 (engine.piecewise_graphs) is captured by a thread of its own once a step ran at it eagerly, which
-loaded its kernels; once the whole set is loaded, the capture thread loads a decode size's kernels
-itself, so a size whose steps replay a larger graph is captured too.
+loaded its kernels; once the whole set is loaded, a decode size is captured without that first
+eager step, so a size whose steps replay a larger graph is captured too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import logging
 import os
@@ -31,65 +35,57 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
-READY_BUDGET_S = 30.0  # tracing stops starting new first-request steps past this
-# Tracing holds this interpreter's lock: each kernel the background work compiles or loads waits
-# until no request runs or waits (polled this often), at most BUSY_WAIT_S, so a burst that arrives
-# while the set loads waits out one kernel's load, not the whole set's.
+# Each kernel the background work loads waits until no request runs or waits (polled this often), at
+# most BUSY_WAIT_S.
 IDLE_POLL_S = 0.02
 BUSY_WAIT_S = 10.0
-COMPILE_JOBS = 8  # processes of the background compile, at most half the CPUs
+COMPILE_JOBS = 8  # processes of the background trace, at most half the CPUs
 
 
 @dataclass
 class KernelWarmup:
-    """What warm_kernels did, and the background work it left (for the fleet share and the start-up
-    log)."""
+    """What warm_kernels started and, once `loaded` is set, what it did (for the fleet share and the
+    start-up log)."""
 
-    seconds: float = 0.0
-    kernels: int = 0  # kernels loaded or compiled before ready
-    waited_s: float = 0.0  # of `seconds`, the time spent waiting for requests to end
-    # Triton cache entries that appeared meanwhile
+    seconds: float = 0.0  # from warm_kernels to the whole set loaded
+    traced_s: float = 0.0  # of `seconds`, the background process's trace
+    kernels: int = 0  # kernels put in the JIT's cache and on the GPU here
+    waited_s: float = 0.0  # of `seconds`, the time the loads waited for requests to end
+    skipped: int = 0  # listed kernels that could not be preloaded (they load at first use)
+    # Triton cache entries that appeared since warm_kernels (compiled by the process or a step)
     compiled: list[str] = field(default_factory=list)
     cache_dir: str | None = None  # this worker's Triton cache
     before: set[str] | None = None  # its entries when the warm-up began
-    entries: set[str] = field(default_factory=set)  # cache entries of the loaded kernels
+    entries: set[str] = field(default_factory=set)  # cache entries of the set
     compile_process: subprocess.Popen | None = None
-    compile_list: str | None = None  # where that process writes the entries it compiled or found
+    compile_list: str | None = None  # where that process writes the set
     loaded: threading.Event = field(default_factory=threading.Event)  # the whole set is loaded
-    thread: threading.Thread | None = None  # the background load of the rest
+    thread: threading.Thread | None = None  # the background load
 
     def summary(self) -> str:
         made = f", {len(self.compiled)} compiled" if self.compiled else ""
-        rest = "; the rest compiled in a background process" if self.compile_process else ""
-        waited = f" ({self.waited_s:.2f} s of it waiting for requests)"
-        return f"{self.kernels} kernels loaded in {self.seconds:.2f} s{waited}{made}{rest}"
+        skipped = f", {self.skipped} left to load at first use" if self.skipped else ""
+        return (
+            f"the set's {self.kernels} kernels loaded in the background in {self.seconds:.2f} s "
+            f"({self.traced_s:.2f} s of it tracing the set in a background process, "
+            f"{self.waited_s:.2f} s waiting for requests){made}{skipped}"
+        )
 
 
 class _Live:
-    """The engine's numbers the trace needs, read from the built engine (an AsyncLLM or LLM)."""
+    """The engine's numbers the warm-up needs, read from the built engine (an AsyncLLM or LLM)."""
 
     def __init__(self, engine):
         # an AsyncLLM serves while the set loads; a synchronous LLM runs nothing meanwhile
         self.serving = engine if hasattr(engine, "stats_nowait") else None
         core = engine.engine
         self.args, self.runner = core.args, core.runner
-        self.max_model_len = core.max_model_len
         backend = (
             self.runner.model.layers[0].self_attn.backend if len(self.runner.model.layers) else None
         )
         # None: not the Triton backend
         self.target_programs = getattr(backend, "target_programs", None)
         self.waited_s = 0.0  # how long the background work has waited for requests to end
-
-    def model(self):
-        from warmup.kernel_set import meta_model
-
-        return meta_model(
-            self.runner.model_config,
-            self.runner.dtype,
-            self.target_programs,
-            self.runner.model.quant,
-        )
 
 
 def _entries(cache_dir: str) -> set[str]:
@@ -104,11 +100,10 @@ class EngineStopped(Exception):
 
 
 def _pause_for(live: _Live):
-    """For a serving engine: a call made before each kernel the background work compiles or loads,
-    waiting while requests run or wait (at most BUSY_WAIT_S), so that a burst waits out one kernel's
-    load rather than a step's trace; it raises EngineStopped once the engine stopped (shutdown then
-    waits for one kernel, not the rest of the set). None for a synchronous LLM (nothing serves
-    meanwhile)."""
+    """For a serving engine: a call made before each kernel the background work loads, waiting
+    while requests run or wait (at most BUSY_WAIT_S), so that a burst waits out one kernel's load;
+    it raises EngineStopped once the engine stopped (shutdown then waits for one kernel, not the
+    rest of the set). None for a synchronous LLM (nothing serves meanwhile)."""
     if live.serving is None:
         return None
     from warmup.fleet import wait_idle
@@ -123,91 +118,59 @@ def _pause_for(live: _Live):
     return pause
 
 
-def _load(kernels: list, pause=None) -> None:
-    """Put each kernel's module on the GPU now (Triton does it at a kernel's first launch
-    otherwise)."""
+def _jit_function(module: str, name: str):
+    """The JITFunction `module`.`name` (its qualified name) of a preload record."""
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def preload(records: list[dict], pause=None) -> tuple[list, int]:
+    """Each record's kernel ({module, name, data}: warmup.aot.KernelSet.preload) into Triton's JIT
+    cache from the disk cache (compiled there if missing), then its module onto the GPU; `pause`
+    before each step of each. Returns (the kernels, how many records failed: a failed record's
+    kernel loads at its first launch instead)."""
+    kernels, failed = [], 0
+    for record in records:
+        if pause is not None:
+            pause()
+        try:
+            kernel = _jit_function(record["module"], record["name"]).preload(record["data"])
+        except Exception as exc:  # noqa: BLE001 - a stale or foreign record: first use loads it
+            failed += 1
+            log.debug("kernels: could not preload %s: %s", record.get("name"), exc)
+            continue
+        if kernel is not None:
+            kernels.append(kernel)
     for kernel in kernels:
-        init = getattr(kernel, "_init_handles", None)
-        if init is not None:
-            if pause is not None:
-                pause()
-            init()
+        if pause is not None:
+            pause()
+        kernel._init_handles()
+    return kernels, failed
 
 
-def _trace_steps(live: _Live, steps: list, deadline: float | None = None) -> list:
-    """Trace `steps` and load their kernels one step at a time, each kernel once the engine is idle
-    (_pause_for); stops starting new steps past `deadline` (perf_counter). Raises EngineStopped when
-    the engine stops meanwhile."""
-    from warmup.kernel_set import trace
+def warm_kernels(engine) -> KernelWarmup | None:
+    """Start the background work that loads the engine's kernel set (see the module's docstring).
+    None where there is nothing to warm (no GPU, no Triton backend)."""
+    import triton
 
-    model, loaded, pause = live.model(), [], _pause_for(live)
-    for step in steps:
-        if deadline is not None and time.perf_counter() > deadline:
-            break
-        sink: list = []
-        trace(
-            model,
-            [step],
-            live.args.block_size,
-            live.max_model_len,
-            sink,
-            live.args.kv_cache_dtype,
-            pause,
-        )
-        _load(sink, pause)
-        loaded += sink
-    return loaded
-
-
-def warm_kernels(
-    engine, engine_mode: str = "jit", budget_s: float = READY_BUDGET_S
-) -> KernelWarmup | None:
-    """Load (or compile) a first request's kernels now, and start the background work that loads the
-    rest.
-    engine_mode: the mode that runs ("jit": the rest of the set is compiled by a background process
-    first; "compiled": only if a first kernel was missing from the artifact). None where there is
-    nothing to warm (no GPU, no Triton backend) or the engine stopped first."""
     live = _Live(engine)
     if live.runner.device.type != "cuda" or live.target_programs is None:
         return None
     capture_in_background(engine)  # (the start did at ready; a caller without one too)
-    try:
-        return _warm(live, engine_mode, budget_s)
-    except EngineStopped:
-        return None
-
-
-def _warm(live: _Live, engine_mode: str, budget_s: float) -> KernelWarmup:
-    import triton
-
-    from warmup.kernel_set import kernel_dirs, steps_for
-
-    t0 = time.perf_counter()
     cache_dir = (
         triton.knobs.cache.dir if hasattr(triton, "knobs") else os.environ.get("TRITON_CACHE_DIR")
     )
-    before = _entries(cache_dir)
-    first = steps_for(live.args, live.max_model_len, first_only=True)
-    kernels = _trace_steps(live, first, t0 + budget_s)
-    result = KernelWarmup(
-        seconds=time.perf_counter() - t0,
-        kernels=len(kernels),
-        waited_s=live.waited_s,
-        compiled=sorted(_entries(cache_dir) - before),
-        cache_dir=cache_dir,
-        before=before,
-        entries=set(kernel_dirs(kernels)),
-    )
-    # the rest may be missing: compiled out of this process first
-    if engine_mode == "jit" or result.compiled:
-        result.compile_process, result.compile_list = _start_compile_process(live, cache_dir)
-    done = set(first)
-    rest = [s for s in steps_for(live.args, live.max_model_len) if s not in done]
+    result = KernelWarmup(cache_dir=cache_dir, before=_entries(cache_dir))
+    result.compile_process, result.compile_list = _start_compile_process(live, cache_dir)
     result.thread = threading.Thread(
-        target=_load_rest, args=(live, rest, result), name="coldbrew-kernels", daemon=True
+        target=_load_set,
+        args=(live, result, time.perf_counter()),
+        name="coldbrew-kernels",
+        daemon=True,
     )
     result.thread.start()
-    log.info("kernels: %s", result.summary())
     return result
 
 
@@ -224,53 +187,36 @@ def capture_in_background(engine) -> None:
         runner.pieces.background = True
 
 
-def _load_rest(live: _Live, steps: list, result: KernelWarmup) -> None:
-    """Background: wait for the compile process (if any), load every other kernel of the set from
-    disk, then let the decode graphs' capture thread load a size's kernels itself."""
-    from warmup.kernel_set import kernel_dirs
+def _load_set(live: _Live, result: KernelWarmup, t0: float) -> None:
+    """Background: wait for the trace process, preload the kernels it listed for this GPU, then let
+    the decode graphs' capture thread capture a size with no eager step first."""
+    import torch
 
     try:
-        if result.compile_process is not None:
-            code = _wait_compile(live, result.compile_process)
-            if code != 0:
-                log.warning(
-                    "kernels: the background compile process exited with %d; kernels it did not "
-                    "compile compile on first use",
-                    code,
-                )
-            result.entries |= set(_read_list(result.compile_list))
-        t0, waited = time.perf_counter(), live.waited_s
-        kernels = _trace_steps(live, steps)
-        result.entries |= set(kernel_dirs(kernels))
-        graphs = live.runner.graphs
-        if graphs is not None:
-            model = live.model()
-
-            def prepare_size(
-                size: int,
-            ) -> None:  # the capture thread loads a size's kernels (disk hits)
-                from warmup.kernel_set import Step, trace
-
-                width = -(-live.max_model_len // live.args.block_size)
-                sink: list = []
-                trace(
-                    model,
-                    [Step(size, size, width, graph=True)],
-                    live.args.block_size,
-                    live.max_model_len,
-                    sink,
-                    live.args.kv_cache_dtype,
-                )
-                _load(sink)
-
-            graphs.prepare_size = prepare_size
-        log.info(
-            "kernels: the rest of the set (%d kernels) loaded in the background in %.2f s "
-            "(%.2f s of it waiting for requests)",
-            len(kernels),
-            time.perf_counter() - t0,
-            live.waited_s - waited,
-        )
+        if live.runner.device.index is not None:  # this thread loads onto the engine's GPU
+            torch.cuda.set_device(live.runner.device)
+        code = _wait_compile(live, result.compile_process)
+        result.traced_s = time.perf_counter() - t0
+        if code != 0:
+            log.warning(
+                "kernels: the background trace of the kernel set exited with %d; kernels load "
+                "(or compile) at their first use",
+                code,
+            )
+        entries, records = _read_set(result.compile_list)
+        with contextlib.suppress(OSError):
+            os.unlink(result.compile_list)
+        result.entries |= set(entries)
+        sm_count = torch.cuda.get_device_properties(live.runner.device).multi_processor_count
+        mine = [r for r in records if r.get("sm_count") == sm_count]
+        kernels, result.skipped = preload(mine, _pause_for(live))
+        result.kernels = len(kernels)
+        if code == 0 and live.runner.graphs is not None:
+            live.runner.graphs.kernels_loaded = True
+        result.compiled = sorted(_entries(result.cache_dir) - result.before)
+        result.waited_s = live.waited_s
+        result.seconds = time.perf_counter() - t0
+        log.info("kernels: %s", result.summary())
     except EngineStopped:
         log.debug("kernels: the engine stopped; the background load ends")
     except Exception as exc:  # serving goes on: a kernel not loaded loads or compiles at first use
@@ -284,8 +230,8 @@ def _load_rest(live: _Live, steps: list, result: KernelWarmup) -> None:
 
 
 def _wait_compile(live: _Live, proc: subprocess.Popen) -> int:
-    """The background compile process's exit code; if the engine stops first, the process is
-    stopped and EngineStopped raised."""
+    """The background trace process's exit code; if the engine stops first, the process is stopped
+    and EngineStopped raised."""
     if live.serving is None:
         return proc.wait()
     while proc.poll() is None:
@@ -295,17 +241,20 @@ def _wait_compile(live: _Live, proc: subprocess.Popen) -> int:
     return proc.returncode
 
 
-def _read_list(path: str | None) -> list[str]:
+def _read_set(path: str | None) -> tuple[list[str], list[dict]]:
+    """(cache entries, preload records) the trace process wrote; empty where it wrote nothing."""
     try:
         with open(path) as f:
-            return list(json.load(f))
-    except (OSError, ValueError, TypeError):
-        return []
+            found = json.load(f)
+        return list(found["entries"]), list(found["preload"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return [], []
 
 
 def _start_compile_process(live: _Live, cache_dir: str) -> tuple[subprocess.Popen, str]:
-    """`python -m warmup kernels` for this GPU's architecture and SM count into this worker's Triton
-    cache, with no GPU visible (no CUDA context, no GPU memory) and at a low CPU priority."""
+    """`python -m warmup kernels` for this GPU's architecture and SM counts (its own, and its
+    architecture's others for the fleet's artifact) into this worker's Triton cache, with no GPU
+    visible (no CUDA context, no GPU memory) and at a low CPU priority."""
     import tempfile
 
     import torch
@@ -341,11 +290,6 @@ def _start_compile_process(live: _Live, cache_dir: str) -> tuple[subprocess.Pope
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
     # its warnings reach this worker's log
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=path)
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        preexec_fn=lambda: os.nice(10),
-    )
+    # (it lowers its own priority: no preexec_fn, so no fork of this large process)
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     return proc, listing

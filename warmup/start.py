@@ -306,10 +306,9 @@ class EngineStart:
         return engine
 
     def _warm_kernels(self, engine) -> None:
-        """Once the first request is served and the engine idle: the rest of the kernel set loaded
-        (or compiled out of process) and decode graphs captured in the background (warmup.ready);
-        a worker that had to compile then shares its kernels with the next one (warmup.fleet). Off
-        the start path: its tracing holds this interpreter's lock for seconds."""
+        """Once the first request is served and the engine idle: the kernel set traced (compiled
+        where missing) by a background process and loaded here (warmup.ready); a worker that had
+        to compile then shares its kernels with the next one (warmup.fleet)."""
         from warmup.fleet import share_when_served, wait_served
         from warmup.ready import warm_kernels
 
@@ -317,7 +316,7 @@ class EngineStart:
         try:
             if not wait_served(engine):
                 return  # shut down unserved (a test, `chat` ended): nothing to warm
-            self.kernels = warm_kernels(engine, self.selection.mode)
+            self.kernels = warm_kernels(engine)
             if self.kernels is not None and self.kernels.thread is not None:
                 self._background.append(self.kernels.thread)
             share = share_when_served(
