@@ -205,12 +205,17 @@ def busy_processes(min_cpu: float = 5.0) -> dict:
 
 
 def measure(
-    name: str, env: dict[str, str], vocab: int, wait_line: str | None = None, wait_s: float = 300.0
+    name: str,
+    env: dict[str, str],
+    vocab: int,
+    wait_line: str | None = None,
+    wait_s: float = 300.0,
+    burst_delay_s: float = 0.0,
 ) -> dict:
-    """One start: the first streamed request, then the burst; optionally wait for a log line before
-    stopping. With --py-spy naming this run, py-spy samples every thread of the server from when
-    it listens to its exit (bench.start_profile summarises the samples; bench.burst_profile places
-    them by the exit, stopped_s)."""
+    """One start: the first streamed request, then (burst_delay_s later) the burst; optionally wait
+    for a log line before stopping. With --py-spy naming this run, py-spy samples every thread of
+    the server from when it listens to its exit (bench.start_profile summarises the samples;
+    bench.burst_profile places them by the exit, stopped_s)."""
     before = busy_processes()
     server = Serve(env)
     spy = None
@@ -225,6 +230,7 @@ def measure(
         raise RuntimeError(
             f"[{name}] first request failed: {first.get('error')}\n" + server.output()
         )
+    time.sleep(burst_delay_s)
     burst: list[dict] = [{} for _ in range(BURST)]
     gate = threading.Barrier(BURST)
 
@@ -306,6 +312,14 @@ def main() -> None:
         default="",
         help="comma list of runs to sample with py-spy (a, b, c, d; later rounds: b#2, d2, ...)",
     )
+    ap.add_argument(
+        "--burst-delay",
+        type=float,
+        default=0.0,
+        help="seconds between the first request's end and the burst (the worker's background "
+        "kernel warm-up begins once it sees the engine idle, polled every 0.5 s: a delay over "
+        "that makes the burst meet it)",
+    )
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     for run in filter(None, args.py_spy.split(",")):
@@ -338,6 +352,7 @@ def main() -> None:
         "burst": BURST,
         "burst_tokens": BURST_TOKENS,
         "rounds": args.rounds,
+        "burst_delay_s": args.burst_delay,
         "runs": {},
     }
     torch.cuda.empty_cache()
@@ -390,7 +405,7 @@ def main() -> None:
     def artifact_start(name: str, environ: dict[str, str], cache: str, what: str) -> None:
         """A start that installs an artifact: measured, with the artifact's kernel count and the
         kernels the run still compiled (its Triton cache against the artifact's)."""
-        run = runs[name] = measure(name, environ, vocab)
+        run = runs[name] = measure(name, environ, vocab, burst_delay_s=args.burst_delay)
         artifact = artifact_of(root / cache)
         run["artifact_kernels"] = len(kernel_names(artifact)) if artifact else 0
         run["compiled_at_run_time"] = compiled_at_run_time(
@@ -418,7 +433,7 @@ def main() -> None:
         # (d) of the second round is the control: how far a burst's greedy tokens agree between
         # two runs of one mode
         name = "d" if r == 0 else "d2" if r == 1 else "d" + tag
-        runs[name] = measure(name, env("d", "jit", "warm"), vocab)
+        runs[name] = measure(name, env("d", "jit", "warm"), vocab, burst_delay_s=args.burst_delay)
         log(f"({name}) warm cache: {runs[name]['first_token_s']:.2f} s")
 
     order = [run_c, run_b, run_d]

@@ -244,10 +244,19 @@ def test_the_table_width_selects_no_other_attention_kernel(tiny_llama, tmp_path)
 
 
 # ---- GPU ---------------------------------------------------------------------------------
+# bf16; an FP8 KV cache; FP8 weights (QUANTIZATION=fp8): each takes kernels of its own
+PRECISIONS = {
+    "bf16": {},
+    "fp8-kv": {"kv_cache_dtype": "fp8"},
+    "fp8-weights": {"quantization": "fp8"},
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("precision", sorted(PRECISIONS))
 def test_an_artifact_built_with_no_gpu_visible_leaves_the_worker_nothing_to_compile(
-    tiny_llama, tmp_path
+    tiny_llama, tmp_path, precision
 ):
     from engine import LLM, SamplingParams
     from warmup.artifacts import prepare
@@ -255,7 +264,10 @@ def test_an_artifact_built_with_no_gpu_visible_leaves_the_worker_nothing_to_comp
 
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}"
+    if precision == "fp8-weights" and (major, minor) < (8, 9):
+        pytest.skip("FP8 weights need FP8 tensor cores (sm_89 and later)")
     out = tmp_path / "engines"
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in PRECISIONS[precision].items()]
     build(
         tiny_llama,
         "--no-gpu",
@@ -263,6 +275,7 @@ def test_an_artifact_built_with_no_gpu_visible_leaves_the_worker_nothing_to_comp
         arch,
         "--out-dir",
         str(out),
+        *flags,
         env={"CUDA_VISIBLE_DEVICES": ""},
     )
     args = EngineArgs(
@@ -272,6 +285,7 @@ def test_an_artifact_built_with_no_gpu_visible_leaves_the_worker_nothing_to_comp
         max_model_len=128,
         max_num_seqs=4,
         gpu_memory_utilization=0.3,
+        **PRECISIONS[precision],
     )
     prompts = [[5 + i, 9, 17, 33] * (1 + 3 * i) for i in range(4)] + [[7]]
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

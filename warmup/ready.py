@@ -164,6 +164,9 @@ def warm_kernels(engine) -> KernelWarmup | None:
     )
     result = KernelWarmup(cache_dir=cache_dir, before=_entries(cache_dir))
     result.compile_process, result.compile_list = _start_compile_process(live, cache_dir)
+    log.info(
+        "kernels: tracing the set in a background process (pid %d)", result.compile_process.pid
+    )
     result.thread = threading.Thread(
         target=_load_set,
         args=(live, result, time.perf_counter()),
