@@ -207,14 +207,13 @@ def _load_set(live: _Live, result: KernelWarmup, t0: float) -> None:
                 code,
             )
         entries, records = _read_set(result.compile_list)
-        with contextlib.suppress(OSError):
-            os.unlink(result.compile_list)
         result.entries |= set(entries)
         sm_count = torch.cuda.get_device_properties(live.runner.device).multi_processor_count
         mine = [r for r in records if r.get("sm_count") == sm_count]
         kernels, result.skipped = preload(mine, _pause_for(live))
         result.kernels = len(kernels)
-        if code == 0 and live.runner.graphs is not None:
+        whole = code == 0 and mine and not result.skipped  # else steps still load some kernels
+        if whole and live.runner.graphs is not None:
             live.runner.graphs.kernels_loaded = True
         result.compiled = sorted(_entries(result.cache_dir) - result.before)
         result.waited_s = live.waited_s
@@ -229,6 +228,8 @@ def _load_set(live: _Live, result: KernelWarmup, t0: float) -> None:
             exc,
         )
     finally:
+        with contextlib.suppress(OSError):
+            os.unlink(result.compile_list)
         result.loaded.set()
 
 
