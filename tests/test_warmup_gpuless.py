@@ -60,12 +60,12 @@ def cubin_sm(data: bytes) -> int:
     return (flags >> 8) & 0xFF if data[8] >= 8 else flags & 0xFF
 
 
-def run_script_ok(script: str, model_dir: str, triton_cache) -> None:
+def run_script_ok(script: str, model_dir: str, triton_cache, *args: str) -> None:
     """Run a test script in a fresh interpreter (its own Triton driver and patches) with the model
-    dir as its argument and its own Triton cache; it must print "ok" last."""
+    dir (then `args`) as its arguments and its own Triton cache; it must print "ok" last."""
     env = dict(os.environ, TRITON_CACHE_DIR=str(triton_cache), PYTHONPATH=str(REPO))
     done = subprocess.run(
-        [sys.executable, "-c", script, model_dir],
+        [sys.executable, "-c", script, model_dir, *args],
         env=env,
         capture_output=True,
         text=True,
@@ -374,23 +374,15 @@ def test_the_sets_records_preload_each_sm_counts_kernels_with_no_trace(tiny_llam
     raises. A record for a kernel that no longer exists is counted, not fatal."""
     found = tmp_path / "set.json"
     record_script = textwrap.dedent("""
-        import json, sys
+        import json, os, sys
         from engine import EngineArgs
         from warmup.aot import compile_kernel_set
         args = EngineArgs(model=sys.argv[1], dtype="bfloat16", max_model_len=128, max_num_seqs=4)
-        found = compile_kernel_set(args, sys.argv[2], [132, 114], "sm_90")
-        json.dump(found.preload, open(sys.argv[3], "w"))
+        found = compile_kernel_set(args, os.environ["TRITON_CACHE_DIR"], [132, 114], "sm_90")
+        json.dump(found.preload, open(sys.argv[2], "w"))
         print("ok")
     """)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    done = subprocess.run(
-        [sys.executable, "-c", record_script, tiny_llama, str(tmp_path / "tc"), str(found)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_script_ok(record_script, tiny_llama, tmp_path / "tc", str(found))
     records = json.loads(found.read_text())
     assert {r["sm_count"] for r in records} == {132, 114}
     script = textwrap.dedent("""
@@ -444,14 +436,7 @@ def test_the_sets_records_preload_each_sm_counts_kernels_with_no_trace(tiny_llam
         print("ok")
     """)
     for count in ("132", "114"):
-        done = subprocess.run(
-            [sys.executable, "-c", script, tiny_llama, str(found), count],
-            env=dict(env, TRITON_CACHE_DIR=str(tmp_path / "tc")),
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+        run_script_ok(script, tiny_llama, tmp_path / "tc", str(found), count)
 
 
 def test_the_warm_ups_pause_waits_while_requests_run_and_counts_the_wait():

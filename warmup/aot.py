@@ -141,11 +141,15 @@ class KernelSet:
     def add(self, other: KernelSet) -> None:
         """`other`'s kernels too (a kernel two processes traced is recorded once)."""
         self.entries.update(other.entries)
-        seen = {(r["sm_count"], r["module"], r["name"], r["data"]) for r in self.preload}
+        seen = {_record_key(r) for r in self.preload}
         for record in other.preload:
-            if (record["sm_count"], record["module"], record["name"], record["data"]) not in seen:
-                seen.add((record["sm_count"], record["module"], record["name"], record["data"]))
+            if _record_key(record) not in seen:
+                seen.add(_record_key(record))
                 self.preload.append(record)
+
+
+def _record_key(record: dict) -> tuple:
+    return record["sm_count"], record["module"], record["name"], record["data"]
 
 
 def compile_kernel_set(
