@@ -22,6 +22,7 @@ import torch
 
 from bench import family_decode
 from bench.roofline import copy_bandwidth
+from bench.row_gemv import apply_best_tiles
 from engine import pdl
 from engine.attention import triton_attn
 from engine.layers import row_gemv as rg
@@ -100,12 +101,7 @@ def main() -> None:
             variant, n, k = key.split(":")
             fk.TILE_OVERRIDES[(variant, int(n), int(k))] = tuple(map(int, tiles.split(":")))
     if args.row_tiles:
-        best = json.loads(Path(args.row_tiles).read_text())["best_tiles"]
-        for key, tiles in best.items():
-            prologue, dtype, n, k = key.split(":")
-            rg.TILE_OVERRIDES[(int(prologue), dtype, int(n), int(k))] = tuple(
-                map(int, tiles.split(":"))
-            )
+        apply_best_tiles(args.row_tiles)
     bandwidth = copy_bandwidth("cuda", 2 << 30)
 
     def measure(q):

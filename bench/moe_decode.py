@@ -21,10 +21,13 @@ from pathlib import Path
 import torch
 
 import engine.layers.experts as experts_layer
+import engine.layers.moe as moe_layer
+import engine.layers.row_gemv as row_gemv
 from bench.attention_micro import time_call
 from bench.checkpoint import config_only_dir
 from bench.reference_decode import decode_step_seconds, graph_replay_seconds
 from bench.roofline import copy_bandwidth
+from bench.row_gemv import apply_best_tiles
 from bench.serving import config_path
 from engine import LLM
 from engine.config import ModelConfig
@@ -278,7 +281,22 @@ def main() -> None:
     ap.add_argument("--layer-copies", type=int, default=4)
     ap.add_argument("--sweep-batches", default="1,8", help="tile sweep of the experts alone")
     ap.add_argument("--skip-engine", action="store_true", help="only the layer microbenchmarks")
+    ap.add_argument(
+        "--route-in-kernel",
+        default="on",
+        help="engine.layers.moe.ROUTE_IN_KERNEL: decode batches route inside the experts' kernel",
+    )
+    ap.add_argument(
+        "--pdl-prologues",
+        default="off",
+        help="engine.layers.row_gemv.PDL_PROLOGUES: the norm-prologue GEMVs launch early too",
+    )
+    ap.add_argument("--row-tiles", default="", help="a bench.row_gemv row_gemv.json's best tiles")
     args = ap.parse_args()
+    if args.row_tiles:
+        apply_best_tiles(args.row_tiles)
+    moe_layer.ROUTE_IN_KERNEL = args.route_in_kernel == "on"
+    row_gemv.PDL_PROLOGUES = args.pdl_prologues == "on"
     os.makedirs(args.out, exist_ok=True)
     config = json.loads(config_path(args.config).read_text())
     cfg = ModelConfig.from_dict(config)
@@ -291,6 +309,11 @@ def main() -> None:
         "config": args.config,
         "dtype": "bfloat16",
         "copy_bandwidth": bandwidth,
+        "route_in_kernel": moe_layer.ROUTE_IN_KERNEL,
+        "pdl_prologues": row_gemv.PDL_PROLOGUES,
+        "row_tile_overrides": {
+            ":".join(map(str, k)): v for k, v in row_gemv.TILE_OVERRIDES.items()
+        },
     }
     batches = [int(b) for b in args.layer_batches.split(",") if b]
     result["layer"] = layer_rows(cfg, bandwidth, batches, args.layer_copies)

@@ -1,12 +1,13 @@
 """Batch-1 decode's linears with their prologue fused (engine/layers/row_gemv.py) against the
 engine's unfused pair (the residual-add + RMSNorm or SiLU-and-mul kernel, then the linear's own
-one-row kernel), at Llama-3.1-8B's shapes, bf16 and FP8 weights, with a tile sweep of the fused
-kernel.
+one-row kernel), at one model's shapes (Llama-3.1-8B's by default), bf16 and FP8 weights, with a
+tile sweep of the fused kernel; o_proj (no prologue) is the linear's own kernel against row_gemv's.
+A mixture-of-experts config gives the router instead of the MLP's linears.
 
-`python -m bench.row_gemv --out DIR`: GPU time per call inside CUDA graphs, weights rotated past the
-L2 (bench/gemm_micro.py, bench/fp8_gemm.py), each beside the byte floor of its weights at the
-measured copy bandwidth; the 32 layers' sum per weight type; writes DIR/row_gemv.json (its
-`best_tiles` feed bench/fp8_decode.py --row-tiles) and prints a table.
+`python -m bench.row_gemv --out DIR [--config NAME] [--weights bf16,fp8]`: GPU time per call inside
+CUDA graphs, weights rotated past the L2 (bench/gemm_micro.py, bench/fp8_gemm.py), each beside the
+byte floor of its weights at the measured copy bandwidth; the layers' sum per weight type; writes
+DIR/row_gemv.json (its `best_tiles` feed bench/fp8_decode.py --row-tiles) and prints a table.
 """
 
 from __future__ import annotations
@@ -20,26 +21,46 @@ import torch
 
 import engine.layers.row_gemv as rg
 from bench.attention_micro import time_call
+from bench.checkpoint import CONFIGS
 from bench.fp8_gemm import RotatingFp8
 from bench.gemm_micro import Rotating
 from bench.roofline import copy_bandwidth
 from engine.layers import Linear, RMSNorm
 from engine.quant.fp8 import Fp8Linear
 
-HIDDEN, INTER = 4096, 14336
-# (name, N, K, prologue): the linears that take a prologue (o_proj takes none)
-SHAPES = [
-    ("qkv", 6144, HIDDEN, rg.NORM),
-    ("gate_up", 2 * INTER, HIDDEN, rg.NORM),
-    ("down", HIDDEN, INTER, rg.SILU_MUL),
-]
-NUM_LAYERS = 32
+
+def shapes(config: dict) -> list[tuple[str, int, int, int]]:
+    """(name, N, K, prologue) of a layer's one-row linears: qkv, o_proj (no prologue), and the
+    MLP's gate_up and down, or for a mixture of experts the router (the experts are
+    engine/layers/fused_moe.py's)."""
+    hidden = config["hidden_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q = config["num_attention_heads"] * head_dim
+    qkv = q + 2 * config["num_key_value_heads"] * head_dim
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if experts:
+        return [
+            ("qkv", qkv, hidden, rg.NORM),
+            ("o_proj", hidden, q, rg.PLAIN),
+            ("router", experts, hidden, rg.NORM),
+        ]
+    inter = config["intermediate_size"]
+    return [
+        ("qkv", qkv, hidden, rg.NORM),
+        ("o_proj", hidden, q, rg.PLAIN),
+        ("gate_up", 2 * inter, hidden, rg.NORM),
+        ("down", hidden, inter, rg.SILU_MUL),
+    ]
 
 
-def candidates(fp8: bool) -> list[tuple[int, int, int, int]]:
-    """Tiles to sweep (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+def candidates(fp8: bool, n: int) -> list[tuple[int, int, int, int]]:
+    """Tiles to sweep (BLOCK_N, BLOCK_K, num_warps, num_stages); a few rows (a router) also take
+    one or two rows per program and the whole row in one step."""
     block_ks = (256, 512, 1024) if fp8 else (128, 256, 512)
-    grid = itertools.product((4, 8, 16, 32), block_ks, ((4, 2), (4, 3), (8, 3)))
+    block_ns = (4, 8, 16, 32)
+    if n <= 256:
+        block_ns, block_ks = (1, 2) + block_ns, block_ks + (1024, 2048)
+    grid = itertools.product(block_ns, block_ks, ((4, 2), (4, 3), (8, 3)))
     return [(bn, bk, w, s) for bn, bk, (w, s) in grid]
 
 
@@ -72,6 +93,8 @@ def measure(name: str, n: int, k: int, prologue: int, fp8: bool, bandwidth: floa
     def unfused(lin=None):
         """The engine's pair: the norm (or SiLU-and-mul) kernel, then the linear's own kernel."""
         lin = lin or next_linear()
+        if prologue == rg.PLAIN:
+            return lin(x)
         if prologue == rg.SILU_MUL:
             return rg.act_linear(lin, x, "silu")
         return rg.norm_linear(norm, lin, x, res)[0]
@@ -81,8 +104,8 @@ def measure(name: str, n: int, k: int, prologue: int, fp8: bool, bandwidth: floa
         call it, here for FP8 weights too."""
         lin = lin or next_linear()
         scale = lin.weight_scale if fp8 else None
-        if prologue == rg.SILU_MUL:
-            return rg.row_gemv(x, lin.weight, scale, None, rg.SILU_MUL, config=tiles)[0]
+        if prologue in (rg.PLAIN, rg.SILU_MUL):
+            return rg.row_gemv(x, lin.weight, scale, None, prologue, config=tiles)[0]
         return rg.row_gemv(
             x, lin.weight, scale, None, rg.NORM, norm.weight, norm.eps, res, config=tiles
         )[0]
@@ -97,7 +120,7 @@ def measure(name: str, n: int, k: int, prologue: int, fp8: bool, bandwidth: floa
     default = time_call(fused, graph=True)
     y = fused(lin=first).float()
     sweep = {}
-    for tiles in candidates(fp8):
+    for tiles in candidates(fp8, n):
         key = ":".join(map(str, tiles))
         try:
             sweep[key] = time_call(lambda tiles=tiles: fused(tiles), graph=True)
@@ -124,6 +147,17 @@ def measure(name: str, n: int, k: int, prologue: int, fp8: bool, bandwidth: floa
     }
 
 
+def apply_best_tiles(path: str) -> None:
+    """Make a row_gemv.json's best tiles the kernel's (engine.layers.row_gemv.TILE_OVERRIDES)."""
+    with open(path) as f:
+        best = json.load(f)["best_tiles"]
+    for key, tiles in best.items():
+        prologue, dtype, n, k = key.split(":")
+        rg.TILE_OVERRIDES[(int(prologue), dtype, int(n), int(k))] = tuple(
+            map(int, tiles.split(":"))
+        )
+
+
 def weights_dtype(fp8: bool) -> torch.dtype:
     return torch.float8_e4m3fn if fp8 else torch.bfloat16
 
@@ -131,12 +165,20 @@ def weights_dtype(fp8: bool) -> torch.dtype:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    ap.add_argument("--config", default="llama-3.1-8b.json", help="a file of bench/configs")
+    ap.add_argument("--weights", default="bf16,fp8")
+    ap.add_argument("--shapes", default="", help="only these linears, e.g. router,qkv")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    config = json.loads((CONFIGS / args.config).read_text())
+    num_layers = config["num_hidden_layers"]
+    weight_types = args.weights.split(",")
+    wanted = set(filter(None, args.shapes.split(",")))
+    chosen = [shape for shape in shapes(config) if not wanted or shape[0] in wanted]
     bandwidth = copy_bandwidth("cuda", 2 << 30)
     rows = []
-    for fp8 in (False, True):
-        for name, n, k, prologue in SHAPES:
+    for fp8 in [w == "fp8" for w in weight_types]:
+        for name, n, k, prologue in chosen:
             row = measure(name, n, k, prologue, fp8, bandwidth)
             rows.append(row)
             print(
@@ -148,14 +190,15 @@ def main() -> None:
                 flush=True,
             )
     totals = {}
-    for weights in ("bf16", "fp8"):
+    for weights in weight_types:
         mine = [r for r in rows if r["weights"] == weights]
         totals[weights] = {
-            key: NUM_LAYERS * sum(r[key] for r in mine) * 1e3
+            key: num_layers * sum(r[key] for r in mine) * 1e3
             for key in ("unfused_s", "fused_default_s", "fused_best_s", "floor_s")
         }
     result = {
         "device": torch.cuda.get_device_name(),
+        "config": args.config,
         "torch": torch.__version__,
         "copy_bandwidth": bandwidth,
         "rows": rows,
@@ -169,7 +212,8 @@ def main() -> None:
     with open(os.path.join(args.out, "row_gemv.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(f"\n{result['device']}, one row, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    print("32 layers' qkv + gate_up + down with their prologues, ms per step (GPU, CUDA graphs)")
+    names = " + ".join(name for name, *_ in chosen)
+    print(f"{num_layers} layers' {names} of {args.config}, ms per step (GPU, CUDA graphs)")
     print("| weights | unfused | fused (default tiles) | fused (best tiles) | byte floor |")
     print("| --- | --- | --- | --- | --- |")
     for weights, t in totals.items():

@@ -340,6 +340,67 @@ def test_decode_path_under_the_triton_interpreter_matches_torch():
 
 
 @needs_triton
+def test_routing_inside_the_gate_up_kernel_matches_the_separate_kernels():
+    """routed_experts (the router's top-k, and optionally the RMSNorm, inside the decode path's
+    gate_up kernel) against the torch reference of norm, route and experts, in float32 under
+    TRITON_INTERPRET: T 1 and 3, top_k 1, 2 and 8, renormalised or not, tiles that loop over K
+    and FP8 experts; the ids and weights it leaves for the down kernel are the router's."""
+    script = textwrap.dedent("""
+        import torch
+        import engine.layers.fused_moe as fm
+        from engine.layers.experts import experts_reference
+        from engine.layers.moe import route_reference
+        from engine.layers.norm import RMSNorm
+        from engine.quant.fp8_kernels import quantize_rows_reference
+
+        torch.manual_seed(0)
+        looping = fm.DecodeTiles(fm.GemvTile(8, 16, 4), fm.GemvTile(2, 16, 4))
+        h, i = 40, 24
+        norm = RMSNorm(h, 1e-5, torch.float32, "cpu")
+        norm.weight.data = torch.rand(h) + 0.5
+        for t, e, k, renorm, tiles, fp8 in [
+            (1, 8, 1, False, None, False), (1, 16, 8, True, None, False),
+            (3, 12, 2, True, looping, False), (3, 16, 8, False, looping, False),
+            (1, 16, 8, True, None, True),
+        ]:
+            x, logits = 3 * torch.randn(t, h), torch.randn(t, e)
+            gu, dn = 0.2 * torch.randn(e, 2 * i, h), 0.2 * torch.randn(e, h, i)
+            scales = None
+            if fp8:
+                (gu, gu_s), (dn, dn_s) = quantize_rows_reference(gu), quantize_rows_reference(dn)
+                scales = (gu_s.squeeze(-1).contiguous(), dn_s.squeeze(-1).contiguous())
+            w_ref, i_ref = route_reference(logits, k, renorm)
+            for normed_inside in (False, True):
+                routing = fm.InKernelRouting(
+                    logits, renorm, (norm.weight, norm.eps) if normed_inside else None
+                )
+                source = x if normed_inside else norm.reference(x)
+                out = fm.routed_experts(source, gu, dn, routing, k, *(scales or ()), tiles=tiles)
+                ref = experts_reference(norm.reference(x), gu, dn, w_ref, i_ref, scales)
+                torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        # what the gate_up kernel leaves for the down kernel: the router's ids and weights
+        captured = {}
+        down = fm._decode_down_kernel
+        class Spy:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    captured["ids"], captured["route"] = args[4].clone(), args[5].clone()
+                    return down[grid](*args, **kwargs)
+                return launch
+        fm._decode_down_kernel = Spy()
+        logits = torch.randn(3, 16)
+        fm.routed_experts(torch.randn(3, h), 0.2 * torch.randn(16, 2 * i, h),
+                          0.2 * torch.randn(16, h, i), fm.InKernelRouting(logits, True, None), 4)
+        w_ref, i_ref = route_reference(logits, 4, True)
+        assert torch.equal(captured["ids"].view(3, 4).long(), i_ref)
+        torch.testing.assert_close(captured["route"].view(3, 4), w_ref)
+        print("ok")
+    """)
+    done = run_in_triton_interpreter(script)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+@needs_triton
 def test_fp8_experts_under_the_triton_interpreter_match_torch():
     """FP8 experts (e4m3 weights, one fp32 scale per expert and output row) through both paths
     of the fused kernels, in float32 under TRITON_INTERPRET: the same as the torch reference on
@@ -431,20 +492,25 @@ def test_fused_moe_kernels_compile_for_hopper(tmp_path):
                       BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=even,
                       IEEE=False), tiles)
             decode_gate_up = dict(x_ptr="*bf16", w_ptr=w_type, ws_ptr="*fp32", h_ptr="*bf16",
-                                  ids_ptr="*i32", N=i32, K=i32, stride_xm=i32, stride_we=i32,
-                                  stride_wn=i32, stride_se=i32, stride_hm=i32, TOP_K="constexpr",
+                                  ids_ptr="*i32", route_ptr="*fp32", logits_ptr="*bf16",
+                                  g_ptr="*bf16", N=i32, K=i32, num_experts=i32, stride_xm=i32,
+                                  stride_we=i32, stride_wn=i32, stride_se=i32, stride_hm=i32,
+                                  stride_lm=i32, eps="fp32", TOP_K="constexpr",
                                   HAS_SCALE="constexpr", BLOCK_N="constexpr",
-                                  BLOCK_K="constexpr", EVEN_K="constexpr")
+                                  BLOCK_K="constexpr", EVEN_K="constexpr", ROUTE="constexpr",
+                                  NORM="constexpr", E_P2="constexpr",
+                                  RENORMALISE="constexpr")
             decode_down = dict(h_ptr="*bf16", w_ptr=w_type, ws_ptr="*fp32", out_ptr="*bf16",
                                ids_ptr="*i32", route_weights_ptr="*fp32", N=i32, K=i32,
                                stride_hm=i32, stride_we=i32, stride_wn=i32, stride_se=i32,
                                stride_om=i32, TOP_K="constexpr", HAS_SCALE="constexpr",
                                K_P2="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr",
                                EVEN_K="constexpr")
-            for top_k, even in [(8, True), (6, False), (1, True)]:
+            for top_k, even, routed in [(8, True, True), (6, False, False), (1, True, True)]:
                 tiles = fm.decode_tiles(top_k)
+                route = dict(ROUTE=routed, NORM=routed, E_P2=128, RENORMALISE=top_k > 1)
                 for kernel, signature, tile, extra in [
-                    (fm._decode_gate_up_kernel, decode_gate_up, tiles.gate_up, {}),
+                    (fm._decode_gate_up_kernel, decode_gate_up, tiles.gate_up, route),
                     (fm._decode_down_kernel, decode_down, tiles.down,
                      dict(K_P2=triton.next_power_of_2(top_k))),
                 ]:
@@ -649,6 +715,55 @@ def test_moe_block_at_real_shapes_matches_torch_reference(config, tokens):
             ref = ref + torch.sigmoid(block.shared_expert_gate(x)).float() * block.shared_expert(x)
     scale = ref.abs().max().item()
     torch.testing.assert_close(out.float(), ref, atol=2e-2 * scale, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("config", ["qwen3-30b-a3b.json", "mixtral-8x7b.json"])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_norm_and_router_inside_the_kernels_match_torch_where_no_tie(config, tokens):
+    """SparseMoeBlock.norm_forward at decode batches (the top-k inside the experts' gate_up
+    kernel; at one row the norm inside the router's and the experts' kernels) against float32
+    torch: the norm of x + residual, the router's softmax top-k of the same logits, the experts.
+    Tokens whose k-th and (k+1)-th probabilities tie (bf16 logits tie often) may pick either
+    expert and are left out; at least 8 tokens are compared."""
+    from engine.layers.norm import RMSNorm
+    from engine.layers.row_gemv import one_row_norm_linear
+
+    cfg, block = _random_block(config, seed=tokens)
+    norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch.bfloat16, "cuda")
+    compared, seed = 0, 0
+    while compared < 8:
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        seed += 1
+        x, res = (torch.randn(tokens, cfg.hidden_size, device="cuda", generator=gen) for _ in "xr")
+        x, res = x.to(torch.bfloat16), res.to(torch.bfloat16)
+        norm.weight.data = (torch.rand(cfg.hidden_size, device="cuda", generator=gen) + 0.5).to(
+            torch.bfloat16
+        )
+        with torch.inference_mode():
+            out, summed = block.norm_forward(norm, x, res)
+            if tokens == 1:
+                logits = one_row_norm_linear(norm, block.gate, x, res)[0]
+            else:
+                logits = block.gate(norm(x, res)[0])
+        assert torch.equal(summed, x + res)
+        s = summed.float()
+        normed = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.float()
+        weights, ids = route_reference(logits, block.top_k, block.renormalise)
+        picked = ids.unique()  # only these in float32 (all of Mixtral's: 5.6 GB a layer)
+        ref = experts_reference(
+            normed,
+            block.experts.gate_up_proj[picked].float(),
+            block.experts.down_proj[picked].float(),
+            weights,
+            torch.searchsorted(picked, ids),
+        )
+        probs = torch.softmax(logits.float(), -1).sort(-1, descending=True).values
+        no_tie = probs[:, block.top_k - 1] > probs[:, block.top_k]
+        scale = ref.abs().max().item()
+        torch.testing.assert_close(out.float()[no_tie], ref[no_tie], atol=2e-2 * scale, rtol=3e-2)
+        compared += int(no_tie.sum())
 
 
 @pytest.mark.gpu

@@ -72,11 +72,8 @@ class StackedExperts(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return self.run(x, weights, ids)
-
-    def run(self, x, weights, ids, scales: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """The experts on x: the fused kernels on CUDA, else the torch reference; scales: FP8
-        weights' per-row scales (engine.quant.fp8.Fp8StackedExperts)."""
+        """The experts on x: the fused kernels on CUDA, else the torch reference."""
+        scales = self.expert_scales()
         if EXPERTS_IMPL == "auto" and fused_kernels_available(x):
             from engine.layers.fused_moe import fused_experts
 
@@ -85,6 +82,20 @@ class StackedExperts(nn.Module):
                 x, self.gate_up_proj, self.down_proj, weights, ids, None, gate_up_scale, down_scale
             )
         return experts_reference(x, self.gate_up_proj, self.down_proj, weights, ids, scales)
+
+    def routed(self, x: torch.Tensor, routing, top_k: int) -> torch.Tensor:
+        """The experts on x routed inside their first kernel from routing
+        (engine.layers.fused_moe.InKernelRouting): CUDA, decode batches only."""
+        from engine.layers.fused_moe import routed_experts
+
+        gate_up_scale, down_scale = self.expert_scales() or (None, None)
+        return routed_experts(
+            x, self.gate_up_proj, self.down_proj, routing, top_k, gate_up_scale, down_scale
+        )
+
+    def expert_scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """FP8 weights' per-row scales (engine.quant.fp8.Fp8StackedExperts); None here."""
+        return None
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, hidden={self.hidden}, inter={self.inter}"

@@ -24,11 +24,11 @@ Numerics: fp32 throughout, rounded where torch rounds the sum x + residual and t
 normed input is not rounded to the activation dtype before the product, so results differ from the
 unfused layers by bf16 rounding.
 
-Who takes it: norm_linear and act_linear below (the decoder's only callers), on CUDA, for one row,
-an RMSNorm (Llama's or Gemma's) and a linear whose one_row_operands() gives (weight, scale, bias)
-with its weight in the activation dtype, or FP8 with its scales when FUSE_FP8 (row-parallel linears
-give none: they all-reduce after). FUSE turns it off (bench/fp8_decode.py --prologues and
---fp8-prologues measure both).
+Who takes it: norm_linear, act_linear and one_row_linear below (the decoder's only callers; the
+last, o_proj's, has no prologue), on CUDA, for one row, an RMSNorm (Llama's or Gemma's) and a
+linear whose one_row_operands() gives (weight, scale, bias) with its weight in the activation
+dtype, or FP8 with its scales when FUSE_FP8 (row-parallel linears give none: they all-reduce
+after). FUSE turns it off (bench/fp8_decode.py --prologues and --fp8-prologues measure both).
 Tiles: bench/row_gemv.py's sweep.
 """
 
@@ -48,6 +48,7 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
 
 FUSE = True  # the fused one-row path on (benchmarks turn it off to compare)
 FUSE_FP8 = False  # FP8 weights take the prologues too (benchmarks compare)
+PDL_PROLOGUES = False  # the kernels with a prologue launch early too (benchmarks compare)
 # the prologue applied to x before the product (GELU_MUL: the tanh form, Gemma's)
 PLAIN, NORM, SILU_MUL, GELU_MUL = 0, 1, 2, 3
 _ACT_PROLOGUES = {"silu": SILU_MUL, "gelu_pytorch_tanh": GELU_MUL}
@@ -166,7 +167,8 @@ if triton is not None:
 
 def default_config(prologue: int, weight_dtype: torch.dtype, n: int, k: int) -> RowGemvConfig:
     """Tiles per shape and weight width: the fastest of bench/row_gemv.py's sweep at Llama-3.1-8B's
-    shapes on an H100 (bench/results/2026-11-27-h100-row-gemv/row_gemv.json)."""
+    shapes on an H100 (bench/results/2026-11-27-h100-row-gemv/row_gemv.json), and at
+    Qwen3-30B-A3B's (--config qwen3-30b-a3b.json, bench/results/2026-11-27-h100-moe-batch1/)."""
     name = str(weight_dtype).removeprefix("torch.")
     prologue = SILU_MUL if prologue == GELU_MUL else prologue  # the same loads, the same tiles
     if (prologue, name, n, k) in TILE_OVERRIDES:
@@ -175,10 +177,14 @@ def default_config(prologue: int, weight_dtype: torch.dtype, n: int, k: int) -> 
         if n >= 16384:
             return (8, 1024, 4, 2)
         return (8, 512, 4, 2) if n >= 6144 else (8, 1024, 4, 3)
+    if n <= 256:  # a router: the whole row in one step (Qwen3-30B-A3B's 128 x 2048)
+        return (4, 2048, 4, 3)
     if n >= 16384:  # gate_up
         return (4, 512, 4, 3)
     if n >= 6144:  # qkv
         return (16, 512, 4, 3)
+    if n >= 4096 and k <= 2048:  # a narrow model's qkv (Qwen3-30B-A3B's 5120 x 2048)
+        return (8, 512, 4, 2)
     return (4, 512, 4, 2)  # down_proj
 
 
@@ -230,7 +236,7 @@ def row_gemv(
         num_stages=num_stages,
         # engine.pdl: only without a prologue (the module docstring); with one, the kernel before
         # is often another GEMV, and launched early this one measured slower
-        **launch_options(wanted=prologue == PLAIN),
+        **launch_options(wanted=prologue == PLAIN or PDL_PROLOGUES),
     )
     return y, summed
 
@@ -263,23 +269,43 @@ def _operands(linear, x: torch.Tensor, k: int):
     return operands
 
 
-def norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None):
-    """(linear(norm(x + residual)), x + residual); without a residual (linear(norm(x)), x). One
-    kernel for one row on CUDA when `norm` is Llama's RMSNorm or Gemma's, else the layers one after
-    the other."""
+def one_row_norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None):
+    """(linear(norm(x + residual)), x + residual) in one kernel, or None where it does not apply
+    (more than one row, not CUDA, another norm or weight type): norm_linear's fused case."""
     known = type(norm) in (RMSNorm, OffsetRMSNorm)
     operands = _operands(linear, x, x.shape[-1]) if known else None
     if operands is None:
-        if residual is None:
-            return linear(norm(x)), x
-        h, residual = norm(x, residual)
-        return linear(h), residual
+        return None
     weight, scale, bias = operands
     offset = isinstance(norm, OffsetRMSNorm)
     y, summed = row_gemv(
         x, weight, scale, bias, NORM, norm.weight, norm.eps, residual=residual, offset=offset
     )
     return y, (summed if residual is not None else x)
+
+
+def norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None):
+    """(linear(norm(x + residual)), x + residual); without a residual (linear(norm(x)), x). One
+    kernel for one row on CUDA when `norm` is Llama's RMSNorm or Gemma's, else the layers one after
+    the other."""
+    fused = one_row_norm_linear(norm, linear, x, residual)
+    if fused is not None:
+        return fused
+    if residual is None:
+        return linear(norm(x)), x
+    h, residual = norm(x, residual)
+    return linear(h), residual
+
+
+def one_row_linear(linear, x: torch.Tensor) -> torch.Tensor:
+    """linear(x), by the one-row kernel without a prologue for one bf16/fp16 row on CUDA
+    (attention's o_proj: faster there than the linear's own skinny GEMM at Llama-3.1-8B's and
+    Qwen3-30B-A3B's shapes, bench/row_gemv.py), else by the linear's forward."""
+    operands = _operands(linear, x, x.shape[-1])
+    if operands is None:
+        return linear(x)
+    weight, scale, bias = operands
+    return row_gemv(x, weight, scale, bias, PLAIN)[0]
 
 
 def act_linear(linear, gate_up: torch.Tensor, activation: str) -> torch.Tensor:

@@ -33,7 +33,7 @@ from engine.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
 from engine.layers.moe import SparseMoeBlock
 from engine.layers.norm import OffsetRMSNorm
 from engine.layers.parallel import RowParallelLinear, VocabParallelEmbedding
-from engine.layers.row_gemv import act_linear, norm_linear
+from engine.layers.row_gemv import act_linear, norm_linear, one_row_linear
 from engine.layers.skinny_gemm import skinny_applies, skinny_gemm
 from engine.models.checkpoint_names import is_vision_tensor, text_decoder_name
 from engine.models.moe_weights import moe_weight_rows
@@ -147,7 +147,7 @@ class Attention(nn.Module):
             # Qwen3 normalises each head before rotating
             q, k = rotary(positions, q, k, self.q_norm, self.k_norm)
         out = backend.forward(q, k, v, kv_cache_layer, meta, self.scale, **kwargs)
-        return self.o_proj(out.reshape(T, self.q_size))
+        return one_row_linear(self.o_proj, out.reshape(T, self.q_size))
 
 
 class MLP(nn.Module):
@@ -219,9 +219,8 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn
         qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, x, residual)
         h = attn.attend(qkv, positions, rotary, kv_cache_layer, meta)
-        if not isinstance(self.mlp, MLP):  # experts: the router reads the normed input
-            h, residual = self.post_attention_layernorm(h, residual)
-            return self.mlp(h), residual
+        if not isinstance(self.mlp, MLP):  # experts: the norm goes with the router
+            return self.mlp.norm_forward(self.post_attention_layernorm, h, residual)
         gate_up, residual = norm_linear(
             self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual
         )

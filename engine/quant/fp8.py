@@ -210,8 +210,8 @@ class Fp8StackedExperts(StackedExperts):
             "down_proj": StackedRows(self.down_proj, self.down_proj_scale, "fp8 experts"),
         }
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return self.run(x, weights, ids, (self.gate_up_proj_scale, self.down_proj_scale))
+    def expert_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate_up_proj_scale, self.down_proj_scale
 
     def extra_repr(self) -> str:
         return (
