@@ -12,6 +12,7 @@ import gc
 import math
 from pathlib import Path
 
+from conftest import free_gpu_memory
 from engine import LLM, SamplingParams
 
 # A fixed English text: this repo's docs/architecture.md, engine.md, cache.md, cold-start.md and
@@ -50,12 +51,15 @@ def prompt_logprobs(llm: LLM, ids: list[int]) -> list[float]:
 
 def engine_prompt_logprobs(model_dir: str, ids: list[int], **engine) -> list[float]:
     """prompt_logprobs from a fresh engine reading `model_dir`'s safetensors (engine: LLM's
-    keywords), shut down after."""
+    keywords), shut down after and its GPU memory handed back (conftest.free_gpu_memory: a GPU
+    engine's KV cache fills the GPU, and the tests after it in the process need room)."""
     llm = LLM(model=model_dir, load_format="safetensors", **engine)
     try:
         return prompt_logprobs(llm, ids)
     finally:
         llm.shutdown()
+        del llm
+        free_gpu_memory()
 
 
 def perplexity(llm: LLM, ids: list[int]) -> float:
