@@ -1,8 +1,9 @@
 """Batch-1 decode of a mixture-of-experts model on one GPU against the roofline of the bytes a token
 actually reads (the dense part plus the top_k selected experts of every sparse layer), with the
-fused Triton MoE (engine/layers/fused_moe.py) and with a per-expert loop of plain matmuls (the torch
-reference); then the MoE layer alone at a few batch sizes, and a sweep of the experts' tiles at
-decode batches, for both of fused_experts' paths (sorted by expert, and the decode path).
+fused Triton MoE (engine/layers/fused_moe.py and fused_moe_decode.py) and with a per-expert loop of
+plain matmuls (the torch reference); then the MoE layer alone at a few batch sizes, and a sweep of
+the experts' tiles at decode batches, for both of fused_experts' paths (sorted by expert, and the
+decode path).
 
 `python -m bench.moe_decode --out DIR` (default: the Qwen3-30B-A3B shape, random bf16 weights made
 on the GPU, nothing downloaded or written but DIR/moe_decode.json); prints a table.
@@ -31,15 +32,8 @@ from bench.row_gemv import apply_best_tiles
 from bench.serving import config_path
 from engine import LLM
 from engine.config import ModelConfig
-from engine.layers.fused_moe import (
-    DecodeTiles,
-    GemvTile,
-    MoeTiles,
-    decode_tiles,
-    fused_experts,
-    moe_tiles,
-    uses_decode_path,
-)
+from engine.layers.fused_moe import MoeTiles, fused_experts, moe_tiles
+from engine.layers.fused_moe_decode import DecodeTiles, GemvTile, decode_tiles, uses_decode_path
 from engine.layers.moe import SparseMoeBlock, route_reference
 
 # Sorted-path tiles the sweep tries at decode batches: (BLOCK_N, BLOCK_K) of both GEMMs x

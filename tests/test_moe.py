@@ -221,6 +221,7 @@ needs_triton = pytest.mark.skipif(
 # Interpreter scripts: wraps fused_experts' two paths to record which one each call took.
 _RECORD_PATHS = """
 import engine.layers.fused_moe as fm
+import engine.layers.fused_moe_decode as fd
 taken = []
 def _recording(name):
     inner = getattr(fm, name)
@@ -228,7 +229,7 @@ def _recording(name):
         taken.append(name)
         return inner(*args, **kwargs)
     return call
-for _name in ("_decode_experts", "_sorted_experts"):
+for _name in ("decode_experts", "_sorted_experts"):
     setattr(fm, _name, _recording(_name))
 """
 
@@ -242,7 +243,7 @@ def test_fused_moe_under_the_triton_interpreter_matches_torch():
         from engine.layers.experts import experts_reference
         from engine.layers.moe import route_reference
         torch.manual_seed(0)
-        big = fm.DECODE_MAX_TOKENS + 1
+        big = fd.DECODE_MAX_TOKENS + 1
         for t, e, k, h, i, renorm, tiles in [
             (5, 8, 2, 32, 48, True, fm.moe_tiles(5, 8, 2)),
             (3, 16, 8, 40, 24, False, fm.MoeTiles(16, (16, 16), (16, 32), 4, 2)),
@@ -311,7 +312,7 @@ def test_decode_path_under_the_triton_interpreter_matches_torch():
             return through_bf16(through_bf16(y * through_bf16(w)[..., None]).sum(1))
 
         torch.manual_seed(0)
-        looping = fm.DecodeTiles(fm.GemvTile(8, 16, 4), fm.GemvTile(2, 16, 4))
+        looping = fd.DecodeTiles(fd.GemvTile(8, 16, 4), fd.GemvTile(2, 16, 4))
         h, i = 40, 24
         for t, e, k, tiles in [(1, 8, 1, None), (1, 16, 2, None), (1, 16, 8, None),
                                (3, 8, 1, None), (3, 12, 2, None), (3, 16, 8, None),
@@ -321,7 +322,7 @@ def test_decode_path_under_the_triton_interpreter_matches_torch():
             out = fm.fused_experts(x, gu, dn, w, ids, tiles=tiles)
             ref = experts_reference(x, gu, dn, w, ids.long())
             torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-        assert fm.uses_decode_path(fm.DECODE_MAX_TOKENS) and set(taken) == {"_decode_experts"}
+        assert fd.uses_decode_path(fd.DECODE_MAX_TOKENS) and set(taken) == {"decode_experts"}
 
         for t, e, k in [(1, 8, 8), (3, 16, 8), (2, 12, 2)]:
             x, (w, ids) = torch.randn(t, 64).bfloat16(), fm.route_topk(torch.randn(t, e), k, True)
@@ -347,14 +348,14 @@ def test_routing_inside_the_gate_up_kernel_matches_the_separate_kernels():
     and FP8 experts; the ids and weights it leaves for the down kernel are the router's."""
     script = textwrap.dedent("""
         import torch
-        import engine.layers.fused_moe as fm
+        import engine.layers.fused_moe_decode as fd
         from engine.layers.experts import experts_reference
         from engine.layers.moe import route_reference
         from engine.layers.norm import RMSNorm
         from engine.quant.fp8_kernels import quantize_rows_reference
 
         torch.manual_seed(0)
-        looping = fm.DecodeTiles(fm.GemvTile(8, 16, 4), fm.GemvTile(2, 16, 4))
+        looping = fd.DecodeTiles(fd.GemvTile(8, 16, 4), fd.GemvTile(2, 16, 4))
         h, i = 40, 24
         norm = RMSNorm(h, 1e-5, torch.float32, "cpu")
         norm.weight.data = torch.rand(h) + 0.5
@@ -371,26 +372,26 @@ def test_routing_inside_the_gate_up_kernel_matches_the_separate_kernels():
                 scales = (gu_s.squeeze(-1).contiguous(), dn_s.squeeze(-1).contiguous())
             w_ref, i_ref = route_reference(logits, k, renorm)
             for normed_inside in (False, True):
-                routing = fm.InKernelRouting(
+                routing = fd.InKernelRouting(
                     logits, renorm, (norm.weight, norm.eps) if normed_inside else None
                 )
                 source = x if normed_inside else norm.reference(x)
-                out = fm.routed_experts(source, gu, dn, routing, k, *(scales or ()), tiles=tiles)
+                out = fd.routed_experts(source, gu, dn, routing, k, *(scales or ()), tiles=tiles)
                 ref = experts_reference(norm.reference(x), gu, dn, w_ref, i_ref, scales)
                 torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
         # what the gate_up kernel leaves for the down kernel: the router's ids and weights
         captured = {}
-        down = fm._decode_down_kernel
+        down = fd._decode_down_kernel
         class Spy:
             def __getitem__(self, grid):
                 def launch(*args, **kwargs):
                     captured["ids"], captured["route"] = args[4].clone(), args[5].clone()
                     return down[grid](*args, **kwargs)
                 return launch
-        fm._decode_down_kernel = Spy()
+        fd._decode_down_kernel = Spy()
         logits = torch.randn(3, 16)
-        fm.routed_experts(torch.randn(3, h), 0.2 * torch.randn(16, 2 * i, h),
-                          0.2 * torch.randn(16, h, i), fm.InKernelRouting(logits, True, None), 4)
+        fd.routed_experts(torch.randn(3, h), 0.2 * torch.randn(16, 2 * i, h),
+                          0.2 * torch.randn(16, h, i), fd.InKernelRouting(logits, True, None), 4)
         w_ref, i_ref = route_reference(logits, 4, True)
         assert torch.equal(captured["ids"].view(3, 4).long(), i_ref)
         torch.testing.assert_close(captured["route"].view(3, 4), w_ref)
@@ -416,8 +417,8 @@ def test_fp8_experts_under_the_triton_interpreter_match_torch():
             return q, scale.squeeze(-1).contiguous()
 
         torch.manual_seed(0)
-        big = fm.DECODE_MAX_TOKENS + 3
-        looping = fm.DecodeTiles(fm.GemvTile(8, 16, 4), fm.GemvTile(2, 16, 4))
+        big = fd.DECODE_MAX_TOKENS + 3
+        looping = fd.DecodeTiles(fd.GemvTile(8, 16, 4), fd.GemvTile(2, 16, 4))
         for t, e, k, h, i, tiles in [
             (1, 8, 2, 32, 48, None),
             (3, 16, 8, 40, 24, looping),
@@ -432,7 +433,7 @@ def test_fp8_experts_under_the_triton_interpreter_match_torch():
             ref = experts_reference(x, gu, dn, w, ids.long(), (gu_scale, dn_scale))
             out = fm.fused_experts(x, gu, dn, w, ids, tiles, gu_scale, dn_scale)
             torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-        assert set(taken) == {"_decode_experts", "_sorted_experts"}, taken
+        assert set(taken) == {"decode_experts", "_sorted_experts"}, taken
         print("ok")
     """)
     done = run_in_triton_interpreter(script)
@@ -448,6 +449,7 @@ def test_fused_moe_kernels_compile_for_hopper(tmp_path):
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
         import engine.layers.fused_moe as fm
+        import engine.layers.fused_moe_decode as fd
 
         def build(fn, signature, constexprs, tiles=None):
             # launched early on Hopper (engine.pdl)
@@ -507,11 +509,11 @@ def test_fused_moe_kernels_compile_for_hopper(tmp_path):
                                K_P2="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr",
                                EVEN_K="constexpr")
             for top_k, even, routed in [(8, True, True), (6, False, False), (1, True, True)]:
-                tiles = fm.decode_tiles(top_k)
+                tiles = fd.decode_tiles(top_k)
                 route = dict(ROUTE=routed, NORM=routed, E_P2=128, RENORMALISE=top_k > 1)
                 for kernel, signature, tile, extra in [
-                    (fm._decode_gate_up_kernel, decode_gate_up, tiles.gate_up, route),
-                    (fm._decode_down_kernel, decode_down, tiles.down,
+                    (fd._decode_gate_up_kernel, decode_gate_up, tiles.gate_up, route),
+                    (fd._decode_down_kernel, decode_down, tiles.down,
                      dict(K_P2=triton.next_power_of_2(top_k))),
                 ]:
                     build(kernel, signature, dict(TOP_K=top_k, HAS_SCALE=fp8,
@@ -623,7 +625,8 @@ def test_fp8_experts_match_torch_reference(experts, top_k, tokens):
 def test_decode_path_rounds_as_the_sorted_path(experts, top_k, tokens):
     """At decode sizes both paths run (tiles pick the path): the same rounding steps, so they
     differ only where float32 sums in another order round to a neighbouring bf16 value."""
-    from engine.layers.fused_moe import decode_tiles, fused_experts, moe_tiles, route_topk
+    from engine.layers.fused_moe import fused_experts, moe_tiles, route_topk
+    from engine.layers.fused_moe_decode import decode_tiles
 
     hidden, inter = 1024, 352
     gen = torch.Generator(device="cuda").manual_seed(experts + top_k + tokens)

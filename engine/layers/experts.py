@@ -85,8 +85,8 @@ class StackedExperts(nn.Module):
 
     def routed(self, x: torch.Tensor, routing, top_k: int) -> torch.Tensor:
         """The experts on x routed inside their first kernel from routing
-        (engine.layers.fused_moe.InKernelRouting): CUDA, decode batches only."""
-        from engine.layers.fused_moe import routed_experts
+        (engine.layers.fused_moe_decode.InKernelRouting): CUDA, decode batches only."""
+        from engine.layers.fused_moe_decode import routed_experts
 
         gate_up_scale, down_scale = self.expert_scales() or (None, None)
         return routed_experts(

@@ -91,11 +91,11 @@ class SparseMoeBlock(nn.Module):
         """(self(norm(x + residual)), x + residual). At decode batches on CUDA (no shared expert)
         the router's top-k runs inside the experts' first kernel, and for one row the norm runs
         inside the router's kernel and the experts' (engine.layers.row_gemv,
-        engine.layers.fused_moe.routed_experts): two to four launches fewer."""
+        engine.layers.fused_moe_decode.routed_experts): two to four launches fewer."""
         if not self._routes_in_kernel(x):
             h, residual = norm(x, residual)
             return self(h), residual
-        from engine.layers.fused_moe import InKernelRouting
+        from engine.layers.fused_moe_decode import InKernelRouting
         from engine.layers.row_gemv import one_row_norm_linear
 
         fused = one_row_norm_linear(norm, self.gate, x, residual) if type(norm) is RMSNorm else None
@@ -112,7 +112,7 @@ class SparseMoeBlock(nn.Module):
             return False
         if experts_layer.EXPERTS_IMPL != "auto" or not fused_kernels_available(x):
             return False
-        from engine.layers.fused_moe import uses_decode_path
+        from engine.layers.fused_moe_decode import uses_decode_path
 
         return uses_decode_path(x.shape[0])
 
