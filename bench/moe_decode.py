@@ -35,6 +35,7 @@ from engine.config import ModelConfig
 from engine.layers.fused_moe import MoeTiles, fused_experts, moe_tiles
 from engine.layers.fused_moe_decode import DecodeTiles, GemvTile, decode_tiles, uses_decode_path
 from engine.layers.moe import SparseMoeBlock, route_reference
+from engine.layers.norm import RMSNorm
 
 # Sorted-path tiles the sweep tries at decode batches: (BLOCK_N, BLOCK_K) of both GEMMs x
 # (num_warps, stages).
@@ -114,11 +115,14 @@ def engine_rows(
 
 
 def layer_rows(cfg: ModelConfig, bandwidth: float, batches: list[int], copies: int) -> list[dict]:
-    """One sparse MLP alone (router, experts; `copies` layers cycled so the experts come from HBM,
-    not L2): fused eager and in a CUDA graph, and the per-expert loop; bytes of the experts each
-    batch selects over the time."""
+    """One sparse MLP alone as the decoder runs it (SparseMoeBlock.norm_forward: the norm before
+    it, the router, the experts; `copies` layers cycled so the experts come from HBM, not L2):
+    fused eager and in a CUDA graph, and the per-expert loop; bytes of the experts each batch
+    selects over the time."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     blocks = []
+    norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch.bfloat16, "cuda")
+    norm.weight.data.fill_(1.0)
     for _ in range(copies):
         block = SparseMoeBlock(cfg, torch.bfloat16, "cuda")
         for p in block.parameters():
@@ -128,8 +132,10 @@ def layer_rows(cfg: ModelConfig, bandwidth: float, batches: list[int], copies: i
     rows = []
     for batch in batches:
         x = torch.randn(batch, cfg.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
+        residual = torch.randn(batch, cfg.hidden_size, device="cuda", generator=gen).to(x.dtype)
         with torch.inference_mode():
-            selected = [int(b.route(x)[1].unique().numel()) for b in blocks]
+            normed = norm(x, residual)[0]
+            selected = [int(b.route(normed)[1].unique().numel()) for b in blocks]
         nbytes = sum(selected) / copies * per_expert + cfg.moe.num_experts * cfg.hidden_size * 2
         row = {
             "batch": batch,
@@ -145,7 +151,11 @@ def layer_rows(cfg: ModelConfig, bandwidth: float, batches: list[int], copies: i
             key = f"{impl}{'_graph' if graph else ''}"
             try:
                 with torch.inference_mode():
-                    seconds = time_call(lambda: next(turn)(x), graph, calls=4 * copies)
+                    seconds = time_call(
+                        lambda: next(turn).norm_forward(norm, x, residual)[0],
+                        graph,
+                        calls=4 * copies,
+                    )
             except RuntimeError as e:  # a capture that fails is a finding, not the end of the run
                 row[f"{key}_error"] = f"{type(e).__name__}: {e}"[:300]
                 print(f"layer b={batch} {key}: {row[f'{key}_error']}", flush=True)
