@@ -25,29 +25,24 @@ from bench.checkpoint import CONFIGS
 from bench.fp8_gemm import RotatingFp8
 from bench.gemm_micro import Rotating
 from bench.roofline import copy_bandwidth
+from engine.config import ModelConfig
 from engine.layers import Linear, RMSNorm
 from engine.quant.fp8 import Fp8Linear
 
 
-def shapes(config: dict) -> list[tuple[str, int, int, int]]:
+def shapes(cfg: ModelConfig) -> list[tuple[str, int, int, int]]:
     """(name, N, K, prologue) of a layer's one-row linears: qkv, o_proj (no prologue), and the
     MLP's gate_up and down, or for a mixture of experts the router (the experts are
-    engine/layers/fused_moe.py's)."""
-    hidden = config["hidden_size"]
-    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
-    q = config["num_attention_heads"] * head_dim
-    qkv = q + 2 * config["num_key_value_heads"] * head_dim
-    experts = config.get("num_experts") or config.get("num_local_experts")
-    if experts:
-        return [
-            ("qkv", qkv, hidden, rg.NORM),
-            ("o_proj", hidden, q, rg.PLAIN),
-            ("router", experts, hidden, rg.NORM),
-        ]
-    inter = config["intermediate_size"]
-    return [
-        ("qkv", qkv, hidden, rg.NORM),
+    engine/layers/fused_moe_decode.py's)."""
+    hidden, q = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    attention = [
+        ("qkv", q + 2 * cfg.num_kv_heads * cfg.head_dim, hidden, rg.NORM),
         ("o_proj", hidden, q, rg.PLAIN),
+    ]
+    if cfg.moe is not None:
+        return attention + [("router", cfg.moe.num_experts, hidden, rg.NORM)]
+    inter = cfg.intermediate_size
+    return attention + [
         ("gate_up", 2 * inter, hidden, rg.NORM),
         ("down", hidden, inter, rg.SILU_MUL),
     ]
@@ -170,11 +165,11 @@ def main() -> None:
     ap.add_argument("--shapes", default="", help="only these linears, e.g. router,qkv")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    config = json.loads((CONFIGS / args.config).read_text())
-    num_layers = config["num_hidden_layers"]
+    cfg = ModelConfig.from_dict(json.loads((CONFIGS / args.config).read_text()))
+    num_layers = cfg.num_layers
     weight_types = args.weights.split(",")
     wanted = set(filter(None, args.shapes.split(",")))
-    chosen = [shape for shape in shapes(config) if not wanted or shape[0] in wanted]
+    chosen = [shape for shape in shapes(cfg) if not wanted or shape[0] in wanted]
     bandwidth = copy_bandwidth("cuda", 2 << 30)
     rows = []
     for fp8 in [w == "fp8" for w in weight_types]:

@@ -78,11 +78,12 @@ if triton is not None:
         logits_ptr, row, slot, num_experts, stride_lm,
         TOP_K: tl.constexpr, E_P2: tl.constexpr, RENORMALISE: tl.constexpr,
     ):  # fmt: skip
-        """(expert id, router weight) in slot `slot` of token `row`'s top-k, as _softmax_topk
-        orders it: the expert with `slot` experts before it (a larger logit, or an equal one with
-        a lower id; softmax keeps the order). One comparison of every pair of experts and a few
-        reductions, where _softmax_topk takes TOP_K rounds of two: this runs at the start of every
-        program of the gate_up kernel, before its first weight load."""
+        """(expert id, router weight) in slot `slot` of token `row`'s top-k, in the order
+        engine.layers.fused_moe.route_topk gives: the expert with `slot` experts before it (a
+        larger logit, or an equal one with a lower id; softmax keeps the order). One comparison of
+        every pair of experts and a few reductions, where route_topk's kernel takes TOP_K rounds of
+        two: this runs at the start of every program of the gate_up kernel, before its first
+        weight load."""
         experts = tl.arange(0, E_P2)
         real = experts < num_experts
         x = tl.load(logits_ptr + row * stride_lm + experts, mask=real, other=float("-inf"))
@@ -136,7 +137,7 @@ if triton is not None:
         rows, then up rows). One A row: products on CUDA cores, summed over K at the end.
         HAS_SCALE: W is float8_e4m3fn with one fp32 scale per (expert, row) at ws_ptr.
 
-        ROUTE: the pair's expert comes from the token's router logits (_softmax_topk, computed by
+        ROUTE: the pair's expert comes from the token's router logits (_topk_slot, computed by
         every program: no launch of its own), and the programs of column tile 0 write ids[p] and
         its router weight route[p] for the down kernel. NORM: x is the stream before the RMSNorm
         of weight g: the products take g * x and are divided by the row's rms at the end (the
