@@ -18,8 +18,11 @@ import pytest
 import torch
 
 from child_process import run_in_triton_interpreter
-from engine.attention import AttentionMetadata, kv_cache_shape, select_backend
+from engine.attention import AttentionMetadata, RotaryTables, kv_cache_shape, select_backend
 from engine.attention.torch_ref import TorchAttentionBackend
+from engine.config import RopeConfig
+from engine.layers.norm import OffsetRMSNorm, RMSNorm
+from engine.layers.rotary import RotaryEmbedding, apply_rotary, norm_operands
 from tiny_models import host_metadata
 
 REPO = Path(__file__).resolve().parent.parent
@@ -176,6 +179,48 @@ def run_both(case: Case, backend, window: int | None = None) -> tuple[torch.Tens
     return out.float(), ref
 
 
+def check_rotated_in_kernel(
+    backend, case: Case, norm_class=None, window: int | None = None, seed: int = 0
+) -> float:
+    """A decode step (case: one query token per sequence) given to the backend unrotated, with the
+    RoPE tables (and per-head q/k norms of norm_class): its output against the float32 reference
+    over q and k normed (norm_class.reference) and rotated by torch (apply_rotary), its cache
+    against the reference's (the rotated K and the V at each token's slot, nothing else written);
+    padded rows give zeros. Returns the largest output error."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype, device, head_dim = case.q.dtype, case.q.device, case.q.shape[2]
+    rope = RotaryEmbedding(head_dim, RopeConfig(theta=10000.0), 2048, dtype, device)
+    positions = (case.meta.seq_lens.long() - 1).clamp(min=0)  # padded rows (seq_len 0): 0
+    q, k, norms = case.q, case.k, {}
+    if norm_class is not None:
+        q_norm, k_norm = (norm_class(head_dim, 1e-6, dtype, device) for _ in range(2))
+        for norm in (q_norm, k_norm):
+            norm.weight.data = (1 + 0.3 * torch.randn(head_dim, generator=gen)).to(norm.weight)
+        norms = norm_operands(q_norm, k_norm)
+        q, k = q_norm.reference(q), k_norm.reference(k)
+    cos, sin = rope.cos[positions], rope.sin[positions]
+    real = unpadded(replace(case, q=apply_rotary(q, cos, sin), k=apply_rotary(k, cos, sin)))
+    ref_cache = case.cache.float()
+    ref = TorchAttentionBackend().forward(
+        real.q.float(), real.k.float(), real.v.float(), ref_cache, real.meta, real.scale,
+        sliding_window=window,
+    )  # fmt: skip
+    cache = case.cache.clone()
+    tables = RotaryTables(rope.cos, rope.sin, **norms)
+    assert backend.rotates_in_kernel(case.q, cache, case.meta)
+    out = backend.forward(
+        case.q, case.k, case.v, cache, case.meta, case.scale, sliding_window=window, rotary=tables
+    ).float()
+    exact = dtype == torch.float32
+    tol = dict(rtol=1e-5, atol=1e-5) if exact else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(cache.float(), ref_cache, equal_nan=True, **tol)
+    n = real.q.shape[0]
+    assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padded rows must be zeros"
+    err = (out[:n] - ref).abs().max().item()
+    assert err < BOUND[dtype], (dtype, norm_class, window, err)
+    return err
+
+
 def assert_matches(case: Case, backend, window: int | None = None) -> None:
     out, ref = run_both(case, backend, window)
     assert torch.isfinite(out).all()
@@ -301,6 +346,24 @@ def test_padded_decode_rows_give_zeros_and_write_nothing() -> None:
 
 @pytest.mark.gpu
 @needs_cuda_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("norm", [None, RMSNorm, OffsetRMSNorm])
+@pytest.mark.parametrize("batch", [1, 5, 64])
+def test_decode_rotated_in_the_kernel(dtype: torch.dtype, norm, batch: int) -> None:
+    """RoPE, the q/k norms and the KV write inside the decode kernel: short contexts (one
+    program), long ones (split, the last split writing the key), padded rows, views into qkv."""
+    gen = torch.Generator().manual_seed(batch)
+    seq_lens = torch.randint(1, 1500 if batch <= 5 else 300, (batch,), generator=gen).tolist()
+    case = make_case(seq_lens, [1] * batch, 4, 8, 128, 16, dtype, "cuda", seed=batch, padded_rows=3)
+    fused = torch.cat([case.q.flatten(1), case.k.flatten(1), case.v.flatten(1)], dim=1)
+    q, k, v = fused.split([case.q[0].numel(), case.k[0].numel(), case.v[0].numel()], dim=1)
+    case = replace(case, q=q.view(case.q.shape), k=k.view(case.k.shape), v=v.view(case.v.shape))
+    for window in (None, 64):
+        check_rotated_in_kernel(triton_backend(), case, norm, window, seed=batch)
+
+
+@pytest.mark.gpu
+@needs_cuda_triton
 def test_non_contiguous_qkv_views() -> None:
     """q/k/v as the model makes them: views into one fused qkv row."""
     case = make_case(MIXED_SEQ_LENS, MIXED_QUERY_LENS, 2, 4, 64, 16, torch.float32, "cuda", seed=11)
@@ -402,7 +465,10 @@ def test_select_backend_on_cpu() -> None:
 # run by tests/child_process.run_in_triton_interpreter
 INTERPRETER_SCRIPT = """
 import torch
-from tests.test_attention_triton import check_tokens_of_no_sequence, make_case, run_both
+from engine.layers.norm import OffsetRMSNorm, RMSNorm
+from tests.test_attention_triton import (
+    check_rotated_in_kernel, check_tokens_of_no_sequence, make_case, run_both,
+)
 from engine.attention import triton_attn
 from engine.attention.triton_attn import TritonAttentionBackend
 
@@ -440,6 +506,15 @@ for (dtype, head_dim), backend, min_tiles in zip(
         assert err < bound, (dtype, seqs, window, err)
         worst = max(worst, err)
 check_tokens_of_no_sequence(backends[0], torch.float32, "cpu")
+# decode with RoPE (and q/k norms) inside the attention kernel, split so that the last split
+# writes the new key
+for backend, dtype, norm, window in (
+    (backends[0], torch.float32, RMSNorm, None),
+    (backends[1], torch.float32, None, 5),
+    (backends[0], torch.float16, OffsetRMSNorm, None),
+):
+    case = make_case([9, 40, 1, 70], [1] * 4, 2, 3, 24, 4, dtype, "cpu", padded_rows=2)
+    worst = max(worst, check_rotated_in_kernel(backend, case, norm, window))
 assert backends[0].arrivals is not None and not backends[0].arrivals.any(), (
     "split arrival counts must reset to 0"
 )

@@ -344,8 +344,9 @@ def test_decode_path_under_the_triton_interpreter_matches_torch():
 def test_routing_inside_the_gate_up_kernel_matches_the_separate_kernels():
     """routed_experts (the router's top-k, and optionally the RMSNorm, inside the decode path's
     gate_up kernel) against the torch reference of norm, route and experts, in float32 under
-    TRITON_INTERPRET: T 1 and 3, top_k 1, 2 and 8, renormalised or not, tiles that loop over K
-    and FP8 experts; the ids and weights it leaves for the down kernel are the router's."""
+    TRITON_INTERPRET: T 1 and 3, top_k 1, 2, 6 and 8, renormalised or not, tiles that loop over K
+    and FP8 experts; the ids and weights it leaves for the down kernel are the router's, and with
+    bf16 logits full of ties, equal logits go to the lower expert id first."""
     script = textwrap.dedent("""
         import torch
         import engine.layers.fused_moe_decode as fd
@@ -359,11 +360,12 @@ def test_routing_inside_the_gate_up_kernel_matches_the_separate_kernels():
         h, i = 40, 24
         norm = RMSNorm(h, 1e-5, torch.float32, "cpu")
         norm.weight.data = torch.rand(h) + 0.5
-        for t, e, k, renorm, tiles, fp8 in [
+        cases = [
             (1, 8, 1, False, None, False), (1, 16, 8, True, None, False),
             (3, 12, 2, True, looping, False), (3, 16, 8, False, looping, False),
-            (1, 16, 8, True, None, True),
-        ]:
+            (1, 16, 8, True, None, True), (1, 12, 6, False, None, False),
+        ]
+        for t, e, k, renorm, tiles, fp8 in cases:
             x, logits = 3 * torch.randn(t, h), torch.randn(t, e)
             gu, dn = 0.2 * torch.randn(e, 2 * i, h), 0.2 * torch.randn(e, h, i)
             scales = None
@@ -395,6 +397,21 @@ def test_routing_inside_the_gate_up_kernel_matches_the_separate_kernels():
         w_ref, i_ref = route_reference(logits, 4, True)
         assert torch.equal(captured["ids"].view(3, 4).long(), i_ref)
         torch.testing.assert_close(captured["route"].view(3, 4), w_ref)
+        # bf16 logits full of ties (and negative ones): the larger logit first, then the lower id
+        # (route_topk's order), weights the float32 softmax of those logits
+        tied = torch.randint(-3, 3, (3, 16)).to(torch.bfloat16) / 2
+        order = tied.float() - torch.arange(16) * 1e-3
+        for renorm in (True, False):
+            fd.routed_experts(torch.randn(3, h, dtype=torch.bfloat16),
+                              (0.2 * torch.randn(16, 2 * i, h)).to(torch.bfloat16),
+                              (0.2 * torch.randn(16, h, i)).to(torch.bfloat16),
+                              fd.InKernelRouting(tied, renorm, None), 8)
+            ids = order.topk(8).indices
+            assert torch.equal(captured["ids"].view(3, 8).long(), ids)
+            probs = torch.softmax(tied.float(), dim=-1).gather(1, ids)
+            if renorm:
+                probs = probs / probs.sum(dim=-1, keepdim=True)
+            torch.testing.assert_close(captured["route"].view(3, 8), probs)
         print("ok")
     """)
     done = run_in_triton_interpreter(script)
@@ -501,7 +518,7 @@ def test_fused_moe_kernels_compile_for_hopper(tmp_path):
                                   HAS_SCALE="constexpr", BLOCK_N="constexpr",
                                   BLOCK_K="constexpr", EVEN_K="constexpr", ROUTE="constexpr",
                                   NORM="constexpr", E_P2="constexpr",
-                                  RENORMALISE="constexpr")
+                                  RENORMALISE="constexpr", K_P2="constexpr")
             decode_down = dict(h_ptr="*bf16", w_ptr=w_type, ws_ptr="*fp32", out_ptr="*bf16",
                                ids_ptr="*i32", route_weights_ptr="*fp32", N=i32, K=i32,
                                stride_hm=i32, stride_we=i32, stride_wn=i32, stride_se=i32,
@@ -510,7 +527,8 @@ def test_fused_moe_kernels_compile_for_hopper(tmp_path):
                                EVEN_K="constexpr")
             for top_k, even, routed in [(8, True, True), (6, False, False), (1, True, True)]:
                 tiles = fd.decode_tiles(top_k)
-                route = dict(ROUTE=routed, NORM=routed, E_P2=128, RENORMALISE=top_k > 1)
+                route = dict(ROUTE=routed, NORM=routed, E_P2=128, RENORMALISE=top_k > 1,
+                             K_P2=fd.routing_slots(top_k))
                 for kernel, signature, tile, extra in [
                     (fd._decode_gate_up_kernel, decode_gate_up, tiles.gate_up, route),
                     (fd._decode_down_kernel, decode_down, tiles.down,

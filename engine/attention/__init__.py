@@ -7,12 +7,18 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.interface import AttentionBackend, AttentionMetadata, kv_cache_shape
+from engine.attention.interface import (
+    AttentionBackend,
+    AttentionMetadata,
+    RotaryTables,
+    kv_cache_shape,
+)
 
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "BACKEND_NAMES",
+    "RotaryTables",
     "kv_cache_shape",
     "select_backend",
 ]

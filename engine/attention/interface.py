@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -46,6 +46,21 @@ class AttentionMetadata:
         return len(self.seq_lens_cpu)
 
 
+class RotaryTables(NamedTuple):
+    """What a backend needs to rotate q and k itself (rotate-half over whole heads, Llama's and
+    Qwen's RoPE), after a per-head RMSNorm when q_norm_weight is given (Qwen3's, Gemma 3's; Gemma's
+    (1 + w) with norm_offset): the cos/sin tables [positions, D / 2] in q's dtype
+    (engine.layers.rotary.RotaryEmbedding's). Each token's position is the one forward's docstring
+    gives it (its place in its sequence's context)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_norm_weight: torch.Tensor | None = None
+    k_norm_weight: torch.Tensor | None = None
+    eps: float = 0.0
+    norm_offset: bool = False
+
+
 def kv_cache_shape(
     num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
 ):
@@ -68,6 +83,13 @@ class AttentionBackend(ABC):
     # forward(..., kv_written=True); otherwise forward writes them.
     accepts_written_kv: bool = False
 
+    def rotates_in_kernel(
+        self, q: torch.Tensor, kv_cache_layer: torch.Tensor, meta: AttentionMetadata
+    ) -> bool:
+        """Whether forward(..., rotary=...) takes q and k unrotated for this step and rotates them
+        itself (with the KV write): none does unless it says so."""
+        return False
+
     @abstractmethod
     def forward(
         self,
@@ -82,6 +104,7 @@ class AttentionBackend(ABC):
         softcap: float | None = None,
         kv_scale: tuple[float, float] = (1.0, 1.0),
         out: torch.Tensor | None = None,
+        rotary: RotaryTables | None = None,
     ) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D].
 
@@ -96,4 +119,7 @@ class AttentionBackend(ABC):
         kv_scale.
 
         out: a [T, H, D] tensor to write into and return (a CUDA graph's static buffer); rows of
-        tokens that belong to no sequence are left as they are."""
+        tokens that belong to no sequence are left as they are.
+
+        rotary: q and k come before their (norm and) rotation, which the backend applies, only
+        where rotates_in_kernel said it would; others refuse it."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.interface import AttentionBackend, AttentionMetadata
+from engine.attention.interface import AttentionBackend, AttentionMetadata, RotaryTables
 from engine.attention.kv_quant import is_fp8, quantize
 
 
@@ -33,8 +33,11 @@ class TorchAttentionBackend(AttentionBackend):
         softcap: float | None = None,
         kv_scale: tuple[float, float] = (1.0, 1.0),
         out: torch.Tensor | None = None,
+        rotary: RotaryTables | None = None,
     ) -> torch.Tensor:
         """See AttentionBackend.forward."""
+        if rotary is not None:
+            raise ValueError("rotary: the torch backend takes q and k rotated (rotates_in_kernel)")
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k.shape[1]
         group = num_heads // num_kv_heads

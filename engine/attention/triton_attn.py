@@ -4,7 +4,9 @@ behind the reference backend's interface.
 Writes the step's K/V at slot_mapping, then attends: split-KV decode (merged in the same kernel)
 when every query is one token (its launch depends on shapes only: CUDA-graph safe); otherwise the
 leading one-token sequences with the decode tiles, split in a fixed count, and the rest with the
-prompt tiles, one launch each.
+prompt tiles, one launch each. A decode step given the model's RoPE tables (rotates_in_kernel)
+takes q and k as the qkv projection left them: the attention kernel norms and rotates them and
+writes K/V itself, so batch-1 decode has no RoPE or KV-write launch.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from engine.attention.interface import AttentionBackend, AttentionMetadata
+from engine.attention.interface import AttentionBackend, AttentionMetadata, RotaryTables
 from engine.attention.kv_quant import FP8_DTYPES, fp8_max, is_fp8
 from engine.attention.triton_kernels import (
     merge_splits_kernel,
@@ -37,6 +39,9 @@ MIN_SPLIT_TILES = 2
 # (sequence, kv head) pairs the decode merge counters cover before they must grow
 ARRIVAL_SLOTS = 1 << 16
 LOG2_E = 1.4426950408889634
+# Decode steps rotate q and k (and write the new K/V) inside the attention kernel when the model
+# hands over its RoPE tables (rotates_in_kernel); benchmarks turn it off to compare.
+ROTATE_IN_KERNEL = True
 TileConfig = tuple[int, int, int, int]  # (BLOCK_M rows, BLOCK_N keys, num_warps, num_stages)
 
 
@@ -53,6 +58,9 @@ class _Launch:
     softcap: float | None
     k_scale: float
     v_scale: float
+    rotary: RotaryTables | None = None
+    k: torch.Tensor | None = None  # the step's new K and V (rotary: the kernel writes them)
+    v: torch.Tensor | None = None
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -91,6 +99,18 @@ class TritonAttentionBackend(AttentionBackend):
         if fused_merge and device is not None and device.type == "cuda":
             self.arrivals = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32, device=device)
 
+    def rotates_in_kernel(
+        self, q: torch.Tensor, kv_cache_layer: torch.Tensor, meta: AttentionMetadata
+    ) -> bool:
+        """Decode steps (one query token per sequence) over a cache in q's dtype: the attention
+        kernel rotates q and k itself and writes the new K/V (no RoPE launch)."""
+        return (
+            ROTATE_IN_KERNEL
+            and meta.max_query_len == 1
+            and kv_cache_layer.dtype == q.dtype
+            and q.dtype in SUPPORTED_DTYPES
+        )
+
     def forward(
         self,
         q: torch.Tensor,
@@ -104,10 +124,18 @@ class TritonAttentionBackend(AttentionBackend):
         softcap: float | None = None,
         kv_scale: tuple[float, float] = (1.0, 1.0),
         out: torch.Tensor | None = None,
+        rotary: RotaryTables | None = None,
     ) -> torch.Tensor:
         """See AttentionBackend.forward; with kv_written the caller stored this step's K/V
-        (RotaryEmbedding.rotate_into_cache)."""
+        (RotaryEmbedding.rotate_into_cache); with rotary (where rotates_in_kernel) the attention
+        kernel rotates q and k and writes K/V."""
         _check_inputs(q, k, v, kv_cache_layer, sliding_window, softcap)
+        rotates = rotary is not None and self.rotates_in_kernel(q, kv_cache_layer, meta)
+        if rotary is not None and (kv_written or not rotates):
+            raise ValueError(
+                "rotary: this step's q and k must come rotated (rotates_in_kernel is False, or "
+                "kv_written)"
+            )
         num_tokens, _, head_dim = q.shape
         num_kv_heads = k.shape[1]
         block_size = kv_cache_layer.shape[2]
@@ -116,7 +144,7 @@ class TritonAttentionBackend(AttentionBackend):
         fp8 = is_fp8(kv_cache_layer.dtype)
         k_scale, v_scale = (float(kv_scale[0]), float(kv_scale[1])) if fp8 else (1.0, 1.0)
 
-        if num_tokens > 0 and not kv_written:
+        if num_tokens > 0 and not kv_written and rotary is None:
             write_kv_kernel[(num_tokens,)](
                 k,
                 v,
@@ -149,7 +177,10 @@ class TritonAttentionBackend(AttentionBackend):
             (16, 32, 4, 2) if small else (16, 128, 4, 2) if fp8 else (16, 128, 4, 3)
         )
         prefill_tiles = self.prefill_tiles or ((64, 32, 4, 2) if small else (128, 128, 8, 3))
-        a = _Launch(q, kv_cache_layer, out, meta, scale, sliding_window, softcap, k_scale, v_scale)
+        a = _Launch(
+            q, kv_cache_layer, out, meta, scale, sliding_window, softcap, k_scale, v_scale,
+            rotary, k, v,
+        )  # fmt: skip
         if meta.max_query_len == 1:  # decode: the launch depends on shapes only (CUDA-graph safe)
             max_context = meta.block_tables.shape[1] * block_size
             num_splits = self._num_splits(
@@ -208,6 +239,12 @@ class TritonAttentionBackend(AttentionBackend):
         else:
             part_out = part_lse = out  # unused
         k_cache, v_cache = kv_cache_layer[0], kv_cache_layer[1]
+        rope = a.rotary
+        # without rotary the kernel reads none of these: any tensor stands in for the pointers
+        k_new, v_new = (a.k, a.v) if rope is not None else (q, q)
+        cos, sin = (rope.cos, rope.sin) if rope is not None else (q, q)
+        qk_norm = rope is not None and rope.q_norm_weight is not None
+        q_norm_w, k_norm_w = (rope.q_norm_weight, rope.k_norm_weight) if qk_norm else (q, q)
         paged_attention_kernel[(num_seqs, num_kv_heads * num_splits, num_q_tiles)](
             q,
             k_cache,
@@ -234,6 +271,18 @@ class TritonAttentionBackend(AttentionBackend):
             k_cache.stride(1),
             k_cache.stride(2),
             first_seq,
+            cos,
+            sin,
+            q_norm_w,
+            k_norm_w,
+            k_new,
+            v_new,
+            meta.slot_mapping,
+            k_new.stride(0),
+            k_new.stride(1),
+            v_new.stride(0),
+            v_new.stride(1),
+            rope.eps if qk_norm else 0.0,
             NUM_HEADS=num_heads,
             GROUP=group,
             HEAD_DIM=head_dim,
@@ -250,6 +299,9 @@ class TritonAttentionBackend(AttentionBackend):
             BLOCK_S=triton.next_power_of_2(num_splits),
             FP8=is_fp8(kv_cache_layer.dtype),
             MIN_SPLIT_TILES=MIN_SPLIT_TILES if num_splits > 1 else 1,
+            ROPE=rope is not None,
+            QK_NORM=qk_norm,
+            NORM_OFFSET=qk_norm and rope.norm_offset,
             num_warps=num_warps,
             num_stages=num_stages,
             **launch_options(),

@@ -148,6 +148,97 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
+@triton.jit
+def _rope_operands(
+    head_ptrs, row_ok, pos, d, cos_ptr, sin_ptr, norm_w_ptr,
+    HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr,
+):  # fmt: skip
+    """The loads _normed_rotated works from, issued together (none waits for another): rows of
+    heads [M, BLOCK_D] (head_ptrs [M, 1] point at each head; rows with row_ok), the same rows with
+    each dim d's partner d +- HEAD_DIM / 2 in its place, cos/sin at positions pos [M] for each dim,
+    and the q/k norm's weight in both orders (QK_NORM; otherwise cos stands in)."""
+    half = HEAD_DIM // 2
+    first = d < half
+    partner = tl.where(first, d + half, d - half)
+    in_head = d < HEAD_DIM
+    mask = row_ok[:, None] & in_head[None, :]
+    x = tl.load(head_ptrs + d[None, :], mask=mask, other=0.0)
+    xp = tl.load(head_ptrs + partner[None, :], mask=mask, other=0.0)
+    table = pos.to(tl.int64)[:, None] * half + tl.where(first, d, d - half)[None, :]
+    cos = tl.load(cos_ptr + table, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + table, mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:
+        w = tl.load(norm_w_ptr + d, mask=in_head, other=0.0).to(tl.float32)[None, :]
+        wp = tl.load(norm_w_ptr + partner, mask=in_head, other=0.0).to(tl.float32)[None, :]
+    else:
+        w = cos
+        wp = cos
+    return x, xp, cos, sin, w, wp
+
+
+@triton.jit
+def _normed_rotated(
+    x, xp, cos, sin, w, wp, d, eps,
+    HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr, NORM_OFFSET: tl.constexpr,
+):  # fmt: skip
+    """_rope_operands' rows after the per-head RMSNorm (QK_NORM; Gemma's (1 + w) with NORM_OFFSET)
+    and the rotate-half rotation, in the heads' dtype: what engine.layers.fused's RoPE kernel
+    computes, rounded where it rounds."""
+    dtype = x.dtype
+    if QK_NORM:  # Qwen3, Gemma 3: each head normalised over head_dim before the rotation
+        f = x.to(tl.float32)
+        fp = xp.to(tl.float32)
+        rstd = (1.0 / tl.sqrt(tl.sum(f * f, axis=1) / HEAD_DIM + eps))[:, None]
+        if NORM_OFFSET:  # Gemma's (1 + w), in float32, rounded once
+            x = (f * rstd * (1.0 + w)).to(dtype)
+            xp = (fp * rstd * (1.0 + wp)).to(dtype)
+        else:
+            x = ((f * rstd).to(dtype).to(tl.float32) * w).to(dtype)
+            xp = ((fp * rstd).to(dtype).to(tl.float32) * wp).to(dtype)
+    # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), each product rounded as torch rounds it
+    own = (x.to(tl.float32) * cos).to(dtype).to(tl.float32)
+    other = (xp.to(tl.float32) * sin).to(dtype).to(tl.float32)
+    return tl.where((d < HEAD_DIM // 2)[None, :], own - other, own + other).to(dtype)
+
+
+@triton.jit
+def _rotate_and_write(
+    q_heads, row_valid, q_pos, d, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, eps,
+    k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, slot_ptr, token, kv_head, ctx_start, writes,
+    stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cs, stride_ch,
+    HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr, NORM_OFFSET: tl.constexpr,
+):  # fmt: skip
+    """A decode program's q rows, normed and rotated; when it `writes` (it holds the sequence's
+    last key) and the token has a slot (a negative one is padding), the token's K head (normed,
+    rotated) and V head stored at the slot (a contiguous cache: slot * stride_cs addresses block
+    and offset). Every load is issued before any arithmetic waits on one; a barrier at the end, so
+    the program's own loads of that key see the stores. A decode token sits at its context's last
+    position (ctx_start; padding, with no context: 0)."""
+    qx, qxp, q_cos, q_sin, qw, qwp = _rope_operands(
+        q_heads, row_valid, tl.maximum(q_pos, 0), d, cos_ptr, sin_ptr, q_norm_ptr, HEAD_DIM,
+        QK_NORM,
+    )  # fmt: skip
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    row = tl.arange(0, 2)  # a two-row tile (tiles have power-of-two rows): row 0 is the head
+    one = (row < 1) & writes
+    k_pos = tl.zeros([2], dtype=tl.int32) + tl.maximum(ctx_start, 0)
+    kx, kxp, k_cos, k_sin, kw, kwp = _rope_operands(
+        k_new_ptr + token * stride_knt + kv_head * stride_knh + row[:, None] * 0, one, k_pos, d,
+        cos_ptr, sin_ptr, k_norm_ptr, HEAD_DIM, QK_NORM,
+    )  # fmt: skip
+    in_head = one[:, None] & (d < HEAD_DIM)[None, :]
+    value_ptrs = v_new_ptr + token * stride_vnt + kv_head * stride_vnh + row[:, None] * 0
+    value = tl.load(value_ptrs + d[None, :], mask=in_head, other=0.0)
+    q = _normed_rotated(qx, qxp, q_cos, q_sin, qw, qwp, d, eps, HEAD_DIM, QK_NORM, NORM_OFFSET)
+    key = _normed_rotated(kx, kxp, k_cos, k_sin, kw, kwp, d, eps, HEAD_DIM, QK_NORM, NORM_OFFSET)
+    at = slot * stride_cs + kv_head * stride_ch + row[:, None] * 0 + d[None, :]
+    stored = in_head & (slot >= 0)
+    tl.store(k_cache_ptr + at, key.to(k_cache_ptr.dtype.element_ty), mask=stored)
+    tl.store(v_cache_ptr + at, value.to(v_cache_ptr.dtype.element_ty), mask=stored)
+    tl.debug_barrier()
+    return q
+
+
 # seq_offset and the block table's row stride (the step's table width) change from step to step:
 # not specialized on (divisible by 16, equal to 1), so they never pick another compiled variant.
 @triton.jit(do_not_specialize=["stride_bt", "seq_offset"])
@@ -175,6 +266,18 @@ def paged_attention_kernel(
     stride_cs,
     stride_ch,
     seq_offset,
+    cos_ptr,
+    sin_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    k_new_ptr,
+    v_new_ptr,
+    slot_ptr,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
+    norm_eps,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -191,6 +294,9 @@ def paged_attention_kernel(
     BLOCK_S: tl.constexpr,
     FP8: tl.constexpr,
     MIN_SPLIT_TILES: tl.constexpr,
+    ROPE: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    NORM_OFFSET: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (sequence b = seq_offset + its first index, kv head x split, query tile): rows are
@@ -204,6 +310,12 @@ def paged_attention_kernel(
     context is one split that stores its output with no merge. Without FUSED_MERGE every split
     writes a partial and merge_splits_kernel combines them. FP8: the cache holds FP8 K/V; q goes to
     fp16 (fp32 stays) and v_scale multiplies each (partial) output (the merge is linear in them).
+
+    ROPE (decode, one query token per sequence, a cache in q's dtype): q, k_new and v_new come as
+    the qkv projection left them. Every program rotates its q rows at the token's position (after
+    the per-head norm with QK_NORM), and the program that holds the sequence's last key (its last
+    split) stores the new token's rotated K and its V at slot_ptr's slot before it reads its keys:
+    no RoPE launch, and no split reads that slot before it is written.
     """
     release(PDL)
     b = tl.program_id(0) + seq_offset
@@ -251,11 +363,16 @@ def paged_attention_kernel(
     io_mask = row_valid[:, None] & d_mask[None, :]
     k_base = k_cache_ptr + kv_head * stride_ch
     v_base = v_cache_ptr + kv_head * stride_ch
-    q = tl.load(
-        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=io_mask,
-        other=0.0,
-    )
+    q_heads = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+    if ROPE:
+        q = _rotate_and_write(
+            q_heads, row_valid, q_pos, d, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, norm_eps,
+            k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, slot_ptr, q_start.to(tl.int64),
+            kv_head, ctx_start, (lo < hi) & (hi == seq_len), stride_knt, stride_knh, stride_vnt,
+            stride_vnh, stride_cs, stride_ch, HEAD_DIM, QK_NORM, NORM_OFFSET,
+        )  # fmt: skip
+    else:
+        q = tl.load(q_heads + d[None, :], mask=io_mask, other=0.0)
     if not FP8:
         q = q.to(k_cache_ptr.dtype.element_ty)
     elif not IEEE:

@@ -23,6 +23,7 @@ from engine.layers.fused_moe_decode import (
     block_k_for,
     decode_experts,
     decode_tiles,
+    routing_slots,
     uses_decode_path,
 )
 from engine.pdl import launch_options, release
@@ -32,8 +33,8 @@ try:  # a CPU-only install may have no triton; the torch reference never needs i
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised only on installs without triton
     triton = None
-else:  # the rounding both paths' kernels share
-    from engine.layers.fused_moe_decode import rounded, silu_and_mul_rounded
+else:  # the routing and rounding both paths' kernels share
+    from engine.layers.fused_moe_decode import rounded, silu_and_mul_rounded, softmax_topk
 
 
 # The largest BLOCK_M moe_tiles picks: the sorted rows' padding is at most BLOCK_M - 1 per expert.
@@ -57,34 +58,6 @@ class MoeTiles(NamedTuple):
 if triton is not None:
 
     @triton.jit
-    def _softmax_topk(
-        logits_ptr, row, num_experts, stride_lm,
-        TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, RENORMALISE: tl.constexpr,
-    ):  # fmt: skip
-        """(weights [K_P2] float32, expert ids [K_P2] int32) of token `row`: the float32 softmax
-        of its router logits, its TOP_K largest in descending order (ties: the lower expert id),
-        divided by their sum when RENORMALISE; slots past TOP_K hold 0."""
-        experts = tl.arange(0, E_P2)
-        real = experts < num_experts
-        x = tl.load(logits_ptr + row * stride_lm + experts, mask=real, other=float("-inf"))
-        x = x.to(tl.float32)
-        p = tl.exp(x - tl.max(x, axis=0))
-        p = p / tl.sum(p, axis=0)
-        p = tl.where(real, p, -1.0)
-        slots = tl.arange(0, K_P2)
-        values = tl.zeros([K_P2], dtype=tl.float32)
-        chosen = tl.zeros([K_P2], dtype=tl.int32)
-        for j in tl.static_range(TOP_K):
-            best = tl.max(p, axis=0)
-            arg = tl.argmax(p, axis=0)
-            values = tl.where(slots == j, best, values)
-            chosen = tl.where(slots == j, arg, chosen)
-            p = tl.where(experts == arg, -1.0, p)
-        if RENORMALISE:
-            values = values / tl.sum(values, axis=0)
-        return values, chosen
-
-    @triton.jit
     def _route_topk_kernel(
         logits_ptr,
         weights_ptr,
@@ -97,10 +70,10 @@ if triton is not None:
         RENORMALISE: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        """Program t: token t's router weights and expert ids (_softmax_topk)."""
+        """Program t: token t's router weights and expert ids (softmax_topk)."""
         release(PDL)
         row = tl.program_id(0)
-        values, chosen = _softmax_topk(
+        values, chosen = softmax_topk(
             logits_ptr, row, num_experts, stride_lm, TOP_K, K_P2, E_P2, RENORMALISE
         )
         slots = tl.arange(0, K_P2)
@@ -288,7 +261,7 @@ def route_topk(
             e,
             logits.stride(0),
             TOP_K=top_k,
-            K_P2=triton.next_power_of_2(top_k),
+            K_P2=routing_slots(top_k),
             E_P2=triton.next_power_of_2(e),
             RENORMALISE=renormalise,
             **launch_options(),

@@ -78,8 +78,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def _norm_args(q_norm: RMSNorm, k_norm: RMSNorm) -> dict:
-    """rope_fused's keywords for per-head q/k norms (Gemma's: the (1 + w) form)."""
+def norm_operands(q_norm: RMSNorm, k_norm: RMSNorm) -> dict:
+    """rope_fused's keywords for per-head q/k norms (Gemma's: the (1 + w) form); also the fields
+    of engine.attention.RotaryTables."""
     return dict(
         q_norm_weight=q_norm.weight,
         k_norm_weight=k_norm.weight,
@@ -134,7 +135,7 @@ class RotaryEmbedding(nn.Module):
         if self._fusable(q, q_norm):
             if q_norm is None:
                 return rope_fused(positions, q, k, self.cos, self.sin)
-            return rope_fused(positions, q, k, self.cos, self.sin, **_norm_args(q_norm, k_norm))
+            return rope_fused(positions, q, k, self.cos, self.sin, **norm_operands(q_norm, k_norm))
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
         cos = self.cos[positions]
@@ -172,7 +173,7 @@ class RotaryEmbedding(nn.Module):
     ) -> torch.Tensor:
         """forward's rotation, with the rotated k and v written into the paged cache at slot_mapping
         in the same kernel (see can_write_cache); returns the rotated q."""
-        norm = {} if q_norm is None else _norm_args(q_norm, k_norm)
+        norm = {} if q_norm is None else norm_operands(q_norm, k_norm)
         q, _ = rope_fused(
             positions,
             q,

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, RotaryTables
 from engine.attention.kv_quant import DEFAULT_KV_SCALE, is_fp8
 from engine.config import ModelConfig
 from engine.distributed.sharding import SINGLE, Shard
@@ -33,6 +33,7 @@ from engine.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
 from engine.layers.moe import SparseMoeBlock
 from engine.layers.norm import OffsetRMSNorm
 from engine.layers.parallel import RowParallelLinear, VocabParallelEmbedding
+from engine.layers.rotary import norm_operands
 from engine.layers.row_gemv import act_linear, norm_linear, one_row_linear
 from engine.layers.skinny_gemm import skinny_applies, skinny_gemm
 from engine.models.checkpoint_names import is_vision_tensor, text_decoder_name
@@ -134,9 +135,14 @@ class Attention(nn.Module):
         if is_fp8(kv_cache_layer.dtype):
             kwargs["kv_scale"] = self.kv_scale
         backend = getattr(_ATTENTION_CUT, "backend", None) or self.backend
-        if getattr(backend, "accepts_written_kv", False) and rotary.can_write_cache(
-            q, kv_cache_layer, self.q_norm
-        ):
+        fusable = rotary.can_write_cache(q, kv_cache_layer, self.q_norm)
+        # (a piecewise capture's cut has no rotates_in_kernel)
+        in_kernel = getattr(backend, "rotates_in_kernel", None)
+        if fusable and in_kernel is not None and in_kernel(q, kv_cache_layer, meta):
+            # decode: the attention kernel norms and rotates q and k and writes K/V itself
+            norms = {} if self.q_norm is None else norm_operands(self.q_norm, self.k_norm)
+            kwargs["rotary"] = RotaryTables(rotary.cos, rotary.sin, **norms)
+        elif fusable and getattr(backend, "accepts_written_kv", False):
             # one kernel rotates q and k (Qwen3: normalises each head first) and stores k, v in the
             # paged cache
             q = rotary.rotate_into_cache(
