@@ -46,6 +46,18 @@ def primed_stream(device: torch.device, dtype: torch.dtype) -> torch.cuda.Stream
     return stream
 
 
+def log_background_failure(what: str, later: str, exc: Exception) -> None:
+    """The warning of a capture thread's failure: `what` it was capturing, what happens `later`
+    (its owner turns background capture off)."""
+    log.warning(
+        "CUDA graphs: capturing %s in the background failed (%s: %s); %s",
+        what,
+        type(exc).__name__,
+        exc,
+        later,
+    )
+
+
 class CaptureQueue:
     """Sizes waiting for a capture thread of their own: started when a size is queued and none
     runs, ended when the queue is empty or `enabled()` turns false. `capture(size)` runs there, one
@@ -325,13 +337,8 @@ class DecodeGraphs:
     def _background_failed(self, size: int, exc: Exception) -> None:
         """Steps go on eager or from larger graphs; later sizes are captured inline."""
         self.background = False
-        log.warning(
-            "CUDA graphs: capturing batch size %d in the background failed "
-            "(%s: %s); sizes not captured yet are captured in their first step",
-            size,
-            type(exc).__name__,
-            exc,
-        )
+        later = "sizes not captured yet are captured in their first step"
+        log_background_failure(f"batch size {size}", later, exc)
 
     @torch.inference_mode()
     def _capture_background(self, size: int) -> None:

@@ -27,7 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cuda_graphs import CaptureQueue, primed_stream, smallest_at_least
+from engine.cuda_graphs import (
+    CaptureQueue,
+    log_background_failure,
+    primed_stream,
+    smallest_at_least,
+)
 from engine.memory_budget import FRAGMENTATION, layer_activation_bytes
 from engine.step_inputs import InputStager, StepLayout, StepTensors, views
 
@@ -261,13 +266,8 @@ class PiecewiseGraphs:
     def _background_failed(self, size: int, exc: Exception) -> None:
         """Steps go on eagerly; later buckets are captured in their second step."""
         self.background = False
-        log.warning(
-            "CUDA graphs: capturing %d-token steps in the background failed (%s: %s); "
-            "buckets not captured yet are captured in their second step",
-            size,
-            type(exc).__name__,
-            exc,
-        )
+        later = "buckets not captured yet are captured in their second step"
+        log_background_failure(f"{size}-token steps", later, exc)
 
     @torch.inference_mode()
     def _capture_background(self, size: int) -> None:

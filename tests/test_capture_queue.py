@@ -68,3 +68,20 @@ def test_a_failure_is_reported_and_a_disabled_queue_drops_the_rest() -> None:
     queue.request(3)  # a new thread starts for a later request
     _wait_idle(queue)
     assert ran == [2, 3]
+
+
+def test_a_background_failure_is_one_warning_naming_what_and_what_follows(caplog) -> None:
+    """The decode graphs' and the piecewise graphs' handlers both log through
+    log_background_failure: what was being captured, the exception, what happens instead."""
+    import logging
+
+    from engine.cuda_graphs import log_background_failure
+
+    with caplog.at_level(logging.WARNING, logger="engine.cuda_graphs"):
+        later = "sizes not captured yet are captured in their first step"
+        log_background_failure("batch size 8", later, RuntimeError("out of memory"))
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        "CUDA graphs: capturing batch size 8 in the background failed (RuntimeError: out of "
+        "memory); sizes not captured yet are captured in their first step"
+    )

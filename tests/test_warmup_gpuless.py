@@ -459,9 +459,10 @@ def test_the_warm_ups_pause_waits_while_requests_run_and_counts_the_wait():
             time.sleep(timeout)
             return False
 
-    live = SimpleNamespace(serving=Busy(), waited_s=0.0)
-    pause = ready._pause_for(live)
+    live, result = SimpleNamespace(serving=Busy()), ready.KernelWarmup()
+    pause = ready._pause_for(live, result)
     pause()
-    assert live.serving.polls == 4 and live.waited_s >= 3 * ready.IDLE_POLL_S
+    assert live.serving.polls == 4 and result.waited_s >= 3 * ready.IDLE_POLL_S
     pause()  # idle: no wait
-    assert live.serving.polls == 5 and live.waited_s < 4 * ready.IDLE_POLL_S
+    assert live.serving.polls == 5 and result.waited_s < 4 * ready.IDLE_POLL_S
+    assert f"{result.waited_s:.2f} s waiting for requests" in result.summary()

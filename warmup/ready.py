@@ -85,7 +85,6 @@ class _Live:
         )
         # None: not the Triton backend
         self.target_programs = getattr(backend, "target_programs", None)
-        self.waited_s = 0.0  # how long the background work has waited for requests to end
 
 
 def _entries(cache_dir: str) -> set[str]:
@@ -99,11 +98,12 @@ class EngineStopped(Exception):
     """The engine stopped (shut down or died) while its kernels loaded: the background work ends."""
 
 
-def _pause_for(live: _Live):
+def _pause_for(live: _Live, result: KernelWarmup):
     """For a serving engine: a call made before each kernel the background work loads, waiting
-    while requests run or wait (at most BUSY_WAIT_S), so that a burst waits out one kernel's load;
-    it raises EngineStopped once the engine stopped (shutdown then waits for one kernel, not the
-    rest of the set). None for a synchronous LLM (nothing serves meanwhile)."""
+    while requests run or wait (at most BUSY_WAIT_S), so that a burst waits out one kernel's load,
+    and adding the wait to result.waited_s; it raises EngineStopped once the engine stopped
+    (shutdown then waits for one kernel, not the rest of the set). None for a synchronous LLM
+    (nothing serves meanwhile)."""
     if live.serving is None:
         return None
     from warmup.fleet import wait_idle
@@ -111,7 +111,7 @@ def _pause_for(live: _Live):
     def pause() -> None:
         t0 = time.perf_counter()
         serving = wait_idle(live.serving, IDLE_POLL_S, BUSY_WAIT_S)
-        live.waited_s += time.perf_counter() - t0
+        result.waited_s += time.perf_counter() - t0
         if not serving:
             raise EngineStopped()
 
@@ -210,13 +210,12 @@ def _load_set(live: _Live, result: KernelWarmup, t0: float) -> None:
         result.entries |= set(entries)
         sm_count = torch.cuda.get_device_properties(live.runner.device).multi_processor_count
         mine = [r for r in records if r.get("sm_count") == sm_count]
-        kernels, result.skipped = preload(mine, _pause_for(live))
+        kernels, result.skipped = preload(mine, _pause_for(live, result))
         result.kernels = len(kernels)
         whole = code == 0 and mine and not result.skipped  # else steps still load some kernels
         if whole and live.runner.graphs is not None:
             live.runner.graphs.kernels_loaded = True
         result.compiled = sorted(_entries(result.cache_dir) - result.before)
-        result.waited_s = live.waited_s
         result.seconds = time.perf_counter() - t0
         log.info("kernels: %s", result.summary())
     except EngineStopped:
