@@ -4,8 +4,8 @@ experts only, the KV cache), with random bf16 weights made on the GPU (load_form
 
 `python -m bench.family_decode --out DIR` (default configs: Llama-3.1-8B, Phi-4, Gemma-3-27B-it)
 writes DIR/family_decode.json and prints a table. `--variants as-is,no-rope-in-attention,as-is`
-builds each config's engine once per listed variant (VARIANTS: decode-path switches turned off), in
-that order, so an A/B runs interleaved on one machine.
+builds each config's engine once per listed variant (VARIANTS: a decode-path switch set away
+from its default), in that order, so an A/B runs interleaved on one machine.
 """
 
 from __future__ import annotations
