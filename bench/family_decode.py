@@ -5,7 +5,9 @@ experts only, the KV cache), with random bf16 weights made on the GPU (load_form
 `python -m bench.family_decode --out DIR` (default configs: Llama-3.1-8B, Phi-4, Gemma-3-27B-it)
 writes DIR/family_decode.json and prints a table. `--variants as-is,no-rope-in-attention,as-is`
 builds each config's engine once per listed variant (VARIANTS: a decode-path switch set away
-from its default), in that order, so an A/B runs interleaved on one machine.
+from its default), in that order, so an A/B runs interleaved on one machine. `--quantization
+none,fp8` runs each config with bf16 weights, then FP8 (EngineArgs' quantization); `--batch N`
+decodes N sequences in lockstep.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ VARIANTS = {
     "as-is": (),
     "no-rope-in-attention": (("engine.attention.triton_attn", "ROTATE_IN_KERNEL", False),),
     "pdl-prologues": (("engine.layers.row_gemv", "PDL_PROLOGUES", True),),
+    "no-fused-quantize": (("engine.layers.row_gemv", "FUSE_QUANTIZE", False),),
 }
 
 
@@ -59,9 +62,12 @@ def decode_row(
     prompt_len: int,
     new_tokens: int,
     quantization: str | None = None,
+    batch: int = 1,
 ) -> dict:
-    """One config's batch-1 decode (CUDA graphs, random weights made on the GPU, `quantization` as
-    EngineArgs takes it) and its floor: the bytes a token reads at `bandwidth`."""
+    """One config's decode of `batch` sequences in lockstep (CUDA graphs, random weights made on
+    the GPU, `quantization` as EngineArgs takes it) and its floor: the bytes a step reads at
+    `bandwidth` (the weights once, each sequence's KV; for batch 1, the selected experts only: a
+    larger batch of a mixture of experts gets no floor, its experts' bytes unknown)."""
     config = json.loads(config_path(name).read_text())
     llm = LLM(
         model=config_only_dir(config, Path(name).stem, root),
@@ -69,45 +75,62 @@ def decode_row(
         dtype="bfloat16",
         device="cuda",
         max_model_len=4096,
-        max_num_seqs=8,
-        cuda_graph_sizes=[1],
+        max_num_seqs=max(8, batch),
+        cuda_graph_sizes=[batch],
         quantization=quantization,
     )
     try:
         read = bytes_per_token(llm.engine.runner.model, prompt_len + new_tokens // 2)
-        step = decode_step_seconds(llm, 1, prompt_len=prompt_len, new_tokens=new_tokens)
-        replay = graph_replay_seconds(llm, 1)
+        step = decode_step_seconds(llm, batch, prompt_len=prompt_len, new_tokens=new_tokens)
+        replay = graph_replay_seconds(llm, batch)
+        experts = read["experts_all"] > 0
     finally:
         llm.shutdown()
         del llm
         gc.unfreeze()
         gc.collect()
         torch.cuda.empty_cache()
-    floor = read["total"] / bandwidth
+    step_bytes = read["total"] + (batch - 1) * read["kv"]
+    floor = None if batch > 1 and experts else step_bytes / bandwidth
     return {
         "config": name,
-        "gb_per_token": read["total"] / 1e9,
+        "batch": batch,
+        "gb_per_token": step_bytes / 1e9,
         "ms_per_step": step * 1e3,
-        "floor_ms": floor * 1e3,
-        "of_roofline": floor / step,
+        "floor_ms": None if floor is None else floor * 1e3,
+        "of_roofline": None if floor is None else floor / step,
         "graph_replay_ms": None if replay is None else replay * 1e3,
     }
 
 
 def family_row(
-    name: str, root: str, bandwidth: float, prompt_len: int, new_tokens: int, variant: str
+    name: str,
+    root: str,
+    bandwidth: float,
+    prompt_len: int,
+    new_tokens: int,
+    variant: str,
+    quantization: str | None = None,
+    batch: int = 1,
 ) -> dict:
-    """One config's batch-1 decode (CUDA graphs) and its floor, its engine built under
-    `variant`."""
+    """One config's decode of `batch` sequences (CUDA graphs) and its floor, its engine built
+    under `variant` with `quantization` (EngineArgs')."""
     with switched(variant):
-        row = decode_row(name, root, bandwidth, prompt_len, new_tokens)
+        row = decode_row(name, root, bandwidth, prompt_len, new_tokens, quantization, batch)
     row["variant"] = variant
+    row["quantization"] = quantization or "none"
     print(
-        f"{name} ({variant}): {row['ms_per_step']:.2f} ms/step, {row['of_roofline']:.0%} of the "
-        f"{row['floor_ms']:.2f} ms floor ({row['gb_per_token']:.2f} GB/token)",
+        f"{name} ({row['quantization']}, {variant}, batch {batch}): {row['ms_per_step']:.2f} "
+        f"ms/step, {_of_floor(row)} ({row['gb_per_token']:.2f} GB a step)",
         flush=True,
     )
     return row
+
+
+def _of_floor(row: dict) -> str:
+    if row["floor_ms"] is None:
+        return "no floor"
+    return f"{row['of_roofline']:.0%} of the {row['floor_ms']:.2f} ms floor"
 
 
 def main() -> None:
@@ -122,17 +145,32 @@ def main() -> None:
     ap.add_argument(
         "--variants", default="as-is", help=f"comma-separated, in run order: {', '.join(VARIANTS)}"
     )
+    ap.add_argument(
+        "--quantization", default="none", help="comma-separated: none (bf16 weights), fp8"
+    )
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoded in lockstep")
     args = ap.parse_args()
     variants = [v for v in args.variants.split(",") if v]
+    quantizations = [None if q == "none" else q for q in args.quantization.split(",") if q]
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         ap.error(f"--variants: {', '.join(unknown)} not among {', '.join(VARIANTS)}")
     os.makedirs(args.out, exist_ok=True)
     bandwidth = copy_bandwidth("cuda", 2 << 30)
     rows = [
-        family_row(name, args.model_dir, bandwidth, args.prompt_len, args.new_tokens, variant)
+        family_row(
+            name,
+            args.model_dir,
+            bandwidth,
+            args.prompt_len,
+            args.new_tokens,
+            variant,
+            q,
+            args.batch,
+        )  # fmt: skip
         for name in args.configs.split(",")
         if name
+        for q in quantizations
         for variant in variants
     ]
     result = {
@@ -144,13 +182,19 @@ def main() -> None:
     }
     with open(os.path.join(args.out, "family_decode.json"), "w") as f:
         json.dump(result, f, indent=1)
-    print(f"\n{result['device']}, bf16, batch 1, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    print("| config | variant | GB read per token | ms/step | floor ms | of roofline |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(
+        f"\n{result['device']}, bf16 activations, batch {args.batch}, copy bandwidth "
+        f"{bandwidth / 1e12:.2f} TB/s"
+    )
+    print("| config | weights | variant | GB read a step | ms/step | floor ms | of roofline |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
+        floor = "- | -"
+        if r["floor_ms"] is not None:
+            floor = f"{r['floor_ms']:.2f} | {r['of_roofline']:.0%}"
         print(
-            f"| {r['config']} | {r['variant']} | {r['gb_per_token']:.2f} | {r['ms_per_step']:.2f} "
-            f"| {r['floor_ms']:.2f} | {r['of_roofline']:.0%} |"
+            f"| {r['config']} | {r['quantization']} | {r['variant']} | {r['gb_per_token']:.2f} "
+            f"| {r['ms_per_step']:.2f} | {floor} |"
         )
 
 

@@ -3,7 +3,10 @@ the MLP's gate activation times up (SiLU, or Gemma's GELU), RoPE (+ Qwen3's or G
 norm, KV write).
 
 Each kernel rounds to the activation dtype where the torch reference does, so results match it
-within bf16 rounding.
+within bf16 rounding. The norm and the gate activation can also write their rows quantized for an
+FP8 linear after them (rms_norm_fp8, gate_and_mul_fp8): e4m3 values with one fp32 scale per row,
+amax / 448 of the row rounded to the activation dtype, exactly what quantizing the kernel's
+ordinary output per token gives (engine.quant.fp8_kernels.quantize_per_token), in one launch.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ if triton is not None:
         w_ptr,
         out_ptr,
         res_out_ptr,
+        scale_ptr,
         stride_x,
         stride_res,
         stride_out,
@@ -42,11 +46,13 @@ if triton is not None:
         eps,
         HAS_RESIDUAL: tl.constexpr,
         OFFSET: tl.constexpr,
+        QUANTIZE: tl.constexpr,
         BLOCK: tl.constexpr,
         PDL: tl.constexpr,
     ):
         """OFFSET: Gemma's norm, normalised(x) * (1 + w) in float32 and rounded once; else Llama's,
-        normalised(x) rounded to the activation dtype, then times w."""
+        normalised(x) rounded to the activation dtype, then times w. QUANTIZE: out_ptr is e4m3,
+        written with the row's scale at scale_ptr (quantize_row)."""
         release(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -64,9 +70,22 @@ if triton is not None:
         if OFFSET:
             y = xf * (1.0 / tl.sqrt(var + eps)) * (1.0 + w)
         else:
-            normed = (xf * (1.0 / tl.sqrt(var + eps))).to(out_ptr.dtype.element_ty)
+            normed = (xf * (1.0 / tl.sqrt(var + eps))).to(x_ptr.dtype.element_ty)
             y = normed.to(tl.float32) * w
-        tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+        y = y.to(x_ptr.dtype.element_ty)  # the norm's output, in the activation dtype
+        if QUANTIZE:
+            quantize_row(y.to(tl.float32), out_ptr + row * stride_out, scale_ptr + row, cols, mask)
+        else:
+            tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
+
+    @triton.jit
+    def quantize_row(y, q_ptr, scale_ptr, cols, mask):
+        """A whole row y (float32, its lanes outside the row 0) as e4m3 at q_ptr + cols, and its
+        scale amax / 448 at scale_ptr: engine.quant.fp8_kernels' per-token quantization."""
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / 448.0
+        tl.store(scale_ptr, scale)
+        q = tl.clamp(y / scale, -448.0, 448.0)
+        tl.store(q_ptr + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def gate_activation(gate, ACT: tl.constexpr):
@@ -96,14 +115,47 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols
-        gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        # the activation is rounded to the activation dtype before the product, as torch's
-        # act(gate) * up does
-        act = gate_activation(gate, ACT).to(out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(
-            out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask
-        )
+        y = _gated(x_ptr + row * stride_x, cols, mask, n_cols, ACT)
+        tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
+
+    @triton.jit
+    def _gated(row_ptr, cols, mask, n_cols, ACT: tl.constexpr):
+        """act(gate) * up at `cols` of one [gate | up] row, in the row's dtype: the activation
+        rounded to it before the product, as torch's act(gate) * up does."""
+        gate = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(row_ptr + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        act = gate_activation(gate, ACT).to(row_ptr.dtype.element_ty).to(tl.float32)
+        return (act * up).to(row_ptr.dtype.element_ty)
+
+    @triton.jit
+    def _gate_and_mul_fp8_kernel(
+        x_ptr,
+        q_ptr,
+        scale_ptr,
+        stride_x,
+        stride_q,
+        n_cols,
+        ACT: tl.constexpr,
+        BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        """Program r: row r's act(gate) * up as e4m3 with its scale (quantize_row's numerics): a
+        first pass over the row for its amax, a second computing it again to quantize."""
+        release(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        row_ptr = x_ptr + row * stride_x
+        cols = tl.arange(0, BLOCK)
+        peak = tl.zeros([BLOCK], dtype=tl.float32)
+        for c0 in range(0, n_cols, BLOCK):
+            mask = c0 + cols < n_cols
+            peak = tl.maximum(peak, tl.abs(_gated(row_ptr, c0 + cols, mask, n_cols, ACT)))
+        scale = tl.maximum(tl.max(peak, axis=0), 1e-12) / 448.0
+        tl.store(scale_ptr + row, scale)
+        for c0 in range(0, n_cols, BLOCK):
+            mask = c0 + cols < n_cols
+            y = _gated(row_ptr, c0 + cols, mask, n_cols, ACT).to(tl.float32)
+            q = tl.clamp(y / scale, -448.0, 448.0)
+            tl.store(q_ptr + row * stride_q + c0 + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rotate_heads(
@@ -281,12 +333,33 @@ def rms_norm_fused(
     """
     shape = x.shape
     x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    res_out = _launch_rms_norm(x2, weight, eps, residual, offset, out, None)
+    return out.view(shape), (res_out.view(shape) if res_out is not None else None)
+
+
+def rms_norm_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    offset: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """rms_norm_fused's norm, quantized per row in the same kernel: x [M, K] -> (e4m3 [M, K], fp32
+    scales [M, 1], x + residual or None)."""
+    x2 = _rows(x)
+    q = torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((x2.shape[0], 1), dtype=torch.float32, device=x.device)
+    res_out = _launch_rms_norm(x2, weight, eps, residual, offset, q, scale)
+    return q, scale, (res_out.view(x.shape) if res_out is not None else None)
+
+
+def _launch_rms_norm(x2, weight, eps, residual, offset, out, scale) -> torch.Tensor | None:
+    """The norm kernel over x2's rows into out (e4m3 with `scale` given); returns x + residual
+    ([rows, cols]) or None."""
     n_rows, n_cols = x2.shape
-    out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-    res2 = res_out = None
-    if residual is not None:
-        res2 = _rows(residual)
-        res_out = torch.empty_like(out)
+    res2 = _rows(residual) if residual is not None else None
+    res_out = torch.empty(x2.shape, dtype=x2.dtype, device=x2.device) if res2 is not None else None
     if n_rows:
         block = triton.next_power_of_2(n_cols)
         _rms_norm_kernel[(n_rows,)](
@@ -294,20 +367,22 @@ def rms_norm_fused(
             res2 if res2 is not None else x2,
             weight,
             out,
-            res_out if res_out is not None else out,
+            res_out if res_out is not None else x2,
+            scale if scale is not None else x2,
             x2.stride(0),
             (res2 if res2 is not None else x2).stride(0),
             out.stride(0),
-            (res_out if res_out is not None else out).stride(0),
+            (res_out if res_out is not None else x2).stride(0),
             n_cols,
             eps,
-            HAS_RESIDUAL=residual is not None,
+            HAS_RESIDUAL=res2 is not None,
             OFFSET=offset,
+            QUANTIZE=scale is not None,
             BLOCK=block,
             num_warps=min(16, max(1, block // 256)),
             **launch_options(),
         )
-    return out.view(shape), (res_out.view(shape) if res_out is not None else None)
+    return res_out
 
 
 # the gate activations the kernel computes (transformers' names) -> its ACT code
@@ -335,6 +410,24 @@ def gate_and_mul_fused(gate_up: torch.Tensor, activation: str = "silu") -> torch
             **launch_options(),
         )
     return out.view(*gate_up.shape[:-1], n_cols)
+
+
+def gate_and_mul_fp8(
+    gate_up: torch.Tensor, activation: str = "silu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_and_mul_fused's rows quantized per row in the same kernel: [M, 2 * I] -> (e4m3 [M, I],
+    fp32 scales [M, 1])."""
+    x2 = _rows(gate_up)
+    n_rows, n_cols = x2.shape[0], x2.shape[1] // 2
+    q = torch.empty((n_rows, n_cols), dtype=torch.float8_e4m3fn, device=gate_up.device)
+    scale = torch.empty((n_rows, 1), dtype=torch.float32, device=gate_up.device)
+    if n_rows:
+        block = min(4096, triton.next_power_of_2(n_cols))
+        _gate_and_mul_fp8_kernel[(n_rows,)](
+            x2, q, scale, x2.stride(0), q.stride(0), n_cols,
+            ACT=GATE_ACTIVATIONS[activation], BLOCK=block, num_warps=8, **launch_options(),
+        )  # fmt: skip
+    return q, scale
 
 
 def silu_and_mul_fused(gate_up: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,10 @@ linear whose one_row_operands() gives (weight, scale, bias) with its weight in t
 dtype, or FP8 with its scales when FUSE_FP8 (row-parallel linears give none: they all-reduce
 after). FUSE turns it off (bench/fp8_decode.py --prologues and --fp8-prologues measure both).
 Tiles: bench/row_gemv.py's sweep.
+
+More rows, FP8 linears quantize their input per token before _scaled_mm; norm_linear and
+act_linear then have the norm or the gate activation write its rows quantized instead
+(engine.layers.fused: rms_norm_fp8, gate_and_mul_fp8), so the quantizer is not a launch of its own.
 """
 
 from __future__ import annotations
@@ -37,6 +41,12 @@ from __future__ import annotations
 import torch
 
 from engine.layers.activation import gate_and_mul
+from engine.layers.fused import (
+    GATE_ACTIVATIONS,
+    fused_kernels_available,
+    gate_and_mul_fp8,
+    rms_norm_fp8,
+)
 from engine.layers.norm import OffsetRMSNorm, RMSNorm
 from engine.pdl import launch_options, release
 
@@ -49,6 +59,9 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
 FUSE = True  # the fused one-row path on (benchmarks turn it off to compare)
 FUSE_FP8 = False  # FP8 weights take the prologues too (benchmarks compare)
 PDL_PROLOGUES = False  # the kernels with a prologue launch early too (benchmarks compare)
+# the norm or gate activation before an FP8 linear that quantizes its rows per token writes them
+# quantized (_quantized_rows; benchmarks turn it off to compare)
+FUSE_QUANTIZE = True
 # the prologue applied to x before the product (GELU_MUL: the tanh form, Gemma's)
 PLAIN, NORM, SILU_MUL, GELU_MUL = 0, 1, 2, 3
 _ACT_PROLOGUES = {"silu": SILU_MUL, "gelu_pytorch_tanh": GELU_MUL}
@@ -269,6 +282,22 @@ def _operands(linear, x: torch.Tensor, k: int):
     return operands
 
 
+def _quantized_rows(linear, x: torch.Tensor, k: int) -> bool:
+    """Whether the op before `linear` should hand it x's rows quantized per token: an FP8 linear
+    that would quantize them itself (takes_quantized_rows: its many-row _scaled_mm path), 2-D
+    rows of width k on CUDA, FUSE_QUANTIZE on. The norm or activation kernel then writes the
+    e4m3 rows and their scales in place of its own output: one launch fewer, the same numbers."""
+    takes = getattr(linear, "takes_quantized_rows", None)
+    return (
+        FUSE_QUANTIZE
+        and takes is not None
+        and x.dim() == 2
+        and fused_kernels_available(x)
+        and takes(x.shape[0], x.dtype)
+        and getattr(linear, "in_features", k) == k
+    )
+
+
 def one_row_norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None):
     """(linear(norm(x + residual)), x + residual) in one kernel, or None where it does not apply
     (more than one row, not CUDA, another norm or weight type): norm_linear's fused case."""
@@ -291,6 +320,11 @@ def norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None):
     fused = one_row_norm_linear(norm, linear, x, residual)
     if fused is not None:
         return fused
+    if type(norm) in (RMSNorm, OffsetRMSNorm) and _quantized_rows(linear, x, x.shape[-1]):
+        offset = isinstance(norm, OffsetRMSNorm)
+        q, scale, summed = rms_norm_fp8(x, norm.weight, norm.eps, residual, offset)
+        y = linear.forward_quantized(q, scale, x.dtype)
+        return y, (summed if residual is not None else x)
     if residual is None:
         return linear(norm(x)), x
     h, residual = norm(x, residual)
@@ -315,6 +349,9 @@ def act_linear(linear, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     prologue = _ACT_PROLOGUES.get(activation)
     operands = _operands(linear, gate_up, half) if prologue is not None else None
     if operands is None:
+        if activation in GATE_ACTIVATIONS and _quantized_rows(linear, gate_up, half):
+            q, scale = gate_and_mul_fp8(gate_up, activation)
+            return linear.forward_quantized(q, scale, gate_up.dtype)
         return linear(gate_and_mul(gate_up, activation))
     weight, scale, bias = operands
     return row_gemv(gate_up, weight, scale, bias, prologue)[0]

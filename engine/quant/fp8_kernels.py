@@ -278,7 +278,7 @@ def scaled_mm_one_row(
     return y.mul_(weight_scale)
 
 
-def _scaled_mm_fits(weight: torch.Tensor) -> bool:
+def scaled_mm_fits(weight: torch.Tensor) -> bool:
     """torch._scaled_mm's shape rule on CUDA: both dimensions of the weight multiples of 16."""
     n, k = weight.shape
     return n % 16 == 0 and k % 16 == 0
@@ -312,7 +312,7 @@ def fp8_linear(
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     path = cuda_path(x2.shape[0], x2.dtype) if fused_kernels_available(x) else "reference"
-    if x2.shape[0] == 0 or (path.startswith("scaled_mm") and not _scaled_mm_fits(weight)):
+    if x2.shape[0] == 0 or (path.startswith("scaled_mm") and not scaled_mm_fits(weight)):
         path = "reference"
     if path == "reference":
         y = fp8_linear_reference(x2, weight, weight_scale, bias)
