@@ -37,6 +37,7 @@ VARIANTS = {
     "no-rope-in-attention": (("engine.attention.triton_attn", "ROTATE_IN_KERNEL", False),),
     "pdl-prologues": (("engine.layers.row_gemv", "PDL_PROLOGUES", True),),
     "no-fused-quantize": (("engine.layers.row_gemv", "FUSE_QUANTIZE", False),),
+    "no-gated-epilogue": (("engine.layers.row_gemv", "GATED", False),),
 }
 
 

@@ -110,6 +110,87 @@ def test_row_gemv_under_the_triton_interpreter_matches_the_unfused_layers():
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
+@needs_triton
+def test_gated_epilogue_under_the_triton_interpreter_matches_gate_and_mul():
+    """gate_up's kernel closed by act(gate) * up (SiLU, tanh GELU): after the norm prologue or none,
+    with per-row scales and a bias, gate/up row counts that do not fill the last program, an odd
+    BLOCK_N (made even); then the MLP's path (one_row_gated through MLP.norm_forward) against the
+    layers one after the other: the norm in the kernel for weights of the row's width, the norm's
+    own kernel for narrower scaled weights (FP8's case; fp16 here); float32 on CPU."""
+    script = textwrap.dedent("""
+        from types import SimpleNamespace
+        import torch
+        import engine.layers.row_gemv as rg
+        from engine.layers import RMSNorm
+        from engine.layers.activation import gate_and_mul
+        from engine.layers.norm import OffsetRMSNorm
+        from engine.models.decoder import MLP
+        torch.manual_seed(0)
+        for rows, k, tiles in [(74, 40, (8, 16, 4, 1)), (38, 24, (5, 32, 4, 1)), (10, 24, None)]:
+            w = torch.randn(rows, k)
+            scale, bias = torch.rand(rows) + 0.5, torch.randn(rows)
+            x, res = torch.randn(1, k), torch.randn(1, k)
+            norm = RMSNorm(k, 1e-5, torch.float32, "cpu")
+            norm.weight.data = torch.rand(k) + 0.5
+            for act, code in (("silu", rg.SILU_MUL), ("gelu_pytorch_tanh", rg.GELU_MUL)):
+                y, summed = rg.row_gemv(x, w, scale, bias, rg.NORM, norm.weight, 1e-5, res,
+                                        config=tiles, epilogue=code)
+                ref = gate_and_mul((norm.reference(x + res) @ w.t()) * scale + bias, act)
+                assert y.shape == (1, rows // 2)
+                torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
+                assert torch.equal(summed, x + res)
+                y, _ = rg.row_gemv(x, w, scale, None, rg.PLAIN, config=tiles, epilogue=code)
+                ref = gate_and_mul((x @ w.t()) * scale, act)
+                torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
+
+        class ScaledHalf(torch.nn.Module):
+            # a linear whose weight is narrower than the row, with per-row scales (FP8's shape)
+            def __init__(self, w, s):
+                super().__init__()
+                self.w, self.s = w.half(), s
+            def forward(self, x):
+                return (x @ self.w.float().t()) * self.s
+            def one_row_operands(self):
+                return self.w, self.s, None
+
+        rg.row_gemv_applies = lambda x: True  # the CUDA check answered yes on CPU
+        for act in ("silu", "gelu_pytorch_tanh"):
+            cfg = SimpleNamespace(hidden_size=40, intermediate_size=36, hidden_act=act)
+            mlp = MLP(cfg, torch.float32, "cpu")
+            mlp.gate_up_proj.weight.data.normal_()
+            mlp.down_proj.weight.data.normal_()
+            x, res = torch.randn(1, 40), torch.randn(1, 40)
+            for norm in (RMSNorm(40, 1e-5, torch.float32, "cpu"),
+                         OffsetRMSNorm(40, 1e-6, torch.float32, "cpu")):
+                norm.weight.data = torch.rand(40) + 0.5
+                rg.GATED = False
+                plain, plain_res = mlp.norm_forward(norm, x, res)
+                rg.GATED = True
+                assert rg.one_row_gated(norm, mlp.gate_up_proj, x, res, act) is not None
+                y, summed = mlp.norm_forward(norm, x, res)
+                assert torch.equal(summed, plain_res) and torch.equal(summed, x + res)
+                torch.testing.assert_close(y, plain, atol=1e-4, rtol=1e-4)
+                ref = mlp.down_proj(gate_and_mul(mlp.gate_up_proj(norm.reference(x + res)), act))
+                torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
+            narrow = ScaledHalf(torch.randn(72, 40), torch.rand(72) + 0.5)
+            y, summed = rg.one_row_gated(norm, narrow, x, res, act)
+            assert torch.equal(summed, x + res)
+            ref = gate_and_mul(narrow(norm.reference(x + res)), act)
+            torch.testing.assert_close(y, ref, atol=1e-3, rtol=1e-3)
+            y, same = rg.one_row_gated(norm, narrow, x, None, act)
+            assert same is x
+            torch.testing.assert_close(y, gate_and_mul(narrow(norm.reference(x)), act),
+                                       atol=1e-3, rtol=1e-3)
+        # what it does not take: another activation, GATED off
+        assert rg.one_row_gated(norm, mlp.gate_up_proj, x, res, "relu") is None
+        rg.GATED = False
+        assert rg.one_row_gated(norm, mlp.gate_up_proj, x, res, "silu") is None
+        print("ok")
+    """)
+    done = run_in_triton_interpreter(script)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
 @pytest.mark.skipif(not triton_nvidia_backend(), reason="triton without its CUDA backend (ptxas)")
 def test_row_gemv_compiles_for_hopper(tmp_path):
     """The kernel with bf16 and e4m3 weights, every prologue, the default tiles of each
@@ -122,7 +203,7 @@ def test_row_gemv_compiles_for_hopper(tmp_path):
         from triton.compiler import ASTSource
         import engine.layers.row_gemv as rg
 
-        def build(w_type, prologue, residual, n, k, offset=False):
+        def build(w_type, prologue, residual, n, k, offset=False, epilogue=rg.PLAIN):
             w_dtype = torch.float8_e4m3fn if w_type == "fp8e4nv" else torch.bfloat16
             bn, bk, warps, stages = rg.default_config(prologue, w_dtype, n, k)
             ptrs = ["x_ptr", "res_ptr", "g_ptr", "w_ptr", "ws_ptr", "b_ptr", "y_ptr", "res_out_ptr"]
@@ -131,7 +212,7 @@ def test_row_gemv_compiles_for_hopper(tmp_path):
                        eps="fp32")
             const = dict(PROLOGUE=prologue, HAS_RESIDUAL=residual, HAS_SCALE=w_type != "bf16",
                          HAS_BIAS=False, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, OFFSET=offset,
-                         PDL=True)
+                         EPILOGUE=epilogue, PDL=True)
             sig.update({c: "constexpr" for c in const})
             source = ASTSource(fn=rg._row_gemv_kernel, signature=sig, constexprs=const)
             options = dict(num_warps=warps, num_stages=stages, launch_pdl=True)
@@ -148,9 +229,14 @@ def test_row_gemv_compiles_for_hopper(tmp_path):
             build(w_type, rg.NORM, True, 6144, 4096)
             build(w_type, rg.NORM, False, 28672, 4096)
             build(w_type, rg.SILU_MUL, False, 4096, 14336)
+            # gate_up closed by SiLU-and-mul: after the norm (bf16) or none (FP8)
+            build(w_type, rg.NORM if w_type == "bf16" else rg.PLAIN, False, 28672, 4096,
+                  epilogue=rg.SILU_MUL)
+            build(w_type, rg.PLAIN, False, 4096, 14336)  # down after it
         # Gemma 3 27B: its (1 + w) norm before qkv and gate_up, its tanh GELU before down
         build("bf16", rg.NORM, True, 8192, 5376, offset=True)
         build("bf16", rg.GELU_MUL, False, 5376, 21504)
+        build("bf16", rg.NORM, True, 43008, 5376, offset=True, epilogue=rg.GELU_MUL)
         print("ok")
     """)
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(REPO))
@@ -272,3 +358,42 @@ def test_row_gemv_matches_the_unfused_layers_at_gemma_shapes():
             plain, ref_summed = _unfused(norm_linear, norm, lin, x, res)
             assert torch.equal(summed, ref_summed)
         _assert_within_bf16(fused, plain, (n, k))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "fp8,act,hidden,inter",
+    [
+        (False, "silu", 4096, 14336),
+        (True, "silu", 4096, 14336),
+        (False, "gelu_pytorch_tanh", 5376, 21504),
+    ],
+)
+def test_gated_mlp_matches_the_unfused_layers(fp8, act, hidden, inter):
+    """The MLP at one row with the activation closing gate_up's kernel (row_gemv.one_row_gated:
+    bf16 weights with the norm inside, FP8 after the norm's kernel) against the layers one after
+    the other, at Llama-3.1-8B's and Gemma-3-27B's shapes: within bf16 rounding, the residual
+    stream bit for bit."""
+    from types import SimpleNamespace
+
+    import engine.layers.row_gemv as rg
+    from engine.models.decoder import MLP
+
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    cfg = SimpleNamespace(hidden_size=hidden, intermediate_size=inter, hidden_act=act)
+    make = Fp8Linear if fp8 else Linear
+    mlp = MLP(cfg, dt, dev, make, make)
+    for i, lin in enumerate((mlp.gate_up_proj, mlp.down_proj)):
+        if fp8:
+            lin.fill_random(0.02, torch.Generator(dev).manual_seed(i))
+        else:
+            lin.weight.data.normal_(0.0, 0.02)
+    norm = RMSNorm(hidden, 1e-5, dt, dev)
+    norm.weight.data = (torch.rand(hidden, device=dev) + 0.5).to(dt)
+    x, res = (torch.randn(1, hidden, device=dev, dtype=dt) for _ in range(2))
+    assert rg.one_row_gated(norm, mlp.gate_up_proj, x, res, act) is not None
+    gated, summed = mlp.norm_forward(norm, x, res)
+    plain, ref_summed = _unfused(mlp.norm_forward, norm, x, res)
+    assert torch.equal(summed, ref_summed)
+    _assert_within_bf16(gated, plain, (fp8, act))

@@ -1,7 +1,9 @@
 """Batch-1 decode's linears with the elementwise op before them folded in: one kernel computes
 linear(rms_norm(x + residual)) (attention's qkv, the MLP's gate_up; Llama's norm or Gemma's (1 + w))
 or linear(act(gate) * up) (the MLP's down; SiLU or Gemma's tanh GELU), so the norm and the
-activation cost no launch of their own.
+activation cost no launch of their own. The activation can instead close gate_up's kernel (the
+epilogue: each program holds gate and up rows in pairs), so that down reads act(gate) * up, half
+as wide, with no prologue: the MLP's path when GATED (one_row_gated).
 
 One row of input: each program reads the whole row (from L2) beside its BLOCK_N rows of the
 weight, so the prologue is recomputed per program and never written out. The norm's 1/rms is a
@@ -24,11 +26,12 @@ Numerics: fp32 throughout, rounded where torch rounds the sum x + residual and t
 normed input is not rounded to the activation dtype before the product, so results differ from the
 unfused layers by bf16 rounding.
 
-Who takes it: norm_linear, act_linear and one_row_linear below (the decoder's only callers; the
-last, o_proj's, has no prologue), on CUDA, for one row, an RMSNorm (Llama's or Gemma's) and a
-linear whose one_row_operands() gives (weight, scale, bias) with its weight in the activation
-dtype, or FP8 with its scales when FUSE_FP8 (row-parallel linears give none: they all-reduce
-after). FUSE turns it off (bench/fp8_decode.py --prologues and --fp8-prologues measure both).
+Who takes it: norm_linear, one_row_gated, act_linear and one_row_linear below (the decoder's only
+callers; the last, o_proj's and down's after one_row_gated, has no prologue), on CUDA, for one
+row, an RMSNorm (Llama's or Gemma's) and a linear whose one_row_operands() gives (weight, scale,
+bias) with its weight in the activation dtype, or FP8 with its scales when FUSE_FP8 or without a
+prologue (row-parallel linears give none: they all-reduce after). FUSE turns it off
+(bench/fp8_decode.py --prologues and --fp8-prologues measure both).
 Tiles: bench/row_gemv.py's sweep.
 
 More rows, FP8 linears quantize their input per token before _scaled_mm; norm_linear and
@@ -62,6 +65,7 @@ PDL_PROLOGUES = False  # the kernels with a prologue launch early too (benchmark
 # the norm or gate activation before an FP8 linear that quantizes its rows per token writes them
 # quantized (_quantized_rows; benchmarks turn it off to compare)
 FUSE_QUANTIZE = True
+GATED = True  # gate_up's kernel applies act(gate) * up (one_row_gated; benchmarks turn it off)
 # the prologue applied to x before the product (GELU_MUL: the tanh form, Gemma's)
 PLAIN, NORM, SILU_MUL, GELU_MUL = 0, 1, 2, 3
 _ACT_PROLOGUES = {"silu": SILU_MUL, "gelu_pytorch_tanh": GELU_MUL}
@@ -135,17 +139,30 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr,
         OFFSET: tl.constexpr,
+        EPILOGUE: tl.constexpr,
         PDL: tl.constexpr,
     ):
         """Program n: y[n * BLOCK_N : +BLOCK_N] = W[rows] @ prologue(x), fp32 multiply-adds into a
         [BLOCK_N, BLOCK_K] accumulator reduced once at the end. SILU_MUL, GELU_MUL: x holds
         [gate | up], each K long. OFFSET: NORM scales by (1 + w). The first weight tile is
         requested before the wait for the kernel before (no kernel writes the weights) and used by
-        a first step outside the loop."""
+        a first step outside the loop.
+
+        EPILOGUE SILU_MUL / GELU_MUL: W is [gate; up], 2N rows, and y = act(gate) * up, N wide;
+        the program's BLOCK_N rows alternate gate row i and up row N + i, so that its sums split
+        into the pairs the activation takes."""
         pid = tl.program_id(0)
-        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        if EPILOGUE == 0:
+            rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+            row_ok = rn < N
+            rows = rn
+        else:
+            local = tl.arange(0, BLOCK_N)
+            rn = pid * (BLOCK_N // 2) + local // 2  # the gate row (and output) each row feeds
+            row_ok = rn < N
+            rows = rn + (local % 2) * N
         rk = tl.arange(0, BLOCK_K)
-        rn_safe = tl.where(rn < N, rn, 0).to(tl.int64)  # out-of-range rows re-read row 0
+        rn_safe = tl.where(row_ok, rows, 0).to(tl.int64)  # out-of-range rows re-read row 0
         w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         squares = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -174,8 +191,19 @@ if triton is not None:
         if HAS_SCALE:
             y = y * tl.load(ws_ptr + rn_safe)
         if HAS_BIAS:
-            y = y + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+            y = y + tl.load(b_ptr + rn_safe, mask=row_ok, other=0.0).to(tl.float32)
+        y = y.to(y_ptr.dtype.element_ty)  # the projection's output, rounded as torch's linear
+        if EPILOGUE == 0:
+            tl.store(y_ptr + rn, y, mask=row_ok)
+        else:
+            gate, up = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
+            # act(gate) rounded to the activation dtype before the product, as torch's
+            # act(gate) * up (engine.layers.fused's kernel)
+            act = gate_activation(gate.to(tl.float32), EPILOGUE - 2)
+            act = act.to(y_ptr.dtype.element_ty).to(tl.float32)
+            out = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            gated = (act * up.to(tl.float32)).to(y_ptr.dtype.element_ty)
+            tl.store(y_ptr + out, gated, mask=out < N)
 
 
 def default_config(prologue: int, weight_dtype: torch.dtype, n: int, k: int) -> RowGemvConfig:
@@ -186,6 +214,12 @@ def default_config(prologue: int, weight_dtype: torch.dtype, n: int, k: int) -> 
     prologue = SILU_MUL if prologue == GELU_MUL else prologue  # the same loads, the same tiles
     if (prologue, name, n, k) in TILE_OVERRIDES:
         return TILE_OVERRIDES[(prologue, name, n, k)]
+    if weight_dtype.itemsize == 1 and prologue == PLAIN:
+        # e4m3 without a prologue: the FP8 linears' one-row GEMV (engine.quant.fp8_kernels) and
+        # FP8 gate_up closed by its activation (one_row_gated), bench/fp8_gemm.py's sweep
+        if n >= 16384:  # gate_up
+            return (16, 256, 4, 2)
+        return (16, 512, 8, 3) if n >= 6144 else (8, 1024, 4, 2)  # qkv; o_proj, down
     if weight_dtype.itemsize == 1:  # e4m3 with a prologue (bench/row_gemv.py only)
         if n >= 16384:
             return (8, 1024, 4, 2)
@@ -212,19 +246,24 @@ def row_gemv(
     residual: torch.Tensor | None = None,
     config: RowGemvConfig | None = None,
     offset: bool = False,
+    epilogue: int = PLAIN,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [1, K] (SILU_MUL, GELU_MUL: [1, 2K]) -> (y [1, N] in x's dtype, x + residual or None).
 
     weight [N, K] in x's dtype, or e4m3 with weight_scale [N] fp32; NORM: norm_weight [K], eps, an
     optional residual [1, K], and offset for Gemma's (1 + w); SILU_MUL, GELU_MUL: x is
-    [gate | up]. config overrides the tiles."""
+    [gate | up]. epilogue SILU_MUL, GELU_MUL: weight is [gate; up] and y = act(gate) * up,
+    [1, N / 2]. config overrides the tiles."""
     n, k = weight.shape
     x = x.contiguous()
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    summed = torch.empty_like(x) if residual is not None else None
     block_n, block_k, num_warps, num_stages = config or default_config(prologue, weight.dtype, n, k)
     block_k = min(block_k, max(32, triton.next_power_of_2(k)))
-    _row_gemv_kernel[(triton.cdiv(n, block_n),)](
+    if epilogue != PLAIN:  # gate row i and up row n/2 + i alternate: an even number a program
+        n, block_n = n // 2, max(2, block_n - block_n % 2)
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    summed = torch.empty_like(x) if residual is not None else None
+    rows_per_program = block_n if epilogue == PLAIN else block_n // 2
+    _row_gemv_kernel[(triton.cdiv(n, rows_per_program),)](
         x,
         residual.contiguous() if residual is not None else x,
         norm_weight if norm_weight is not None else x,
@@ -245,6 +284,7 @@ def row_gemv(
         BLOCK_K=block_k,
         EVEN_K=k % block_k == 0,
         OFFSET=offset,
+        EPILOGUE=epilogue,
         num_warps=num_warps,
         num_stages=num_stages,
         # engine.pdl: only without a prologue (the module docstring); with one, the kernel before
@@ -267,8 +307,9 @@ def row_gemv_applies(x: torch.Tensor) -> bool:
     )
 
 
-def _operands(linear, x: torch.Tensor, k: int):
-    """The linear's (weight, bias) when the one-row kernel can serve it for x, else None."""
+def _operands(linear, x: torch.Tensor, k: int, prologue: bool = True):
+    """The linear's (weight, scale, bias) when the one-row kernel can serve it for x (with a
+    prologue, or without: FP8 weights then too), else None."""
     if not row_gemv_applies(x):
         return None
     get = getattr(linear, "one_row_operands", None)
@@ -276,7 +317,7 @@ def _operands(linear, x: torch.Tensor, k: int):
     if operands is None:
         return None
     weight, scale, _ = operands
-    widths_match = weight.dtype == x.dtype or (FUSE_FP8 and scale is not None)
+    widths_match = weight.dtype == x.dtype or (scale is not None and (FUSE_FP8 or not prologue))
     if not widths_match or weight.shape[1] != k or weight.stride(1) != 1:
         return None
     return operands
@@ -331,10 +372,38 @@ def norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None):
     return linear(h), residual
 
 
+def one_row_gated(norm, gate_up, x: torch.Tensor, residual: torch.Tensor | None, activation: str):
+    """(act(gate) * up of gate_up(norm(x + residual)), x + residual), the activation applied by
+    gate_up's kernel (its epilogue), or None where that does not apply (GATED off, more than one
+    row, not CUDA, another norm, activation or linear). bf16/fp16 weights take the norm as their
+    prologue too; FP8 weights (no prologue unless FUSE_FP8) follow the norm's own kernel, whatever
+    engine.quant.fp8_kernels.ONE_ROW_PATH says."""
+    epilogue = _ACT_PROLOGUES.get(activation)
+    if not GATED or epilogue is None or type(norm) not in (RMSNorm, OffsetRMSNorm):
+        return None
+    k = x.shape[-1]
+    operands = _operands(gate_up, x, k)
+    if operands is not None:
+        weight, scale, bias = operands
+        offset = isinstance(norm, OffsetRMSNorm)
+        y, summed = row_gemv(
+            x, weight, scale, bias, NORM, norm.weight, norm.eps, residual, offset=offset,
+            epilogue=epilogue,
+        )  # fmt: skip
+        return y, (summed if residual is not None else x)
+    operands = _operands(gate_up, x, k, prologue=False)
+    if operands is None:
+        return None
+    weight, scale, bias = operands
+    h, residual = (norm(x), x) if residual is None else norm(x, residual)
+    return row_gemv(h, weight, scale, bias, epilogue=epilogue)[0], residual
+
+
 def one_row_linear(linear, x: torch.Tensor) -> torch.Tensor:
     """linear(x), by the one-row kernel without a prologue for one bf16/fp16 row on CUDA
-    (attention's o_proj: faster there than the linear's own skinny GEMM at Llama-3.1-8B's and
-    Qwen3-30B-A3B's shapes, bench/row_gemv.py), else by the linear's forward."""
+    (attention's o_proj, and down after one_row_gated: faster there than the linear's own skinny
+    GEMM at Llama-3.1-8B's and Qwen3-30B-A3B's shapes, bench/row_gemv.py), else by the linear's
+    forward."""
     operands = _operands(linear, x, x.shape[-1])
     if operands is None:
         return linear(x)

@@ -34,7 +34,7 @@ from engine.layers.moe import SparseMoeBlock
 from engine.layers.norm import OffsetRMSNorm
 from engine.layers.parallel import RowParallelLinear, VocabParallelEmbedding
 from engine.layers.rotary import norm_operands
-from engine.layers.row_gemv import act_linear, norm_linear, one_row_linear
+from engine.layers.row_gemv import act_linear, norm_linear, one_row_gated, one_row_linear
 from engine.layers.skinny_gemm import skinny_applies, skinny_gemm
 from engine.models.checkpoint_names import is_vision_tensor, text_decoder_name
 from engine.models.moe_weights import moe_weight_rows
@@ -175,11 +175,21 @@ class MLP(nn.Module):
         self.down_proj = row_linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.gate_up_proj(x))
+        return act_linear(self.down_proj, self.gate_up_proj(x), self.activation)
 
-    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """down_proj(act(gate) * up) of the gate_up projection's output."""
-        return act_linear(self.down_proj, gate_up, self.activation)
+    def norm_forward(
+        self, norm: RMSNorm, h: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mlp(norm(h + residual)), h + residual). At batch-1 decode the activation closes
+        gate_up's kernel, which takes the norm too for bf16 weights (engine.layers.row_gemv:
+        one_row_gated), so that down reads act(gate) * up; else the norm goes with gate_up and the
+        activation with down (norm_linear, act_linear)."""
+        gated = one_row_gated(norm, self.gate_up_proj, h, residual, self.activation)
+        if gated is not None:
+            act, residual = gated
+            return one_row_linear(self.down_proj, act), residual
+        gate_up, residual = norm_linear(norm, self.gate_up_proj, h, residual)
+        return act_linear(self.down_proj, gate_up, self.activation), residual
 
 
 class DecoderLayer(nn.Module):
@@ -225,12 +235,8 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn
         qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, x, residual)
         h = attn.attend(qkv, positions, rotary, kv_cache_layer, meta)
-        if not isinstance(self.mlp, MLP):  # experts: the norm goes with the router
-            return self.mlp.norm_forward(self.post_attention_layernorm, h, residual)
-        gate_up, residual = norm_linear(
-            self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual
-        )
-        return self.mlp.down(gate_up), residual
+        # the norm goes with gate_up's kernel, or with the experts' router (engine/layers/moe.py)
+        return self.mlp.norm_forward(self.post_attention_layernorm, h, residual)
 
 
 class SandwichDecoderLayer(nn.Module):
@@ -275,10 +281,8 @@ class SandwichDecoderLayer(nn.Module):
         attn = self.self_attn
         qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, x, residual)
         h = self.post_attention_layernorm(attn.attend(qkv, positions, rotary, kv_cache_layer, meta))
-        gate_up, residual = norm_linear(
-            self.pre_feedforward_layernorm, self.mlp.gate_up_proj, h, residual
-        )
-        return self.post_feedforward_layernorm(self.mlp.down(gate_up)), residual
+        out, residual = self.mlp.norm_forward(self.pre_feedforward_layernorm, h, residual)
+        return self.post_feedforward_layernorm(out), residual
 
 
 def norm_class(cfg: ModelConfig) -> type[RMSNorm]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from engine.layers.fused import fused_kernels_available
-from engine.layers.row_gemv import row_gemv
+from engine.layers.row_gemv import PLAIN, default_config, row_gemv
 from engine.pdl import launch_options, release
 
 try:  # a CPU-only install may have no triton; the reference path never needs it
@@ -182,12 +182,8 @@ def default_skinny_config(n: int, k: int, variant: str | None = None) -> Fp8Skin
     variant = variant or SKINNY_VARIANT
     if (variant, n, k) in TILE_OVERRIDES:
         return TILE_OVERRIDES[(variant, n, k)]
-    if variant == "gemv":
-        if n >= 16384:  # gate_up
-            return (16, 256, 4, 2)
-        if n >= 6144:  # qkv
-            return (16, 512, 8, 3)
-        return (8, 1024, 4, 2)  # o_proj, down_proj
+    if variant == "gemv":  # the one-row kernel's own tiles for e4m3 without a prologue
+        return default_config(PLAIN, FP8, n, k)
     if k >= 8192 or n == k:  # down_proj, o_proj
         return (32, 1024, 4, 3)
     return (32, 512, 4, 3)  # qkv, gate_up
