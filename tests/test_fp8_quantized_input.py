@@ -9,17 +9,23 @@ ones at every row count that takes the path."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 from child_process import run_in_triton_interpreter
+from conftest import triton_nvidia_backend
 from engine.layers import RMSNorm
 from engine.layers.activation import gate_and_mul
 from engine.layers.row_gemv import act_linear, norm_linear
 from engine.quant.fp8 import Fp8Linear
 
+REPO = Path(__file__).resolve().parents[1]
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None,
     reason="triton is not installed (CPU torch has none)",
@@ -82,6 +88,48 @@ def test_quantizing_kernels_under_the_triton_interpreter():
         print("ok")
     """)
     done = run_in_triton_interpreter(script)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+@pytest.mark.skipif(not triton_nvidia_backend(), reason="triton without its CUDA backend (ptxas)")
+def test_quantizing_kernels_compile_for_hopper(tmp_path):
+    """The norm writing e4m3 (with and without a residual, Gemma's norm), the gate activation's
+    quantizing kernel and the per-token quantizer, compiled ahead of time for sm_90 with bf16
+    activations: the e4m3 stores and the shared scale helpers through ptxas."""
+    script = textwrap.dedent("""
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from engine.layers import fused
+        from engine.quant import fp8_kernels
+
+        def build(fn, sig, const, warps):
+            sig = dict(sig, **{c: "constexpr" for c in const})
+            source = ASTSource(fn=fn, signature=sig, constexprs=const)
+            options = dict(num_warps=warps, num_stages=1, launch_pdl=True)
+            triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+        norm_sig = dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", out_ptr="*fp8e4nv",
+                        res_out_ptr="*bf16", scale_ptr="*fp32", stride_x="i32", stride_res="i32",
+                        stride_out="i32", stride_res_out="i32", n_cols="i32", eps="fp32")
+        for residual, offset in ((True, False), (False, False), (True, True)):
+            build(fused._rms_norm_kernel, norm_sig,
+                  dict(HAS_RESIDUAL=residual, OFFSET=offset, QUANTIZE=True, BLOCK=4096, PDL=True),
+                  16)
+        gate_sig = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32", stride_x="i32",
+                        stride_q="i32", n_cols="i32")
+        for act in (0, 1):
+            build(fused._gate_and_mul_fp8_kernel, gate_sig, dict(ACT=act, BLOCK=4096, PDL=True), 8)
+        build(fp8_kernels._quantize_rows_kernel,
+              dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", K="i32", stride_xm="i32",
+                   stride_qm="i32"),
+              dict(BLOCK_K=4096, PDL=True), 4)
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(REPO))
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 

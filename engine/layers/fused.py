@@ -81,11 +81,21 @@ if triton is not None:
     @triton.jit
     def quantize_row(y, q_ptr, scale_ptr, cols, mask):
         """A whole row y (float32, its lanes outside the row 0) as e4m3 at q_ptr + cols, and its
-        scale amax / 448 at scale_ptr: engine.quant.fp8_kernels' per-token quantization."""
-        scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / 448.0
+        scale at scale_ptr (e4m3_scale, e4m3_values)."""
+        scale = e4m3_scale(tl.max(tl.abs(y), axis=0))
         tl.store(scale_ptr, scale)
-        q = tl.clamp(y / scale, -448.0, 448.0)
-        tl.store(q_ptr + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_ptr + cols, e4m3_values(y, scale, q_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def e4m3_scale(amax):
+        """Per-token quantization's scale of a row whose largest magnitude is amax: amax / 448 (an
+        all-zero row gets a finite one), as engine.quant.fp8_kernels.quantize_rows_reference."""
+        return tl.maximum(amax, 1e-12) / 448.0
+
+    @triton.jit
+    def e4m3_values(y, scale, E4M3: tl.constexpr):
+        """y / scale clamped to e4m3's range and cast to it."""
+        return tl.clamp(y / scale, -448.0, 448.0).to(E4M3)
 
     @triton.jit
     def gate_activation(gate, ACT: tl.constexpr):
@@ -149,13 +159,13 @@ if triton is not None:
         for c0 in range(0, n_cols, BLOCK):
             mask = c0 + cols < n_cols
             peak = tl.maximum(peak, tl.abs(_gated(row_ptr, c0 + cols, mask, n_cols, ACT)))
-        scale = tl.maximum(tl.max(peak, axis=0), 1e-12) / 448.0
+        scale = e4m3_scale(tl.max(peak, axis=0))
         tl.store(scale_ptr + row, scale)
         for c0 in range(0, n_cols, BLOCK):
             mask = c0 + cols < n_cols
             y = _gated(row_ptr, c0 + cols, mask, n_cols, ACT).to(tl.float32)
-            q = tl.clamp(y / scale, -448.0, 448.0)
-            tl.store(q_ptr + row * stride_q + c0 + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+            q = e4m3_values(y, scale, q_ptr.dtype.element_ty)
+            tl.store(q_ptr + row * stride_q + c0 + cols, q, mask=mask)
 
     @triton.jit
     def _rotate_heads(

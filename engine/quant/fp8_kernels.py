@@ -64,6 +64,7 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 if triton is not None:
+    from engine.layers.fused import e4m3_scale, e4m3_values
 
     @triton.jit
     def _quantize_rows_kernel(
@@ -78,13 +79,13 @@ if triton is not None:
         for k0 in range(0, K, BLOCK_K):
             x = tl.load(x_row + k0 + rk, mask=(k0 + rk) < K, other=0.0).to(tl.float32)
             peak = tl.maximum(peak, tl.abs(x))
-        scale = tl.maximum(tl.max(peak, axis=0), 1e-12) / 448.0
+        scale = e4m3_scale(tl.max(peak, axis=0))
         tl.store(s_ptr + row, scale)
         for k0 in range(0, K, BLOCK_K):
             ok = (k0 + rk) < K
             x = tl.load(x_row + k0 + rk, mask=ok, other=0.0).to(tl.float32)
-            q = tl.clamp(x / scale, -448.0, 448.0)
-            tl.store(q_ptr + row * stride_qm + k0 + rk, q.to(q_ptr.dtype.element_ty), mask=ok)
+            q = e4m3_values(x, scale, q_ptr.dtype.element_ty)
+            tl.store(q_ptr + row * stride_qm + k0 + rk, q, mask=ok)
 
     @triton.jit
     def _fp8_skinny_kernel(
