@@ -168,7 +168,7 @@ def main() -> None:
             variant,
             q,
             args.batch,
-        )  # fmt: skip
+        )
         for name in args.configs.split(",")
         if name
         for q in quantizations

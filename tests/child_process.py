@@ -78,3 +78,13 @@ def run_in_triton_interpreter(script: str, *args: str) -> subprocess.CompletedPr
         text=True,
         timeout=600,
     )
+
+
+def run_with_triton_cache(script: str, cache_dir) -> subprocess.CompletedProcess:
+    """`python -c script` with the repo importable and Triton's cache in `cache_dir` (the
+    ahead-of-time compile tests: a fresh cache, nothing read from another run's); its output
+    captured, at most 10 minutes."""
+    env = dict(os.environ, TRITON_CACHE_DIR=str(cache_dir), PYTHONPATH=str(REPO))
+    return subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )

@@ -9,23 +9,18 @@ ones at every row count that takes the path."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
-from child_process import run_in_triton_interpreter
+from child_process import run_in_triton_interpreter, run_with_triton_cache
 from conftest import triton_nvidia_backend
 from engine.layers import RMSNorm
 from engine.layers.activation import gate_and_mul
 from engine.layers.row_gemv import act_linear, norm_linear
 from engine.quant.fp8 import Fp8Linear
 
-REPO = Path(__file__).resolve().parents[1]
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None,
     reason="triton is not installed (CPU torch has none)",
@@ -126,10 +121,7 @@ def test_quantizing_kernels_compile_for_hopper(tmp_path):
               dict(BLOCK_K=4096, PDL=True), 4)
         print("ok")
     """)
-    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(REPO))
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
-    )
+    done = run_with_triton_cache(script, tmp_path)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 

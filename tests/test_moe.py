@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -21,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from child_process import run_in_triton_interpreter
+from child_process import run_in_triton_interpreter, run_with_triton_cache
 from conftest import triton_nvidia_backend
 from engine.config import ModelConfig
 from engine.distributed.sharding import Shard
@@ -539,10 +536,7 @@ def test_fused_moe_kernels_compile_for_hopper(tmp_path):
                           tile)
         print("ok")
     """)
-    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(REPO))
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
-    )
+    done = run_with_triton_cache(script, tmp_path)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 

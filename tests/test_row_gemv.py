@@ -7,16 +7,12 @@ and a model's decode step with the kernel on and off."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
-from child_process import run_in_triton_interpreter
+from child_process import run_in_triton_interpreter, run_with_triton_cache
 from conftest import triton_nvidia_backend
 from engine.layers import Linear, RMSNorm
 from engine.layers.activation import silu_and_mul_reference
@@ -24,7 +20,6 @@ from engine.layers.parallel import RowParallelLinear
 from engine.layers.row_gemv import act_linear, norm_linear
 from engine.quant.fp8 import Fp8Linear, RowParallelFp8Linear
 
-REPO = Path(__file__).resolve().parents[1]
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None,
     reason="triton is not installed (CPU torch has none)",
@@ -239,10 +234,7 @@ def test_row_gemv_compiles_for_hopper(tmp_path):
         build("bf16", rg.NORM, True, 43008, 5376, offset=True, epilogue=rg.GELU_MUL)
         print("ok")
     """)
-    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(REPO))
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
-    )
+    done = run_with_triton_cache(script, tmp_path)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
