@@ -38,6 +38,8 @@ VARIANTS = {
     "pdl-prologues": (("engine.layers.row_gemv", "PDL_PROLOGUES", True),),
     "no-fused-quantize": (("engine.layers.row_gemv", "FUSE_QUANTIZE", False),),
     "no-gated-epilogue": (("engine.layers.row_gemv", "GATED", False),),
+    "no-norm-after": (("engine.layers.row_gemv", "NORM_AFTER", False),),
+    "norm-after-no-pdl": (("engine.layers.row_gemv", "PDL_NORMED", False),),
 }
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from engine.layers.fused import fused_kernels_available
-from engine.layers.random_race import draw_key, race_sample
+from engine.layers.vocab_argmax import draw_key, greedy_argmax, race_sample
 from engine.outputs import Logprob, PositionLogprobs
 from engine.sampling_params import SamplingParams
 from engine.token_bitmask import apply_token_bitmask
@@ -396,6 +396,14 @@ class DeviceSample:
         return SamplerOutput(ids, logprobs)
 
 
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax: on CUDA split over many programs (engine.layers.vocab_argmax), the same
+    choice as torch.argmax's."""
+    if fused_kernels_available(logits):
+        return greedy_argmax(logits)
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
     """Samples one token per row of a [N, V] logits batch, each row under its own SamplingParams.
 
@@ -464,7 +472,7 @@ class Sampler:
 
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         everyone = len(sampled_rows) == len(rows)
-        token_ids = None if everyone else work.argmax(dim=-1)
+        token_ids = None if everyone else _greedy(work)
         if sampled_rows:
             index = (
                 None if everyone else torch.tensor(sampled_rows).to(work.device, non_blocking=True)

@@ -1,5 +1,5 @@
-"""Triton kernels (engine/layers/fused.py, skinny_gemm.py, random_race.py) against transformers' and
-torch's layers (Llama's and Gemma 3's norms, activations and rotation).
+"""Triton kernels (engine/layers/fused.py, skinny_gemm.py, vocab_argmax.py) against
+transformers' and torch's layers (Llama's and Gemma 3's norms, activations and rotation).
 
 GPU tests check the compiled kernels in bf16/fp16/fp32 on random shapes; one CPU test runs them
 under Triton's interpreter in float32 so CI catches a broken kernel without a GPU.
@@ -298,7 +298,7 @@ def test_skinny_gemm_only_for_few_rows():
 @pytest.mark.gpu
 @cuda
 def test_race_sample_follows_softmax_and_keys():
-    from engine.layers.random_race import race_sample
+    from engine.layers.vocab_argmax import race_sample
 
     vocab, draws = 16, 40000
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -317,6 +317,55 @@ def test_race_sample_follows_softmax_and_keys():
     k5 = torch.tensor([11, 22, 33, 44, 55], device="cuda")
     alone = race_sample(big[2:3], k5[2:3])
     assert race_sample(big, k5)[2] == alone[0]
+
+
+@pytest.mark.gpu
+@cuda
+def test_greedy_argmax_picks_torch_argmax_ties_included():
+    from engine.layers.vocab_argmax import greedy_argmax
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for rows, vocab in ((1, 128256), (64, 151936), (3, 262208), (5, 17)):
+        # bf16-rounded logits tie often; the winner is the lowest column, as torch.argmax's
+        logits = torch.randn(rows, vocab, device="cuda", generator=gen).bfloat16().float()
+        logits[0, vocab // 3] = logits[0, -1] = logits[0].max() + 1
+        assert torch.equal(greedy_argmax(logits), logits.argmax(-1)), (rows, vocab)
+    masked = torch.full((2, 9000), float("-inf"), device="cuda")
+    masked[1, 8999] = 0.0
+    assert greedy_argmax(masked).tolist() == [0, 8999]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None,
+    reason="triton is not installed (CPU torch has none)",
+)
+def test_vocab_argmax_under_the_triton_interpreter():
+    """The split argmax on CPU: greedy equals torch.argmax (ties to the lowest column, a row of
+    -inf, a vocabulary that is no multiple of the split); the random draw is the same whatever the
+    split, and never a masked column."""
+    script = textwrap.dedent("""
+        import torch
+        import engine.layers.vocab_argmax as va
+        torch.manual_seed(0)
+        logits = torch.randn(3, 10000).bfloat16().float()
+        logits[0, 4097] = logits[0, 9999] = logits[0, 2] = 9.0
+        logits[2] = float("-inf")
+        for block in (1024, 4096, 16384):
+            va.BLOCK = block
+            assert torch.equal(va.greedy_argmax(logits), logits.argmax(-1)), block
+        keys = torch.tensor([5, -7, 1 << 40])
+        logits[2, 7777] = 0.0
+        logits[1, :5000] = float("-inf")
+        drawn = []
+        for block in (1024, 16384):
+            va.BLOCK = block
+            drawn.append(va.race_sample(logits, keys))
+        assert torch.equal(drawn[0], drawn[1]), drawn
+        assert drawn[0][1] >= 5000 and drawn[0][2] == 7777, drawn
+        print("ok")
+    """)
+    result = run_in_triton_interpreter(script)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
 @pytest.mark.skipif(

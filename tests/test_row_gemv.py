@@ -186,6 +186,99 @@ def test_gated_epilogue_under_the_triton_interpreter_matches_gate_and_mul():
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
+@needs_triton
+def test_norm_begun_by_the_linear_before_under_the_triton_interpreter():
+    """The norm split over two kernels (row_gemv.linear_add_norm): the linear before it writes
+    s = W x + residual, w * s and its programs' sums of s^2 (Llama's norm and Gemma's, scales and a
+    bias, rows that do not fill the last program); the linear after divides by the rms (plain and
+    closed by the gate activation); then a dense MLP between two of them (o_proj's output in, the
+    next layer's norm begun by down) against the layers one after the other, with weights of the
+    row's width and narrower scaled ones (FP8's case; fp16 here); float32 on CPU."""
+    script = textwrap.dedent("""
+        from types import SimpleNamespace
+        import torch
+        import engine.layers.row_gemv as rg
+        from engine.layers import Linear, RMSNorm
+        from engine.layers.activation import gate_and_mul
+        from engine.layers.norm import OffsetRMSNorm
+        from engine.models.decoder import MLP
+        torch.manual_seed(0)
+        for n, k, tiles in [(37, 40, (8, 16, 4, 1)), (64, 24, (16, 32, 4, 1)), (40, 24, None)]:
+            w, w2 = torch.randn(n, k), torch.randn(2 * 6, n)
+            scale, bias = torch.rand(n) + 0.5, torch.randn(n)
+            x, res = torch.randn(1, k), torch.randn(1, n)
+            for norm in (RMSNorm(n, 1e-5, torch.float32, "cpu"),
+                         OffsetRMSNorm(n, 1e-6, torch.float32, "cpu")):
+                norm.weight.data = torch.rand(n) + 0.5
+                offset = isinstance(norm, OffsetRMSNorm)
+                scaled, summed, squares = rg.row_gemv_norm_after(
+                    x, w, scale, bias, norm.weight, res, offset, config=tiles)
+                s = (x @ w.t()) * scale + bias + res
+                torch.testing.assert_close(summed, s, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(squares.sum(), summed.square().sum())
+                row = rg.NormedRow(scaled, squares, summed, norm)
+                torch.testing.assert_close(row.finish(), norm.reference(summed))
+                y, _ = rg.row_gemv(scaled, w2, None, None, rg.NORMED, eps=norm.eps,
+                                   squares=squares)
+                torch.testing.assert_close(y, norm.reference(summed) @ w2.t(), atol=1e-4,
+                                           rtol=1e-4)
+                y, _ = rg.row_gemv(scaled, w2, None, None, rg.NORMED, eps=norm.eps,
+                                   squares=squares, epilogue=rg.SILU_MUL)
+                ref = gate_and_mul(norm.reference(summed) @ w2.t(), "silu")
+                torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
+
+        class ScaledHalf(torch.nn.Module):
+            # a linear whose weight is narrower than the row, with per-row scales (FP8's shape)
+            def __init__(self, w, s):
+                super().__init__()
+                self.w, self.s = w.half(), s
+            def forward(self, x):
+                return (x @ self.w.float().t()) * self.s
+            def one_row_operands(self):
+                return self.w, self.s, None
+
+        rg.row_gemv_applies = lambda x: True  # the CUDA check answered yes on CPU
+        cfg = SimpleNamespace(hidden_size=40, intermediate_size=36, hidden_act="silu")
+        mlp = MLP(cfg, torch.float32, "cpu")
+        mlp.gate_up_proj.weight.data.normal_()
+        mlp.down_proj.weight.data.normal_()
+        o_proj, qkv = Linear(24, 40, False, torch.float32, "cpu"), Linear(40, 56, True,
+                                                                           torch.float32, "cpu")
+        for p in (*o_proj.parameters(), *qkv.parameters()):
+            p.data.normal_()
+        norms = [RMSNorm(40, 1e-5, torch.float32, "cpu") for _ in range(2)]
+        for norm in norms:
+            norm.weight.data = torch.rand(40) + 0.5
+        heads, res = torch.randn(1, 24), torch.randn(1, 40)
+        # the layers one after the other
+        s1 = o_proj(heads) + res
+        s2 = mlp(norms[0].reference(s1)) + s1
+        ref_y = qkv(norms[1].reference(s2))
+        narrow = ScaledHalf(mlp.down_proj.weight.data, torch.ones(40))
+        for down in (mlp.down_proj, narrow):
+            mlp.down_proj = down
+            h, none = rg.linear_add_norm(o_proj, heads, res, norms[0])
+            assert isinstance(h, rg.NormedRow) and none is None
+            out, none = mlp.norm_forward(norms[0], h, None, norms[1])
+            assert isinstance(out, rg.NormedRow) and none is None
+            want = s2 if down is not narrow else mlp(norms[0].reference(s1)) + s1
+            torch.testing.assert_close(out.summed, want, atol=1e-3, rtol=1e-3)
+            y, summed = rg.norm_linear(norms[1], qkv, out, None)
+            assert summed is out.summed
+            torch.testing.assert_close(y, qkv(norms[1].reference(want)), atol=1e-3, rtol=1e-3)
+        # a reader with no kernel for it finishes the norm first
+        y, _ = rg.norm_linear(norms[1], lambda h: h * 2, out, None)
+        torch.testing.assert_close(y, 2 * norms[1].reference(out.summed))
+        # switched off, or no residual: the plain pair
+        rg.NORM_AFTER = False
+        y, r = rg.linear_add_norm(o_proj, heads, res, norms[0])
+        assert r is res and not isinstance(y, rg.NormedRow)
+        print("ok")
+    """)
+    done = run_in_triton_interpreter(script)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
 @pytest.mark.skipif(not triton_nvidia_backend(), reason="triton without its CUDA backend (ptxas)")
 def test_row_gemv_compiles_for_hopper(tmp_path):
     """The kernel with bf16 and e4m3 weights, every prologue, the default tiles of each
@@ -201,13 +294,14 @@ def test_row_gemv_compiles_for_hopper(tmp_path):
         def build(w_type, prologue, residual, n, k, offset=False, epilogue=rg.PLAIN):
             w_dtype = torch.float8_e4m3fn if w_type == "fp8e4nv" else torch.bfloat16
             bn, bk, warps, stages = rg.default_config(prologue, w_dtype, n, k)
-            ptrs = ["x_ptr", "res_ptr", "g_ptr", "w_ptr", "ws_ptr", "b_ptr", "y_ptr", "res_out_ptr"]
+            ptrs = ["x_ptr", "res_ptr", "g_ptr", "w_ptr", "ws_ptr", "b_ptr", "y_ptr", "res_out_ptr",
+                    "sq_in_ptr", "sq_out_ptr"]
             sig = {p: "*bf16" for p in ptrs}
             sig.update(w_ptr="*" + w_type, ws_ptr="*fp32", N="i32", K="i32", stride_wn="i32",
-                       eps="fp32")
+                       eps="fp32", sq_in_ptr="*fp32", sq_out_ptr="*fp32", n_sq_in="i32")
             const = dict(PROLOGUE=prologue, HAS_RESIDUAL=residual, HAS_SCALE=w_type != "bf16",
                          HAS_BIAS=False, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, OFFSET=offset,
-                         EPILOGUE=epilogue, PDL=True)
+                         EPILOGUE=epilogue, SQ_IN=512, PDL=True)
             sig.update({c: "constexpr" for c in const})
             source = ASTSource(fn=rg._row_gemv_kernel, signature=sig, constexprs=const)
             options = dict(num_warps=warps, num_stages=stages, launch_pdl=True)
@@ -228,6 +322,11 @@ def test_row_gemv_compiles_for_hopper(tmp_path):
             build(w_type, rg.NORM if w_type == "bf16" else rg.PLAIN, False, 28672, 4096,
                   epilogue=rg.SILU_MUL)
             build(w_type, rg.PLAIN, False, 4096, 14336)  # down after it
+            # o_proj and down beginning the norm after them; qkv and gate_up finishing it
+            build(w_type, rg.PLAIN, True, 4096, 4096, epilogue=rg.NORM)
+            build(w_type, rg.PLAIN, True, 4096, 14336, epilogue=rg.NORM)
+            build(w_type, rg.NORMED, False, 6144, 4096)
+            build(w_type, rg.NORMED, False, 28672, 4096, epilogue=rg.SILU_MUL)
         # Gemma 3 27B: its (1 + w) norm before qkv and gate_up, its tanh GELU before down
         build("bf16", rg.NORM, True, 8192, 5376, offset=True)
         build("bf16", rg.GELU_MUL, False, 5376, 21504)
@@ -389,3 +488,44 @@ def test_gated_mlp_matches_the_unfused_layers(fp8, act, hidden, inter):
     plain, ref_summed = _unfused(mlp.norm_forward, norm, x, res)
     assert torch.equal(summed, ref_summed)
     _assert_within_bf16(gated, plain, (fp8, act))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_norm_begun_by_the_linear_before_matches_the_unfused_layers(fp8):
+    """At Llama-3.1-8B's shapes, bf16 or FP8 weights: o_proj begins the MLP's norm, the MLP's down
+    the next layer's (row_gemv.linear_add_norm), and qkv finishes it; against the layers one after
+    the other within bf16 rounding, the residual stream within one rounding of its sums."""
+    from types import SimpleNamespace
+
+    import engine.layers.row_gemv as rg
+    from engine.models.decoder import MLP
+
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    hidden, inter = 4096, 14336
+    cfg = SimpleNamespace(hidden_size=hidden, intermediate_size=inter, hidden_act="silu")
+    make = Fp8Linear if fp8 else Linear
+    mlp = MLP(cfg, dt, dev, make, make)
+    o_proj, qkv = make(hidden, hidden, False, dt, dev), make(hidden, 6144, False, dt, dev)
+    for i, lin in enumerate((mlp.gate_up_proj, mlp.down_proj, o_proj, qkv)):
+        if fp8:
+            lin.fill_random(0.02, torch.Generator(dev).manual_seed(i))
+        else:
+            lin.weight.data.normal_(0.0, 0.02)
+    norms = [RMSNorm(hidden, 1e-5, dt, dev) for _ in range(2)]
+    for norm in norms:
+        norm.weight.data = (torch.rand(hidden, device=dev) + 0.5).to(dt)
+    heads, res = (torch.randn(1, hidden, device=dev, dtype=dt) for _ in range(2))
+
+    def chain():
+        h, r = rg.linear_add_norm(o_proj, heads, res, norms[0])
+        out, r = mlp.norm_forward(norms[0], h, r, norms[1])
+        return norm_linear(norms[1], qkv, out, r)
+
+    h, _ = rg.linear_add_norm(o_proj, heads, res, norms[0])
+    assert isinstance(h, rg.NormedRow)
+    y, summed = chain()
+    plain, ref_summed = _unfused(chain)
+    _assert_within_bf16(summed, ref_summed, "residual")
+    _assert_within_bf16(y, plain, fp8)

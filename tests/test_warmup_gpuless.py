@@ -45,7 +45,7 @@ ENGINE_KERNELS = {
     "_rope_kernel",
     "_gate_and_mul_kernel",
     "_skinny_gemm_kernel",
-    "_race_kernel",
+    "_argmax_kernel",  # the sampler's greedy pick and random draw (vocab_argmax)
     "_row_gemv_kernel",  # batch-1 decode's norm/activation + linear (engine.layers.row_gemv)
 }
 LIMITS = ["--dtype", "bfloat16", "--max-model-len", "128", "--max-num-seqs", "4"]

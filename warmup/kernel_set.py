@@ -256,12 +256,12 @@ def trace(
     kv_cache_dtype: str = "auto",
     records: list | None = None,
 ) -> None:
-    """Run each step's forward (and a graph step's logits, and the sampler's draw) with launches
-    compile-only, over a KV cache of the engine's kv_cache_dtype (FP8 takes other kernels);
-    `records`: compile_only's."""
+    """Run each step's forward (and a graph step's logits, and the sampler's greedy pick and
+    draw) with launches compile-only, over a KV cache of the engine's kv_cache_dtype (FP8 takes
+    other kernels); `records`: compile_only's."""
     from engine.attention import kv_cache_shape
     from engine.attention.kv_quant import resolve_kv_cache_dtype
-    from engine.layers.random_race import race_sample
+    from engine.layers.vocab_argmax import greedy_argmax, race_sample
 
     cfg, dtype = model.config, model.dtype
     blocks = 16 * -(-max_model_len // (16 * block_size)) or 16
@@ -279,6 +279,7 @@ def trace(
             if step.graph:
                 model.compute_logits(hidden, out=logits[: step.num_seqs])
         race_sample(logits[:1], torch.empty(1, dtype=torch.int64, device="meta"))
+        greedy_argmax(logits[:1])
 
 
 def kernel_dirs(kernels: list) -> dict[str, str]:

@@ -5,6 +5,14 @@ activation cost no launch of their own. The activation can instead close gate_up
 epilogue: each program holds gate and up rows in pairs), so that down reads act(gate) * up, half
 as wide, with no prologue: the MLP's path when GATED (one_row_gated).
 
+The norm can instead be split over the two linears around it (NORM_AFTER, at Llama-style
+layers): the kernel of the linear before it (o_proj; down, for the next layer's norm) adds the
+residual to its output rows and writes s = y + residual, w * s and its programs' sums of s^2
+(EPILOGUE NORM), and the kernel of the linear after it reads w * s as its row and divides by the
+rms at the end (PROLOGUE NORMED): a NormedRow passed between them (linear_add_norm, norm_linear,
+one_row_gated). Every program then reads one row, not the row, the residual and the norm weight,
+and FP8 weights lose the norm's own kernel (bench/results/2026-11-28-h100-norm-after/).
+
 One row of input: each program reads the whole row (from L2) beside its BLOCK_N rows of the
 weight, so the prologue is recomputed per program and never written out. The norm's 1/rms is a
 scalar that factors out of the dot product: W (g * x / rms) = (W (g * x)) / rms, the sum of squares
@@ -20,14 +28,14 @@ residual, the row and the norm weight beside only half the bytes of weight a bf1
 
 Launch (engine.pdl): each program requests its first weight tile, then waits for the kernel before;
 the kernel launches early only without a prologue (its kernel before is then small: attention, the
-norm or SiLU before an FP8 linear).
+norm or SiLU before an FP8 linear) or with NORMED (PDL_NORMED; measured faster than without).
 
 Numerics: fp32 throughout, rounded where torch rounds the sum x + residual and the activation; the
-normed input is not rounded to the activation dtype before the product, so results differ from the
-unfused layers by bf16 rounding.
+normed input is not rounded to the activation dtype before the product (split, w * s is: the row
+the second kernel reads), so results differ from the unfused layers by bf16 rounding.
 
-Who takes it: norm_linear, one_row_gated, act_linear and one_row_linear below (the decoder's only
-callers; the last, o_proj's and down's after one_row_gated, has no prologue), on CUDA, for one
+Who takes it: norm_linear, one_row_gated, act_linear, linear_add_norm and one_row_linear below
+(the decoder's only callers; the last two, o_proj's and down's, have no prologue), on CUDA, for one
 row, an RMSNorm (Llama's or Gemma's) and a linear whose one_row_operands() gives (weight, scale,
 bias) with its weight in the activation dtype, or FP8 with its scales when FUSE_FP8 or without a
 prologue (row-parallel linears give none: they all-reduce after). FUSE turns it off
@@ -40,6 +48,8 @@ act_linear then have the norm or the gate activation write its rows quantized in
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -59,16 +69,42 @@ try:  # a CPU-only install may have no triton; the unfused layers never need it
 except ImportError:  # pragma: no cover - exercised only on installs without triton
     triton = None
 
+
+class NormedRow(NamedTuple):
+    """norm(x + residual) of one decode row, begun by the kernel of the linear that made x
+    (linear_add_norm) and finished by the kernel of the linear that reads it (norm_linear,
+    one_row_gated): `scaled` is w * (x + residual) (Gemma's norm: (1 + w) * ...) in the activation
+    dtype, `squares` each of the first kernel's programs' sum of (x + residual)^2 in fp32, `summed`
+    x + residual (the residual stream after the add); the reader divides its sums by
+    sqrt(sum(squares) / K + eps). So the norm costs no launch of its own."""
+
+    scaled: torch.Tensor
+    squares: torch.Tensor
+    summed: torch.Tensor
+    norm: RMSNorm
+
+    def finish(self) -> torch.Tensor:
+        """norm(x + residual) itself, for a reader with no kernel that takes the row unfinished."""
+        rms = torch.sqrt(self.squares.sum() / self.scaled.shape[-1] + self.norm.eps)
+        return (self.scaled.float() / rms).to(self.scaled.dtype)
+
+
 FUSE = True  # the fused one-row path on (benchmarks turn it off to compare)
 FUSE_FP8 = False  # FP8 weights take the prologues too (benchmarks compare)
 PDL_PROLOGUES = False  # the kernels with a prologue launch early too (benchmarks compare)
+PDL_NORMED = True  # the kernels reading a NormedRow launch early (benchmarks compare)
 # the norm or gate activation before an FP8 linear that quantizes its rows per token writes them
 # quantized (_quantized_rows; benchmarks turn it off to compare)
 FUSE_QUANTIZE = True
 GATED = True  # gate_up's kernel applies act(gate) * up (one_row_gated; benchmarks turn it off)
-# the prologue applied to x before the product (GELU_MUL: the tanh form, Gemma's)
-PLAIN, NORM, SILU_MUL, GELU_MUL = 0, 1, 2, 3
+# the next norm begun in the kernel of the linear before it (linear_add_norm; benchmarks turn it
+# off)
+NORM_AFTER = True
+# the prologue applied to x before the product (GELU_MUL: the tanh form, Gemma's; NORMED: x is a
+# NormedRow's scaled row, its 1/rms applied at the end); as an epilogue, NORM begins the next norm
+PLAIN, NORM, SILU_MUL, GELU_MUL, NORMED = 0, 1, 2, 3, 4
 _ACT_PROLOGUES = {"silu": SILU_MUL, "gelu_pytorch_tanh": GELU_MUL}
+_ACT_NAMES = {code: name for name, code in _ACT_PROLOGUES.items()}
 RowGemvConfig = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 # (prologue, weight dtype name, N, K) -> tiles replacing the defaults (a benchmark's sweep)
 TILE_OVERRIDES: dict[tuple[int, str, int, int], RowGemvConfig] = {}
@@ -127,10 +163,13 @@ if triton is not None:
         b_ptr,
         y_ptr,
         res_out_ptr,
+        sq_in_ptr,
+        sq_out_ptr,
         N,
         K,
         stride_wn,
         eps,
+        n_sq_in,
         PROLOGUE: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr,
         HAS_SCALE: tl.constexpr,
@@ -140,6 +179,7 @@ if triton is not None:
         EVEN_K: tl.constexpr,
         OFFSET: tl.constexpr,
         EPILOGUE: tl.constexpr,
+        SQ_IN: tl.constexpr,
         PDL: tl.constexpr,
     ):
         """Program n: y[n * BLOCK_N : +BLOCK_N] = W[rows] @ prologue(x), fp32 multiply-adds into a
@@ -150,9 +190,13 @@ if triton is not None:
 
         EPILOGUE SILU_MUL / GELU_MUL: W is [gate; up], 2N rows, and y = act(gate) * up, N wide;
         the program's BLOCK_N rows alternate gate row i and up row N + i, so that its sums split
-        into the pairs the activation takes."""
+        into the pairs the activation takes.
+
+        EPILOGUE NORM begins the next norm: s = y + residual goes to res_out, g * s (OFFSET:
+        (1 + g) * s) to y, and the program's sum of s^2 to sq_out[pid]. PROLOGUE NORMED reads such
+        a row as x and divides by sqrt(sum(sq_in[:n_sq_in]) / K + eps) at the end."""
         pid = tl.program_id(0)
-        if EPILOGUE == 0:
+        if EPILOGUE == 0 or EPILOGUE == 1:
             rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
             row_ok = rn < N
             rows = rn
@@ -170,7 +214,16 @@ if triton is not None:
             w = tl.load(w_ptrs)
         else:
             w = tl.load(w_ptrs, mask=(rk < K)[None, :], other=0.0)
+        if EPILOGUE == 1:  # the norm weight's rows, before the wait (no kernel writes them)
+            g_rows = tl.load(g_ptr + rn_safe).to(tl.float32)
+            if OFFSET:
+                g_rows = 1.0 + g_rows
         release(PDL)
+        if PROLOGUE == 4:  # requested now, used after the loop
+            sq_offs = tl.arange(0, SQ_IN)
+            sq_in = tl.load(sq_in_ptr + sq_offs, mask=sq_offs < n_sq_in, other=0.0)
+        if EPILOGUE == 1:
+            res_rows = tl.load(res_ptr + rn_safe)
         acc, squares = _accumulate(
             acc, squares, w, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, K, pid,
             PROLOGUE, HAS_RESIDUAL, EVEN_K, OFFSET,
@@ -188,6 +241,8 @@ if triton is not None:
         y = tl.sum(acc, axis=1)
         if PROLOGUE == 1:
             y = y / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
+        elif PROLOGUE == 4:
+            y = y / tl.sqrt(tl.sum(sq_in, axis=0) / K + eps)
         if HAS_SCALE:
             y = y * tl.load(ws_ptr + rn_safe)
         if HAS_BIAS:
@@ -195,6 +250,13 @@ if triton is not None:
         y = y.to(y_ptr.dtype.element_ty)  # the projection's output, rounded as torch's linear
         if EPILOGUE == 0:
             tl.store(y_ptr + rn, y, mask=row_ok)
+        elif EPILOGUE == 1:
+            # rounded to the activation dtype, as torch's y + residual is
+            summed = (y.to(tl.float32) + res_rows.to(tl.float32)).to(y_ptr.dtype.element_ty)
+            tl.store(res_out_ptr + rn, summed, mask=row_ok)
+            sf = tl.where(row_ok, summed.to(tl.float32), 0.0)
+            tl.store(sq_out_ptr + pid, tl.sum(sf * sf, axis=0))
+            tl.store(y_ptr + rn, (sf * g_rows).to(y_ptr.dtype.element_ty), mask=row_ok)
         else:
             gate, up = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
             # act(gate) rounded to the activation dtype before the product, as torch's
@@ -211,7 +273,8 @@ def default_config(prologue: int, weight_dtype: torch.dtype, n: int, k: int) -> 
     shapes on an H100 (bench/results/2026-11-27-h100-row-gemv/row_gemv.json), and at
     Qwen3-30B-A3B's (--config qwen3-30b-a3b.json, bench/results/2026-11-27-h100-moe-batch1/)."""
     name = str(weight_dtype).removeprefix("torch.")
-    prologue = SILU_MUL if prologue == GELU_MUL else prologue  # the same loads, the same tiles
+    # the same loads, the same tiles
+    prologue = {GELU_MUL: SILU_MUL, NORMED: PLAIN}.get(prologue, prologue)
     if (prologue, name, n, k) in TILE_OVERRIDES:
         return TILE_OVERRIDES[(prologue, name, n, k)]
     if weight_dtype.itemsize == 1 and prologue == PLAIN:
@@ -247,23 +310,63 @@ def row_gemv(
     config: RowGemvConfig | None = None,
     offset: bool = False,
     epilogue: int = PLAIN,
+    squares: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [1, K] (SILU_MUL, GELU_MUL: [1, 2K]) -> (y [1, N] in x's dtype, x + residual or None).
 
     weight [N, K] in x's dtype, or e4m3 with weight_scale [N] fp32; NORM: norm_weight [K], eps, an
     optional residual [1, K], and offset for Gemma's (1 + w); SILU_MUL, GELU_MUL: x is
-    [gate | up]. epilogue SILU_MUL, GELU_MUL: weight is [gate; up] and y = act(gate) * up,
-    [1, N / 2]. config overrides the tiles."""
+    [gate | up]; NORMED: x is a NormedRow's scaled row and `squares` its sums of squares (eps the
+    norm's). epilogue SILU_MUL, GELU_MUL: weight is [gate; up] and y = act(gate) * up,
+    [1, N / 2] (epilogue NORM: row_gemv_norm_after). config overrides the tiles."""
+    y, summed, _ = _launch(
+        x, weight, weight_scale, bias, prologue, norm_weight, eps, residual, config, offset,
+        epilogue, squares,
+    )  # fmt: skip
+    return y, summed
+
+
+def row_gemv_norm_after(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    residual: torch.Tensor,
+    offset: bool = False,
+    config: RowGemvConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [1, K] -> s = W x + residual [1, N] and the next norm begun on it: (norm_weight * s (Gemma:
+    (1 + w) * s) [1, N] in x's dtype, s, each program's sum of s^2 [programs] fp32)."""
+    return _launch(
+        x, weight, weight_scale, bias, PLAIN, norm_weight, 0.0, residual, config, offset, NORM,
+        None,
+    )  # fmt: skip
+
+
+def _launch(
+    x, weight, weight_scale, bias, prologue, norm_weight, eps, residual, config, offset, epilogue,
+    squares,
+):  # fmt: skip
     n, k = weight.shape
     x = x.contiguous()
     block_n, block_k, num_warps, num_stages = config or default_config(prologue, weight.dtype, n, k)
     block_k = min(block_k, max(32, triton.next_power_of_2(k)))
-    if epilogue != PLAIN:  # gate row i and up row n/2 + i alternate: an even number a program
+    if epilogue in (SILU_MUL, GELU_MUL):  # gate row i and up row n/2 + i alternate: pairs
         n, block_n = n // 2, max(2, block_n - block_n % 2)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    summed = torch.empty_like(x) if residual is not None else None
-    rows_per_program = block_n if epilogue == PLAIN else block_n // 2
-    _row_gemv_kernel[(triton.cdiv(n, rows_per_program),)](
+    rows_per_program = block_n // 2 if epilogue in (SILU_MUL, GELU_MUL) else block_n
+    grid = triton.cdiv(n, rows_per_program)
+    summed = None
+    if epilogue == NORM:
+        summed = torch.empty_like(y)
+    elif residual is not None:
+        summed = torch.empty_like(x)
+    squares_out = (
+        torch.empty(grid, dtype=torch.float32, device=x.device) if epilogue == NORM else None
+    )
+    n_squares = squares.numel() if squares is not None else 0
+    _row_gemv_kernel[(grid,)](
         x,
         residual.contiguous() if residual is not None else x,
         norm_weight if norm_weight is not None else x,
@@ -272,10 +375,13 @@ def row_gemv(
         bias if bias is not None else x,
         y,
         summed if summed is not None else y,
+        squares if squares is not None else y,
+        squares_out if squares_out is not None else y,
         n,
         k,
         weight.stride(0),
         eps,
+        n_squares,
         PROLOGUE=prologue,
         HAS_RESIDUAL=residual is not None,
         HAS_SCALE=weight_scale is not None,
@@ -285,13 +391,16 @@ def row_gemv(
         EVEN_K=k % block_k == 0,
         OFFSET=offset,
         EPILOGUE=epilogue,
+        SQ_IN=max(16, triton.next_power_of_2(n_squares)),
         num_warps=num_warps,
         num_stages=num_stages,
         # engine.pdl: only without a prologue (the module docstring); with one, the kernel before
         # is often another GEMV, and launched early this one measured slower
-        **launch_options(wanted=prologue == PLAIN or PDL_PROLOGUES),
+        **launch_options(
+            wanted=prologue == PLAIN or (prologue == NORMED and PDL_NORMED) or PDL_PROLOGUES
+        ),
     )
-    return y, summed
+    return y, summed, squares_out
 
 
 def row_gemv_applies(x: torch.Tensor) -> bool:
@@ -357,7 +466,9 @@ def one_row_norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | 
 def norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None):
     """(linear(norm(x + residual)), x + residual); without a residual (linear(norm(x)), x). One
     kernel for one row on CUDA when `norm` is Llama's RMSNorm or Gemma's, else the layers one after
-    the other."""
+    the other. x may be a NormedRow of `norm` (residual None): the kernel finishes the norm."""
+    if isinstance(x, NormedRow):
+        return _finish_norm(linear, x), x.summed
     fused = one_row_norm_linear(norm, linear, x, residual)
     if fused is not None:
         return fused
@@ -381,6 +492,8 @@ def one_row_gated(norm, gate_up, x: torch.Tensor, residual: torch.Tensor | None,
     epilogue = _ACT_PROLOGUES.get(activation)
     if not GATED or epilogue is None or type(norm) not in (RMSNorm, OffsetRMSNorm):
         return None
+    if isinstance(x, NormedRow):  # its norm begun by the linear before: this kernel finishes it
+        return _finish_norm(gate_up, x, epilogue), x.summed
     k = x.shape[-1]
     operands = _operands(gate_up, x, k)
     if operands is not None:
@@ -397,6 +510,39 @@ def one_row_gated(norm, gate_up, x: torch.Tensor, residual: torch.Tensor | None,
     weight, scale, bias = operands
     h, residual = (norm(x), x) if residual is None else norm(x, residual)
     return row_gemv(h, weight, scale, bias, epilogue=epilogue)[0], residual
+
+
+def linear_add_norm(linear, x: torch.Tensor, residual: torch.Tensor | None, norm):
+    """(linear(x), residual), the pair the norm after takes; at one-row decode, when `norm` is
+    given (Llama's RMSNorm or Gemma's) and the linear's weights fit the one-row kernel, instead
+    (NormedRow of norm(linear(x) + residual), None): the add and the norm's share of the work go
+    into the linear's kernel, and the linear after the norm finishes it (NORM_AFTER: off)."""
+    operands = (
+        _operands(linear, x, x.shape[-1], prologue=False)
+        if NORM_AFTER and residual is not None and type(norm) in (RMSNorm, OffsetRMSNorm)
+        else None
+    )
+    if operands is None:
+        return one_row_linear(linear, x), residual
+    weight, scale, bias = operands
+    scaled, summed, squares = row_gemv_norm_after(
+        x, weight, scale, bias, norm.weight, residual, isinstance(norm, OffsetRMSNorm)
+    )
+    return NormedRow(scaled, squares, summed, norm), None
+
+
+def _finish_norm(linear, row: NormedRow, epilogue: int = PLAIN) -> torch.Tensor:
+    """linear(norm(...)) of a NormedRow (epilogue: act(gate) * up of it), by the one-row kernel
+    where the linear's weights fit it, else from the finished norm."""
+    operands = _operands(linear, row.scaled, row.scaled.shape[-1], prologue=False)
+    if operands is None:
+        h = row.finish()
+        return linear(h) if epilogue == PLAIN else gate_and_mul(linear(h), _ACT_NAMES[epilogue])
+    weight, scale, bias = operands
+    return row_gemv(
+        row.scaled, weight, scale, bias, NORMED, eps=row.norm.eps, squares=row.squares,
+        epilogue=epilogue,
+    )[0]  # fmt: skip
 
 
 def one_row_linear(linear, x: torch.Tensor) -> torch.Tensor:

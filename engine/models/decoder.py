@@ -34,7 +34,14 @@ from engine.layers.moe import SparseMoeBlock
 from engine.layers.norm import OffsetRMSNorm
 from engine.layers.parallel import RowParallelLinear, VocabParallelEmbedding
 from engine.layers.rotary import norm_operands
-from engine.layers.row_gemv import act_linear, norm_linear, one_row_gated, one_row_linear
+from engine.layers.row_gemv import (
+    NormedRow,
+    act_linear,
+    linear_add_norm,
+    norm_linear,
+    one_row_gated,
+    one_row_linear,
+)
 from engine.layers.skinny_gemm import skinny_applies, skinny_gemm
 from engine.models.checkpoint_names import is_vision_tensor, text_decoder_name
 from engine.models.moe_weights import moe_weight_rows
@@ -124,6 +131,19 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Everything after the qkv projection (a caller that fused it with the norm before)."""
+        heads = self.attend_heads(qkv, positions, rotary, kv_cache_layer, meta)
+        return one_row_linear(self.o_proj, heads)
+
+    def attend_heads(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache_layer: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """attend's heads [T, heads * head_dim], before o_proj (a caller that fuses the add and
+        the norm after into o_proj)."""
         T = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
@@ -153,7 +173,7 @@ class Attention(nn.Module):
             # Qwen3 normalises each head before rotating
             q, k = rotary(positions, q, k, self.q_norm, self.k_norm)
         out = backend.forward(q, k, v, kv_cache_layer, meta, self.scale, **kwargs)
-        return one_row_linear(self.o_proj, out.reshape(T, self.q_size))
+        return out.reshape(T, self.q_size)
 
 
 class MLP(nn.Module):
@@ -178,16 +198,22 @@ class MLP(nn.Module):
         return act_linear(self.down_proj, self.gate_up_proj(x), self.activation)
 
     def norm_forward(
-        self, norm: RMSNorm, h: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        norm: RMSNorm,
+        h: torch.Tensor | NormedRow,
+        residual: torch.Tensor | None,
+        next_norm: RMSNorm | None = None,
+    ) -> tuple[torch.Tensor | NormedRow, torch.Tensor | None]:
         """(mlp(norm(h + residual)), h + residual). At batch-1 decode the activation closes
         gate_up's kernel, which takes the norm too for bf16 weights (engine.layers.row_gemv:
         one_row_gated), so that down reads act(gate) * up; else the norm goes with gate_up and the
-        activation with down (norm_linear, act_linear)."""
+        activation with down (norm_linear, act_linear). h may be a NormedRow (its norm begun by
+        o_proj); with next_norm, down begins that norm on its output the same way and returns
+        (NormedRow, None) where it can (engine.layers.row_gemv.linear_add_norm)."""
         gated = one_row_gated(norm, self.gate_up_proj, h, residual, self.activation)
         if gated is not None:
             act, residual = gated
-            return one_row_linear(self.down_proj, act), residual
+            return linear_add_norm(self.down_proj, act, residual, next_norm)
         gate_up, residual = norm_linear(norm, self.gate_up_proj, h, residual)
         return act_linear(self.down_proj, gate_up, self.activation), residual
 
@@ -228,15 +254,22 @@ class DecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         kv_cache_layer: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        next_norm: RMSNorm | None = None,
+    ) -> tuple[torch.Tensor | NormedRow, torch.Tensor | None]:
         """(this layer's MLP output, the residual stream before it); their sum is the layer's
         output. Each norm is taken with the projection after it (engine.layers.row_gemv: one
-        kernel at batch-1 decode)."""
+        kernel at batch-1 decode). There, with a dense MLP, the projection before each norm also
+        begins it (o_proj the MLP's; down `next_norm`, the next layer's), and the layer returns
+        (NormedRow, None), the sum inside; x may be one (residual None)."""
         attn = self.self_attn
         qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, x, residual)
-        h = attn.attend(qkv, positions, rotary, kv_cache_layer, meta)
-        # the norm goes with gate_up's kernel, or with the experts' router (engine/layers/moe.py)
-        return self.mlp.norm_forward(self.post_attention_layernorm, h, residual)
+        heads = attn.attend_heads(qkv, positions, rotary, kv_cache_layer, meta)
+        norm = self.post_attention_layernorm
+        if isinstance(self.mlp, MLP):
+            h, residual = linear_add_norm(attn.o_proj, heads, residual, norm)
+            return self.mlp.norm_forward(norm, h, residual, next_norm)
+        # the norm goes with the experts' router (engine/layers/moe.py)
+        return self.mlp.norm_forward(norm, one_row_linear(attn.o_proj, heads), residual)
 
 
 class SandwichDecoderLayer(nn.Module):
@@ -382,8 +415,14 @@ class DecoderModel(nn.Module):
         if self.config.embed_scale != 1.0:  # rounded to the model dtype, as HF Gemma scales
             x = x * self.embed_scale
         residual = None
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, self.rotary_of(i), kv_cache[i], meta)
+            kv, rotary = kv_cache[i], self.rotary_of(i)
+            if isinstance(layer, DecoderLayer) and i < last:  # its down may begin the next norm
+                next_norm = self.layers[i + 1].input_layernorm
+                x, residual = layer(x, residual, positions, rotary, kv, meta, next_norm)
+            else:
+                x, residual = layer(x, residual, positions, rotary, kv, meta)
         if residual is None:
             return self.norm(x)
         return self.norm(x, residual)[0]
