@@ -138,15 +138,7 @@ def test_gated_epilogue_under_the_triton_interpreter_matches_gate_and_mul():
                 ref = gate_and_mul((x @ w.t()) * scale, act)
                 torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
 
-        class ScaledHalf(torch.nn.Module):
-            # a linear whose weight is narrower than the row, with per-row scales (FP8's shape)
-            def __init__(self, w, s):
-                super().__init__()
-                self.w, self.s = w.half(), s
-            def forward(self, x):
-                return (x @ self.w.float().t()) * self.s
-            def one_row_operands(self):
-                return self.w, self.s, None
+        from scaled_linear import ScaledHalf
 
         rg.row_gemv_applies = lambda x: True  # the CUDA check answered yes on CPU
         for act in ("silu", "gelu_pytorch_tanh"):
@@ -227,15 +219,7 @@ def test_norm_begun_by_the_linear_before_under_the_triton_interpreter():
                 ref = gate_and_mul(norm.reference(summed) @ w2.t(), "silu")
                 torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
 
-        class ScaledHalf(torch.nn.Module):
-            # a linear whose weight is narrower than the row, with per-row scales (FP8's shape)
-            def __init__(self, w, s):
-                super().__init__()
-                self.w, self.s = w.half(), s
-            def forward(self, x):
-                return (x @ self.w.float().t()) * self.s
-            def one_row_operands(self):
-                return self.w, self.s, None
+        from scaled_linear import ScaledHalf
 
         rg.row_gemv_applies = lambda x: True  # the CUDA check answered yes on CPU
         cfg = SimpleNamespace(hidden_size=40, intermediate_size=36, hidden_act="silu")

@@ -120,18 +120,7 @@ class Attention(nn.Module):
         kv_cache_layer: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        return self.attend(self.qkv_proj(x), positions, rotary, kv_cache_layer, meta)
-
-    def attend(
-        self,
-        qkv: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
-        kv_cache_layer: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Everything after the qkv projection (a caller that fused it with the norm before)."""
-        heads = self.attend_heads(qkv, positions, rotary, kv_cache_layer, meta)
+        heads = self.attend_heads(self.qkv_proj(x), positions, rotary, kv_cache_layer, meta)
         return one_row_linear(self.o_proj, heads)
 
     def attend_heads(
@@ -142,8 +131,8 @@ class Attention(nn.Module):
         kv_cache_layer: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """attend's heads [T, heads * head_dim], before o_proj (a caller that fuses the add and
-        the norm after into o_proj)."""
+        """Everything between the qkv projection and o_proj (a caller that fused qkv with the
+        norm before, and o_proj with the add and norm after): the heads [T, heads * head_dim]."""
         T = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
@@ -313,7 +302,8 @@ class SandwichDecoderLayer(nn.Module):
         batch-1 decode), as DecoderLayer's are."""
         attn = self.self_attn
         qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, x, residual)
-        h = self.post_attention_layernorm(attn.attend(qkv, positions, rotary, kv_cache_layer, meta))
+        heads = attn.attend_heads(qkv, positions, rotary, kv_cache_layer, meta)
+        h = self.post_attention_layernorm(one_row_linear(attn.o_proj, heads))
         out, residual = self.mlp.norm_forward(self.pre_feedforward_layernorm, h, residual)
         return self.post_feedforward_layernorm(out), residual
 
