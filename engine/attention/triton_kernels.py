@@ -11,6 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from engine.norm_rounding import weighted_norm
 from engine.pdl import release
 
 
@@ -189,12 +190,8 @@ def _normed_rotated(
         f = x.to(tl.float32)
         fp = xp.to(tl.float32)
         rstd = (1.0 / tl.sqrt(tl.sum(f * f, axis=1) / HEAD_DIM + eps))[:, None]
-        if NORM_OFFSET:  # Gemma's (1 + w), in float32, rounded once
-            x = (f * rstd * (1.0 + w)).to(dtype)
-            xp = (fp * rstd * (1.0 + wp)).to(dtype)
-        else:
-            x = ((f * rstd).to(dtype).to(tl.float32) * w).to(dtype)
-            xp = ((fp * rstd).to(dtype).to(tl.float32) * wp).to(dtype)
+        x = weighted_norm(f, rstd, w, NORM_OFFSET, dtype)
+        xp = weighted_norm(fp, rstd, wp, NORM_OFFSET, dtype)
     # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), each product rounded as torch rounds it
     own = (x.to(tl.float32) * cos).to(dtype).to(tl.float32)
     other = (xp.to(tl.float32) * sin).to(dtype).to(tl.float32)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.norm_rounding import weighted_norm
 from engine.pdl import launch_options, release
 
 try:  # a CPU-only install may have no triton; the torch reference layers never need it
@@ -67,12 +68,8 @@ if triton is not None:
         xf = x.to(tl.float32)
         var = tl.sum(xf * xf, axis=0) / n_cols
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        if OFFSET:
-            y = xf * (1.0 / tl.sqrt(var + eps)) * (1.0 + w)
-        else:
-            normed = (xf * (1.0 / tl.sqrt(var + eps))).to(x_ptr.dtype.element_ty)
-            y = normed.to(tl.float32) * w
-        y = y.to(x_ptr.dtype.element_ty)  # the norm's output, in the activation dtype
+        # the norm's output, in the activation dtype
+        y = weighted_norm(xf, 1.0 / tl.sqrt(var + eps), w, OFFSET, x_ptr.dtype.element_ty)
         if QUANTIZE:
             quantize_row(y.to(tl.float32), out_ptr + row * stride_out, scale_ptr + row, cols, mask)
         else:
@@ -202,12 +199,8 @@ if triton is not None:
             rstd = (1.0 / tl.sqrt(var + eps))[:, None]
             w1 = tl.load(norm_w_ptr + dims, mask=dims < HALF, other=0.0).to(tl.float32)
             w2 = tl.load(norm_w_ptr + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)
-            if NORM_OFFSET:  # Gemma's (1 + w), in float32, rounded once
-                x1 = (f1 * rstd * (1.0 + w1)).to(dtype)
-                x2 = (f2 * rstd * (1.0 + w2)).to(dtype)
-            else:
-                x1 = ((f1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype)
-                x2 = ((f2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype)
+            x1 = weighted_norm(f1, rstd, w1, NORM_OFFSET, dtype)
+            x2 = weighted_norm(f2, rstd, w2, NORM_OFFSET, dtype)
         f1 = x1.to(tl.float32)
         f2 = x2.to(tl.float32)
         # every product and sum rounded to the activation dtype, as the torch reference computes it
