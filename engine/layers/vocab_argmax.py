@@ -5,9 +5,9 @@ Each row's noise depends only on its own 64-bit key, so a seeded request draws t
 whatever the batch.
 
 A row is split over programs of BLOCK columns each; the last of them to finish picks the row's
-winner from their bests. One program per row would walk 128k columns alone on one SM (torch's argmax
-of one row took about 40 us on an H100, bench/results/2026-11-28-h100-step-gaps/). Ties go to the
-lowest column, as torch.argmax's; a NaN counts as +inf.
+winner from their bests: one program per row (and torch's argmax of one row) would walk 128k columns
+on one SM (bench/results/2026-11-28-h100-norm-after/). Ties go to the lowest column, as
+torch.argmax's; a NaN counts as +inf.
 """
 
 from __future__ import annotations
@@ -84,7 +84,8 @@ if triton is not None:
             tl.atomic_xchg(arrivals_ptr + row, 0)  # ready for the next launch
 
 
-# per device: one zeroed arrival count per row, grown as batches grow (the kernel leaves it zero)
+# per device: one zeroed arrival count per row, grown as batches grow (the kernel leaves it
+# zero); launches that share a device take turns (the engine samples on one stream)
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
 
 
