@@ -335,6 +335,28 @@ def test_greedy_argmax_picks_torch_argmax_ties_included():
     assert greedy_argmax(masked).tolist() == [0, 8999]
 
 
+def test_the_engine_imports_without_triton():
+    """A CPU install has no triton (the image's runtime, CPU torch's wheel): every module that
+    holds Triton kernels imports there and leaves them out (an import of a kernel helper outside
+    the module's `if triton` block stops the worker)."""
+    import subprocess
+    import sys
+
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["triton"] = None  # import triton raises ImportError, as where it is absent
+        import engine.layers.fused, engine.layers.row_gemv, engine.layers.vocab_argmax
+        import engine.layers.fused_moe, engine.layers.fused_moe_decode, engine.layers.skinny_gemm
+        import engine.quant.fp8_kernels, engine.norm_rounding, engine.pdl, engine.attention
+        import engine.models.decoder, engine.sampling, engine.llm, handler.worker
+        print("ok")
+    """)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("triton") is None,
     reason="triton is not installed (CPU torch has none)",

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from engine.norm_rounding import weighted_norm
 from engine.pdl import launch_options, release
 
 try:  # a CPU-only install may have no triton; the torch reference layers never need it
@@ -30,6 +29,7 @@ def fused_kernels_available(x: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    from engine.norm_rounding import weighted_norm
 
     @triton.jit
     def _rms_norm_kernel(
