@@ -296,10 +296,12 @@ class SandwichDecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         kv_cache_layer: torch.Tensor,
         meta: AttentionMetadata,
+        next_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's normed MLP output, the residual stream before it). The norms before qkv
         and gate_up are taken with their projections (engine.layers.row_gemv: one kernel at
-        batch-1 decode), as DecoderLayer's are."""
+        batch-1 decode), as DecoderLayer's are. next_norm is not begun here: the output is
+        post_feedforward_layernorm's, not a linear's."""
         attn = self.self_attn
         qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, x, residual)
         heads = attn.attend_heads(qkv, positions, rotary, kv_cache_layer, meta)
@@ -405,14 +407,12 @@ class DecoderModel(nn.Module):
         if self.config.embed_scale != 1.0:  # rounded to the model dtype, as HF Gemma scales
             x = x * self.embed_scale
         residual = None
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            kv, rotary = kv_cache[i], self.rotary_of(i)
-            if isinstance(layer, DecoderLayer) and i < last:  # its down may begin the next norm
-                next_norm = self.layers[i + 1].input_layernorm
-                x, residual = layer(x, residual, positions, rotary, kv, meta, next_norm)
-            else:
-                x, residual = layer(x, residual, positions, rotary, kv, meta)
+        # each layer is told the next one's input norm, which its down may begin
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [None]
+        for i, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
+            x, residual = layer(
+                x, residual, positions, self.rotary_of(i), kv_cache[i], meta, next_norm
+            )
         if residual is None:
             return self.norm(x)
         return self.norm(x, residual)[0]
