@@ -35,6 +35,8 @@ DEFAULT_CONFIGS = "llama-3.1-8b.json,phi-4.json,gemma-3-27b-it.json"
 VARIANTS = {
     "as-is": (),
     "no-rope-in-attention": (("engine.attention.triton_attn", "ROTATE_IN_KERNEL", False),),
+    "no-step-transfer": (("engine.step_transfer", "ENABLED", False),),
+    "copy-on-step-stream": (("engine.sampling", "COPY_ON_SIDE_STREAM", False),),
     "pdl-prologues": (("engine.layers.row_gemv", "PDL_PROLOGUES", True),),
     "no-fused-quantize": (("engine.layers.row_gemv", "FUSE_QUANTIZE", False),),
     "no-gated-epilogue": (("engine.layers.row_gemv", "GATED", False),),

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.step_inputs import InputStager, StepLayout, StepTensors, input_ids_view, views
+from engine.step_inputs import InputStager, PendingIds, StepLayout, StepTensors, views
 
 log = logging.getLogger(__name__)
 
@@ -251,12 +251,11 @@ class DecodeGraphs:
         positions: Sequence[int],
         starts: Sequence[int],
         block_tables: Sequence[Sequence[int]],
-        fill_input_ids: Callable[[torch.Tensor], None] | None = None,
+        pending: PendingIds | None = None,
     ) -> torch.Tensor:
         """One decode step of len(token_ids) one-token sequences -> their logits [B, vocab] (a view
-        of the static buffer, valid until the next replay). fill_input_ids, when given, is called
-        with the graph's static input ids (on the device, after the step's inputs are copied in) to
-        write ids that are only on the device."""
+        of the static buffer, valid until the next replay). pending: input ids that are only on the
+        device (InputStager.stage's)."""
         batch = len(token_ids)
         size = self.padded_size(batch)
         if size is None:
@@ -273,7 +272,7 @@ class DecodeGraphs:
                 replay = next((s for s in larger if s in self.graphs), None)
                 if replay is None:  # no larger graph yet either: this step runs eagerly
                     logits = self._run_eager(
-                        batch, token_ids, positions, starts, block_tables, fill_input_ids
+                        batch, token_ids, positions, starts, block_tables, pending
                     )
                     if size not in self._warmed:  # its kernels are loaded now
                         self._warmed.add(size)
@@ -291,16 +290,13 @@ class DecodeGraphs:
             dest=self.inputs[size],
             max_seq_len=self.max_model_len,
             want_views=False,
+            pending=pending,
         )
-        if fill_input_ids is not None:
-            fill_input_ids(
-                input_ids_view(self.inputs[size], StepLayout(size, size, self.table_width))
-            )
         self.graphs[size].replay()
         return self.logits[:batch]
 
     def _run_eager(
-        self, batch, token_ids, positions, starts, block_tables, fill_input_ids
+        self, batch, token_ids, positions, starts, block_tables, pending
     ) -> torch.Tensor:
         """One decode step without a graph, padded to its size as the graph would be (the same
         kernels)."""
@@ -320,9 +316,8 @@ class DecodeGraphs:
             pad_to=size,
             dest=dest,
             max_seq_len=self.max_model_len,
+            pending=pending,
         )
-        if fill_input_ids is not None:
-            fill_input_ids(step.input_ids)
         self._forward(step, size)
         return self.logits[:batch]
 

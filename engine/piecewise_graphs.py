@@ -175,9 +175,9 @@ class PiecewiseGraphs:
         """The smallest bucket >= num_tokens, or None when the step is bigger than every bucket."""
         return smallest_at_least(self.buckets, num_tokens)
 
-    def run(self, token_ids, positions, starts, lens, block_tables, fill_input_ids=None):
+    def run(self, token_ids, positions, starts, lens, block_tables, pending=None):
         """One step of at most max_tokens tokens -> its hidden states [tokens, hidden] (a view of
-        the graph's output, valid until the next step). fill_input_ids: as DecodeGraphs.run's."""
+        the graph's output, valid until the next step). pending: as DecodeGraphs.run's."""
         num_tokens = len(token_ids)
         size = self.bucket_of(num_tokens)
         if size is None:
@@ -185,10 +185,9 @@ class PiecewiseGraphs:
                 f"step: {num_tokens} tokens exceed the largest piecewise bucket ({self.max_tokens})"
             )
         step = self.stager.stage(
-            token_ids, positions, starts, lens, block_tables, pad_tokens_to=size, dest=self.inputs
-        )
-        if fill_input_ids is not None:
-            fill_input_ids(step.input_ids)
+            token_ids, positions, starts, lens, block_tables, pad_tokens_to=size, dest=self.inputs,
+            pending=pending,
+        )  # fmt: skip
         if size not in self.captured:
             if size in self.warmed and self.background:
                 self._captures.request(size)

@@ -31,7 +31,7 @@ from engine.sampling import DeviceSample, Sampler, SamplerOutput, SamplingRow, p
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
-from engine.step_inputs import InputStager
+from engine.step_inputs import InputStager, PendingIds
 from engine.token_bitmask import BitmaskStaging
 
 log = logging.getLogger(__name__)
@@ -403,16 +403,14 @@ class ModelRunner:
         """Run one planned step on this rank: the logits [rows, vocab] of plan.logit_rows (None when
         no row needs them). previous_ids: the ids the previous step sampled, on rank 0 (the others
         receive them here)."""
-        fill = None
+        pending = None
         if plan.fill_dst:
             tokens = previous_ids
             if self.tp is not None:
                 if tokens is None:
                     tokens = torch.empty(plan.prev_rows, dtype=torch.int64, device=self.device)
                 self.tp.comm.broadcast(tokens)
-
-            def fill(input_ids: torch.Tensor) -> None:
-                _write_pending(input_ids, plan.fill_dst, plan.fill_src, tokens)
+            pending = PendingIds(plan.fill_dst, plan.fill_src, tokens)
 
         ids, positions, starts, tables = plan.ids, plan.positions, plan.starts, plan.tables
         logit_rows = plan.logit_rows
@@ -422,18 +420,16 @@ class ModelRunner:
         )
         if self.graphs is not None and num_rows == len(starts) and num_rows <= self.graphs.max_size:
             # Pure decode: the graph computes every row's logits; pick the ones this step needs.
-            all_logits = self.graphs.run(ids, positions, starts, tables, fill_input_ids=fill)
+            all_logits = self.graphs.run(ids, positions, starts, tables, pending=pending)
             if not logit_rows:
                 return None
             if all_rows:
                 return all_logits
             return all_logits[torch.tensor(logit_rows).to(self.device, non_blocking=True)]
         if self.pieces is not None and num_rows <= self.pieces.max_tokens:
-            hidden = self.pieces.run(ids, positions, starts, plan.lens, tables, fill)
+            hidden = self.pieces.run(ids, positions, starts, plan.lens, tables, pending)
         else:
-            step = self.stager.stage(ids, positions, starts, plan.lens, tables)
-            if fill is not None:
-                fill(step.input_ids)
+            step = self.stager.stage(ids, positions, starts, plan.lens, tables, pending=pending)
             hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
         if not logit_rows:
             return None
@@ -478,27 +474,6 @@ def _decodes_first(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
     if all(s.num_new_tokens == 1 for s in scheduled):
         return scheduled
     return sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
-
-
-def _write_pending(
-    input_ids: torch.Tensor, dst: list[int], src: list[int], tokens: torch.Tensor
-) -> None:
-    """input_ids[dst] = tokens[src] on the device: the ids the previous step sampled, never read
-    back for it."""
-    k = len(dst)
-    if (
-        dst[-1] - dst[0] == k - 1
-        and src[-1] - src[0] == k - 1
-        and src == list(range(src[0], src[0] + k))
-    ):
-        # dst rises by one each: a range too
-        input_ids[dst[0] : dst[0] + k].copy_(tokens[src[0] : src[0] + k])
-        return
-    pin = input_ids.is_cuda
-    index = torch.tensor([dst, src], dtype=torch.int64, pin_memory=pin).to(
-        input_ids.device, non_blocking=True
-    )
-    input_ids[index[0]] = tokens[index[1]]
 
 
 class LaunchedStep:

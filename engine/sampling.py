@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine import step_transfer
 from engine.layers.fused import fused_kernels_available
 from engine.layers.vocab_argmax import draw_key, greedy_argmax, race_sample
 from engine.outputs import Logprob, PositionLogprobs
@@ -22,6 +23,11 @@ from engine.token_bitmask import apply_token_bitmask
 
 # Temperatures below this are raised to it before dividing, so logits / T never overflows to inf.
 _MIN_TEMPERATURE = 1e-5
+# A small step's sampled ids (engine.step_transfer.SMALL_STEP rows at most) go to the host on a
+# stream of their own, so the next step's kernels need not wait behind the copy (a loaded engine
+# keeps one stream: its host has no time to spare for the second); benchmarks turn it off.
+COPY_ON_SIDE_STREAM = True
+_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
 @dataclass
@@ -335,9 +341,9 @@ def prompt_logprobs(
 class DeviceSample:
     """One step's sampled token ids, with any requested logprobs, still on the device.
 
-    start_copy() queues their copy to pinned host memory behind the sampling kernels and returns at
-    once; result() waits for that copy alone (not for later work on the stream) and builds the
-    SamplerOutput.
+    start_copy() queues their copy to pinned host memory behind the sampling kernels (on a stream of
+    its own, which waits for them) and returns at once; result() waits for that copy alone (not for
+    later work on the streams) and builds the SamplerOutput.
     """
 
     def __init__(
@@ -367,9 +373,19 @@ class DeviceSample:
             else torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
         )
         self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-        self._host.copy_(flat, non_blocking=True)
         self._copied = torch.cuda.Event()
-        self._copied.record()
+        if not COPY_ON_SIDE_STREAM or tensors[0].numel() > step_transfer.SMALL_STEP:
+            self._host.copy_(flat, non_blocking=True)
+            self._copied.record()
+            return self
+        stream = _copy_streams.get(flat.device)
+        if stream is None:
+            stream = _copy_streams[flat.device] = torch.cuda.Stream(flat.device)
+        stream.wait_stream(torch.cuda.current_stream(flat.device))
+        with torch.cuda.stream(stream):
+            self._host.copy_(flat, non_blocking=True)
+            self._copied.record(stream)
+        flat.record_stream(stream)  # its memory is not reused before the copy has read it
         return self
 
     def _read_back(self) -> list[np.ndarray]:

@@ -1,5 +1,6 @@
 """One step's model inputs (token ids, positions) and AttentionMetadata, packed with numpy into one
-pinned host buffer and sent to the device in one copy; the CUDA-graph static buffers use the same
+pinned host buffer and sent to the device at once (engine.step_transfer's kernel, which also puts
+in the ids the previous step sampled on the device); the CUDA-graph static buffers use the same
 layout.
 """
 
@@ -13,6 +14,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from engine import step_transfer
 from engine.attention import AttentionMetadata
 
 # Bytes between sections: every view is aligned for any dtype and for vectorised kernel loads.
@@ -81,6 +83,36 @@ def views(buf: torch.Tensor, layout: StepLayout, meta_host: dict) -> StepTensors
     return StepTensors(t["input_ids"], t["positions"], meta)
 
 
+@dataclass(frozen=True)
+class PendingIds:
+    """Input rows whose token the previous step sampled and only the device holds:
+    input_ids[dst[i]] = tokens[src[i]] (tokens: that step's sampled ids, int64 on the device)."""
+
+    dst: list[int]
+    src: list[int]
+    tokens: torch.Tensor
+
+    def run(self) -> tuple[int, int, int] | None:
+        """(dst[0], src[0], count) when dst and src each rise by one, else None."""
+        dst, src, k = self.dst, self.src, len(self.dst)
+        if dst[-1] - dst[0] == k - 1 and src == list(range(src[0], src[0] + k)):
+            return dst[0], src[0], k
+        return None
+
+    def write(self, input_ids: torch.Tensor) -> None:
+        """Put the ids into input_ids (on the tokens' device)."""
+        run = self.run()
+        if run is not None:
+            dst0, src0, k = run
+            input_ids[dst0 : dst0 + k].copy_(self.tokens[src0 : src0 + k])
+            return
+        pin = input_ids.is_cuda
+        index = torch.tensor([self.dst, self.src], dtype=torch.int64, pin_memory=pin).to(
+            input_ids.device, non_blocking=True
+        )
+        input_ids[index[0]] = self.tokens[index[1]]
+
+
 def input_ids_view(buf: torch.Tensor, layout: StepLayout) -> torch.Tensor:
     """The input_ids section of a packed buffer, as int64 [num_tokens]."""
     at, n, dtype, shape = layout.offsets()[0]["input_ids"]
@@ -131,6 +163,7 @@ class InputStager:
         max_seq_len: int | None = None,
         want_views: bool = True,
         pad_tokens_to: int | None = None,
+        pending: PendingIds | None = None,
     ) -> StepTensors | None:
         """Pack one step and return its device tensors.
 
@@ -140,7 +173,8 @@ class InputStager:
         their launch must not depend on it).
         want_views: False skips building the returned tensors (a graph replay reads its own static
         views). pad_tokens_to: add tokens of no sequence up to this many (id 0, position 0, slot -1;
-        the piecewise graphs' padding); the sequences stay the real ones.
+        the piecewise graphs' padding); the sequences stay the real ones. pending: ids only the
+        device holds, put into the step's input ids.
         """
         bs = self.block_size
         num_real = len(lens)
@@ -197,12 +231,14 @@ class InputStager:
         if self.device.type == "cuda":
             if dest is None:
                 dest = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            dest[:nbytes].copy_(host[:nbytes], non_blocking=True)
+            _send(host[:nbytes], dest[:nbytes], layout, pending)
             if self._copied[self._turn] is None:
                 self._copied[self._turn] = torch.cuda.Event()
             self._copied[self._turn].record()
         else:
             dest = host[:nbytes]
+            if pending is not None:
+                pending.write(input_ids_view(dest, layout))
         if not want_views:
             return None
         qsl_list, seq_lens_list = qsl.tolist(), seq_lens.tolist()
@@ -216,6 +252,31 @@ class InputStager:
             block_size=bs,
         )
         return views(dest, layout, meta_host)
+
+
+def _send(
+    host: torch.Tensor, dest: torch.Tensor, layout: StepLayout, pending: PendingIds | None
+) -> None:
+    """Copy a packed step (pinned host bytes) into its device buffer, with the pending ids: by
+    engine.step_transfer's kernel for a small step (ids in a run go in on the way), else by the
+    copy engine."""
+    run = pending.run() if pending is not None else None
+    if step_transfer.applies(dest, layout.num_tokens):
+        if run is not None:  # the words of input_ids (int64, the first section) are its rows
+            dst0, src0, k = run
+            run = (layout.offsets()[0]["input_ids"][0] // 8 + dst0, src0, k)
+        step_transfer.send(
+            host.view(torch.int64),
+            dest.view(torch.int64),
+            pending.tokens if run is not None else None,
+            run or (0, 0, 0),
+        )
+        if pending is None or run is not None:
+            return
+    else:
+        dest.copy_(host, non_blocking=True)
+    if pending is not None:
+        pending.write(input_ids_view(dest, layout))
 
 
 _NP = {torch.int64: np.int64, torch.int32: np.int32}

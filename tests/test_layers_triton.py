@@ -349,6 +349,7 @@ def test_the_engine_imports_without_triton():
         import engine.layers.fused_moe, engine.layers.fused_moe_decode, engine.layers.skinny_gemm
         import engine.quant.fp8_kernels, engine.norm_rounding, engine.pdl, engine.attention
         import engine.models.decoder, engine.sampling, engine.llm, handler.worker
+        import engine.step_transfer, engine.step_inputs
         print("ok")
     """)
     done = subprocess.run(

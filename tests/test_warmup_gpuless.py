@@ -47,6 +47,7 @@ ENGINE_KERNELS = {
     "_skinny_gemm_kernel",
     "_argmax_kernel",  # the sampler's greedy pick and random draw (vocab_argmax)
     "_row_gemv_kernel",  # batch-1 decode's norm/activation + linear (engine.layers.row_gemv)
+    "_send_kernel",  # a step's inputs from pinned host memory to the device (engine.step_transfer)
 }
 LIMITS = ["--dtype", "bfloat16", "--max-model-len", "128", "--max-num-seqs", "4"]
 

@@ -256,9 +256,10 @@ def trace(
     kv_cache_dtype: str = "auto",
     records: list | None = None,
 ) -> None:
-    """Run each step's forward (and a graph step's logits, and the sampler's greedy pick and
-    draw) with launches compile-only, over a KV cache of the engine's kv_cache_dtype (FP8 takes
-    other kernels); `records`: compile_only's."""
+    """Run each step's forward (and a graph step's logits, the sampler's greedy pick and draw,
+    and the kernel that moves a step's inputs to the device) with launches compile-only, over a KV
+    cache of the engine's kv_cache_dtype (FP8 takes other kernels); `records`: compile_only's."""
+    from engine import step_transfer
     from engine.attention import kv_cache_shape
     from engine.attention.kv_quant import resolve_kv_cache_dtype
     from engine.layers.vocab_argmax import greedy_argmax, race_sample
@@ -280,6 +281,8 @@ def trace(
                 model.compute_logits(hidden, out=logits[: step.num_seqs])
         race_sample(logits[:1], torch.empty(1, dtype=torch.int64, device="meta"))
         greedy_argmax(logits[:1])
+        words = torch.empty(step_transfer.BLOCK, dtype=torch.int64, device="meta")
+        step_transfer.send(words, words, words, (0, 0, 1))
 
 
 def kernel_dirs(kernels: list) -> dict[str, str]:

@@ -1,0 +1,115 @@
+"""A packed step's way to the device (engine.step_transfer's kernel, engine.step_inputs): the words
+arrive unchanged, the ids only the device holds go into their input rows (a run of rows by the
+kernel, any other pattern after it), on the GPU from the pinned buffer, and under Triton's CPU
+interpreter."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from child_process import run_in_triton_interpreter
+from engine.step_inputs import InputStager, PendingIds, StepLayout, input_ids_view
+
+try:
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover
+    HAS_TRITON = False
+
+# (dst0, src0, count) runs: none, inside the first program, across a program's edge, at the end
+RUNS = ((0, 0, 0), (3, 1, 4), (1020, 0, 9), (2500 - 5, 2, 5))
+
+INTERPRETER_SCRIPT = """
+import torch
+from engine import step_transfer
+
+gen = torch.Generator().manual_seed(0)
+host = torch.randint(-(2**62), 2**62, (2500,), generator=gen)  # 2 whole programs and a part
+tokens = torch.randint(0, 1 << 40, (16,), generator=gen)
+for dst0, src0, count in RUNS:
+    dest = torch.full_like(host, -7)
+    step_transfer.send(host, dest, tokens, (dst0, src0, count))
+    want = host.clone()
+    want[dst0 : dst0 + count] = tokens[src0 : src0 + count]
+    assert torch.equal(dest, want), (dst0, src0, count)
+dest = torch.zeros_like(host)
+step_transfer.send(host, dest)  # no tokens at all
+assert torch.equal(dest, host)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_the_kernel_in_the_triton_interpreter() -> None:
+    script = f"RUNS = {RUNS!r}\n" + textwrap.dedent(INTERPRETER_SCRIPT)
+    done = run_in_triton_interpreter(script)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_pending_ids_find_their_run() -> None:
+    tokens = torch.arange(10, 20)
+    assert PendingIds([4, 5, 6], [2, 3, 4], tokens).run() == (4, 2, 3)
+    assert PendingIds([4], [7], tokens).run() == (4, 7, 1)
+    assert PendingIds([4, 5], [3, 2], tokens).run() is None  # rows swapped
+    assert PendingIds([4, 6], [2, 3], tokens).run() is None  # a gap
+
+
+@pytest.mark.parametrize(
+    "dst, src", [([0, 1, 2], [1, 2, 3]), ([2, 0], [0, 3]), ([1], [2])], ids=["run", "any", "one"]
+)
+def test_the_cpu_step_takes_its_pending_ids(dst: list[int], src: list[int]) -> None:
+    stager = InputStager(torch.device("cpu"), block_size=4)
+    tokens = torch.tensor([50, 51, 52, 53])
+    step = stager.stage(
+        [0, 0, 0], [5, 6, 2], [5, 6, 2], [1, 1, 1], [[0, 1], [2, 3], [4]],
+        pending=PendingIds(dst, src, tokens),
+    )  # fmt: skip
+    want = [0, 0, 0]
+    for d, s in zip(dst, src):
+        want[d] = int(tokens[s])
+    assert step.input_ids.tolist() == want
+    assert step.positions.tolist() == [5, 6, 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and triton")
+@pytest.mark.parametrize("transfer", [True, False], ids=["kernel", "copy-engine"])
+@pytest.mark.parametrize(
+    "dst, src",
+    [([0, 1, 2], [1, 2, 3]), ([2, 0], [0, 3]), (None, None)],
+    ids=["run", "any", "none"],
+)
+def test_the_device_step_equals_the_host_packing(transfer: bool, dst, src, monkeypatch) -> None:
+    """Decode graphs' static buffer and a fresh one, several steps in a row (both pinned buffers
+    in turn): every byte as the host packed it, the pending ids in their rows."""
+    from engine import step_transfer
+
+    monkeypatch.setattr(step_transfer, "ENABLED", transfer)
+    device = torch.device("cuda")
+    stager, host_stager = InputStager(device, 16), InputStager(torch.device("cpu"), 16)
+    tokens = torch.tensor([90, 91, 92, 93], device=device)
+    layout = StepLayout(4, 4, 300)
+    _, nbytes = layout.offsets()
+    static = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    for step in range(4):
+        ids = [7 + step, 8, 9]
+        tables = [list(range(300)), [5 + step], [6, 7]]
+        args = (ids, [3, 0, 17], [3, 0, 17], [1, 1, 1], tables)
+        kw = dict(table_width=300, pad_to=4, max_seq_len=4096)
+        pending = None if dst is None else PendingIds(dst, src, tokens)
+        for dest in (static, None):
+            got = stager.stage(*args, **kw, dest=dest, pending=pending)
+            want = host_stager.stage(*args, **kw)
+            if pending is not None:
+                for d, s in zip(dst, src):
+                    want.input_ids[d] = int(tokens[s])
+            torch.cuda.synchronize()
+            assert torch.equal(got.input_ids.cpu(), want.input_ids)
+            assert torch.equal(got.meta.block_tables.cpu(), want.meta.block_tables)
+            assert torch.equal(got.meta.slot_mapping.cpu(), want.meta.slot_mapping)
+            assert torch.equal(got.meta.seq_lens.cpu(), want.meta.seq_lens)
+    assert torch.equal(input_ids_view(static, layout).cpu(), got.input_ids.cpu())
