@@ -448,11 +448,16 @@ def _quantized_rows(linear, x: torch.Tensor, k: int) -> bool:
     )
 
 
+def _kernel_norm(norm) -> bool:
+    """Whether the kernels compute `norm` themselves: Llama's RMSNorm or Gemma's (1 + w) one,
+    exactly (a subclass may change what it computes)."""
+    return type(norm) in (RMSNorm, OffsetRMSNorm)
+
+
 def one_row_norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None):
     """(linear(norm(x + residual)), x + residual) in one kernel, or None where it does not apply
     (more than one row, not CUDA, another norm or weight type): norm_linear's fused case."""
-    known = type(norm) in (RMSNorm, OffsetRMSNorm)
-    operands = _operands(linear, x, x.shape[-1]) if known else None
+    operands = _operands(linear, x, x.shape[-1]) if _kernel_norm(norm) else None
     if operands is None:
         return None
     weight, scale, bias = operands
@@ -472,7 +477,7 @@ def norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None):
     fused = one_row_norm_linear(norm, linear, x, residual)
     if fused is not None:
         return fused
-    if type(norm) in (RMSNorm, OffsetRMSNorm) and _quantized_rows(linear, x, x.shape[-1]):
+    if _kernel_norm(norm) and _quantized_rows(linear, x, x.shape[-1]):
         offset = isinstance(norm, OffsetRMSNorm)
         q, scale, summed = rms_norm_fp8(x, norm.weight, norm.eps, residual, offset)
         y = linear.forward_quantized(q, scale, x.dtype)
@@ -490,7 +495,7 @@ def one_row_gated(norm, gate_up, x: torch.Tensor, residual: torch.Tensor | None,
     prologue too; FP8 weights (no prologue unless FUSE_FP8) follow the norm's own kernel, whatever
     engine.quant.fp8_kernels.ONE_ROW_PATH says."""
     epilogue = _ACT_PROLOGUES.get(activation)
-    if not GATED or epilogue is None or type(norm) not in (RMSNorm, OffsetRMSNorm):
+    if not GATED or epilogue is None or not _kernel_norm(norm):
         return None
     if isinstance(x, NormedRow):  # its norm begun by the linear before: this kernel finishes it
         return _finish_norm(gate_up, x, epilogue), x.summed
@@ -519,7 +524,7 @@ def linear_add_norm(linear, x: torch.Tensor, residual: torch.Tensor | None, norm
     into the linear's kernel, and the linear after the norm finishes it (NORM_AFTER: off)."""
     operands = (
         _operands(linear, x, x.shape[-1], prologue=False)
-        if NORM_AFTER and residual is not None and type(norm) in (RMSNorm, OffsetRMSNorm)
+        if NORM_AFTER and residual is not None and _kernel_norm(norm)
         else None
     )
     if operands is None:
