@@ -261,19 +261,20 @@ def _send(
     engine.step_transfer's kernel for a small step (ids in a run go in on the way), else by the
     copy engine."""
     run = pending.run() if pending is not None else None
+    sent = False
     if step_transfer.applies(dest, layout.num_tokens):
         if run is not None:  # the words of input_ids (int64, the first section) are its rows
             dst0, src0, k = run
             run = (layout.offsets()[0]["input_ids"][0] // 8 + dst0, src0, k)
-        step_transfer.send(
+        sent = step_transfer.send(
             host.view(torch.int64),
             dest.view(torch.int64),
             pending.tokens if run is not None else None,
             run or (0, 0, 0),
         )
-        if pending is None or run is not None:
+        if sent and (pending is None or run is not None):
             return
-    else:
+    if not sent:
         dest.copy_(host, non_blocking=True)
     if pending is not None:
         pending.write(input_ids_view(dest, layout))

@@ -11,6 +11,8 @@ more than a copy's, and a loaded engine's host has none to spare.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 try:  # a CPU-only install may have no triton; its steps never leave the host
@@ -23,11 +25,21 @@ ENABLED = True  # benchmarks turn it off to compare with the copy engine's copie
 BLOCK = 1024  # 8-byte words a program moves
 # Steps of at most this many tokens (or sampled rows: engine.sampling's copy) count as small.
 SMALL_STEP = 8
+# Triton's launcher refuses a pointer the device cannot address with this message
+_UNMAPPED = "cannot be accessed from Triton"
+_host_readable = [True]  # False once a launch found pinned memory outside the device's reach
+log = logging.getLogger(__name__)
 
 
 def applies(dest: torch.Tensor, num_tokens: int) -> bool:
     """Whether a step of num_tokens bound for `dest` (a device buffer) moves by the kernel."""
-    return ENABLED and num_tokens <= SMALL_STEP and triton is not None and dest.is_cuda
+    return (
+        ENABLED
+        and _host_readable[0]
+        and num_tokens <= SMALL_STEP
+        and triton is not None
+        and dest.is_cuda
+    )
 
 
 def send(
@@ -35,22 +47,35 @@ def send(
     dest_words: torch.Tensor,
     tokens: torch.Tensor | None = None,
     run: tuple[int, int, int] = (0, 0, 0),
-) -> None:
+) -> bool:
     """dest_words[:] = host_words (int64 words; host_words pinned), except the words dst0 + i for
     i < count, which take tokens[src0 + i] (run = (dst0, src0, count); tokens int64 on the
-    device)."""
+    device). False, with nothing launched, where the device cannot address pinned host memory
+    (then applies() is False from here on: the caller copies)."""
     n = host_words.numel()
     dst0, src0, count = run
-    _send_kernel[(triton.cdiv(n, BLOCK),)](
-        host_words,
-        dest_words,
-        tokens if tokens is not None and count else dest_words,
-        n,
-        dst0,
-        src0,
-        count,
-        BLOCK=BLOCK,
-    )
+    try:
+        _send_kernel[(triton.cdiv(n, BLOCK),)](
+            host_words,
+            dest_words,
+            tokens if tokens is not None and count else dest_words,
+            n,
+            dst0,
+            src0,
+            count,
+            BLOCK=BLOCK,
+        )
+    except ValueError as exc:
+        if _UNMAPPED not in str(exc):
+            raise
+        _host_readable[0] = False
+        log.warning(
+            "pinned host memory is not addressable from the device here (%s): step inputs go by "
+            "the copy engine",
+            exc,
+        )
+        return False
+    return True
 
 
 if triton is not None:

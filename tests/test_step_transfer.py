@@ -113,3 +113,51 @@ def test_the_device_step_equals_the_host_packing(transfer: bool, dst, src, monke
             assert torch.equal(got.meta.slot_mapping.cpu(), want.meta.slot_mapping)
             assert torch.equal(got.meta.seq_lens.cpu(), want.meta.seq_lens)
     assert torch.equal(input_ids_view(static, layout).cpu(), got.input_ids.cpu())
+
+
+# Triton's CUDA launcher (triton/backends/nvidia/driver.py, getPointer) raises this ValueError when
+# cuPointerGetAttribute finds no device address for a pointer argument (pageable host memory).
+TRITON_UNMAPPED = "Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)"
+
+
+class _Raising:
+    """Stands in for the compiled kernel: its launch raises what Triton's launcher raises."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            raise ValueError(self.message)
+
+        return launch
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_unaddressable_host_memory_turns_the_kernel_off(monkeypatch, caplog) -> None:
+    from engine import step_transfer
+
+    monkeypatch.setattr(step_transfer, "_host_readable", [True])
+    monkeypatch.setattr(step_transfer, "_send_kernel", _Raising(TRITON_UNMAPPED))
+    words = torch.zeros(4, dtype=torch.int64)
+    with caplog.at_level("WARNING", logger="engine.step_transfer"):
+        assert step_transfer.send(words, words) is False
+    assert step_transfer._host_readable == [False]
+    assert "copy engine" in caplog.text
+    monkeypatch.setattr(step_transfer, "_send_kernel", _Raising("some other launch error"))
+    with pytest.raises(ValueError, match="other launch error"):
+        step_transfer.send(words, words)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and triton")
+def test_pageable_host_memory_is_refused_by_the_launcher(monkeypatch) -> None:
+    """The real launcher on pageable memory: send() launches nothing and says so; the stager then
+    copies."""
+    from engine import step_transfer
+
+    monkeypatch.setattr(step_transfer, "_host_readable", [True])
+    dest = torch.full((16,), -1, dtype=torch.int64, device="cuda")
+    assert step_transfer.send(torch.arange(16), dest) is False
+    assert not step_transfer.applies(dest, 1)
+    assert torch.equal(dest.cpu(), torch.full((16,), -1))
