@@ -263,20 +263,15 @@ def _send(
     run = pending.run() if pending is not None else None
     sent = False
     if step_transfer.applies(dest, layout.num_tokens):
+        words = (0, 0, 0)
         if run is not None:  # the words of input_ids (int64, the first section) are its rows
             dst0, src0, k = run
-            run = (layout.offsets()[0]["input_ids"][0] // 8 + dst0, src0, k)
-        sent = step_transfer.send(
-            host.view(torch.int64),
-            dest.view(torch.int64),
-            pending.tokens if run is not None else None,
-            run or (0, 0, 0),
-        )
-        if sent and (pending is None or run is not None):
-            return
+            words = (layout.offsets()[0]["input_ids"][0] // 8 + dst0, src0, k)
+        tokens = pending.tokens if run is not None else None
+        sent = step_transfer.send(host.view(torch.int64), dest.view(torch.int64), tokens, words)
     if not sent:
         dest.copy_(host, non_blocking=True)
-    if pending is not None:
+    if pending is not None and not (sent and run is not None):  # the kernel put in a run only
         pending.write(input_ids_view(dest, layout))
 
 

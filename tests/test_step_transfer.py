@@ -5,6 +5,7 @@ interpreter."""
 
 from __future__ import annotations
 
+import importlib.util
 import textwrap
 
 import pytest
@@ -13,13 +14,17 @@ import torch
 from child_process import run_in_triton_interpreter
 from engine.step_inputs import InputStager, PendingIds, StepLayout, input_ids_view
 
-try:
-    import triton  # noqa: F401
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_cuda_triton = pytest.mark.skipif(
+    not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and triton"
+)
 
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover
-    HAS_TRITON = False
-
+# pending ids (dst rows, src rows): a run, another order, none
+PENDING_CASES = pytest.mark.parametrize(
+    "dst, src",
+    [([0, 1, 2], [1, 2, 3]), ([2, 0], [0, 3]), (None, None)],
+    ids=["run", "any", "none"],
+)
 # (dst0, src0, count) runs: none, inside the first program, across a program's edge, at the end
 RUNS = ((0, 0, 0), (3, 1, 4), (1020, 0, 9), (2500 - 5, 2, 5))
 
@@ -76,13 +81,9 @@ def test_the_cpu_step_takes_its_pending_ids(dst: list[int], src: list[int]) -> N
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and triton")
+@needs_cuda_triton
 @pytest.mark.parametrize("transfer", [True, False], ids=["kernel", "copy-engine"])
-@pytest.mark.parametrize(
-    "dst, src",
-    [([0, 1, 2], [1, 2, 3]), ([2, 0], [0, 3]), (None, None)],
-    ids=["run", "any", "none"],
-)
+@PENDING_CASES
 def test_the_device_step_equals_the_host_packing(transfer: bool, dst, src, monkeypatch) -> None:
     """Decode graphs' static buffer and a fresh one, several steps in a row (both pinned buffers
     in turn): every byte as the host packed it, the pending ids in their rows."""
@@ -150,7 +151,7 @@ def test_unaddressable_host_memory_turns_the_kernel_off(monkeypatch, caplog) -> 
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and triton")
+@needs_cuda_triton
 def test_pageable_host_memory_is_refused_by_the_launcher(monkeypatch) -> None:
     """The real launcher on pageable memory: send() launches nothing and says so; the stager then
     copies."""
@@ -161,3 +162,44 @@ def test_pageable_host_memory_is_refused_by_the_launcher(monkeypatch) -> None:
     assert step_transfer.send(torch.arange(16), dest) is False
     assert not step_transfer.applies(dest, 1)
     assert torch.equal(dest.cpu(), torch.full((16,), -1))
+
+
+def _send_in_torch(host_words, dest_words, tokens=None, run=(0, 0, 0)) -> bool:
+    """engine.step_transfer.send's contract, in torch on CPU tensors (the kernel itself is checked
+    under the interpreter above and on the GPU)."""
+    dest_words.copy_(host_words)
+    dst0, src0, count = run
+    if count:
+        dest_words[dst0 : dst0 + count] = tokens[src0 : src0 + count]
+    return True
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["kernel", "launch-refused"])
+@PENDING_CASES
+def test_the_send_path_puts_every_pending_id_in(refused: bool, dst, src, monkeypatch) -> None:
+    """engine.step_inputs._send's choice between the kernel and the copy engine, on CPU tensors
+    (applies() forced): the bytes arrive and every pending id is in its row, whether the kernel put
+    in a run, the stager wrote the ids after it, or a refused launch left it all to the copy."""
+    from engine import step_inputs, step_transfer
+
+    monkeypatch.setattr(step_transfer, "applies", lambda dest, num_tokens: True)
+    refuse = lambda *args: False  # noqa: E731 - a launch Triton refused: nothing moved
+    monkeypatch.setattr(step_transfer, "send", refuse if refused else _send_in_torch)
+    layout = StepLayout(4, 4, 300)
+    packed = InputStager(torch.device("cpu"), 16).stage(
+        [7, 8, 9], [3, 0, 17], [3, 0, 17], [1, 1, 1], [list(range(300)), [5], [6, 7]],
+        table_width=300, pad_to=4,
+    )  # fmt: skip
+    _, nbytes = layout.offsets()
+    host = packed.input_ids.untyped_storage()
+    host = torch.frombuffer(bytearray(host), dtype=torch.uint8)[:nbytes]
+    dest = torch.zeros(nbytes, dtype=torch.uint8)
+    tokens = torch.tensor([90, 91, 92, 93])
+    pending = None if dst is None else PendingIds(dst, src, tokens)
+    step_inputs._send(host, dest, layout, pending)
+    want = host.clone()
+    if pending is not None:
+        ids = input_ids_view(want, layout)
+        for d, s in zip(dst, src):
+            ids[d] = tokens[s]
+    assert torch.equal(dest, want)
