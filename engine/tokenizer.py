@@ -70,8 +70,15 @@ class Tokenizer:
         """Load tokenizer.json, the special tokens and chat templates of an HF model directory.
 
         `chat_template` (a template, or a path to a .jinja file) replaces whatever template the
-        model ships.
+        model ships. A tokenizer preload() made for the same arguments is handed out instead (once).
         """
+        preloaded = _preloaded.pop(_preload_key(path, chat_template), None)
+        if preloaded is not None:
+            return preloaded
+        return cls._load(path, chat_template)
+
+    @classmethod
+    def _load(cls, path: str, chat_template: str | None) -> Tokenizer:
         tokenizer_file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tokenizer_file):
             raise FileNotFoundError(
@@ -283,3 +290,30 @@ class Tokenizer:
             **template_kwargs,
         )
         return self.encode(text, add_special_tokens=False)
+
+
+# Tokenizers loaded ahead of the engine, by preload_key: from_dir hands each out once.
+_preloaded: dict[tuple[str, str | None], Tokenizer] = {}
+
+
+def _preload_key(path: str, chat_template: str | None) -> tuple[str, str | None]:
+    return os.path.realpath(path), chat_template
+
+
+def preload(path: str, chat_template: str | None = None) -> bool:
+    """Load `path`'s tokenizer now, for the next Tokenizer.from_dir(path, chat_template) to take;
+    True if one was loaded.
+
+    The start (warmup.start) calls this before `import torch`, while the GPU's context is being
+    made and the interpreter would otherwise wait: `tokenizers` parses tokenizer.json holding the
+    interpreter's lock, which inside the engine's build is time on the way to the first token.
+    Never raises: where there is nothing to load or the load fails, the engine's own load meets it
+    and reports it in its place."""
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return False
+    try:
+        tokenizer = Tokenizer._load(path, chat_template)
+    except Exception:  # noqa: BLE001 - the engine's load raises it where it belongs
+        return False
+    _preloaded[_preload_key(path, chat_template)] = tokenizer
+    return True

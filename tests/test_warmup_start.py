@@ -14,14 +14,16 @@ import time
 import pytest
 
 from cache.device_stream import cuda_ordinal
-from engine import LLM, SamplingParams
-from tests.tiny_models import make_tiny_model
-from warmup.start import EngineStart, ResolveError, StartArgs, start_engine
+from engine import LLM, SamplingParams, tokenizer as tokenizer_module
+from tests.tiny_models import add_char_tokenizer, make_tiny_model
+from warmup import start as start_module
+from warmup.start import EngineStart, ResolveError, StartArgs, import_while, start_engine
 
 ORDER = [
     "before_boot",
     "resolve",
     "stream_start",
+    "tokenizer",
     "cuda_context",
     "entry_imports",
     "import_torch",
@@ -31,6 +33,7 @@ ORDER = [
     "engine",
     "total",
 ]
+TEXT = chr(0x103) + chr(0x104)  # add_char_tokenizer's tokens 3 and 4
 GREEDY = dict(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
@@ -86,6 +89,69 @@ def test_the_entry_points_imports_come_before_torch_which_waits_for_them(tmp_pat
         assert phases.index("entry_imports") < phases.index("import_torch")
     finally:
         engine.shutdown()
+
+
+def test_the_tokenizer_is_loaded_before_torch_and_the_engine_takes_that_one(tmp_path, monkeypatch):
+    args = _tiny_start_args(tmp_path)
+    add_char_tokenizer(args.model)
+    loads = []
+    real_load = tokenizer_module.Tokenizer._load.__func__
+
+    def counted(cls, path, chat_template):
+        loads.append(time.perf_counter())
+        return real_load(cls, path, chat_template)
+
+    monkeypatch.setattr(tokenizer_module.Tokenizer, "_load", classmethod(counted))
+    start = start_engine(args)
+    engine = start.future.result(timeout=300)
+    try:
+        phases = list(start.phases)
+        assert phases.index("tokenizer") < phases.index("import_torch")
+        assert len(loads) == 1  # the preload; the engine's build took it instead of loading again
+        assert engine.tokenizer is not None and engine.tokenizer.encode(TEXT) == [3, 4]
+        assert not tokenizer_module._preloaded  # handed out
+    finally:
+        engine.shutdown()
+
+
+def test_a_preloaded_tokenizer_is_handed_out_once_and_only_for_its_arguments(tmp_path):
+    model_dir = str(tmp_path / "model")
+    make_tiny_model("llama", model_dir)
+    add_char_tokenizer(model_dir)
+    assert tokenizer_module.preload(model_dir)
+    other_template = "{{ messages[0]['content'] }}"
+    fresh = tokenizer_module.Tokenizer.from_dir(model_dir, chat_template=other_template)
+    assert fresh.chat_template == other_template  # another template: loaded afresh
+    first = tokenizer_module.Tokenizer.from_dir(str(tmp_path / "model" / "."))  # the same dir
+    second = tokenizer_module.Tokenizer.from_dir(model_dir)
+    assert first is not second and first.encode(TEXT) == second.encode(TEXT) == [3, 4]
+
+
+def test_a_tokenizer_that_cannot_load_is_left_to_the_engine_to_report(tmp_path):
+    assert not tokenizer_module.preload(str(tmp_path))  # no tokenizer.json
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    assert not tokenizer_module.preload(str(tmp_path))
+    assert not tokenizer_module._preloaded
+    with pytest.raises(Exception, match="(?i)expected|json|key"):
+        tokenizer_module.Tokenizer.from_dir(str(tmp_path))
+
+
+def test_idle_imports_stop_when_the_wait_ends_or_a_module_is_missing(monkeypatch):
+    imported = []
+    monkeypatch.setattr(start_module, "IDLE_IMPORTS", ("json", "no_such_module_xyz", "csv"))
+
+    def import_module(name: str) -> None:
+        imported.append(name)
+        if name.startswith("no_such"):
+            raise ImportError(name)
+
+    monkeypatch.setattr("importlib.import_module", import_module)
+    import_while(lambda: True)
+    assert imported == ["json", "no_such_module_xyz"]  # the missing one ends it
+    imported.clear()
+    answers = iter([True, False])
+    import_while(lambda: next(answers))
+    assert imported == ["json"]  # the context was made after the first import
 
 
 def test_the_context_is_made_on_the_device_the_setting_names():
