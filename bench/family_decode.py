@@ -42,6 +42,12 @@ VARIANTS = {
     "no-gated-epilogue": (("engine.layers.row_gemv", "GATED", False),),
     "no-norm-after": (("engine.layers.row_gemv", "NORM_AFTER", False),),
     "norm-after-no-pdl": (("engine.layers.row_gemv", "PDL_NORMED", False),),
+    "moe-no-norm-after": (("engine.layers.moe", "NORM_AFTER", False),),
+    "moe-no-normed-input": (("engine.layers.moe", "NORMED_INPUT", False),),
+    "moe-no-split": (
+        ("engine.layers.moe", "NORM_AFTER", False),
+        ("engine.layers.moe", "NORMED_INPUT", False),
+    ),
 }
 
 

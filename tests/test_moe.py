@@ -416,6 +416,115 @@ def test_routing_inside_the_gate_up_kernel_matches_the_separate_kernels():
 
 
 @needs_triton
+def test_norms_split_around_the_experts_under_the_triton_interpreter():
+    """One decode row, float32 on CPU. The down kernel begins the next norm (NormAfter: out +
+    residual, w * it, its programs' sums of squares; Llama's norm and Gemma's (1 + w), tiles that
+    loop over K); the gate_up kernel finishes a norm begun before it (InKernelRouting.squares, the
+    sums split over any number of programs); then the sparse MLP between two split norms as the
+    decoder runs it (o_proj's NormedRow in or not, the next layer's qkv finishing the norm its
+    down began) against the layers one after the other. More than one row: the plain pair."""
+    script = textwrap.dedent("""
+        from types import SimpleNamespace
+        import torch
+        import engine.layers.fused_moe_decode as fd
+        import engine.layers.moe as moe_layer
+        import engine.layers.row_gemv as rg
+        from engine.layers import Linear
+        from engine.layers.experts import experts_reference
+        from engine.layers.moe import SparseMoeBlock, route_reference
+        from engine.layers.norm import OffsetRMSNorm, RMSNorm
+
+        torch.manual_seed(0)
+        looping = fd.DecodeTiles(fd.GemvTile(8, 16, 4), fd.GemvTile(2, 16, 4))
+        h, i, e = 40, 24, 16
+        for k, renorm, tiles in [(8, True, None), (2, False, looping), (1, True, looping)]:
+            gu, dn = 0.2 * torch.randn(e, 2 * i, h), 0.2 * torch.randn(e, h, i)
+            s, logits, res = 3 * torch.randn(1, h), torch.randn(1, e), torch.randn(1, h)
+            norm = RMSNorm(h, 1e-5, torch.float32, "cpu")
+            norm.weight.data = torch.rand(h) + 0.5
+            w_ref, i_ref = route_reference(logits, k, renorm)
+            ref = experts_reference(norm.reference(s), gu, dn, w_ref, i_ref)
+            # a norm begun before: the scaled row and its squares in 1, 3 or 5 parts
+            for parts in (1, 3, 5):
+                squares = torch.stack([c.square().sum() for c in s[0].chunk(parts)])
+                routing = fd.InKernelRouting(logits, renorm, (norm.weight, norm.eps), squares)
+                out = fd.routed_experts(norm.weight * s, gu, dn, routing, k, tiles=tiles)
+                torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+            # the next norm begun by the down kernel
+            routing = fd.InKernelRouting(logits, renorm, (norm.weight, norm.eps))
+            for after in (RMSNorm(h, 1e-6, torch.float32, "cpu"),
+                          OffsetRMSNorm(h, 1e-6, torch.float32, "cpu")):
+                after.weight.data = torch.rand(h) + 0.5
+                offset = isinstance(after, OffsetRMSNorm)
+                row = fd.routed_experts(s, gu, dn, routing, k, tiles=tiles,
+                                        norm_after=fd.NormAfter(res, after.weight, offset))
+                torch.testing.assert_close(row.summed, ref + res, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(row.squares.sum(), row.summed.square().sum())
+                normed = rg.NormedRow(row.scaled, row.squares, row.summed, after)
+                torch.testing.assert_close(normed.finish(), after.reference(ref + res),
+                                           atol=1e-4, rtol=1e-4)
+        try:
+            fd.routed_experts(torch.randn(2, h), gu, dn, routing, 2,
+                              norm_after=fd.NormAfter(torch.randn(2, h), norm.weight))
+        except ValueError as exc:
+            assert "1 token" in str(exc)
+        else:
+            raise AssertionError("two tokens took a norm split over the kernels")
+
+        # the sparse MLP between two split norms, as DecoderLayer runs it
+        # the CUDA checks answered yes on CPU
+        rg.row_gemv_applies = lambda x: x.dim() == 2 and x.shape[0] == 1
+        moe_layer.fused_kernels_available = lambda x: True
+        cfg = SimpleNamespace(hidden_size=h, architecture="Qwen3MoeForCausalLM",
+                              moe=SimpleNamespace(top_k=4, norm_topk_prob=True, num_experts=e,
+                                                  expert_intermediate_size=i,
+                                                  shared_expert_intermediate_size=0))
+        block = SparseMoeBlock(cfg, torch.float32, "cpu")
+        for p in block.parameters():
+            p.data.normal_(0.0, 0.3)
+        o_proj = Linear(24, h, False, torch.float32, "cpu")
+        qkv = Linear(h, 56, False, torch.float32, "cpu")
+        for p in (*o_proj.parameters(), *qkv.parameters()):
+            p.data.normal_()
+        norms = [RMSNorm(h, 1e-5, torch.float32, "cpu") for _ in range(2)]
+        for norm in norms:
+            norm.weight.data = torch.rand(h) + 0.5
+        heads, res = torch.randn(1, 24), torch.randn(1, h)
+        s1 = o_proj(heads) + res
+        w_ref, i_ref = route_reference(block.gate(norms[0].reference(s1)), 4, True)
+        s2 = experts_reference(norms[0].reference(s1), block.experts.gate_up_proj,
+                               block.experts.down_proj, w_ref, i_ref) + s1
+        for normed_input in (False, True):
+            moe_layer.NORMED_INPUT = normed_input
+            assert block.takes_normed_row(heads) is normed_input
+            if normed_input:
+                x, r = rg.linear_add_norm(o_proj, heads, res, norms[0])
+                assert isinstance(x, rg.NormedRow) and r is None
+            else:
+                x, r = rg.one_row_linear(o_proj, heads), res
+            out, none = block.norm_forward(norms[0], x, r, norms[1])
+            assert isinstance(out, rg.NormedRow) and none is None
+            torch.testing.assert_close(out.summed, s2, atol=1e-3, rtol=1e-3)
+            y, summed = rg.norm_linear(norms[1], qkv, out, None)
+            assert summed is out.summed
+            torch.testing.assert_close(y, qkv(norms[1].reference(s2)), atol=1e-3, rtol=1e-3)
+        # switched off, or several rows: the experts' output and the stream, as before
+        moe_layer.NORM_AFTER = False
+        out, stream = block.norm_forward(norms[0], heads @ o_proj.weight.t(), res, norms[1])
+        assert not isinstance(out, rg.NormedRow)
+        torch.testing.assert_close(out + stream, s2, atol=1e-3, rtol=1e-3)
+        moe_layer.NORM_AFTER = True
+        rows, rows_res = torch.randn(3, h), torch.randn(3, h)
+        out, stream = block.norm_forward(norms[0], rows, rows_res, norms[1])
+        assert not isinstance(out, rg.NormedRow)
+        torch.testing.assert_close(stream, rows + rows_res)
+        print("ok")
+    """)
+    done = run_in_triton_interpreter(script)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+@needs_triton
 def test_fp8_experts_under_the_triton_interpreter_match_torch():
     """FP8 experts (e4m3 weights, one fp32 scale per expert and output row) through both paths
     of the fused kernels, in float32 under TRITON_INTERPRET: the same as the torch reference on
@@ -509,27 +618,35 @@ def test_fused_moe_kernels_compile_for_hopper(tmp_path):
                       IEEE=False), tiles)
             decode_gate_up = dict(x_ptr="*bf16", w_ptr=w_type, ws_ptr="*fp32", h_ptr="*bf16",
                                   ids_ptr="*i32", route_ptr="*fp32", logits_ptr="*bf16",
-                                  g_ptr="*bf16", N=i32, K=i32, num_experts=i32, stride_xm=i32,
+                                  g_ptr="*bf16", sq_ptr="*fp32", N=i32, K=i32,
+                                  num_experts=i32, n_sq=i32, stride_xm=i32,
                                   stride_we=i32, stride_wn=i32, stride_se=i32, stride_hm=i32,
                                   stride_lm=i32, eps="fp32", TOP_K="constexpr",
                                   HAS_SCALE="constexpr", BLOCK_N="constexpr",
                                   BLOCK_K="constexpr", EVEN_K="constexpr", ROUTE="constexpr",
-                                  NORM="constexpr", E_P2="constexpr",
+                                  NORM="constexpr", NORMED="constexpr", SQ_P2="constexpr",
+                                  E_P2="constexpr",
                                   RENORMALISE="constexpr", K_P2="constexpr")
             decode_down = dict(h_ptr="*bf16", w_ptr=w_type, ws_ptr="*fp32", out_ptr="*bf16",
-                               ids_ptr="*i32", route_weights_ptr="*fp32", N=i32, K=i32,
-                               stride_hm=i32, stride_we=i32, stride_wn=i32, stride_se=i32,
-                               stride_om=i32, TOP_K="constexpr", HAS_SCALE="constexpr",
-                               K_P2="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr",
-                               EVEN_K="constexpr")
-            for top_k, even, routed in [(8, True, True), (6, False, False), (1, True, True)]:
+                               ids_ptr="*i32", route_weights_ptr="*fp32", res_ptr="*bf16",
+                               g_ptr="*bf16", summed_ptr="*bf16", sq_ptr="*fp32", N=i32,
+                               K=i32, stride_hm=i32, stride_we=i32, stride_wn=i32,
+                               stride_se=i32, stride_om=i32, TOP_K="constexpr",
+                               HAS_SCALE="constexpr", K_P2="constexpr", BLOCK_N="constexpr",
+                               BLOCK_K="constexpr", EVEN_K="constexpr",
+                               NORM_AFTER="constexpr", OFFSET="constexpr")
+            # the norms split around the experts: begun before (NORMED) and after (NORM_AFTER)
+            for top_k, even, routed, split in [
+                (8, True, True, True), (6, False, False, False), (1, True, True, False)
+            ]:
                 tiles = fd.decode_tiles(top_k)
-                route = dict(ROUTE=routed, NORM=routed, E_P2=128, RENORMALISE=top_k > 1,
+                route = dict(ROUTE=routed, NORM=routed and not split, NORMED=split,
+                             SQ_P2=1024 if split else 1, E_P2=128, RENORMALISE=top_k > 1,
                              K_P2=fd.routing_slots(top_k))
                 for kernel, signature, tile, extra in [
                     (fd._decode_gate_up_kernel, decode_gate_up, tiles.gate_up, route),
                     (fd._decode_down_kernel, decode_down, tiles.down,
-                     dict(K_P2=triton.next_power_of_2(top_k))),
+                     dict(K_P2=triton.next_power_of_2(top_k), NORM_AFTER=split, OFFSET=False)),
                 ]:
                     build(kernel, signature, dict(TOP_K=top_k, HAS_SCALE=fp8,
                           BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=even, **extra),
@@ -779,6 +896,52 @@ def test_norm_and_router_inside_the_kernels_match_torch_where_no_tie(config, tok
         scale = ref.abs().max().item()
         torch.testing.assert_close(out.float()[no_tie], ref[no_tie], atol=2e-2 * scale, rtol=3e-2)
         compared += int(no_tie.sum())
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("normed_input", [False, True])
+def test_norms_split_around_the_experts_match_the_plain_block(normed_input, monkeypatch):
+    """Qwen3-30B-A3B's shapes, bf16, one decode row: the experts' down kernel begins the next norm
+    (and, normed_input, o_proj begins this one): the residual stream equals the plain block's
+    output plus its stream bit for bit (without normed_input; within bf16 rounding with it), and
+    the norm the down kernel began, finished, matches the next norm of that stream."""
+    import engine.layers.moe as moe_layer
+    import engine.layers.row_gemv as rg
+    from engine.layers.linear import Linear
+    from engine.layers.norm import RMSNorm
+
+    cfg, block = _random_block("qwen3-30b-a3b.json", seed=1)
+    hidden, dt = cfg.hidden_size, torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    # router logits far apart: rounding differences between the paths pick the same experts
+    block.gate.weight.data.normal_(0.0, 0.5, generator=gen)
+    norms = [RMSNorm(hidden, cfg.rms_norm_eps, dt, "cuda") for _ in range(2)]
+    for norm in norms:
+        norm.weight.data = (torch.rand(hidden, device="cuda", generator=gen) + 0.5).to(dt)
+    o_proj = Linear(4096, hidden, False, dt, "cuda")
+    o_proj.weight.data.normal_(0.0, 0.02, generator=gen)
+    heads = torch.randn(1, 4096, device="cuda", generator=gen).to(dt)
+    res = torch.randn(1, hidden, device="cuda", generator=gen).to(dt)
+    monkeypatch.setattr(moe_layer, "NORMED_INPUT", normed_input)
+    with torch.inference_mode():
+        plain, stream = block.norm_forward(norms[0], rg.one_row_linear(o_proj, heads), res)
+        if normed_input:
+            x, r = rg.linear_add_norm(o_proj, heads, res, norms[0])
+            assert isinstance(x, rg.NormedRow)
+        else:
+            x, r = rg.one_row_linear(o_proj, heads), res
+        row, none = block.norm_forward(norms[0], x, r, norms[1])
+        assert isinstance(row, rg.NormedRow) and none is None
+        want = plain + stream
+        if normed_input:
+            scale = want.abs().max().item()
+            torch.testing.assert_close(row.summed, want, atol=2e-2 * scale, rtol=3e-2)
+        else:
+            assert torch.equal(row.summed, want)
+        torch.testing.assert_close(
+            row.finish().float(), norms[1](row.summed).float(), atol=3e-2, rtol=2e-2
+        )
 
 
 @pytest.mark.gpu

@@ -83,14 +83,23 @@ class StackedExperts(nn.Module):
             )
         return experts_reference(x, self.gate_up_proj, self.down_proj, weights, ids, scales)
 
-    def routed(self, x: torch.Tensor, routing, top_k: int) -> torch.Tensor:
+    def routed(self, x: torch.Tensor, routing, top_k: int, norm_after=None):
         """The experts on x routed inside their first kernel from routing
-        (engine.layers.fused_moe_decode.InKernelRouting): CUDA, decode batches only."""
+        (engine.layers.fused_moe_decode.InKernelRouting): CUDA, decode batches only. norm_after
+        (a fused_moe_decode.NormAfter, one token): their down kernel begins that norm, and its
+        NormAfterRow is returned instead."""
         from engine.layers.fused_moe_decode import routed_experts
 
         gate_up_scale, down_scale = self.expert_scales() or (None, None)
         return routed_experts(
-            x, self.gate_up_proj, self.down_proj, routing, top_k, gate_up_scale, down_scale
+            x,
+            self.gate_up_proj,
+            self.down_proj,
+            routing,
+            top_k,
+            gate_up_scale,
+            down_scale,
+            norm_after=norm_after,
         )
 
     def expert_scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -129,9 +129,11 @@ if triton is not None:
         route_ptr,
         logits_ptr,
         g_ptr,
+        sq_ptr,
         N,
         K,
         num_experts,
+        n_sq,
         stride_xm,
         stride_we,
         stride_wn,
@@ -146,6 +148,8 @@ if triton is not None:
         EVEN_K: tl.constexpr,
         ROUTE: tl.constexpr,
         NORM: tl.constexpr,
+        NORMED: tl.constexpr,
+        SQ_P2: tl.constexpr,
         E_P2: tl.constexpr,
         RENORMALISE: tl.constexpr,
         K_P2: tl.constexpr,
@@ -160,7 +164,9 @@ if triton is not None:
         every program: no launch of its own), and the programs of column tile 0 write ids[p] and
         its router weight route[p] for the down kernel. NORM: x is the stream before the RMSNorm
         of weight g: the products take g * x and are divided by the row's rms at the end (the
-        norm's 1/rms factors out of the dot product, as in engine.layers.row_gemv)."""
+        norm's 1/rms factors out of the dot product, as in engine.layers.row_gemv). NORMED: x is
+        a one-row NormedRow's scaled row (g * x already) and sq_ptr its n_sq sums of squares: the
+        products are divided by the rms those give."""
         release(PDL)
         pair = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -214,7 +220,10 @@ if triton is not None:
         dtype = h_ptr.dtype.element_ty
         gate = tl.sum(gate_acc, axis=1)
         up = tl.sum(up_acc, axis=1)
-        if NORM:
+        if NORM or NORMED:
+            if NORMED:
+                sq_offs = tl.arange(0, SQ_P2)
+                squares = tl.load(sq_ptr + sq_offs, mask=sq_offs < n_sq, other=0.0)
             inv_rms = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
             gate = gate * inv_rms
             up = up * inv_rms
@@ -233,6 +242,10 @@ if triton is not None:
         out_ptr,
         ids_ptr,
         route_weights_ptr,
+        res_ptr,
+        g_ptr,
+        summed_ptr,
+        sq_ptr,
         N,
         K,
         stride_hm,
@@ -246,6 +259,8 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr,
+        NORM_AFTER: tl.constexpr,
+        OFFSET: tl.constexpr,
         PDL: tl.constexpr,
     ):
         """Program (t, n): out[t, n * BLOCK_N : +BLOCK_N] = the sum over token t's TOP_K slots j
@@ -256,7 +271,11 @@ if triton is not None:
         Rounded as the sorted path rounds: each slot's product through the activation dtype, times
         its route weight rounded the same way, the result rounded again (the sorted path stores
         it), the slots summed in float32 and rounded once. HAS_SCALE: W is float8_e4m3fn with one
-        fp32 scale per (expert, row) at ws_ptr."""
+        fp32 scale per (expert, row) at ws_ptr.
+
+        NORM_AFTER (one token) begins the next RMSNorm, as engine.layers.row_gemv's EPILOGUE NORM
+        does: s = out + residual (res_ptr) goes to summed_ptr, g * s (OFFSET: (1 + g) * s) to
+        out_ptr, and the program's sum of s^2 to sq_ptr[n]."""
         release(PDL)
         token = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -292,8 +311,19 @@ if triton is not None:
             products = products * tl.load(scales, mask=slot_ok[:, None], other=0.0)
         route = rounded(tl.load(route_weights_ptr + pairs, mask=slot_ok, other=0.0), dtype)
         weighted = rounded(rounded(products, dtype) * route[:, None], dtype)
-        total = tl.sum(weighted, axis=0)
-        tl.store(out_ptr + token.to(tl.int64) * stride_om + rn, total.to(dtype), mask=rn < N)
+        total = tl.sum(weighted, axis=0).to(dtype)
+        if NORM_AFTER:
+            residual = tl.load(res_ptr + rn_safe)
+            # rounded to the activation dtype, as torch's out + residual is
+            summed = (total.to(tl.float32) + residual.to(tl.float32)).to(dtype)
+            tl.store(summed_ptr + rn, summed, mask=rn < N)
+            sf = tl.where(rn < N, summed.to(tl.float32), 0.0)
+            tl.store(sq_ptr + pid_n, tl.sum(sf * sf, axis=0))
+            g = tl.load(g_ptr + rn_safe).to(tl.float32)
+            if OFFSET:
+                g = 1.0 + g
+            total = (sf * g).to(dtype)
+        tl.store(out_ptr + token.to(tl.int64) * stride_om + rn, total, mask=rn < N)
 
 
 def routing_slots(top_k: int) -> int:
@@ -325,11 +355,33 @@ def block_k_for(block_k: int, k: int) -> int:
 class InKernelRouting(NamedTuple):
     """What the decode path's gate_up kernel routes from itself (routed_experts): the router's
     logits [T, E], whether its top-k renormalise, and the RMSNorm (weight [H], eps) it applies to
-    x first (None: x comes normed)."""
+    x first (None: x comes normed). With `squares`, x is one row begun by the linear before
+    (engine.layers.row_gemv.NormedRow: its scaled row, and these sums of squares): the kernel
+    finishes the norm (the weight is in x already; eps is the norm's)."""
 
     logits: torch.Tensor
     renormalise: bool
     norm: tuple[torch.Tensor, float] | None
+    squares: torch.Tensor | None = None
+
+
+class NormAfter(NamedTuple):
+    """The RMSNorm after the experts, begun by the down kernel of a one-token decode step: the
+    residual stream the experts' output is added to, the norm's weight, and whether it scales by
+    (1 + w) (Gemma's)."""
+
+    residual: torch.Tensor
+    weight: torch.Tensor
+    offset: bool = False
+
+
+class NormAfterRow(NamedTuple):
+    """What the down kernel wrote under NormAfter: `scaled` = w * (out + residual), `summed` =
+    out + residual, `squares` each program's sum of (out + residual)^2 (a NormedRow's parts)."""
+
+    scaled: torch.Tensor
+    summed: torch.Tensor
+    squares: torch.Tensor
 
 
 def routed_experts(
@@ -341,15 +393,19 @@ def routed_experts(
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
     tiles: DecodeTiles | None = None,
-) -> torch.Tensor:
+    norm_after: NormAfter | None = None,
+) -> torch.Tensor | NormAfterRow:
     """The decode path (up to DECODE_MAX_TOKENS tokens) routed inside its gate_up kernel: what
     fused_experts(norm(x), ..., *route_topk(logits)) computes, in two launches instead of three
-    (four with the norm). Weights and scales as fused_experts takes them."""
+    (four with the norm). Weights and scales as fused_experts takes them. norm_after (one token):
+    the down kernel begins the next norm on the output and returns its NormAfterRow."""
     t = x.shape[0]
     if not 0 < t <= DECODE_MAX_TOKENS:
         raise ValueError(
             f"routed_experts: {t} tokens; the decode path takes 1 to {DECODE_MAX_TOKENS}"
         )
+    if (norm_after is not None or routing.squares is not None) and t != 1:
+        raise ValueError(f"routed_experts: a norm split over the kernels takes 1 token, not {t}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     logits = routing.logits if routing.logits.stride(-1) == 1 else routing.logits.contiguous()
     flat_ids = torch.empty(t * top_k, dtype=torch.int32, device=x.device)
@@ -357,7 +413,16 @@ def routed_experts(
     routing = routing._replace(logits=logits)
     scales = (gate_up_scale, down_scale)
     return decode_experts(
-        x, gate_up, down, route, flat_ids, top_k, tiles or decode_tiles(top_k), scales, routing
+        x,
+        gate_up,
+        down,
+        route,
+        flat_ids,
+        top_k,
+        tiles or decode_tiles(top_k),
+        scales,
+        routing,
+        norm_after,
     )
 
 
@@ -371,10 +436,12 @@ def decode_experts(
     tiles: DecodeTiles,
     scales: tuple[torch.Tensor | None, torch.Tensor | None],
     routing: InKernelRouting | None = None,
-) -> torch.Tensor:
+    norm_after: NormAfter | None = None,
+) -> torch.Tensor | NormAfterRow:
     """The decode path: h [T * k, I] = silu(gate) * up of every (token, slot) pair, then each
     token's weighted sum over its k experts' down projections, written straight to out [T, H].
-    routing: the gate_up kernel writes flat_ids and route itself (routed_experts)."""
+    routing: the gate_up kernel writes flat_ids and route itself (routed_experts). norm_after:
+    the down kernel begins that norm (one token) and the NormAfterRow is returned instead."""
     t, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
     inter = two_inter // 2
@@ -385,6 +452,8 @@ def decode_experts(
     gate_up_scale, down_scale = scales
     logits = routing.logits if routing is not None else x
     norm_weight, eps = (routing.norm if routing is not None else None) or (x, 0.0)
+    squares = routing.squares if routing is not None else None
+    normed = squares is not None
     _decode_gate_up_kernel[(t * top_k, triton.cdiv(inter, tile.block_n))](
         x,
         gate_up,
@@ -394,9 +463,11 @@ def decode_experts(
         route,
         logits,
         norm_weight,
+        squares if normed else route,
         inter,
         hidden,
         num_experts,
+        squares.numel() if normed else 0,
         x.stride(0),
         gate_up.stride(0),
         gate_up.stride(1),
@@ -410,7 +481,9 @@ def decode_experts(
         BLOCK_K=block_k,
         EVEN_K=hidden % block_k == 0,
         ROUTE=routing is not None,
-        NORM=routing is not None and routing.norm is not None,
+        NORM=routing is not None and routing.norm is not None and not normed,
+        NORMED=normed,
+        SQ_P2=triton.next_power_of_2(squares.numel()) if normed else 1,
         E_P2=triton.next_power_of_2(num_experts),
         RENORMALISE=routing is not None and routing.renormalise,
         K_P2=routing_slots(top_k),
@@ -419,13 +492,24 @@ def decode_experts(
     )
     tile = tiles.down
     block_k = block_k_for(tile.block_k, inter)
-    _decode_down_kernel[(t, triton.cdiv(hidden, tile.block_n))](
+    programs = triton.cdiv(hidden, tile.block_n)
+    if norm_after is not None:
+        summed = torch.empty_like(x)
+        out_squares = torch.empty(programs, dtype=torch.float32, device=x.device)
+        residual, next_weight = norm_after.residual, norm_after.weight
+    else:  # unused pointers
+        summed, out_squares, residual, next_weight = out, route, out, out
+    _decode_down_kernel[(t, programs)](
         h,
         down,
         down_scale if down_scale is not None else h,
         out,
         flat_ids,
         route,
+        residual,
+        next_weight,
+        summed,
+        out_squares,
         hidden,
         inter,
         h.stride(0),
@@ -439,7 +523,11 @@ def decode_experts(
         BLOCK_N=tile.block_n,
         BLOCK_K=block_k,
         EVEN_K=inter % block_k == 0,
+        NORM_AFTER=norm_after is not None,
+        OFFSET=norm_after is not None and norm_after.offset,
         num_warps=tile.num_warps,
         **launch_options(),
     )
+    if norm_after is not None:
+        return NormAfterRow(out, summed, out_squares)
     return out

@@ -14,12 +14,20 @@ from engine.layers import experts as experts_layer
 from engine.layers.activation import silu_and_mul
 from engine.layers.experts import StackedExperts
 from engine.layers.fused import fused_kernels_available
+from engine.layers.fused_moe_decode import InKernelRouting, NormAfter
 from engine.layers.linear import Linear
-from engine.layers.norm import RMSNorm
+from engine.layers.norm import OffsetRMSNorm, RMSNorm
+from engine.layers.row_gemv import NormedRow, begins_norm, norm_linear, one_row_norm_linear
 
 # Decode batches route inside the experts' first kernel (SparseMoeBlock.norm_forward); benchmarks
 # turn it off to compare.
 ROUTE_IN_KERNEL = True
+# At one-row decode the norms around the experts are split over the kernels beside them, as
+# engine.layers.row_gemv splits them at dense layers: the experts' down kernel begins the next
+# layer's input norm (NORM_AFTER), and o_proj begins the post-attention norm, which the router's
+# kernel and the experts' gate_up kernel finish (NORMED_INPUT). Benchmarks turn them off to compare.
+NORM_AFTER = True
+NORMED_INPUT = True
 
 
 def route_reference(
@@ -86,28 +94,53 @@ class SparseMoeBlock(nn.Module):
         return route_reference(logits, self.top_k, self.renormalise)
 
     def norm_forward(
-        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        norm: RMSNorm,
+        x: torch.Tensor | NormedRow,
+        residual: torch.Tensor | None,
+        next_norm: RMSNorm | None = None,
+    ) -> tuple[torch.Tensor | NormedRow, torch.Tensor | None]:
         """(self(norm(x + residual)), x + residual). At decode batches on CUDA (no shared expert)
         the router's top-k runs inside the experts' first kernel, and for one row the norm runs
         inside the router's kernel and the experts' (engine.layers.row_gemv,
-        engine.layers.fused_moe_decode.routed_experts): two to four launches fewer."""
-        if not self._routes_in_kernel(x):
+        engine.layers.fused_moe_decode.routed_experts): two to four launches fewer. x may be a
+        NormedRow of `norm` (residual None), begun by o_proj (takes_normed_row). With next_norm,
+        for one row, the experts' down kernel begins that norm on the output and this returns
+        (NormedRow, None), the sum inside."""
+        if isinstance(x, NormedRow):
+            if not self.routes_in_kernel(x.scaled):
+                return self(x.finish()), x.summed
+            logits, stream = norm_linear(norm, self.gate, x, None)
+            routing = InKernelRouting(logits, self.renormalise, (norm.weight, norm.eps), x.squares)
+            return self._experts(x.scaled, routing, stream, next_norm)
+        if not self.routes_in_kernel(x):
             h, residual = norm(x, residual)
             return self(h), residual
-        from engine.layers.fused_moe_decode import InKernelRouting
-        from engine.layers.row_gemv import one_row_norm_linear
-
         fused = one_row_norm_linear(norm, self.gate, x, residual) if type(norm) is RMSNorm else None
         if fused is None:
             h, residual = norm(x, residual)
             routing = InKernelRouting(self.gate(h), self.renormalise, None)
-            return self.experts.routed(h, routing, self.top_k), residual
+            return self._experts(h, routing, residual, next_norm)
         logits, residual = fused
         routing = InKernelRouting(logits, self.renormalise, (norm.weight, norm.eps))
-        return self.experts.routed(residual, routing, self.top_k), residual
+        return self._experts(residual, routing, residual, next_norm)
 
-    def _routes_in_kernel(self, x: torch.Tensor) -> bool:
+    def _experts(self, x: torch.Tensor, routing, stream: torch.Tensor, next_norm):
+        """(the experts' output, stream), routed in their kernel; for one row with next_norm,
+        (NormedRow of next_norm(output + stream), None): their down kernel begins that norm."""
+        if not (NORM_AFTER and x.shape[0] == 1 and begins_norm(next_norm)):
+            return self.experts.routed(x, routing, self.top_k), stream
+        after = NormAfter(stream, next_norm.weight, isinstance(next_norm, OffsetRMSNorm))
+        row = self.experts.routed(x, routing, self.top_k, after)
+        return NormedRow(row.scaled, row.squares, row.summed, next_norm), None
+
+    def takes_normed_row(self, x: torch.Tensor) -> bool:
+        """Whether norm_forward finishes a NormedRow of the one row x in its own kernels (else it
+        would finish the norm in torch first): the decoder then has o_proj begin the norm."""
+        return NORMED_INPUT and x.shape[0] == 1 and self.routes_in_kernel(x)
+
+    def routes_in_kernel(self, x: torch.Tensor) -> bool:
+        """Whether the tokens of x are routed inside the experts' first kernel (norm_forward)."""
         if not (ROUTE_IN_KERNEL and self.shared_expert is None):
             return False
         if experts_layer.EXPERTS_IMPL != "auto" or not fused_kernels_available(x):

@@ -517,6 +517,12 @@ def one_row_gated(norm, gate_up, x: torch.Tensor, residual: torch.Tensor | None,
     return row_gemv(h, weight, scale, bias, epilogue=epilogue)[0], residual
 
 
+def begins_norm(norm) -> bool:
+    """Whether a kernel before `norm` may begin it (NORM_AFTER on, and a norm the kernels compute):
+    the decoder's question for the linear, or the experts, before each norm."""
+    return NORM_AFTER and norm is not None and _kernel_norm(norm)
+
+
 def linear_add_norm(linear, x: torch.Tensor, residual: torch.Tensor | None, norm):
     """(linear(x), residual), the pair the norm after takes; at one-row decode, when `norm` is
     given (Llama's RMSNorm or Gemma's) and the linear's weights fit the one-row kernel, instead
@@ -524,7 +530,7 @@ def linear_add_norm(linear, x: torch.Tensor, residual: torch.Tensor | None, norm
     into the linear's kernel, and the linear after the norm finishes it (NORM_AFTER: off)."""
     operands = (
         _operands(linear, x, x.shape[-1], prologue=False)
-        if NORM_AFTER and residual is not None and _kernel_norm(norm)
+        if residual is not None and begins_norm(norm)
         else None
     )
     if operands is None:

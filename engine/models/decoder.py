@@ -257,8 +257,12 @@ class DecoderLayer(nn.Module):
         if isinstance(self.mlp, MLP):
             h, residual = linear_add_norm(attn.o_proj, heads, residual, norm)
             return self.mlp.norm_forward(norm, h, residual, next_norm)
-        # the norm goes with the experts' router (engine/layers/moe.py)
-        return self.mlp.norm_forward(norm, one_row_linear(attn.o_proj, heads), residual)
+        # the norm goes with the experts' router (engine/layers/moe.py), or is begun by o_proj
+        if self.mlp.takes_normed_row(heads):
+            h, residual = linear_add_norm(attn.o_proj, heads, residual, norm)
+        else:
+            h = one_row_linear(attn.o_proj, heads)
+        return self.mlp.norm_forward(norm, h, residual, next_norm)
 
 
 class SandwichDecoderLayer(nn.Module):
