@@ -16,8 +16,7 @@ import pytest
 from cache.device_stream import cuda_ordinal
 from engine import LLM, SamplingParams, tokenizer as tokenizer_module
 from tests.tiny_models import add_char_tokenizer, make_tiny_model
-from warmup import start as start_module
-from warmup.start import EngineStart, ResolveError, StartArgs, import_while, start_engine
+from warmup.start import EngineStart, ResolveError, StartArgs, start_engine
 
 ORDER = [
     "before_boot",
@@ -134,24 +133,6 @@ def test_a_tokenizer_that_cannot_load_is_left_to_the_engine_to_report(tmp_path):
     assert not tokenizer_module._preloaded
     with pytest.raises(Exception, match="(?i)expected|json|key"):
         tokenizer_module.Tokenizer.from_dir(str(tmp_path))
-
-
-def test_idle_imports_stop_when_the_wait_ends_or_a_module_is_missing(monkeypatch):
-    imported = []
-    monkeypatch.setattr(start_module, "IDLE_IMPORTS", ("json", "no_such_module_xyz", "csv"))
-
-    def import_module(name: str) -> None:
-        imported.append(name)
-        if name.startswith("no_such"):
-            raise ImportError(name)
-
-    monkeypatch.setattr("importlib.import_module", import_module)
-    import_while(lambda: True)
-    assert imported == ["json", "no_such_module_xyz"]  # the missing one ends it
-    imported.clear()
-    answers = iter([True, False])
-    import_while(lambda: next(answers))
-    assert imported == ["json"]  # the context was made after the first import
 
 
 def test_the_context_is_made_on_the_device_the_setting_names():

@@ -11,8 +11,6 @@ timed:
   tokenizer      the engine's tokenizer loaded (engine.tokenizer.preload), while the GPU's
                  primary context (the one torch then uses) is made on a thread by driver calls that
                  leave the interpreter free
-  idle_imports   what the engine imports anyway and torch does not need (IDLE_IMPORTS), for as
-                 long as that context is still being made
   cuda_context   the wait for that context, made current on this thread
   entry_imports  the entry point's own imports (Starlette and uvicorn; the job handling), which it
                  makes meanwhile; the start waits for them to end (EngineStart.entry_imports)
@@ -253,10 +251,8 @@ class EngineStart:
         self._streaming.set()
         # Meanwhile the entry point makes its imports, and the driver makes the GPU's context on a
         # thread that holds no interpreter lock: this one does the start's torch-free work then.
-        context = self._begin_cuda_context()
+        self._begin_cuda_context()
         self._timed("tokenizer", preload_tokenizer, str(tokenizer_dir or self.model_dir), a)
-        if context is not None and context.is_alive():
-            self._timed("idle_imports", import_while, context.is_alive)
         self._timed("cuda_context", self._cuda_context)
         self._timed("entry_imports", self._entry_imported.wait, ENTRY_IMPORTS_WAIT_S)
 
@@ -355,11 +351,12 @@ class EngineStart:
             i += 1
         return not any(t.is_alive() for t in self._background)
 
-    def _begin_cuda_context(self) -> threading.Thread | None:
-        """The GPU's primary context begun on a thread of its own (cache.cuda_driver), or None on
-        CPU; _cuda_context then finds it made, or waits for it inside the driver."""
+    def _begin_cuda_context(self) -> None:
+        """The GPU's primary context begun on a thread of its own (cache.cuda_driver); nothing on
+        CPU. _cuda_context then finds it made, or waits for it inside the driver."""
         ordinal = cuda_ordinal(self.args.device)
-        return None if ordinal is None else cuda_driver.begin_primary_context(ordinal)
+        if ordinal is not None:
+            cuda_driver.begin_primary_context(ordinal)
 
     def _cuda_context(self) -> None:
         """Make the engine's GPU's primary context current on this thread (torch's CUDA start then
@@ -394,26 +391,6 @@ def preload_tokenizer(path: str, args: StartArgs) -> bool:
     from engine.tokenizer import preload
 
     return preload(path, args.engine_options.get("chat_template"))
-
-
-# What the engine's import and its first kernel launch import anyway (Triton, and the part of it
-# that Triton's argument specialization imports at a process's first launch), none of it torch:
-# imported while the GPU's context is still being made, in time the interpreter would spend waiting.
-IDLE_IMPORTS = ("triton", "triton.experimental.gluon")
-
-
-def import_while(waiting: Callable[[], bool]) -> None:
-    """Import IDLE_IMPORTS in turn for as long as `waiting()` says the start still waits; a module
-    that is not installed ends it (the engine's own imports decide what that means)."""
-    import importlib
-
-    for name in IDLE_IMPORTS:
-        if not waiting():
-            return
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            return
 
 
 def start_engine(args: StartArgs) -> EngineStart:
