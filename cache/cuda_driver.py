@@ -121,10 +121,15 @@ def primary_context(ordinal: int) -> ctypes.c_void_p:
     return ctx
 
 
+_context_threads: dict[int, threading.Thread] = {}  # begin_primary_context's, by ordinal
+_context_lock = threading.Lock()
+
+
 def begin_primary_context(ordinal: int) -> threading.Thread:
     """primary_context(ordinal) on a daemon thread: the context is made while the calling thread
     goes on (these calls leave the interpreter free). A later primary_context() finds it made, or
-    waits inside the driver while it is being made; a failure here is left for that call to meet."""
+    waits inside the driver while it is being made; a failure here is left for that call to meet.
+    Once per device in a process: a later call returns the first call's thread."""
 
     def make() -> None:
         try:
@@ -132,8 +137,12 @@ def begin_primary_context(ordinal: int) -> threading.Thread:
         except (CudaError, OSError):
             pass
 
-    thread = threading.Thread(target=make, name="coldbrew-cuda-context", daemon=True)
-    thread.start()
+    with _context_lock:
+        thread = _context_threads.get(ordinal)
+        if thread is None:
+            thread = threading.Thread(target=make, name="coldbrew-cuda-context", daemon=True)
+            _context_threads[ordinal] = thread
+            thread.start()
     return thread
 
 

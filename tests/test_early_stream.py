@@ -160,3 +160,15 @@ def test_with_no_gpu_nothing_is_begun(tmp_path):
     thread = cuda_driver.begin_primary_context(0)
     thread.join(10)
     assert not thread.is_alive()
+
+
+def test_a_gpus_context_is_begun_once_per_process():
+    """The early stream begins the context first thing and the start proper asks again: one thread
+    per device (on this machine without a driver it ends without raising)."""
+    first = cuda_driver.begin_primary_context(5)
+    assert cuda_driver.begin_primary_context(5) is first
+    other = cuda_driver.begin_primary_context(6)
+    assert other is not first
+    for thread in (first, other):
+        thread.join(10)
+        assert not thread.is_alive()
