@@ -703,6 +703,7 @@ def targets(report: dict) -> dict:
 COLUMNS = [
     ("before", lambda p: p.get("before_boot")),
     ("resolve+stream", lambda p: _sum(p, "resolve", "resolve_tokenizer", "stream_start")),
+    ("tokenizer", lambda p: p.get("tokenizer")),
     ("torch", lambda p: p.get("import_torch")),
     ("entry_imp", lambda p: p.get("entry_imports")),
     ("cuda+claim", lambda p: _sum(p, "cuda_context", "preload_start", "cuda_init")),
