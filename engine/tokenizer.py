@@ -317,3 +317,9 @@ def preload(path: str, chat_template: str | None = None) -> bool:
         return False
     _preloaded[_preload_key(path, chat_template)] = tokenizer
     return True
+
+
+def discard_preload(path: str, chat_template: str | None = None) -> None:
+    """Drop what preload(path, chat_template) left if no engine took it (a start that failed
+    before its engine's build): nothing is held for the life of the process."""
+    _preloaded.pop(_preload_key(path, chat_template), None)

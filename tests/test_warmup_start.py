@@ -108,9 +108,25 @@ def test_the_tokenizer_is_loaded_before_torch_and_the_engine_takes_that_one(tmp_
         assert phases.index("tokenizer") < phases.index("import_torch")
         assert len(loads) == 1  # the preload; the engine's build took it instead of loading again
         assert engine.tokenizer is not None and engine.tokenizer.encode(TEXT) == [3, 4]
-        assert not tokenizer_module._preloaded  # handed out
+        assert tokenizer_module._preload_key(args.model, None) not in tokenizer_module._preloaded
     finally:
         engine.shutdown()
+
+
+def test_a_start_that_fails_after_the_tokenizer_leaves_no_preload_behind(tmp_path):
+    args = _tiny_start_args(tmp_path)
+    add_char_tokenizer(args.model)
+    bad = StartArgs(
+        model=args.model,
+        cache_dir=args.cache_dir,
+        device="cpu",
+        engine_options=dict(TINY_OPTIONS, max_model_len=0),  # the engine refuses it
+    )
+    start = start_engine(bad)
+    with pytest.raises(ValueError, match="max_model_len"):
+        start.future.result(timeout=300)
+    assert "tokenizer" in start.phases
+    assert tokenizer_module._preload_key(args.model, None) not in tokenizer_module._preloaded
 
 
 def test_a_preloaded_tokenizer_is_handed_out_once_and_only_for_its_arguments(tmp_path):
@@ -130,7 +146,7 @@ def test_a_tokenizer_that_cannot_load_is_left_to_the_engine_to_report(tmp_path):
     assert not tokenizer_module.preload(str(tmp_path))  # no tokenizer.json
     (tmp_path / "tokenizer.json").write_text("{not json")
     assert not tokenizer_module.preload(str(tmp_path))
-    assert not tokenizer_module._preloaded
+    assert tokenizer_module._preload_key(str(tmp_path), None) not in tokenizer_module._preloaded
     with pytest.raises(Exception, match="(?i)expected|json|key"):
         tokenizer_module.Tokenizer.from_dir(str(tmp_path))
 

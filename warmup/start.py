@@ -145,6 +145,7 @@ class EngineStart:
         self._entry_imported = threading.Event()  # clear while an entry point makes its imports
         self._entry_imported.set()
         self._thread: threading.Thread | None = None
+        self._tokenizer_path: str | None = None  # preloaded (preload_tokenizer), once begun
         self._background: list[threading.Thread] = []  # the kernel warm-up's and share's threads
 
     def begin(self) -> EngineStart:
@@ -200,6 +201,8 @@ class EngineStart:
             release_gc()
             self.future.set_result(engine)
         finally:
+            if self._tokenizer_path is not None:  # the engine took it, or it failed first
+                discard_tokenizer(self._tokenizer_path, self.args)
             self._streaming.set()
             self._entry_imported.set()
 
@@ -252,7 +255,8 @@ class EngineStart:
         # Meanwhile the entry point makes its imports, and the driver makes the GPU's context on a
         # thread that holds no interpreter lock: this one does the start's torch-free work then.
         self._begin_cuda_context()
-        self._timed("tokenizer", preload_tokenizer, str(tokenizer_dir or self.model_dir), a)
+        self._tokenizer_path = str(tokenizer_dir or self.model_dir)
+        self._timed("tokenizer", preload_tokenizer, self._tokenizer_path, a)
         self._timed("cuda_context", self._cuda_context)
         self._timed("entry_imports", self._entry_imported.wait, ENTRY_IMPORTS_WAIT_S)
 
@@ -391,6 +395,13 @@ def preload_tokenizer(path: str, args: StartArgs) -> bool:
     from engine.tokenizer import preload
 
     return preload(path, args.engine_options.get("chat_template"))
+
+
+def discard_tokenizer(path: str, args: StartArgs) -> None:
+    """What preload_tokenizer left, if the engine did not take it."""
+    from engine.tokenizer import discard_preload
+
+    discard_preload(path, args.engine_options.get("chat_template"))
 
 
 def start_engine(args: StartArgs) -> EngineStart:
