@@ -59,6 +59,7 @@ class DecodeTiles(NamedTuple):
 
 
 if triton is not None:
+    from engine.layers.row_gemv import begin_norm_rows
 
     @triton.jit
     def rounded(x, dtype: tl.constexpr):
@@ -314,15 +315,12 @@ if triton is not None:
         total = tl.sum(weighted, axis=0).to(dtype)
         if NORM_AFTER:
             residual = tl.load(res_ptr + rn_safe)
-            # rounded to the activation dtype, as torch's out + residual is
-            summed = (total.to(tl.float32) + residual.to(tl.float32)).to(dtype)
-            tl.store(summed_ptr + rn, summed, mask=rn < N)
-            sf = tl.where(rn < N, summed.to(tl.float32), 0.0)
-            tl.store(sq_ptr + pid_n, tl.sum(sf * sf, axis=0))
             g = tl.load(g_ptr + rn_safe).to(tl.float32)
             if OFFSET:
                 g = 1.0 + g
-            total = (sf * g).to(dtype)
+            summed, squares, total = begin_norm_rows(total, residual, g, rn < N)
+            tl.store(summed_ptr + rn, summed, mask=rn < N)
+            tl.store(sq_ptr + pid_n, squares)
         tl.store(out_ptr + token.to(tl.int64) * stride_om + rn, total, mask=rn < N)
 
 

@@ -114,6 +114,16 @@ if triton is not None:
     from engine.layers.fused import gate_activation
 
     @triton.jit
+    def begin_norm_rows(y, residual, g, ok):
+        """The next RMSNorm begun on output elements y (EPILOGUE NORM here, the experts' down kernel
+        in engine.layers.fused_moe_decode): (s = y + residual, rounded to y's dtype as torch's sum
+        is; the sum of s^2 over the elements `ok`; g * s in y's dtype). g: the norm's weight in
+        float32, (1 + w) for Gemma's."""
+        summed = (y.to(tl.float32) + residual.to(tl.float32)).to(y.dtype)
+        sf = tl.where(ok, summed.to(tl.float32), 0.0)
+        return summed, tl.sum(sf * sf, axis=0), (sf * g).to(y.dtype)
+
+    @triton.jit
     def _accumulate(
         acc, squares, w, x_ptr, res_ptr, g_ptr, res_out_ptr, k, K, pid,
         PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
@@ -251,12 +261,10 @@ if triton is not None:
         if EPILOGUE == 0:
             tl.store(y_ptr + rn, y, mask=row_ok)
         elif EPILOGUE == 1:
-            # rounded to the activation dtype, as torch's y + residual is
-            summed = (y.to(tl.float32) + res_rows.to(tl.float32)).to(y_ptr.dtype.element_ty)
+            summed, squares_out, scaled = begin_norm_rows(y, res_rows, g_rows, row_ok)
             tl.store(res_out_ptr + rn, summed, mask=row_ok)
-            sf = tl.where(row_ok, summed.to(tl.float32), 0.0)
-            tl.store(sq_out_ptr + pid, tl.sum(sf * sf, axis=0))
-            tl.store(y_ptr + rn, (sf * g_rows).to(y_ptr.dtype.element_ty), mask=row_ok)
+            tl.store(sq_out_ptr + pid, squares_out)
+            tl.store(y_ptr + rn, scaled, mask=row_ok)
         else:
             gate, up = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
             # act(gate) rounded to the activation dtype before the product, as torch's
