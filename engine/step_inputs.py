@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 import torch
@@ -92,8 +92,10 @@ class PendingIds:
     src: list[int]
     tokens: torch.Tensor
 
+    @cached_property
     def run(self) -> tuple[int, int, int] | None:
-        """(dst[0], src[0], count) when dst and src each rise by one, else None."""
+        """(dst[0], src[0], count) when dst and src each rise by one, else None (computed once:
+        the stager's choice and the write both ask)."""
         dst, src, k = self.dst, self.src, len(self.dst)
         if dst[-1] - dst[0] == k - 1 and src == list(range(src[0], src[0] + k)):
             return dst[0], src[0], k
@@ -101,7 +103,7 @@ class PendingIds:
 
     def write(self, input_ids: torch.Tensor) -> None:
         """Put the ids into input_ids (on the tokens' device)."""
-        run = self.run()
+        run = self.run
         if run is not None:
             dst0, src0, k = run
             input_ids[dst0 : dst0 + k].copy_(self.tokens[src0 : src0 + k])
@@ -260,7 +262,7 @@ def _send(
     """Copy a packed step (pinned host bytes) into its device buffer, with the pending ids: by
     engine.step_transfer's kernel for a small step (ids in a run go in on the way), else by the
     copy engine."""
-    run = pending.run() if pending is not None else None
+    run = pending.run if pending is not None else None
     sent = False
     if step_transfer.applies(dest, layout.num_tokens):
         words = (0, 0, 0)

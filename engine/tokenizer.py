@@ -309,11 +309,9 @@ def preload(path: str, chat_template: str | None = None) -> bool:
     interpreter's lock, which inside the engine's build is time on the way to the first token.
     Never raises: where there is nothing to load or the load fails, the engine's own load meets it
     and reports it in its place."""
-    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-        return False
     try:
         tokenizer = Tokenizer._load(path, chat_template)
-    except Exception:  # noqa: BLE001 - the engine's load raises it where it belongs
+    except Exception:  # noqa: BLE001 - no tokenizer.json, or a bad one: the engine's load says so
         return False
     _preloaded[_preload_key(path, chat_template)] = tokenizer
     return True

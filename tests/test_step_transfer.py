@@ -57,10 +57,10 @@ def test_the_kernel_in_the_triton_interpreter() -> None:
 
 def test_pending_ids_find_their_run() -> None:
     tokens = torch.arange(10, 20)
-    assert PendingIds([4, 5, 6], [2, 3, 4], tokens).run() == (4, 2, 3)
-    assert PendingIds([4], [7], tokens).run() == (4, 7, 1)
-    assert PendingIds([4, 5], [3, 2], tokens).run() is None  # rows swapped
-    assert PendingIds([4, 6], [2, 3], tokens).run() is None  # a gap
+    assert PendingIds([4, 5, 6], [2, 3, 4], tokens).run == (4, 2, 3)
+    assert PendingIds([4], [7], tokens).run == (4, 7, 1)
+    assert PendingIds([4, 5], [3, 2], tokens).run is None  # rows swapped
+    assert PendingIds([4, 6], [2, 3], tokens).run is None  # a gap
 
 
 @pytest.mark.parametrize(
