@@ -1,13 +1,15 @@
 """FP8 GEMM sweep on one GPU at Llama-3.1-8B's linear shapes, every row count the engine runs:
 the FP8 skinny kernel (weights widened to bf16, or activations quantized in the kernel for an fp8
-dot), per-token quantization + torch._scaled_mm row-wise, _scaled_mm per-tensor, against bf16
+dot), per-token quantization + torch._scaled_mm row-wise, _scaled_mm per-tensor (alone, and
+with unit scales into fp32 followed by the engine's scaling kernel), against bf16
 cuBLAS and the bf16 skinny kernel, each beside the byte floor of its weights at the measured copy
 bandwidth (bench/roofline.py's measure).
 
 `python -m bench.fp8_gemm --out DIR`: GPU time per call inside CUDA graphs, weights rotated past
 the L2; a tile sweep of the FP8 skinny kernel at --sweep-rows; the error of each path against an
-fp64 product of the same quantized operands; the 32 layers' sum per row count; writes
+fp64 product of the same quantized operands; the layers' sum per row count; writes
 DIR/fp8_gemm.json and prints tables.
+`--shapes llama-70b`: Llama-3.1-70B's linears (80 layers) instead of Llama-3.1-8B's (32).
 """
 
 from __future__ import annotations
@@ -26,14 +28,28 @@ from bench.roofline import copy_bandwidth
 from engine.layers.skinny_gemm import skinny_gemm
 from engine.quant import fp8_kernels as fk
 
-SHAPES = [
-    ("qkv", 6144, 4096),
-    ("o_proj", 4096, 4096),
-    ("gate_up", 28672, 4096),
-    ("down", 4096, 14336),
-]
+MODELS = {  # name -> (linears (name, N, K), layers)
+    "llama-8b": (
+        [
+            ("qkv", 6144, 4096),
+            ("o_proj", 4096, 4096),
+            ("gate_up", 28672, 4096),
+            ("down", 4096, 14336),
+        ],
+        32,
+    ),
+    "llama-70b": (
+        [
+            ("qkv", 10240, 8192),
+            ("o_proj", 8192, 8192),
+            ("gate_up", 57344, 8192),
+            ("down", 8192, 28672),
+        ],
+        80,
+    ),
+}
 ROWS = "1,2,4,8,16,32,64,128,256,512,2048,8192"
-NUM_LAYERS = 32
+UNIT_SCALES_ROWS_MAX = 512  # _scaled_mm with unit scales + the scaling kernel is timed up to here
 GEMV_ROWS_MAX = 1  # the one-row GEMV (bench/results/.../fp8_gemm_few_row_gemv.json tried up to 8)
 SKINNY_ROWS_MAX = (
     64  # the skinny kernel is timed up to here (the engine uses it up to SKINNY_MAX_ROWS)
@@ -59,7 +75,9 @@ class RotatingFp8:
 def skinny_candidates(variant: str) -> list[tuple[int, int, int, int]]:
     """Tiles to sweep per variant (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
     if variant == "gemv":
-        grid = itertools.product((4, 8, 16), (256, 512, 1024), ((4, 2), (8, 3)))
+        grid = itertools.product(
+            (4, 8, 16, 32), (256, 512, 1024, 2048), ((4, 2), (8, 3), (8, 4), (16, 3))
+        )
     else:
         grid = itertools.product((16, 32, 64), (512, 1024), ((4, 3), (4, 4), (8, 4)))
     return [(bn, bk, w, s) for bn, bk, (w, s) in grid]
@@ -70,7 +88,13 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def measure(
-    name: str, n: int, k: int, m: int, sweep: bool, bandwidth: float, only: tuple = ()
+    name: str,
+    n: int,
+    k: int,
+    m: int,
+    sweep: bool,
+    bandwidth: float,
+    only: tuple = (),
 ) -> dict:
     """One shape at m rows; `only`: the skinny variants to time (default all)."""
     fp8 = RotatingFp8(n, k)
@@ -110,6 +134,13 @@ def measure(
         graph=True,
     )
     times["quant_only"] = time_call(lambda: fk.quantize_per_token(x), graph=True)
+    if m <= UNIT_SCALES_ROWS_MAX:
+        times["scaled_mm_unit_scales"] = time_call(
+            lambda: fk.scaled_mm_unit_scales(xq, xs, *fp8.next(), None, torch.bfloat16), graph=True
+        )
+        errors["scaled_mm_unit_scales"] = rel_err(
+            fk.scaled_mm_unit_scales(xq, xs, w, ws, None, torch.bfloat16), ref_w8a8
+        )
     if m == 1:
         times["scaled_mm_one_row"] = time_call(
             lambda: fk.scaled_mm_one_row(x, *fp8.next()), graph=True
@@ -162,7 +193,9 @@ def measure(
     row["rel_err_vs_fp64"] = errors
     row["of_fp8_floor"] = {key: row["floor_fp8_s"] / t for key, t in times.items() if t > 0}
     fp8_paths = [
-        p for p in times if p.startswith(("skinny_", "scaled_mm_rowwise+", "scaled_mm_one_row"))
+        p
+        for p in times
+        if p.startswith(("skinny_", "scaled_mm_rowwise+", "scaled_mm_one_row", "scaled_mm_unit"))
     ]
     row["fastest_fp8"] = min(fp8_paths, key=lambda p: times[p])
     torch.cuda.empty_cache()
@@ -175,14 +208,16 @@ def main() -> None:
     ap.add_argument("--rows", default=ROWS)
     ap.add_argument("--sweep-rows", default="1,4", help="rows at which skinny tiles are swept")
     ap.add_argument("--variants", default="", help="skinny variants to time (default all)")
+    ap.add_argument("--shapes", default="llama-8b", choices=sorted(MODELS))
     args = ap.parse_args()
+    shapes, num_layers = MODELS[args.shapes]
     only = tuple(v for v in args.variants.split(",") if v)
     os.makedirs(args.out, exist_ok=True)
     bandwidth = copy_bandwidth("cuda", 2 << 30)
     sweep_rows = {int(r) for r in args.sweep_rows.split(",") if r}
     row_counts = [int(r) for r in args.rows.split(",") if r]
     rows = []
-    for (name, n, k), m in itertools.product(SHAPES, row_counts):
+    for (name, n, k), m in itertools.product(shapes, row_counts):
         r = measure(name, n, k, m, m in sweep_rows, bandwidth, only)
         rows.append(r)
         t = r["times_s"]
@@ -202,13 +237,13 @@ def main() -> None:
     for m in row_counts:
         per = [r for r in rows if r["rows"] == m]
         paths = set.intersection(*(set(r["times_s"]) for r in per))
-        total = {p: NUM_LAYERS * sum(r["times_s"][p] for r in per) for p in sorted(paths)}
+        total = {p: num_layers * sum(r["times_s"][p] for r in per) for p in sorted(paths)}
         totals.append(
             {
                 "rows": m,
                 "layers_s": total,
-                "floor_fp8_s": NUM_LAYERS * sum(r["floor_fp8_s"] for r in per),
-                "floor_bf16_s": NUM_LAYERS * sum(r["floor_bf16_s"] for r in per),
+                "floor_fp8_s": num_layers * sum(r["floor_fp8_s"] for r in per),
+                "floor_bf16_s": num_layers * sum(r["floor_bf16_s"] for r in per),
             }
         )
     # the sweep's best tiles per (variant, N, K): bench/fp8_decode.py --tiles installs them
@@ -219,7 +254,7 @@ def main() -> None:
                 best_tiles[f"{v}:{r['n']}:{r['k']}"] = r[f"skinny_{v}_best"]
     for t in totals:
         t["layers_best_tiles_s"] = {
-            v: NUM_LAYERS * sum(r[f"skinny_{v}_best_s"] for r in rows if r["rows"] == t["rows"])
+            v: num_layers * sum(r[f"skinny_{v}_best_s"] for r in rows if r["rows"] == t["rows"])
             for v in (*fk.SKINNY_VARIANTS, "gemv")
             if all(f"skinny_{v}_best_s" in r for r in rows if r["rows"] == t["rows"])
         }
@@ -230,6 +265,9 @@ def main() -> None:
         "engine_skinny_max_rows": fk.SKINNY_MAX_ROWS,
         "engine_skinny_variant": fk.SKINNY_VARIANT,
         "engine_one_row_path": fk.ONE_ROW_PATH,
+        "engine_unit_scales_max_rows": fk.UNIT_SCALES_MAX_ROWS,
+        "shapes": args.shapes,
+        "num_layers": num_layers,
         "best_tiles": best_tiles,
         "rows": rows,
         "layer_totals": totals,
@@ -237,7 +275,7 @@ def main() -> None:
     with open(os.path.join(args.out, "fp8_gemm.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(f"\n{result['device']}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    print("32 layers' qkv+o+gate_up+down, ms per step (GPU time in CUDA graphs)")
+    print(f"{num_layers} layers' qkv+o+gate_up+down, ms per step (GPU time in CUDA graphs)")
     cols = [
         "bf16_cublas",
         "bf16_skinny",
@@ -246,6 +284,7 @@ def main() -> None:
         "scaled_mm_rowwise+quant",
         "scaled_mm_one_row",
         *[f"skinny_{v}" for v in (*fk.SKINNY_VARIANTS, "gemv")],
+        "scaled_mm_unit_scales",
         "engine_fp8_linear",
     ]
     print("| rows | " + " | ".join(cols) + " | fp8 floor | bf16 floor |")

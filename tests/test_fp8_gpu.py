@@ -82,6 +82,23 @@ def test_each_decode_kernel(n, k, variant):
         assert rel(y, ref) < 5e-3, (m, variant, rel(y, ref))
 
 
+@pytest.mark.parametrize("n,k", [*SHAPES, (1008, 1040)])
+def test_unit_scale_product_then_scales_matches_fp64(n, k):
+    """_scaled_mm with unit scales into fp32, then the scaling kernel (the decode batches' path),
+    with and without a bias, against the fp64 product of the same quantized operands; the row-wise
+    kernel beside it within the same distance."""
+    for m in (2, 17, 64, 100, 256):
+        x, _, wq, ws, bias = operands(n, k, m, seed=200 + m)
+        xq, xs = fk.quantize_per_token(x)
+        ref = (xq.double() * xs.double()) @ (wq.double() * ws.double()[:, None]).t()
+        for b in (None, bias):
+            y = fk.scaled_mm_unit_scales(xq, xs, wq, ws, b, torch.bfloat16)
+            want = ref + b.double() if b is not None else ref
+            assert y.dtype == torch.bfloat16 and rel(y, want) < 5e-3, (m, rel(y, want))
+        rowwise = fk.scaled_mm_rowwise(xq, xs, wq, ws, torch.bfloat16)
+        assert rel(y - bias, rowwise.double()) < 1e-2, m
+
+
 def test_per_token_quantizer_matches_the_reference():
     for m, k in [(1, 4096), (7, 14336), (300, 4096), (64, 100)]:
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16) * 3

@@ -86,11 +86,40 @@ def test_quantizing_kernels_under_the_triton_interpreter():
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
+@needs_triton
+def test_scaling_kernel_under_the_triton_interpreter():
+    """The kernel after _scaled_mm's unit-scale product (fp8_kernels.scaled_mm_unit_scales):
+    each row and column scaled by its own scale, the bias added, over column blocks that do not
+    fill the last one: the fp32 product of the scales (written in fp32 here; the GPU test checks
+    the bf16 output)."""
+    script = textwrap.dedent("""
+        import torch
+        from engine.quant.fp8_kernels import _scale_product_kernel
+
+        torch.manual_seed(0)
+        for m, n, block, with_bias in [(3, 40, 16, True), (5, 64, 64, False), (1, 100, 32, True)]:
+            acc = 1000 * torch.randn(m, n)
+            xs, ws = torch.rand(m, 1) + 0.01, torch.rand(n) + 0.01
+            bias = torch.randn(n).to(torch.bfloat16)
+            y = torch.empty(m, n)  # fp32: the interpreter's bf16 cast truncates
+            _scale_product_kernel[(m, (n + block - 1) // block)](
+                acc, xs, ws, bias if with_bias else ws, y, n, acc.stride(0), y.stride(0),
+                HAS_BIAS=with_bias, BLOCK_N=block, PDL=False,
+            )
+            want = acc * xs * ws + (bias.float() if with_bias else 0)
+            torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6)
+        print("ok")
+    """)
+    done = run_in_triton_interpreter(script)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
 @pytest.mark.skipif(not triton_nvidia_backend(), reason="triton without its CUDA backend (ptxas)")
 def test_quantizing_kernels_compile_for_hopper(tmp_path):
     """The norm writing e4m3 (with and without a residual, Gemma's norm), the gate activation's
-    quantizing kernel and the per-token quantizer, compiled ahead of time for sm_90 with bf16
-    activations: the e4m3 stores and the shared scale helpers through ptxas."""
+    quantizing kernel, the per-token quantizer and the unit-scale product's scaling kernel,
+    compiled ahead of time for sm_90 with bf16 activations: the e4m3 stores and the shared scale
+    helpers through ptxas."""
     script = textwrap.dedent("""
         import triton
         from triton.backends.compiler import GPUTarget
@@ -115,6 +144,11 @@ def test_quantizing_kernels_compile_for_hopper(tmp_path):
                         stride_q="i32", n_cols="i32")
         for act in (0, 1):
             build(fused._gate_and_mul_fp8_kernel, gate_sig, dict(ACT=act, BLOCK=4096, PDL=True), 8)
+        scale_sig = dict(acc_ptr="*fp32", xs_ptr="*fp32", ws_ptr="*fp32", b_ptr="*bf16",
+                         y_ptr="*bf16", N="i32", stride_acc="i32", stride_y="i32")
+        for bias in (True, False):
+            build(fp8_kernels._scale_product_kernel, scale_sig,
+                  dict(HAS_BIAS=bias, BLOCK_N=1024, PDL=True), 4)
         build(fp8_kernels._quantize_rows_kernel,
               dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", K="i32", stride_xm="i32",
                    stride_qm="i32"),

@@ -17,11 +17,12 @@ from engine.layers.experts import StackedExperts
 from engine.quant.base import QuantConfig, QuantizedLinear, QuantizedRows
 from engine.quant.fp8_kernels import (
     FP8,
+    QUANTIZED_ROW_PATHS,
     cuda_path,
     fp8_linear,
     quantize_rows_reference,
+    quantized_rows_gemm,
     scaled_mm_fits,
-    scaled_mm_rowwise,
 )
 
 MIN_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) have FP8 tensor cores
@@ -106,18 +107,17 @@ class Fp8Linear(QuantizedLinear):
         return self.weight, self.weight_scale, self.bias
 
     def takes_quantized_rows(self, rows: int, dtype: torch.dtype) -> bool:
-        """Whether forward() of `rows` CUDA rows of `dtype` would quantize them per token for
-        _scaled_mm (its many-row path): the kernel before may then write them quantized and hand
-        them to forward_quantized (engine.layers.row_gemv: norm_linear, act_linear)."""
-        return cuda_path(rows, dtype) == "scaled_mm_rowwise" and scaled_mm_fits(self.weight)
+        """Whether forward() of `rows` CUDA rows of `dtype` would quantize them per token for a
+        tensor-core GEMM (its many-row paths): the kernel before may then write them quantized
+        and hand them to forward_quantized (engine.layers.row_gemv: norm_linear, act_linear)."""
+        return cuda_path(rows, dtype) in QUANTIZED_ROW_PATHS and scaled_mm_fits(self.weight)
 
     def forward_quantized(
         self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor:
         """forward() of rows already quantized per token: q e4m3 [M, in], scale fp32 [M, 1];
         the result in `dtype`."""
-        y = scaled_mm_rowwise(q, scale, self.weight, self.weight_scale, dtype)
-        return y + self.bias if self.bias is not None else y
+        return quantized_rows_gemm(q, scale, self.weight, self.weight_scale, self.bias, dtype)
 
     def load_weight_rows(self, start: int, end: int, rows: torch.Tensor | QuantizedRows) -> None:
         """Quantize high-precision weight rows [end - start, in] into rows [start, end), each with
@@ -155,7 +155,7 @@ class RowParallelFp8Linear(Fp8Linear):
         scales), then the all-reduce."""
         from engine.layers.parallel import _need
 
-        y = scaled_mm_rowwise(q, scale, self.weight, self.weight_scale, dtype)
+        y = quantized_rows_gemm(q, scale, self.weight, self.weight_scale, None, dtype)
         y = _need(self.comm).all_reduce(y)
         return y + self.bias if self.bias is not None else y
 

@@ -3,19 +3,24 @@ output channel)^T, scaled back, in x's dtype.
 
 Weights: float8_e4m3fn [N, K] with fp32 scales [N] (one per output channel: amax / 448). Activations
 are quantized dynamically, one fp32 scale per token (row), the same way. On CUDA:
-- rows <= SKINNY_MAX_ROWS (decode): a skinny Triton kernel in the spirit of
-  engine/layers/skinny_gemm.py that reads each FP8 weight byte once. Variants (SKINNY_VARIANTS):
-  the weights widened to x's dtype for a bf16 dot ("w8a16"), or x quantized per token inside the
-  kernel for an fp8 dot ("w8a8"); and a dot-free GEMV for one row ("gemv": fp32 multiply-adds, one
-  reduction at the end: engine/layers/row_gemv.py's kernel with no prologue), the fastest at
-  batch-1 decode. (Swapping the dot's operands, y^T = W x^T, measured no faster and was removed:
-  bench/results/2026-11-26-h100-fp8/.)
-- more rows: a Triton kernel quantizes the activations per token, then torch._scaled_mm with
-  row-wise scales (cuBLAS/CUTLASS FP8 tensor cores).
+- one row (batch-1 decode): a dot-free GEMV ("gemv": fp32 multiply-adds, one reduction at the
+  end: engine/layers/row_gemv.py's kernel with no prologue), bf16 activations against the FP8
+  weights. Rows up to SKINNY_MAX_ROWS could take a skinny Triton kernel in the spirit of
+  engine/layers/skinny_gemm.py (SKINNY_VARIANTS: the weights widened to x's dtype for a bf16 dot,
+  "w8a16", or x quantized per token inside the kernel for an fp8 dot, "w8a8"); since the
+  unit-scale product below beat it at 2-16 rows (bench/results/2026-11-28-h200-fp8-unit-scales/)
+  the benchmarks alone run it. (Swapping the dot's operands, y^T = W x^T, measured no faster and
+  was removed: bench/results/2026-11-26-h100-fp8/.)
+- more rows: a Triton kernel quantizes the activations per token (or the norm or activation
+  before the linear wrote them quantized: forward_quantized), then up to UNIT_SCALES_MAX_ROWS rows
+  torch._scaled_mm with unit per-tensor scales into fp32 (cuBLAS) and one Triton kernel that
+  applies the row and channel scales (and bias); above, torch._scaled_mm with row-wise scales
+  (CUTLASS). At decode batches the per-tensor kernel reads the weights much closer to the byte
+  floor than the row-wise one (bench/fp8_gemm.py).
 Which path and tiles: bench/fp8_gemm.py (bench/results/2026-11-26-h100-fp8/), docs/engine.md.
-On CPU fp8_linear_reference: the W8A8 numerics (the many-row path's) as torch._scaled_mm in fp32
-(the CPU build runs it), so CI checks them; the one-row GEMV and the w8a16 skinny kernel keep x in
-bf16, so GPU decode differs from it only by being closer to the unquantized product.
+On CPU fp8_linear_reference: the W8A8 numerics (the many-row paths') as torch._scaled_mm in fp32
+(the CPU build runs it), so CI checks them; the one-row GEMV keeps x in bf16, so GPU batch-1
+decode differs from it only by being closer to the unquantized product.
 """
 
 from __future__ import annotations
@@ -36,10 +41,15 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 MIN_AMAX = 1e-12  # an all-zero row still gets a finite scale
 Fp8SkinnyConfig = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
-# above this many rows the per-token quantizer + _scaled_mm path wins (bench/fp8_gemm.py)
-SKINNY_MAX_ROWS = 16
+# above this many rows the per-token quantizer + a tensor-core GEMM wins (bench/fp8_gemm.py)
+SKINNY_MAX_ROWS = 1
+# up to this many rows _scaled_mm per-tensor with unit scales + the scaling kernel, above it
+# _scaled_mm row-wise (bench/fp8_gemm.py)
+UNIT_SCALES_MAX_ROWS = 128
+# cuda_path's paths that multiply rows quantized per token beforehand (forward_quantized takes them)
+QUANTIZED_ROW_PATHS = ("scaled_mm_unit_scales", "scaled_mm_rowwise")
 SKINNY_VARIANTS = ("w8a16", "w8a8")
-SKINNY_VARIANT = "w8a16"  # decode rows 2..SKINNY_MAX_ROWS (bench/fp8_gemm.py; docs/engine.md)
+SKINNY_VARIANT = "w8a16"  # rows 2..SKINNY_MAX_ROWS when that is above 1 (bench/fp8_gemm.py)
 # One row (batch-1 decode): "gemv", "skinny" (SKINNY_VARIANT), or "scaled_mm" (its per-token scale
 # is a per-tensor one: _scaled_mm's per-tensor kernel, then the channel scales in one multiply)
 ONE_ROW_PATHS = ("gemv", "skinny", "scaled_mm")
@@ -158,6 +168,26 @@ if triton is not None:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=rows_ok[:, None] & (rn < N)[None, :])
 
 
+if triton is not None:
+
+    @triton.jit
+    def _scale_product_kernel(
+        acc_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, N, stride_acc, stride_y,
+        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """Program (m, j): y[m, cols] = acc[m, cols] * x_scale[m] * w_scale[cols] (+ bias), cols
+        the j-th BLOCK_N columns; fp32 arithmetic, rounded once to y's dtype."""
+        release(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = cols < N
+        acc = tl.load(acc_ptr + row * stride_acc + cols, mask=ok, other=0.0)
+        y = acc * tl.load(xs_ptr + row) * tl.load(ws_ptr + cols, mask=ok, other=0.0)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], fp32 scales [M, 1]); one Triton kernel on CUDA, the reference
     elsewhere."""
@@ -266,13 +296,61 @@ def scaled_mm_one_row(
     """One row: its per-token scale is a per-tensor scale, so _scaled_mm's per-tensor kernel
     serves it (weight scale 1), then the per-channel scales multiply the bf16 result."""
     xq, x_scale = quantize_per_token(x)
-    one = _ONES.get(x.device)
-    if one is None:
-        one = _ONES[x.device] = torch.ones((), dtype=torch.float32, device=x.device)
+    one = _unit_scale(x.device)
     y = torch._scaled_mm(
         xq, weight.t(), scale_a=x_scale.view(()), scale_b=one, out_dtype=torch.bfloat16
     )
     return y.mul_(weight_scale)
+
+
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    one = _ONES.get(device)
+    if one is None:
+        one = _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
+    return one
+
+
+def scaled_mm_unit_scales(
+    q: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """(q * x_scale) @ (weight * weight_scale[:, None])^T (+ bias) on CUDA: the e4m3 product
+    through _scaled_mm's per-tensor kernel with unit scales, written in fp32, then one kernel
+    scales it per row and channel, adds the bias and rounds to out_dtype (the numbers of the
+    row-wise kernel, whose epilogue does the same in fp32)."""
+    one = _unit_scale(q.device)
+    acc = torch._scaled_mm(q, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    m, n = acc.shape
+    y = torch.empty((m, n), dtype=out_dtype, device=q.device)
+    if m:
+        block_n = min(triton.next_power_of_2(n), 1024)
+        _scale_product_kernel[(m, triton.cdiv(n, block_n))](
+            acc, x_scale, weight_scale, bias if bias is not None else weight_scale, y, n,
+            acc.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n, num_warps=4,
+            **launch_options(),
+        )  # fmt: skip
+    return y
+
+
+def quantized_rows_gemm(
+    q: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Rows already quantized per token (q e4m3 [M, K], x_scale fp32 [M, 1]) times the weight,
+    scaled, plus bias, in out_dtype: on CUDA up to UNIT_SCALES_MAX_ROWS rows
+    scaled_mm_unit_scales, else (and on CPU) _scaled_mm row-wise."""
+    if q.is_cuda and triton is not None and q.shape[0] <= UNIT_SCALES_MAX_ROWS:
+        return scaled_mm_unit_scales(q, x_scale, weight, weight_scale, bias, out_dtype)
+    y = scaled_mm_rowwise(q, x_scale, weight, weight_scale, out_dtype)
+    return y + bias if bias is not None else y
 
 
 def scaled_mm_fits(weight: torch.Tensor) -> bool:
@@ -283,8 +361,11 @@ def scaled_mm_fits(weight: torch.Tensor) -> bool:
 
 def cuda_path(rows: int, dtype: torch.dtype) -> str:
     """Which kernel fp8_linear runs for `rows` rows of `dtype` on CUDA: "gemv", a skinny variant,
-    "scaled_mm_one_row", or "scaled_mm_rowwise" (per-token quantizer + _scaled_mm)."""
+    "scaled_mm_one_row", "scaled_mm_unit_scales" or "scaled_mm_rowwise" (the last two after the
+    per-token quantizer)."""
     if dtype not in (torch.bfloat16, torch.float16) or not 0 < rows <= SKINNY_MAX_ROWS:
+        if SKINNY_MAX_ROWS < rows <= UNIT_SCALES_MAX_ROWS:
+            return "scaled_mm_unit_scales"
         return "scaled_mm_rowwise"
     if rows == 1:
         if ONE_ROW_PATH == "scaled_mm" and dtype == torch.bfloat16:
@@ -317,13 +398,11 @@ def fp8_linear(
         y = scaled_mm_one_row(x2, weight, weight_scale)
         if bias is not None:
             y = y + bias
-    elif path != "scaled_mm_rowwise":
-        y = fp8_skinny_gemm(x2, weight, weight_scale, bias, variant=path)
-    else:
+    elif path in QUANTIZED_ROW_PATHS:
         xq, x_scale = quantize_per_token(x2)
-        y = scaled_mm_rowwise(xq, x_scale, weight, weight_scale, x.dtype)
-        if bias is not None:
-            y = y + bias
+        y = quantized_rows_gemm(xq, x_scale, weight, weight_scale, bias, x.dtype)
+    else:
+        y = fp8_skinny_gemm(x2, weight, weight_scale, bias, variant=path)
     return y.view(*x.shape[:-1], n)
 
 
