@@ -337,16 +337,16 @@ def test_an_fp8_kv_engine_built_without_a_gpu_is_keyed_and_compiled_for_fp8(tiny
 
 def test_an_fp8_weights_engine_built_without_a_gpu_is_keyed_and_compiled_for_fp8(tiny_llama):
     """QUANTIZATION=fp8: the kernel set is traced through the FP8 linears (the one-row GEMV over
-    e4m3 weights, the few-row skinny kernel; the per-token quantizer runs only where _scaled_mm
-    takes the shapes, not this tiny model's), so an FP8 worker compiles none of them on a request;
-    the key says fp8."""
+    e4m3 weights; at more rows the norm and gate activation writing their rows quantized and the
+    kernel scaling _scaled_mm's unit-scale product), so an FP8 worker compiles none of them on a
+    request; the key says fp8."""
     (path,) = build(
         tiny_llama, "--no-gpu", "--arch", "sm_90", "--jobs", "1", "--quantization", "fp8"
     )
     data = json.loads((path / ARTIFACT_FILE).read_text())
     assert data["key"]["quantization"] == "fp8"
     kernels = set(data["record"]["kernels"].values())
-    assert {"_fp8_skinny_kernel", "_row_gemv_kernel"} <= kernels
+    assert {"_scale_product_kernel", "_gate_and_mul_fp8_kernel", "_row_gemv_kernel"} <= kernels
     # the one-row GEMV over e4m3 weights: its PTX widens them (cvt ... e4m3x2)
     ptx = [p.read_text() for p in (path / TRITON_DIR).rglob("_row_gemv_kernel.ptx")]
     assert any("e4m3x2" in text for text in ptx), "no one-row GEMV over e4m3 weights in the set"

@@ -347,7 +347,7 @@ def quantized_rows_gemm(
     """Rows already quantized per token (q e4m3 [M, K], x_scale fp32 [M, 1]) times the weight,
     scaled, plus bias, in out_dtype: on CUDA up to UNIT_SCALES_MAX_ROWS rows
     scaled_mm_unit_scales, else (and on CPU) _scaled_mm row-wise."""
-    if q.is_cuda and triton is not None and q.shape[0] <= UNIT_SCALES_MAX_ROWS:
+    if fused_kernels_available(q) and q.shape[0] <= UNIT_SCALES_MAX_ROWS:
         return scaled_mm_unit_scales(q, x_scale, weight, weight_scale, bias, out_dtype)
     y = scaled_mm_rowwise(q, x_scale, weight, weight_scale, out_dtype)
     return y + bias if bias is not None else y
