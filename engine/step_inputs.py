@@ -121,6 +121,11 @@ def input_ids_view(buf: torch.Tensor, layout: StepLayout) -> torch.Tensor:
     return buf[at : at + n].view(dtype)
 
 
+def input_ids_word(layout: StepLayout) -> int:
+    """Where input_ids begin in a packed buffer seen as int64 words (its section is int64)."""
+    return layout.offsets()[0]["input_ids"][0] // 8
+
+
 class InputStager:
     """Builds packed step inputs in a reusable pinned host buffer (CUDA) and copies them to the
     device at once."""
@@ -266,9 +271,9 @@ def _send(
     sent = False
     if step_transfer.applies(dest, layout.num_tokens):
         words = (0, 0, 0)
-        if run is not None:  # the words of input_ids (int64, the first section) are its rows
+        if run is not None:  # input_ids' words are its rows
             dst0, src0, k = run
-            words = (layout.offsets()[0]["input_ids"][0] // 8 + dst0, src0, k)
+            words = (input_ids_word(layout) + dst0, src0, k)
         tokens = pending.tokens if run is not None else None
         sent = step_transfer.send(host.view(torch.int64), dest.view(torch.int64), tokens, words)
     if not sent:

@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from child_process import run_in_triton_interpreter
-from engine.step_inputs import InputStager, PendingIds, StepLayout, input_ids_view
+from engine.step_inputs import (
+    InputStager,
+    PendingIds,
+    StepLayout,
+    input_ids_view,
+    input_ids_word,
+)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_cuda_triton = pytest.mark.skipif(
@@ -61,6 +67,27 @@ def test_pending_ids_find_their_run() -> None:
     assert PendingIds([4], [7], tokens).run == (4, 7, 1)
     assert PendingIds([4, 5], [3, 2], tokens).run is None  # rows swapped
     assert PendingIds([4, 6], [2, 3], tokens).run is None  # a gap
+
+
+class _IdsSecond(StepLayout):
+    """A layout whose input_ids follow positions (the engine's put them first)."""
+
+    def sections(self):
+        first, second, *rest = super().sections()
+        return [second, first, *rest]
+
+
+@pytest.mark.parametrize("layout_type", [StepLayout, _IdsSecond])
+def test_the_kernel_addresses_input_ids_where_the_view_finds_them(layout_type) -> None:
+    """The int64 word the send path hands the kernel for input_ids' first row is the view's,
+    wherever the section lies."""
+    layout = layout_type(num_tokens=5, num_seqs=3, table_width=2)
+    size = layout.offsets()[1]
+    buf = torch.arange(size, dtype=torch.uint8)
+    words = buf[: size // 8 * 8].view(torch.int64)
+    first = input_ids_word(layout)
+    assert (first > 0) == (layout_type is _IdsSecond)
+    assert torch.equal(words[first : first + 5], input_ids_view(buf, layout))
 
 
 @pytest.mark.parametrize(
