@@ -25,7 +25,7 @@ from bench.roofline import copy_bandwidth
 from bench.row_gemv import apply_best_tiles
 from engine import pdl
 from engine.attention import triton_attn
-from engine.layers import row_gemv as rg
+from engine.layers import fused_linears as fl, row_gemv as rg
 from engine.quant import fp8_kernels as fk
 
 
@@ -120,18 +120,18 @@ def main() -> None:
         triton_attn.MIN_SPLIT_TILES = min_tiles
         print(f"programmatic dependent launch: {pdl_setting}, min split tiles {min_tiles}")
         for setting in args.prologues.split(","):  # bf16 only: FP8 linears take no prologue
-            rg.FUSE = setting == "on"
+            fl.FUSE = setting == "on"
             rows.append(
-                dict(measure(None), fused_prologues=rg.FUSE, pdl=pdl.ENABLED, min_tiles=min_tiles)
+                dict(measure(None), fused_prologues=fl.FUSE, pdl=pdl.ENABLED, min_tiles=min_tiles)
             )
-        rg.FUSE = True
+        fl.FUSE = True
         for setting in args.fp8_prologues.split(","):
-            rg.FUSE_FP8 = setting == "on"
+            fl.FUSE_FP8 = setting == "on"
             rows += [
-                dict(row, fused_prologues=rg.FUSE_FP8, pdl=pdl.ENABLED, min_tiles=min_tiles)
+                dict(row, fused_prologues=fl.FUSE_FP8, pdl=pdl.ENABLED, min_tiles=min_tiles)
                 for row in fp8_rows(args.paths, measure)
             ]
-        rg.FUSE_FP8 = False
+        fl.FUSE_FP8 = False
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,

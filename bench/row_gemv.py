@@ -19,6 +19,7 @@ import os
 
 import torch
 
+import engine.layers.fused_linears as fl
 import engine.layers.row_gemv as rg
 from bench.attention_micro import time_call
 from bench.checkpoint import CONFIGS
@@ -91,8 +92,8 @@ def measure(name: str, n: int, k: int, prologue: int, fp8: bool, bandwidth: floa
         if prologue == rg.PLAIN:
             return lin(x)
         if prologue == rg.SILU_MUL:
-            return rg.act_linear(lin, x, "silu")
-        return rg.norm_linear(norm, lin, x, res)[0]
+            return fl.act_linear(lin, x, "silu")
+        return fl.norm_linear(norm, lin, x, res)[0]
 
     def fused(tiles=None, lin=None):
         """The one kernel (tiles None: default_config's), called as norm_linear and act_linear
@@ -106,12 +107,12 @@ def measure(name: str, n: int, k: int, prologue: int, fp8: bool, bandwidth: floa
         )[0]
 
     first = next_linear()  # the one the fused and unfused outputs are compared on
-    rg.FUSE = False
+    fl.FUSE = False
     try:
         unfused_s = time_call(unfused, graph=True)
         reference = unfused(first).float()
     finally:
-        rg.FUSE = True
+        fl.FUSE = True
     default = time_call(fused, graph=True)
     y = fused(lin=first).float()
     sweep = {}

@@ -18,7 +18,7 @@ from child_process import run_in_triton_interpreter, run_with_triton_cache
 from conftest import triton_nvidia_backend
 from engine.layers import RMSNorm
 from engine.layers.activation import gate_and_mul
-from engine.layers.row_gemv import act_linear, norm_linear
+from engine.layers.fused_linears import act_linear, norm_linear
 from engine.quant.fp8 import Fp8Linear
 
 needs_triton = pytest.mark.skipif(
@@ -219,7 +219,7 @@ def test_fp8_layers_with_quantized_input_equal_the_unfused_ones():
     that count (the skinny and one-row kernels) the path is not taken."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    import engine.layers.row_gemv as rg
+    import engine.layers.fused_linears as fl
     from engine.quant import fp8_kernels as fk
 
     torch.manual_seed(0)
@@ -235,10 +235,10 @@ def test_fp8_layers_with_quantized_input_equal_the_unfused_ones():
         x, res = (torch.randn(rows, 4096, device=dev, dtype=dt) for _ in range(2))
         gu = torch.randn(rows, 2 * 14336, device=dev, dtype=dt)
         fused = norm_linear(norm, qkv, x, res), act_linear(down, gu, "silu")
-        rg.FUSE_QUANTIZE = False
+        fl.FUSE_QUANTIZE = False
         try:
             plain = norm_linear(norm, qkv, x, res), act_linear(down, gu, "silu")
         finally:
-            rg.FUSE_QUANTIZE = True
+            fl.FUSE_QUANTIZE = True
         assert torch.equal(fused[0][0], plain[0][0]) and torch.equal(fused[0][1], plain[0][1])
         assert torch.equal(fused[1], plain[1])

@@ -428,6 +428,7 @@ def test_norms_split_around_the_experts_under_the_triton_interpreter():
         import torch
         import engine.layers.fused_moe_decode as fd
         import engine.layers.moe as moe_layer
+        import engine.layers.fused_linears as fl
         import engine.layers.row_gemv as rg
         from engine.layers import Linear
         from engine.layers.experts import experts_reference
@@ -460,7 +461,7 @@ def test_norms_split_around_the_experts_under_the_triton_interpreter():
                                         norm_after=fd.NormAfter(res, after.weight, offset))
                 torch.testing.assert_close(row.summed, ref + res, atol=1e-4, rtol=1e-4)
                 torch.testing.assert_close(row.squares.sum(), row.summed.square().sum())
-                normed = rg.NormedRow(row.scaled, row.squares, row.summed, after)
+                normed = fl.NormedRow(row.scaled, row.squares, row.summed, after)
                 torch.testing.assert_close(normed.finish(), after.reference(ref + res),
                                            atol=1e-4, rtol=1e-4)
         try:
@@ -473,7 +474,7 @@ def test_norms_split_around_the_experts_under_the_triton_interpreter():
 
         # the sparse MLP between two split norms, as DecoderLayer runs it
         # the CUDA checks answered yes on CPU
-        rg.row_gemv_applies = lambda x: x.dim() == 2 and x.shape[0] == 1
+        fl.row_gemv_applies = lambda x: x.dim() == 2 and x.shape[0] == 1
         moe_layer.fused_kernels_available = lambda x: True
         cfg = SimpleNamespace(hidden_size=h, architecture="Qwen3MoeForCausalLM",
                               moe=SimpleNamespace(top_k=4, norm_topk_prob=True, num_experts=e,
@@ -498,25 +499,25 @@ def test_norms_split_around_the_experts_under_the_triton_interpreter():
             moe_layer.NORMED_INPUT = normed_input
             assert block.takes_normed_row(heads) is normed_input
             if normed_input:
-                x, r = rg.linear_add_norm(o_proj, heads, res, norms[0])
-                assert isinstance(x, rg.NormedRow) and r is None
+                x, r = fl.linear_add_norm(o_proj, heads, res, norms[0])
+                assert isinstance(x, fl.NormedRow) and r is None
             else:
-                x, r = rg.one_row_linear(o_proj, heads), res
+                x, r = fl.one_row_linear(o_proj, heads), res
             out, none = block.norm_forward(norms[0], x, r, norms[1])
-            assert isinstance(out, rg.NormedRow) and none is None
+            assert isinstance(out, fl.NormedRow) and none is None
             torch.testing.assert_close(out.summed, s2, atol=1e-3, rtol=1e-3)
-            y, summed = rg.norm_linear(norms[1], qkv, out, None)
+            y, summed = fl.norm_linear(norms[1], qkv, out, None)
             assert summed is out.summed
             torch.testing.assert_close(y, qkv(norms[1].reference(s2)), atol=1e-3, rtol=1e-3)
         # switched off, or several rows: the experts' output and the stream, as before
         moe_layer.NORM_AFTER = False
         out, stream = block.norm_forward(norms[0], heads @ o_proj.weight.t(), res, norms[1])
-        assert not isinstance(out, rg.NormedRow)
+        assert not isinstance(out, fl.NormedRow)
         torch.testing.assert_close(out + stream, s2, atol=1e-3, rtol=1e-3)
         moe_layer.NORM_AFTER = True
         rows, rows_res = torch.randn(3, h), torch.randn(3, h)
         out, stream = block.norm_forward(norms[0], rows, rows_res, norms[1])
-        assert not isinstance(out, rg.NormedRow)
+        assert not isinstance(out, fl.NormedRow)
         torch.testing.assert_close(stream, rows + rows_res)
         print("ok")
     """)
@@ -859,8 +860,8 @@ def test_norm_and_router_inside_the_kernels_match_torch_where_no_tie(config, tok
     torch: the norm of x + residual, the router's softmax top-k of the same logits, the experts.
     Tokens whose k-th and (k+1)-th probabilities tie (bf16 logits tie often) may pick either
     expert and are left out; at least 8 tokens are compared."""
+    from engine.layers.fused_linears import one_row_norm_linear
     from engine.layers.norm import RMSNorm
-    from engine.layers.row_gemv import one_row_norm_linear
 
     cfg, block = _random_block(config, seed=tokens)
     norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch.bfloat16, "cuda")
@@ -906,8 +907,8 @@ def test_norms_split_around_the_experts_match_the_plain_block(normed_input, monk
     (and, normed_input, o_proj begins this one): the residual stream equals the plain block's
     output plus its stream bit for bit (without normed_input; within bf16 rounding with it), and
     the norm the down kernel began, finished, matches the next norm of that stream."""
+    import engine.layers.fused_linears as fl
     import engine.layers.moe as moe_layer
-    import engine.layers.row_gemv as rg
     from engine.layers.linear import Linear
     from engine.layers.norm import RMSNorm
 
@@ -925,14 +926,14 @@ def test_norms_split_around_the_experts_match_the_plain_block(normed_input, monk
     res = torch.randn(1, hidden, device="cuda", generator=gen).to(dt)
     monkeypatch.setattr(moe_layer, "NORMED_INPUT", normed_input)
     with torch.inference_mode():
-        plain, stream = block.norm_forward(norms[0], rg.one_row_linear(o_proj, heads), res)
+        plain, stream = block.norm_forward(norms[0], fl.one_row_linear(o_proj, heads), res)
         if normed_input:
-            x, r = rg.linear_add_norm(o_proj, heads, res, norms[0])
-            assert isinstance(x, rg.NormedRow)
+            x, r = fl.linear_add_norm(o_proj, heads, res, norms[0])
+            assert isinstance(x, fl.NormedRow)
         else:
-            x, r = rg.one_row_linear(o_proj, heads), res
+            x, r = fl.one_row_linear(o_proj, heads), res
         row, none = block.norm_forward(norms[0], x, r, norms[1])
-        assert isinstance(row, rg.NormedRow) and none is None
+        assert isinstance(row, fl.NormedRow) and none is None
         want = plain + stream
         if normed_input:
             scale = want.abs().max().item()

@@ -16,8 +16,8 @@ from child_process import run_in_triton_interpreter, run_with_triton_cache
 from conftest import triton_nvidia_backend
 from engine.layers import Linear, RMSNorm
 from engine.layers.activation import silu_and_mul_reference
+from engine.layers.fused_linears import act_linear, norm_linear
 from engine.layers.parallel import RowParallelLinear
-from engine.layers.row_gemv import act_linear, norm_linear
 from engine.quant.fp8 import Fp8Linear, RowParallelFp8Linear
 
 needs_triton = pytest.mark.skipif(
@@ -32,6 +32,7 @@ def test_row_gemv_under_the_triton_interpreter_matches_the_unfused_layers():
     multiples of the tiles (masks) and tiles that loop over K; float32 on CPU."""
     script = textwrap.dedent("""
         import torch
+        import engine.layers.fused_linears as fl
         import engine.layers.row_gemv as rg
         from engine.layers import RMSNorm
         from engine.layers.activation import gate_and_mul, silu_and_mul_reference
@@ -70,33 +71,33 @@ def test_row_gemv_under_the_triton_interpreter_matches_the_unfused_layers():
         # the layers' path (one_row_operands, norm_linear, act_linear), with the CUDA check
         # answered yes on CPU: the kernel's results against the layers one after the other
         from engine.layers import Linear
-        rg.row_gemv_applies = lambda x: True
+        fl.row_gemv_applies = lambda x: True
         lin = Linear(40, 24, True, torch.float32, "cpu")
         lin.weight.data.normal_()
         lin.bias.data.normal_()
         norm = RMSNorm(40, 1e-5, torch.float32, "cpu")
         norm.weight.data = torch.rand(40) + 0.5
         x, res = torch.randn(1, 40), torch.randn(1, 40)
-        y, summed = rg.norm_linear(norm, lin, x, res)
+        y, summed = fl.norm_linear(norm, lin, x, res)
         assert torch.equal(summed, x + res)
         torch.testing.assert_close(y, lin(norm.reference(x + res)), atol=1e-4, rtol=1e-4)
-        y, same = rg.norm_linear(norm, lin, x, None)
+        y, same = fl.norm_linear(norm, lin, x, None)
         assert same is x
         torch.testing.assert_close(y, lin(norm.reference(x)), atol=1e-4, rtol=1e-4)
         down, gu = Linear(20, 24, False, torch.float32, "cpu"), torch.randn(1, 40)
         down.weight.data.normal_()
         torch.testing.assert_close(
-            rg.act_linear(down, gu, "silu"), down(silu_and_mul_reference(gu)), atol=1e-4, rtol=1e-4
+            fl.act_linear(down, gu, "silu"), down(silu_and_mul_reference(gu)), atol=1e-4, rtol=1e-4
         )
         torch.testing.assert_close(
-            rg.act_linear(down, gu, "gelu_pytorch_tanh"),
+            fl.act_linear(down, gu, "gelu_pytorch_tanh"),
             down(gate_and_mul(gu, "gelu_pytorch_tanh")),
             atol=1e-4,
             rtol=1e-4,
         )
         gemma = OffsetRMSNorm(40, 1e-6, torch.float32, "cpu")
         gemma.weight.data = torch.randn(40) * 0.3
-        y, summed = rg.norm_linear(gemma, lin, x, res)
+        y, summed = fl.norm_linear(gemma, lin, x, res)
         assert torch.equal(summed, x + res)
         torch.testing.assert_close(y, lin(gemma.reference(x + res)), atol=1e-4, rtol=1e-4)
         print("ok")
@@ -115,6 +116,7 @@ def test_gated_epilogue_under_the_triton_interpreter_matches_gate_and_mul():
     script = textwrap.dedent("""
         from types import SimpleNamespace
         import torch
+        import engine.layers.fused_linears as fl
         import engine.layers.row_gemv as rg
         from engine.layers import RMSNorm
         from engine.layers.activation import gate_and_mul
@@ -140,7 +142,7 @@ def test_gated_epilogue_under_the_triton_interpreter_matches_gate_and_mul():
 
         from scaled_linear import ScaledHalf
 
-        rg.row_gemv_applies = lambda x: True  # the CUDA check answered yes on CPU
+        fl.row_gemv_applies = lambda x: True  # the CUDA check answered yes on CPU
         for act in ("silu", "gelu_pytorch_tanh"):
             cfg = SimpleNamespace(hidden_size=40, intermediate_size=36, hidden_act=act)
             mlp = MLP(cfg, torch.float32, "cpu")
@@ -150,28 +152,28 @@ def test_gated_epilogue_under_the_triton_interpreter_matches_gate_and_mul():
             for norm in (RMSNorm(40, 1e-5, torch.float32, "cpu"),
                          OffsetRMSNorm(40, 1e-6, torch.float32, "cpu")):
                 norm.weight.data = torch.rand(40) + 0.5
-                rg.GATED = False
+                fl.GATED = False
                 plain, plain_res = mlp.norm_forward(norm, x, res)
-                rg.GATED = True
-                assert rg.one_row_gated(norm, mlp.gate_up_proj, x, res, act) is not None
+                fl.GATED = True
+                assert fl.one_row_gated(norm, mlp.gate_up_proj, x, res, act) is not None
                 y, summed = mlp.norm_forward(norm, x, res)
                 assert torch.equal(summed, plain_res) and torch.equal(summed, x + res)
                 torch.testing.assert_close(y, plain, atol=1e-4, rtol=1e-4)
                 ref = mlp.down_proj(gate_and_mul(mlp.gate_up_proj(norm.reference(x + res)), act))
                 torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
             narrow = ScaledHalf(torch.randn(72, 40), torch.rand(72) + 0.5)
-            y, summed = rg.one_row_gated(norm, narrow, x, res, act)
+            y, summed = fl.one_row_gated(norm, narrow, x, res, act)
             assert torch.equal(summed, x + res)
             ref = gate_and_mul(narrow(norm.reference(x + res)), act)
             torch.testing.assert_close(y, ref, atol=1e-3, rtol=1e-3)
-            y, same = rg.one_row_gated(norm, narrow, x, None, act)
+            y, same = fl.one_row_gated(norm, narrow, x, None, act)
             assert same is x
             torch.testing.assert_close(y, gate_and_mul(narrow(norm.reference(x)), act),
                                        atol=1e-3, rtol=1e-3)
         # what it does not take: another activation, GATED off
-        assert rg.one_row_gated(norm, mlp.gate_up_proj, x, res, "relu") is None
-        rg.GATED = False
-        assert rg.one_row_gated(norm, mlp.gate_up_proj, x, res, "silu") is None
+        assert fl.one_row_gated(norm, mlp.gate_up_proj, x, res, "relu") is None
+        fl.GATED = False
+        assert fl.one_row_gated(norm, mlp.gate_up_proj, x, res, "silu") is None
         print("ok")
     """)
     done = run_in_triton_interpreter(script)
@@ -189,6 +191,7 @@ def test_norm_begun_by_the_linear_before_under_the_triton_interpreter():
     script = textwrap.dedent("""
         from types import SimpleNamespace
         import torch
+        import engine.layers.fused_linears as fl
         import engine.layers.row_gemv as rg
         from engine.layers import Linear, RMSNorm
         from engine.layers.activation import gate_and_mul
@@ -208,7 +211,7 @@ def test_norm_begun_by_the_linear_before_under_the_triton_interpreter():
                 s = (x @ w.t()) * scale + bias + res
                 torch.testing.assert_close(summed, s, atol=1e-4, rtol=1e-4)
                 torch.testing.assert_close(squares.sum(), summed.square().sum())
-                row = rg.NormedRow(scaled, squares, summed, norm)
+                row = fl.NormedRow(scaled, squares, summed, norm)
                 torch.testing.assert_close(row.finish(), norm.reference(summed))
                 y, _ = rg.row_gemv(scaled, w2, None, None, rg.NORMED, eps=norm.eps,
                                    squares=squares)
@@ -221,7 +224,7 @@ def test_norm_begun_by_the_linear_before_under_the_triton_interpreter():
 
         from scaled_linear import ScaledHalf
 
-        rg.row_gemv_applies = lambda x: True  # the CUDA check answered yes on CPU
+        fl.row_gemv_applies = lambda x: True  # the CUDA check answered yes on CPU
         cfg = SimpleNamespace(hidden_size=40, intermediate_size=36, hidden_act="silu")
         mlp = MLP(cfg, torch.float32, "cpu")
         mlp.gate_up_proj.weight.data.normal_()
@@ -241,22 +244,22 @@ def test_norm_begun_by_the_linear_before_under_the_triton_interpreter():
         narrow = ScaledHalf(mlp.down_proj.weight.data, torch.ones(40))
         for down in (mlp.down_proj, narrow):
             mlp.down_proj = down
-            h, none = rg.linear_add_norm(o_proj, heads, res, norms[0])
-            assert isinstance(h, rg.NormedRow) and none is None
+            h, none = fl.linear_add_norm(o_proj, heads, res, norms[0])
+            assert isinstance(h, fl.NormedRow) and none is None
             out, none = mlp.norm_forward(norms[0], h, None, norms[1])
-            assert isinstance(out, rg.NormedRow) and none is None
+            assert isinstance(out, fl.NormedRow) and none is None
             want = s2 if down is not narrow else mlp(norms[0].reference(s1)) + s1
             torch.testing.assert_close(out.summed, want, atol=1e-3, rtol=1e-3)
-            y, summed = rg.norm_linear(norms[1], qkv, out, None)
+            y, summed = fl.norm_linear(norms[1], qkv, out, None)
             assert summed is out.summed
             torch.testing.assert_close(y, qkv(norms[1].reference(want)), atol=1e-3, rtol=1e-3)
         # a reader with no kernel for it finishes the norm first
-        y, _ = rg.norm_linear(norms[1], lambda h: h * 2, out, None)
+        y, _ = fl.norm_linear(norms[1], lambda h: h * 2, out, None)
         torch.testing.assert_close(y, 2 * norms[1].reference(out.summed))
         # switched off, or no residual: the plain pair
-        rg.NORM_AFTER = False
-        y, r = rg.linear_add_norm(o_proj, heads, res, norms[0])
-        assert r is res and not isinstance(y, rg.NormedRow)
+        fl.NORM_AFTER = False
+        y, r = fl.linear_add_norm(o_proj, heads, res, norms[0])
+        assert r is res and not isinstance(y, fl.NormedRow)
         print("ok")
     """)
     done = run_in_triton_interpreter(script)
@@ -273,6 +276,7 @@ def test_row_gemv_compiles_for_hopper(tmp_path):
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
+        import engine.layers.fused_linears as fl
         import engine.layers.row_gemv as rg
 
         def build(w_type, prologue, residual, n, k, offset=False, epilogue=rg.PLAIN):
@@ -351,13 +355,13 @@ def test_the_layers_fall_back_where_the_kernel_does_not_serve():
 # ---- GPU ---------------------------------------------------------------------------------------
 def _unfused(fn, *args):
     """fn(*args) with the one-row kernel off: the layers one after the other."""
-    import engine.layers.row_gemv as rg
+    import engine.layers.fused_linears as fl
 
-    rg.FUSE = False
+    fl.FUSE = False
     try:
         return fn(*args)
     finally:
-        rg.FUSE = True
+        fl.FUSE = True
 
 
 def _assert_within_bf16(fused: torch.Tensor, plain: torch.Tensor, what) -> None:
@@ -451,7 +455,7 @@ def test_gated_mlp_matches_the_unfused_layers(fp8, act, hidden, inter):
     stream bit for bit."""
     from types import SimpleNamespace
 
-    import engine.layers.row_gemv as rg
+    import engine.layers.fused_linears as fl
     from engine.models.decoder import MLP
 
     torch.manual_seed(0)
@@ -467,7 +471,7 @@ def test_gated_mlp_matches_the_unfused_layers(fp8, act, hidden, inter):
     norm = RMSNorm(hidden, 1e-5, dt, dev)
     norm.weight.data = (torch.rand(hidden, device=dev) + 0.5).to(dt)
     x, res = (torch.randn(1, hidden, device=dev, dtype=dt) for _ in range(2))
-    assert rg.one_row_gated(norm, mlp.gate_up_proj, x, res, act) is not None
+    assert fl.one_row_gated(norm, mlp.gate_up_proj, x, res, act) is not None
     gated, summed = mlp.norm_forward(norm, x, res)
     plain, ref_summed = _unfused(mlp.norm_forward, norm, x, res)
     assert torch.equal(summed, ref_summed)
@@ -482,7 +486,7 @@ def test_norm_begun_by_the_linear_before_matches_the_unfused_layers(fp8):
     the other within bf16 rounding, the residual stream within one rounding of its sums."""
     from types import SimpleNamespace
 
-    import engine.layers.row_gemv as rg
+    import engine.layers.fused_linears as fl
     from engine.models.decoder import MLP
 
     torch.manual_seed(0)
@@ -503,12 +507,12 @@ def test_norm_begun_by_the_linear_before_matches_the_unfused_layers(fp8):
     heads, res = (torch.randn(1, hidden, device=dev, dtype=dt) for _ in range(2))
 
     def chain():
-        h, r = rg.linear_add_norm(o_proj, heads, res, norms[0])
+        h, r = fl.linear_add_norm(o_proj, heads, res, norms[0])
         out, r = mlp.norm_forward(norms[0], h, r, norms[1])
         return norm_linear(norms[1], qkv, out, r)
 
-    h, _ = rg.linear_add_norm(o_proj, heads, res, norms[0])
-    assert isinstance(h, rg.NormedRow)
+    h, _ = fl.linear_add_norm(o_proj, heads, res, norms[0])
+    assert isinstance(h, fl.NormedRow)
     y, summed = chain()
     plain, ref_summed = _unfused(chain)
     _assert_within_bf16(summed, ref_summed, "residual")

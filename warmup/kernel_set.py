@@ -34,7 +34,7 @@ _patched: list[tuple[object, str, object]] = []  # (owner, attribute, original) 
 _CUDA_CHECKS = (
     ("engine.layers.fused", "fused_kernels_available"),
     ("engine.layers.skinny_gemm", "skinny_applies"),
-    ("engine.layers.row_gemv", "row_gemv_applies"),
+    ("engine.layers.fused_linears", "row_gemv_applies"),
 )
 # layer 0 (no residual into its first norm) and any later one: every layer's launches
 TRACED_LAYERS = 2

@@ -354,7 +354,7 @@ class InKernelRouting(NamedTuple):
     """What the decode path's gate_up kernel routes from itself (routed_experts): the router's
     logits [T, E], whether its top-k renormalise, and the RMSNorm (weight [H], eps) it applies to
     x first (None: x comes normed). With `squares`, x is one row begun by the linear before
-    (engine.layers.row_gemv.NormedRow: its scaled row, and these sums of squares): the kernel
+    (engine.layers.fused_linears.NormedRow: its scaled row, and these sums of squares): the kernel
     finishes the norm (the weight is in x already; eps is the norm's)."""
 
     logits: torch.Tensor

@@ -14,16 +14,16 @@ from engine.layers import experts as experts_layer
 from engine.layers.activation import silu_and_mul
 from engine.layers.experts import StackedExperts
 from engine.layers.fused import fused_kernels_available
+from engine.layers.fused_linears import NormedRow, begins_norm, norm_linear, one_row_norm_linear
 from engine.layers.fused_moe_decode import InKernelRouting, NormAfter
 from engine.layers.linear import Linear
 from engine.layers.norm import OffsetRMSNorm, RMSNorm
-from engine.layers.row_gemv import NormedRow, begins_norm, norm_linear, one_row_norm_linear
 
 # Decode batches route inside the experts' first kernel (SparseMoeBlock.norm_forward); benchmarks
 # turn it off to compare.
 ROUTE_IN_KERNEL = True
 # At one-row decode the norms around the experts are split over the kernels beside them, as
-# engine.layers.row_gemv splits them at dense layers: the experts' down kernel begins the next
+# engine.layers.fused_linears splits them at dense layers: the experts' down kernel begins the next
 # layer's input norm (NORM_AFTER), and o_proj begins the post-attention norm, which the router's
 # kernel and the experts' gate_up kernel finish (NORMED_INPUT). Benchmarks turn them off to compare.
 NORM_AFTER = True
@@ -102,7 +102,7 @@ class SparseMoeBlock(nn.Module):
     ) -> tuple[torch.Tensor | NormedRow, torch.Tensor | None]:
         """(self(norm(x + residual)), x + residual). At decode batches on CUDA (no shared expert)
         the router's top-k runs inside the experts' first kernel, and for one row the norm runs
-        inside the router's kernel and the experts' (engine.layers.row_gemv,
+        inside the router's kernel and the experts' (engine.layers.fused_linears,
         engine.layers.fused_moe_decode.routed_experts): two to four launches fewer. x may be a
         NormedRow of `norm` (residual None), begun by o_proj (takes_normed_row). With next_norm,
         for one row, the experts' down kernel begins that norm on the output and this returns

@@ -30,11 +30,7 @@ from engine.attention.kv_quant import DEFAULT_KV_SCALE, is_fp8
 from engine.config import ModelConfig
 from engine.distributed.sharding import SINGLE, Shard
 from engine.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
-from engine.layers.moe import SparseMoeBlock
-from engine.layers.norm import OffsetRMSNorm
-from engine.layers.parallel import RowParallelLinear, VocabParallelEmbedding
-from engine.layers.rotary import norm_operands
-from engine.layers.row_gemv import (
+from engine.layers.fused_linears import (
     NormedRow,
     act_linear,
     linear_add_norm,
@@ -42,6 +38,10 @@ from engine.layers.row_gemv import (
     one_row_gated,
     one_row_linear,
 )
+from engine.layers.moe import SparseMoeBlock
+from engine.layers.norm import OffsetRMSNorm
+from engine.layers.parallel import RowParallelLinear, VocabParallelEmbedding
+from engine.layers.rotary import norm_operands
 from engine.layers.skinny_gemm import skinny_applies, skinny_gemm
 from engine.models.checkpoint_names import is_vision_tensor, text_decoder_name
 from engine.models.moe_weights import moe_weight_rows
@@ -194,11 +194,11 @@ class MLP(nn.Module):
         next_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor | NormedRow, torch.Tensor | None]:
         """(mlp(norm(h + residual)), h + residual). At batch-1 decode the activation closes
-        gate_up's kernel, which takes the norm too for bf16 weights (engine.layers.row_gemv:
+        gate_up's kernel, which takes the norm too for bf16 weights (engine.layers.fused_linears:
         one_row_gated), so that down reads act(gate) * up; else the norm goes with gate_up and the
         activation with down (norm_linear, act_linear). h may be a NormedRow (its norm begun by
         o_proj); with next_norm, down begins that norm on its output the same way and returns
-        (NormedRow, None) where it can (engine.layers.row_gemv.linear_add_norm)."""
+        (NormedRow, None) where it can (engine.layers.fused_linears.linear_add_norm)."""
         gated = one_row_gated(norm, self.gate_up_proj, h, residual, self.activation)
         if gated is not None:
             act, residual = gated
@@ -246,7 +246,7 @@ class DecoderLayer(nn.Module):
         next_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor | NormedRow, torch.Tensor | None]:
         """(this layer's MLP output, the residual stream before it); their sum is the layer's
-        output. Each norm is taken with the projection after it (engine.layers.row_gemv: one
+        output. Each norm is taken with the projection after it (engine.layers.fused_linears: one
         kernel at batch-1 decode). There, with a dense MLP, the projection before each norm also
         begins it (o_proj the MLP's; down `next_norm`, the next layer's), and the layer returns
         (NormedRow, None), the sum inside; x may be one (residual None)."""
@@ -303,7 +303,7 @@ class SandwichDecoderLayer(nn.Module):
         next_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's normed MLP output, the residual stream before it). The norms before qkv
-        and gate_up are taken with their projections (engine.layers.row_gemv: one kernel at
+        and gate_up are taken with their projections (engine.layers.fused_linears: one kernel at
         batch-1 decode), as DecoderLayer's are. next_norm is not begun here: the output is
         post_feedforward_layernorm's, not a linear's."""
         attn = self.self_attn

@@ -109,7 +109,8 @@ class Fp8Linear(QuantizedLinear):
     def takes_quantized_rows(self, rows: int, dtype: torch.dtype) -> bool:
         """Whether forward() of `rows` CUDA rows of `dtype` would quantize them per token for a
         tensor-core GEMM (its many-row paths): the kernel before may then write them quantized
-        and hand them to forward_quantized (engine.layers.row_gemv: norm_linear, act_linear)."""
+        and hand them to forward_quantized (engine.layers.fused_linears: norm_linear,
+        act_linear)."""
         return cuda_path(rows, dtype) in QUANTIZED_ROW_PATHS and scaled_mm_fits(self.weight)
 
     def forward_quantized(
