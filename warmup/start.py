@@ -191,7 +191,11 @@ class EngineStart:
 
     def _run(self) -> None:
         try:
-            engine = self.run()
+            try:
+                engine = self.run()
+            finally:  # before the future wakes a waiter, which may look for it
+                if self._tokenizer_path is not None:  # the engine took it, or it failed first
+                    discard_tokenizer(self._tokenizer_path, self.args)
         except BaseException as exc:  # reported to every waiter; the caller decides the rest
             cancel_early()  # a stream begun at process start that the start never took
             release_gc()
@@ -201,8 +205,6 @@ class EngineStart:
             release_gc()
             self.future.set_result(engine)
         finally:
-            if self._tokenizer_path is not None:  # the engine took it, or it failed first
-                discard_tokenizer(self._tokenizer_path, self.args)
             self._streaming.set()
             self._entry_imported.set()
 
