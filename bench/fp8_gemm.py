@@ -52,7 +52,7 @@ ROWS = "1,2,4,8,16,32,64,128,256,512,2048,8192"
 UNIT_SCALES_ROWS_MAX = 512  # _scaled_mm with unit scales + the scaling kernel is timed up to here
 GEMV_ROWS_MAX = 1  # the one-row GEMV (bench/results/.../fp8_gemm_few_row_gemv.json tried up to 8)
 SKINNY_ROWS_MAX = (
-    64  # the skinny kernel is timed up to here (the engine uses it up to SKINNY_MAX_ROWS)
+    64  # the skinny kernel is timed up to here (the engine runs it only as ONE_ROW_PATH "skinny")
 )
 
 
@@ -88,13 +88,7 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def measure(
-    name: str,
-    n: int,
-    k: int,
-    m: int,
-    sweep: bool,
-    bandwidth: float,
-    only: tuple = (),
+    name: str, n: int, k: int, m: int, sweep: bool, bandwidth: float, only: tuple = ()
 ) -> dict:
     """One shape at m rows; `only`: the skinny variants to time (default all)."""
     fp8 = RotatingFp8(n, k)
@@ -262,7 +256,6 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "copy_bandwidth": bandwidth,
-        "engine_skinny_max_rows": fk.SKINNY_MAX_ROWS,
         "engine_skinny_variant": fk.SKINNY_VARIANT,
         "engine_one_row_path": fk.ONE_ROW_PATH,
         "engine_unit_scales_max_rows": fk.UNIT_SCALES_MAX_ROWS,

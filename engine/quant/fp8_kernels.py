@@ -5,12 +5,12 @@ Weights: float8_e4m3fn [N, K] with fp32 scales [N] (one per output channel: amax
 are quantized dynamically, one fp32 scale per token (row), the same way. On CUDA:
 - one row (batch-1 decode): a dot-free GEMV ("gemv": fp32 multiply-adds, one reduction at the
   end: engine/layers/row_gemv.py's kernel with no prologue), bf16 activations against the FP8
-  weights. Rows up to SKINNY_MAX_ROWS could take a skinny Triton kernel in the spirit of
-  engine/layers/skinny_gemm.py (SKINNY_VARIANTS: the weights widened to x's dtype for a bf16 dot,
-  "w8a16", or x quantized per token inside the kernel for an fp8 dot, "w8a8"); since the
-  unit-scale product below beat it at 2-16 rows (bench/results/2026-11-28-h200-fp8-unit-scales/)
-  the benchmarks alone run it. (Swapping the dot's operands, y^T = W x^T, measured no faster and
-  was removed: bench/results/2026-11-26-h100-fp8/.)
+  weights. A skinny Triton kernel in the spirit of engine/layers/skinny_gemm.py (SKINNY_VARIANTS:
+  the weights widened to x's dtype for a bf16 dot, "w8a16", or x quantized per token inside the
+  kernel for an fp8 dot, "w8a8") served 2-16 rows until the unit-scale product below beat it
+  there (bench/results/2026-11-28-h200-fp8-unit-scales/); the benchmarks still run it, and
+  ONE_ROW_PATH "skinny" puts it on the one row. (Swapping the dot's operands, y^T = W x^T,
+  measured no faster and was removed: bench/results/2026-11-26-h100-fp8/.)
 - more rows: a Triton kernel quantizes the activations per token (or the norm or activation
   before the linear wrote them quantized: forward_quantized), then up to UNIT_SCALES_MAX_ROWS rows
   torch._scaled_mm with unit per-tensor scales into fp32 (cuBLAS) and one Triton kernel that
@@ -41,15 +41,13 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 MIN_AMAX = 1e-12  # an all-zero row still gets a finite scale
 Fp8SkinnyConfig = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
-# above this many rows the per-token quantizer + a tensor-core GEMM wins (bench/fp8_gemm.py)
-SKINNY_MAX_ROWS = 1
 # up to this many rows _scaled_mm per-tensor with unit scales + the scaling kernel, above it
 # _scaled_mm row-wise (bench/fp8_gemm.py)
 UNIT_SCALES_MAX_ROWS = 128
 # cuda_path's paths that multiply rows quantized per token beforehand (forward_quantized takes them)
 QUANTIZED_ROW_PATHS = ("scaled_mm_unit_scales", "scaled_mm_rowwise")
 SKINNY_VARIANTS = ("w8a16", "w8a8")
-SKINNY_VARIANT = "w8a16"  # rows 2..SKINNY_MAX_ROWS when that is above 1 (bench/fp8_gemm.py)
+SKINNY_VARIANT = "w8a16"  # the skinny kernel's variant when ONE_ROW_PATH is "skinny"
 # One row (batch-1 decode): "gemv", "skinny" (SKINNY_VARIANT), or "scaled_mm" (its per-token scale
 # is a per-tensor one: _scaled_mm's per-tensor kernel, then the channel scales in one multiply)
 ONE_ROW_PATHS = ("gemv", "skinny", "scaled_mm")
@@ -347,7 +345,7 @@ def quantized_rows_gemm(
     """Rows already quantized per token (q e4m3 [M, K], x_scale fp32 [M, 1]) times the weight,
     scaled, plus bias, in out_dtype: on CUDA up to UNIT_SCALES_MAX_ROWS rows
     scaled_mm_unit_scales, else (and on CPU) _scaled_mm row-wise."""
-    if fused_kernels_available(q) and q.shape[0] <= UNIT_SCALES_MAX_ROWS:
+    if fused_kernels_available(q) and quantized_rows_path(q.shape[0]) == "scaled_mm_unit_scales":
         return scaled_mm_unit_scales(q, x_scale, weight, weight_scale, bias, out_dtype)
     y = scaled_mm_rowwise(q, x_scale, weight, weight_scale, out_dtype)
     return y + bias if bias is not None else y
@@ -359,19 +357,20 @@ def scaled_mm_fits(weight: torch.Tensor) -> bool:
     return n % 16 == 0 and k % 16 == 0
 
 
+def quantized_rows_path(rows: int) -> str:
+    """Which of QUANTIZED_ROW_PATHS multiplies `rows` rows quantized per token on CUDA."""
+    return "scaled_mm_unit_scales" if 0 < rows <= UNIT_SCALES_MAX_ROWS else "scaled_mm_rowwise"
+
+
 def cuda_path(rows: int, dtype: torch.dtype) -> str:
-    """Which kernel fp8_linear runs for `rows` rows of `dtype` on CUDA: "gemv", a skinny variant,
-    "scaled_mm_one_row", "scaled_mm_unit_scales" or "scaled_mm_rowwise" (the last two after the
-    per-token quantizer)."""
-    if dtype not in (torch.bfloat16, torch.float16) or not 0 < rows <= SKINNY_MAX_ROWS:
-        if SKINNY_MAX_ROWS < rows <= UNIT_SCALES_MAX_ROWS:
-            return "scaled_mm_unit_scales"
-        return "scaled_mm_rowwise"
-    if rows == 1:
+    """Which kernel fp8_linear runs for `rows` rows of `dtype` on CUDA: for one bf16/fp16 row
+    "gemv", a skinny variant or "scaled_mm_one_row" (ONE_ROW_PATH), else quantized_rows_path's
+    (after the per-token quantizer)."""
+    if rows == 1 and dtype in (torch.bfloat16, torch.float16):
         if ONE_ROW_PATH == "scaled_mm" and dtype == torch.bfloat16:
             return "scaled_mm_one_row"
         return "gemv" if ONE_ROW_PATH == "gemv" else SKINNY_VARIANT
-    return SKINNY_VARIANT
+    return quantized_rows_path(rows)
 
 
 def quantizes_activations(path: str) -> bool:
