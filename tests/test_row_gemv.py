@@ -325,6 +325,54 @@ def test_row_gemv_compiles_for_hopper(tmp_path):
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
+@pytest.mark.skipif(not triton_nvidia_backend(), reason="triton without its CUDA backend (ptxas)")
+def test_beginning_the_norm_after_costs_no_occupancy(tmp_path):
+    """o_proj and down begin the next norm in their epilogue (row_gemv_norm_after). Compiled for
+    sm_90 at Llama-3.1-8B's and -70B's default tiles, that kernel fits as many programs on an SM
+    (by ptxas's register count) as the same GEMV without it: the norm's rows held across the loop
+    over K once cost the 70B's FP8 kernel half its programs and 25 us a call on down."""
+    script = textwrap.dedent("""
+        import subprocess
+        import torch
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import get_ptxas
+        from triton.compiler import ASTSource
+        import engine.layers.row_gemv as rg
+
+        def programs_per_sm(w_type, epilogue, n, k, tmp):
+            w_dtype = torch.float8_e4m3fn if w_type == "fp8e4nv" else torch.bfloat16
+            bn, bk, warps, stages = rg.default_config(rg.PLAIN, w_dtype, n, k)
+            ptrs = ["x_ptr", "res_ptr", "g_ptr", "w_ptr", "ws_ptr", "b_ptr", "y_ptr", "res_out_ptr",
+                    "sq_in_ptr", "sq_out_ptr"]
+            sig = {p: "*bf16" for p in ptrs}
+            sig.update(w_ptr="*" + w_type, ws_ptr="*fp32", N="i32", K="i32", stride_wn="i32",
+                       eps="fp32", sq_in_ptr="*fp32", sq_out_ptr="*fp32", n_sq_in="i32")
+            const = dict(PROLOGUE=rg.PLAIN, HAS_RESIDUAL=epilogue == rg.NORM,
+                         HAS_SCALE=w_type != "bf16", HAS_BIAS=False, BLOCK_N=bn, BLOCK_K=bk,
+                         EVEN_K=True, OFFSET=False, EPILOGUE=epilogue, SQ_IN=16, PDL=True)
+            sig.update({c: "constexpr" for c in const})
+            source = ASTSource(fn=rg._row_gemv_kernel, signature=sig, constexprs=const)
+            options = dict(num_warps=warps, num_stages=stages, launch_pdl=True)
+            kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+            with open(tmp + "/k.ptx", "w") as f:
+                f.write(kernel.asm["ptx"])
+            done = subprocess.run([get_ptxas(90).path, "-v", "-arch=sm_90a", tmp + "/k.ptx", "-o",
+                                   tmp + "/k.cubin"], capture_output=True, text=True, check=True)
+            regs = int(done.stderr.split("Used ")[1].split(" registers")[0])
+            return min(65536 // (-(-regs // 8) * 8 * 32 * warps), 64 // warps), regs
+
+        for w_type in ("bf16", "fp8e4nv"):
+            for n, k in ((4096, 4096), (4096, 14336), (8192, 8192), (8192, 28672)):
+                plain = programs_per_sm(w_type, rg.PLAIN, n, k, TMP)
+                norm_after = programs_per_sm(w_type, rg.NORM, n, k, TMP)
+                assert norm_after[0] >= plain[0], (w_type, n, k, plain, norm_after)
+        print("ok")
+    """).replace("TMP", repr(str(tmp_path)))
+    done = run_with_triton_cache(script, tmp_path / "cache")
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
 def test_the_layers_fall_back_where_the_kernel_does_not_serve():
     """On CPU (or several rows, or a row-parallel linear) the same results come from the layers one
     after the other, with the residual stream returned as the norm returns it."""

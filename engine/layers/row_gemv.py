@@ -166,16 +166,10 @@ if triton is not None:
             w = tl.load(w_ptrs)
         else:
             w = tl.load(w_ptrs, mask=(rk < K)[None, :], other=0.0)
-        if EPILOGUE == 1:  # the norm weight's rows, before the wait (no kernel writes them)
-            g_rows = tl.load(g_ptr + rn_safe).to(tl.float32)
-            if OFFSET:
-                g_rows = 1.0 + g_rows
         release(PDL)
         if PROLOGUE == 4:  # requested now, used after the loop
             sq_offs = tl.arange(0, SQ_IN)
             sq_in = tl.load(sq_in_ptr + sq_offs, mask=sq_offs < n_sq_in, other=0.0)
-        if EPILOGUE == 1:
-            res_rows = tl.load(res_ptr + rn_safe)
         acc, squares = _accumulate(
             acc, squares, w, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, K, pid,
             PROLOGUE, HAS_RESIDUAL, EVEN_K, OFFSET,
@@ -203,6 +197,12 @@ if triton is not None:
         if EPILOGUE == 0:
             tl.store(y_ptr + rn, y, mask=row_ok)
         elif EPILOGUE == 1:
+            # the norm's rows loaded only now: held across the loop, they cost registers enough
+            # to halve the programs an SM holds at 8 warps
+            g_rows = tl.load(g_ptr + rn_safe).to(tl.float32)
+            if OFFSET:
+                g_rows = 1.0 + g_rows
+            res_rows = tl.load(res_ptr + rn_safe)
             summed, squares_out, scaled = begin_norm_rows(y, res_rows, g_rows, row_ok)
             tl.store(res_out_ptr + rn, summed, mask=row_ok)
             tl.store(sq_out_ptr + pid, squares_out)
@@ -221,7 +221,8 @@ if triton is not None:
 def default_config(prologue: int, weight_dtype: torch.dtype, n: int, k: int) -> RowGemvConfig:
     """Tiles per shape and weight width: the fastest of bench/row_gemv.py's sweep at Llama-3.1-8B's
     shapes on an H100 (bench/results/2026-11-27-h100-row-gemv/row_gemv.json), and at
-    Qwen3-30B-A3B's (--config qwen3-30b-a3b.json, bench/results/2026-11-27-h100-moe-batch1/)."""
+    Qwen3-30B-A3B's (--config qwen3-30b-a3b.json, bench/results/2026-11-27-h100-moe-batch1/), and
+    Llama-3.1-70B's FP8 qkv on an H200 (bench/results/2026-11-28-h200-fp8-unit-scales/)."""
     name = str(weight_dtype).removeprefix("torch.")
     # the same loads, the same tiles
     prologue = {GELU_MUL: SILU_MUL, NORMED: PLAIN}.get(prologue, prologue)
@@ -232,6 +233,8 @@ def default_config(prologue: int, weight_dtype: torch.dtype, n: int, k: int) -> 
         # FP8 gate_up closed by its activation (one_row_gated), bench/fp8_gemm.py's sweep
         if n >= 16384:  # gate_up
             return (16, 256, 4, 2)
+        if n > k >= 8192:  # a wide model's qkv (Llama-3.1-70B's 10240 x 8192, H200 sweep)
+            return (4, 1024, 4, 2)
         return (16, 512, 8, 3) if n >= 6144 else (8, 1024, 4, 2)  # qkv; o_proj, down
     if weight_dtype.itemsize == 1:  # e4m3 with a prologue (bench/row_gemv.py only)
         if n >= 16384:
