@@ -80,6 +80,33 @@ def kernel_table(graph: torch.cuda.CUDAGraph, calls: int = 5) -> dict[str, dict]
     return dict(sorted(table.items(), key=lambda kv: -kv[1]["us"]))
 
 
+def launch_table(graph: torch.cuda.CUDAGraph, calls: int = 5) -> dict[str, dict]:
+    """Kernel name and grid -> {us per launch, launches per step} over `calls` replays, from the
+    profiler's trace: one kernel's launches at different shapes (a layer's qkv, o_proj, gate_up and
+    down GEMVs) apart."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            graph.replay()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    groups: dict[str, list[float]] = defaultdict(list)
+    for evt in trace["traceEvents"]:
+        if evt.get("cat") == "kernel":
+            grid = "x".join(map(str, evt.get("args", {}).get("grid", [])))
+            groups[f"{evt['name'][:60]} grid {grid}"].append(evt["dur"])
+    table = {
+        key: {"us": statistics.mean(durs), "launches": len(durs) / calls}
+        for key, durs in groups.items()
+    }
+    return dict(sorted(table.items(), key=lambda kv: -kv[1]["us"] * kv[1]["launches"]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--config", default="llama-3.1-8b.json")
@@ -172,6 +199,7 @@ def main() -> None:
             }
             if (batch, context) in profile_cases:
                 row["kernels"] = kernel_table(graphs.graphs[size])
+                row["launches"] = launch_table(graphs.graphs[size])
             rows.append(row)
             print(
                 f"fused={fused} b={batch} ctx={context}: graph {seconds * 1e3:.3f} ms, "
@@ -203,6 +231,9 @@ def main() -> None:
             )
             for name, k in list(row["kernels"].items())[:14]:
                 print(f"  {k['us']:9.1f} {k['launches']:6.0f}  {name[:90]}")
+            print("  by launch shape (us per launch, launches per step):")
+            for name, k in list(row["launches"].items())[:14]:
+                print(f"  {k['us']:9.2f} {k['launches']:6.0f}  {name}")
     print(
         f"\n{result['device']}, {args.config}, {args.quantization or 'bf16'}, PDL {args.pdl}, "
         f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, "

@@ -86,6 +86,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--fixed-output", type=int, default=1024)
     ap.add_argument("--concurrency", default="1,8,32,64,128")
     ap.add_argument(
+        "--online-lengths",
+        default="conv",
+        choices=["conv", "fixed"],
+        help="the online clients' request lengths: the conv trace's, or every request "
+        "--fixed-prompt tokens in and --fixed-output out (as fixed-length published runs)",
+    )
+    ap.add_argument(
         "--online-seconds", type=float, default=30.0, help="measured window per concurrency level"
     )
     ap.add_argument(
@@ -327,10 +334,13 @@ class Bench:
         log.info("offline fixed: %.0f output tok/s", out["output_tok_s"])
 
     def online_request(self) -> Callable[[int], BenchRequest]:
-        """make_request(k) for the online clients: request k of the conv trace's lengths, with its
-        own random prompt."""
+        """make_request(k) for the online clients: request k of the conv trace's lengths (or the
+        fixed lengths, `--online-lengths fixed`), with its own random prompt."""
         a = self.args
-        lengths = sample_lengths(19365, SEEDS["online"], a.max_prompt, a.max_output)
+        if a.online_lengths == "fixed":
+            lengths = [(a.fixed_prompt, a.fixed_output)]
+        else:
+            lengths = sample_lengths(19365, SEEDS["online"], a.max_prompt, a.max_output)
 
         def make_request(k: int) -> BenchRequest:
             p, o = lengths[k % len(lengths)]
@@ -362,7 +372,8 @@ class Bench:
         self.results["online"] = {
             "levels": levels,
             "how": (
-                "closed loop: each client sends its next conv-trace request when the last ends; "
+                f"closed loop: each client sends its next {a.online_lengths}-length request when "
+                "the last ends; "
                 "statistics over the window after the warm-up; requests open at the end are "
                 "aborted after their first token"
             ),

@@ -159,6 +159,25 @@ def _ordered(lat: dict) -> bool:
     return lat["p50"] is not None and 0 <= lat["p50"] <= lat["p99"]
 
 
+def test_online_clients_send_the_fixed_lengths_when_asked():
+    from types import SimpleNamespace
+
+    from bench import serving
+
+    def first_requests(*flags: str) -> list:
+        args = serving.parse_args(["--fixed-prompt", "30", "--fixed-output", "7", *flags])
+        bench = SimpleNamespace(args=args, mc=SimpleNamespace(vocab_size=512))
+        make_request = serving.Bench.online_request(bench)
+        return [make_request(k) for k in range(5)]
+
+    fixed = first_requests("--online-lengths", "fixed")
+    assert [(r.prompt_len, r.output_len) for r in fixed] == [(30, 7)] * 5
+    assert len({tuple(r.prompt_token_ids) for r in fixed}) == 5  # each its own prompt
+    conv = first_requests()  # the default stays the conv trace's lengths
+    expected = sample_lengths(19365, serving.SEEDS["online"], 4096, 1024)[:5]
+    assert [(r.prompt_len, r.output_len) for r in conv] == expected
+
+
 @pytest.mark.slow
 def test_serving_benchmark_end_to_end_on_cpu(tmp_path):
     config = tmp_path / "tiny-llama.json"
