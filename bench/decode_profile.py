@@ -127,6 +127,7 @@ def main() -> None:
         "--variants", default="fused,unfused", help="which graphs to capture and replay"
     )
     ap.add_argument("--quantization", default=None, help="EngineArgs.quantization, e.g. fp8")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="EngineArgs.kv_cache_dtype, e.g. fp8")
     ap.add_argument("--pdl", default="on", help="engine.pdl (programmatic dependent launch)")
     ap.add_argument(
         "--dummy", action="store_true", help="random weights made on the GPU (nothing written)"
@@ -154,6 +155,7 @@ def main() -> None:
         max_model_len=4096,
         cuda_graph_sizes=sizes,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         load_format="dummy" if args.dummy else "auto",
     )
     runner = llm.engine.runner
@@ -162,7 +164,9 @@ def main() -> None:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if model.lm_head is not None:  # the embedding table is only gathered
         weight_bytes -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-    kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    kv_bytes_per_token = (
+        2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * runner.kv_cache.element_size()
+    )
     steps = {}
     for batch in map(int, filter(None, args.step_batches.split(","))):
         steps[batch] = decode_step_seconds(llm, batch, prompt_len=128, new_tokens=64)
