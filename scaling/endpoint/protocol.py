@@ -1,6 +1,6 @@
 """The HTTP conventions every route of the local endpoint shares: errors (BadRequest), JSON bodies
 within RunPod's size limits, a /run body's `input`, ?wait=, the OpenAI error shape, SSE text, and
-the dependencies that hand a route the Endpoint it serves (checking the endpoint id and the
+the dependencies that hand a route the endpoint state it serves (checking the endpoint id and the
 workers' token).
 """
 
@@ -13,7 +13,7 @@ from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
 
 from scaling.endpoint.jobs import Job
-from scaling.endpoint.server import Endpoint
+from scaling.endpoint.state import EndpointState
 
 BASE = "/v2/{endpoint_id}"
 RUN_BODY_LIMIT = 10 << 20  # RunPod: /run payloads up to 10 MB, /runsync up to 20 MB
@@ -96,14 +96,14 @@ def sse_text(chunk: Any) -> str:
     )
 
 
-async def submit(endpoint: Endpoint, job_input: Any, prefix: str = "") -> Job:
+async def submit(endpoint: EndpointState, job_input: Any, prefix: str = "") -> Job:
     """Queue a public job; a 503 once the endpoint is shutting down."""
     if endpoint.scaler.stopping:
         raise BadRequest(503, "the endpoint is shutting down")
     return await endpoint.submit(job_input, prefix)
 
 
-def public_job(endpoint: Endpoint, job_id: str) -> Job:
+def public_job(endpoint: EndpointState, job_id: str) -> Job:
     """A job a client may see (not a worker's readiness probe), or a 404."""
     job = endpoint.queue.jobs.get(job_id)
     if job is None or job.probe_for is not None:
@@ -115,9 +115,9 @@ def public_job(endpoint: Endpoint, job_id: str) -> Job:
     return job
 
 
-# ---- dependencies: the Endpoint behind request.app, once the path's endpoint id is checked ------
-def served(request: Request, endpoint_id: str) -> Endpoint:
-    endpoint: Endpoint = request.app.state.endpoint
+# ---- dependencies: the endpoint's state behind request.app, once the path's endpoint id is checked
+def served(request: Request, endpoint_id: str) -> EndpointState:
+    endpoint: EndpointState = request.app.state.endpoint
     if endpoint_id != endpoint.config.endpoint_id:
         raise BadRequest(
             404,
@@ -127,7 +127,9 @@ def served(request: Request, endpoint_id: str) -> Endpoint:
     return endpoint
 
 
-def worker_served(request: Request, endpoint: Annotated[Endpoint, Depends(served)]) -> Endpoint:
+def worker_served(
+    request: Request, endpoint: Annotated[EndpointState, Depends(served)]
+) -> EndpointState:
     """The job routes: the worker must send the token its RUNPOD_WEBHOOK_* URLs carry."""
     if request.query_params.get("token") != endpoint.token:
         raise BadRequest(
@@ -136,7 +138,9 @@ def worker_served(request: Request, endpoint: Annotated[Endpoint, Depends(served
     return endpoint
 
 
-def ping_served(request: Request, endpoint: Annotated[Endpoint, Depends(served)]) -> Endpoint:
+def ping_served(
+    request: Request, endpoint: Annotated[EndpointState, Depends(served)]
+) -> EndpointState:
     """The heartbeat: the SDK sends the key as its Authorization header (or the URL's token)."""
     token = endpoint.token
     if request.headers.get("authorization") != token and request.query_params.get("token") != token:
@@ -144,6 +148,6 @@ def ping_served(request: Request, endpoint: Annotated[Endpoint, Depends(served)]
     return endpoint
 
 
-Served = Annotated[Endpoint, Depends(served)]
-WorkerServed = Annotated[Endpoint, Depends(worker_served)]
-PingServed = Annotated[Endpoint, Depends(ping_served)]
+Served = Annotated[EndpointState, Depends(served)]
+WorkerServed = Annotated[EndpointState, Depends(worker_served)]
+PingServed = Annotated[EndpointState, Depends(ping_served)]

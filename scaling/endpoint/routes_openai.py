@@ -23,7 +23,7 @@ from scaling.endpoint.protocol import (
     sse_text,
     submit,
 )
-from scaling.endpoint.server import Endpoint
+from scaling.endpoint.state import EndpointState
 
 OPENAI_WAIT_S = 3600.0  # an /openai/v1 call waits this long for its job
 OPENAI_ROUTES = {"chat/completions": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -51,7 +51,7 @@ async def openai(endpoint: Served, route: str, request: Request):
     return await openai_job(endpoint, request, job_input, stream=body.get("stream") is True)
 
 
-async def openai_job(endpoint: Endpoint, request: Request, job_input: dict, *, stream: bool):
+async def openai_job(endpoint: EndpointState, request: Request, job_input: dict, *, stream: bool):
     """Run one openai_route job: its output, its stream as SSE, or an OpenAI-shaped error."""
     queue = endpoint.queue
     job = await submit(endpoint, job_input, prefix="oai-")
@@ -79,7 +79,7 @@ async def openai_job(endpoint: Endpoint, request: Request, job_input: dict, *, s
     return openai_error(503, f"{job.status}: {job.error}", "server_error")
 
 
-async def relay_sse(endpoint: Endpoint, request: Request, job: Job) -> AsyncIterator[str]:
+async def relay_sse(endpoint: EndpointState, request: Request, job: Job) -> AsyncIterator[str]:
     """The job's chunks as they arrive; an error event if it ends other than COMPLETED; a client
     that goes away cancels the job."""
     queue = endpoint.queue

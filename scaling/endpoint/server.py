@@ -1,78 +1,38 @@
 """The local endpoint's lifecycle: binds its socket, serves its app (scaling.endpoint.app) and runs
-its scaler in a background thread with one event loop, and drains every worker when it stops.
-
-The state the routes read and change: `queue` (jobs), `pool` (worker processes), `leases` (what
-workers take and report), `scaler` (how many workers there should be).
+its scaler in a background thread with one event loop, and drains every worker when it stops. What
+the routes read and change is scaling.endpoint.state's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import socket
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from scaling.endpoint.config import EndpointConfig
-from scaling.endpoint.jobs import Job, JobQueue
 from scaling.endpoint.leases import Leases
 from scaling.endpoint.scaler import Scaler
+from scaling.endpoint.state import EndpointState
 from scaling.endpoint.workers import WorkerPool
 
 log = logging.getLogger("scaling.endpoint")
 
 
-class Endpoint:
+class Endpoint(EndpointState):
     """The emulator: `with Endpoint(EndpointConfig(port=0, ...)) as ep:` serves on ep.url (ep.base
     is /v2/<id>)."""
 
     def __init__(self, config: EndpointConfig):
-        self.config = config
-        self.token = secrets.token_urlsafe(18)  # workers' job-route credential; never logged
-        self.queue = JobQueue()
-        self.pool: WorkerPool | None = None
-        self.scaler: Scaler | None = None
-        self.leases: Leases | None = None
-        self._kick: asyncio.Event | None = None
+        super().__init__(config)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server = None
-        self._sock: socket.socket | None = None
         self._tmp: tempfile.TemporaryDirectory | None = None
-
-    # ---- where it listens ------------------------------------------------------------------------
-    @property
-    def url(self) -> str:
-        host, port = self._sock.getsockname()[:2]
-        return f"http://{host}:{port}"
-
-    @property
-    def base(self) -> str:
-        return f"{self.url}/v2/{self.config.endpoint_id}"
-
-    # ---- what the routes call --------------------------------------------------------------------
-    async def submit(self, job_input: Any, prefix: str = "") -> Job:
-        """Queue a public job and wake the scaler and every waiter."""
-        job = self.queue.submit(job_input, prefix)
-        self.kick()
-        await self.queue.notify()
-        return job
-
-    def kick(self) -> None:
-        """Run the scaler now (a job arrived or was taken)."""
-        if self._kick is not None:
-            self._kick.set()
-
-    def job_finished(self, job: Job, now: float) -> None:
-        self.scaler.job_finished(job, now)
-
-    def health(self) -> dict:
-        return self.scaler.health()
 
     async def _scale(self) -> None:
         while True:
@@ -90,9 +50,9 @@ class Endpoint:
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "Endpoint":
         """Bind, start the server and the scaler in a background thread; returns once it serves."""
-        import uvicorn
+        import uvicorn  # the HTTP stack loads only when an endpoint serves
 
-        from scaling.endpoint.app import build_app  # the app's routes import this module
+        from scaling.endpoint.app import build_app
 
         c = self.config
         family = socket.AF_INET6 if ":" in c.host else socket.AF_INET
