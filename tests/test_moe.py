@@ -574,6 +574,7 @@ def test_fused_moe_kernels_compile_for_hopper(tmp_path):
         from triton.compiler import ASTSource
         import engine.layers.fused_moe as fm
         import engine.layers.fused_moe_decode as fd
+        from engine.layers.moe_kernel_math import routing_slots
 
         def build(fn, signature, constexprs, tiles=None):
             # launched early on Hopper (engine.pdl)
@@ -643,7 +644,7 @@ def test_fused_moe_kernels_compile_for_hopper(tmp_path):
                 tiles = fd.decode_tiles(top_k)
                 route = dict(ROUTE=routed, NORM=routed and not split, NORMED=split,
                              SQ_P2=1024 if split else 1, E_P2=128, RENORMALISE=top_k > 1,
-                             K_P2=fd.routing_slots(top_k))
+                             K_P2=routing_slots(top_k))
                 for kernel, signature, tile, extra in [
                     (fd._decode_gate_up_kernel, decode_gate_up, tiles.gate_up, route),
                     (fd._decode_down_kernel, decode_down, tiles.down,

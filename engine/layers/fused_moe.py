@@ -23,9 +23,9 @@ from engine.layers.fused_moe_decode import (
     block_k_for,
     decode_experts,
     decode_tiles,
-    routing_slots,
     uses_decode_path,
 )
+from engine.layers.moe_kernel_math import routing_slots
 from engine.pdl import launch_options, release
 
 try:  # a CPU-only install may have no triton; the torch reference never needs it
@@ -34,7 +34,7 @@ try:  # a CPU-only install may have no triton; the torch reference never needs i
 except ImportError:  # pragma: no cover - exercised only on installs without triton
     triton = None
 else:  # the routing and rounding both paths' kernels share
-    from engine.layers.fused_moe_decode import rounded, silu_and_mul_rounded, softmax_topk
+    from engine.layers.moe_kernel_math import rounded, silu_and_mul_rounded, softmax_topk
 
 
 # The largest BLOCK_M moe_tiles picks: the sorted rows' padding is at most BLOCK_M - 1 per expert.
