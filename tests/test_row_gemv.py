@@ -528,10 +528,12 @@ def test_gated_mlp_matches_the_unfused_layers(fp8, act, hidden, inter):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True])
-def test_norm_begun_by_the_linear_before_matches_the_unfused_layers(fp8):
-    """At Llama-3.1-8B's shapes, bf16 or FP8 weights: o_proj begins the MLP's norm, the MLP's down
-    the next layer's (row_gemv.linear_add_norm), and qkv finishes it; against the layers one after
-    the other within bf16 rounding, the residual stream within one rounding of its sums."""
+@pytest.mark.parametrize("hidden, inter, qkv_rows", [(4096, 14336, 6144), (8192, 28672, 10240)])
+def test_norm_begun_by_the_linear_before_matches_the_unfused_layers(fp8, hidden, inter, qkv_rows):
+    """At Llama-3.1-8B's and -70B's shapes (their default tiles), bf16 or FP8 weights: o_proj begins
+    the MLP's norm, the MLP's down the next layer's (row_gemv.linear_add_norm), and qkv finishes it;
+    against the layers one after the other within bf16 rounding, the residual stream within one
+    rounding of its sums."""
     from types import SimpleNamespace
 
     import engine.layers.fused_linears as fl
@@ -539,11 +541,10 @@ def test_norm_begun_by_the_linear_before_matches_the_unfused_layers(fp8):
 
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
-    hidden, inter = 4096, 14336
     cfg = SimpleNamespace(hidden_size=hidden, intermediate_size=inter, hidden_act="silu")
     make = Fp8Linear if fp8 else Linear
     mlp = MLP(cfg, dt, dev, make, make)
-    o_proj, qkv = make(hidden, hidden, False, dt, dev), make(hidden, 6144, False, dt, dev)
+    o_proj, qkv = make(hidden, hidden, False, dt, dev), make(hidden, qkv_rows, False, dt, dev)
     for i, lin in enumerate((mlp.gate_up_proj, mlp.down_proj, o_proj, qkv)):
         if fp8:
             lin.fill_random(0.02, torch.Generator(dev).manual_seed(i))
