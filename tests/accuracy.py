@@ -74,6 +74,30 @@ def greedy_tokens(llm: LLM, prompts: list[str], max_tokens: int) -> list[list[in
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
+def forced_agreement(model_dir: str, ref: list[list[int]], **engine) -> list[int]:
+    """For each of GREEDY_PROMPTS: of the reference's greedy tokens `ref[i]`, how many this engine
+    also ranks first when fed the prompt and the reference's tokens before it (teacher-forced
+    top-1 agreement: one early near-tie does not decide the rest). The engine: a float32 one on
+    the CPU, as `measure` makes, with `engine` on top; shut down after."""
+    llm = LLM(
+        model=model_dir, device="cpu", dtype="float32", max_num_batched_tokens=CHUNK, **engine
+    )
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        prompts = [o.prompt_token_ids for o in llm.generate(GREEDY_PROMPTS, params)]
+        scored = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+        outs = llm.generate([{"prompt_token_ids": p + r} for p, r in zip(prompts, ref)], scored)
+        counts = []
+        for p, r, out in zip(prompts, ref, outs):
+            entries = out.prompt_logprobs[len(p) : len(p) + len(r)]
+            counts.append(sum(entry[tok].rank == 1 for entry, tok in zip(entries, r)))
+        return counts
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()
+
+
 def leading_agreement(a: list[int], b: list[int]) -> int:
     """How many tokens two greedy outputs share before they first differ."""
     n = 0
