@@ -1,26 +1,19 @@
-"""The OpenAI routes (/v1/models, /v1/chat/completions, /v1/completions), one implementation for
-both faces: RunPod jobs (handler.jobs) and the HTTP server (handler.server) call
-`OpenAIRoutes.dispatch(route, body)`.
+"""The OpenAI routes (/v1/models, /v1/chat/completions, /v1/completions, /v1/responses, tokenize),
+one implementation for both faces: RunPod jobs (handler.jobs) and the HTTP server (handler.server)
+call `OpenAIRoutes.dispatch(route, body)`. A chat or completions request is parsed and started here;
+its answer is written by handler.serving_chat or handler.serving_completion.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from handler import responses_api
-from handler.chat_reply import (
-    ReplyDelta,
-    ReplyReader,
-    delta_fields,
-    stream_finish_reason,
-    whole_reply,
-)
 from handler.config import Settings
 from handler.engine_requests import (
     CHAT_ROUTE,
@@ -41,44 +34,12 @@ from handler.metrics import Metrics
 from handler.output_rules import ToolSettings
 from handler.protocol import ApiError
 from handler.reasoning import ReasoningParser, detect_reasoning_parser, reasoning_parser
-from handler.request_streams import ChunkStream, RequestStreams, drain
+from handler.request_streams import ChunkStream, RequestStreams
+from handler.serving_base import Answer
+from handler.serving_chat import ChatServing
+from handler.serving_completion import CompletionServing
 from handler.token_routes import TokenRoutes
 from handler.tool_parsers import detect_tool_parser, tool_call_parser
-
-log = logging.getLogger(__name__)
-
-# JSON has no infinity: a logprob of -inf is sent as this (as vLLM does).
-MIN_LOGPROB = -9999.0
-
-
-def _logprob(value: float) -> float:
-    return max(value, MIN_LOGPROB)
-
-
-class _ChoiceState:
-    """What one streamed choice has sent so far."""
-
-    __slots__ = ("text_len", "tokens", "finished")
-
-    def __init__(self) -> None:
-        self.text_len = 0
-        self.tokens = 0
-        self.finished = False
-
-    def advance(self, c) -> tuple[str, list[int], int, int] | None:
-        """What choice `c` (its cumulative output) adds since the last chunk, recorded as sent: (new
-        text, new token ids, tokens sent before, text length sent before); None when there is
-        nothing new to send."""
-        if self.finished:
-            return None
-        delta_text = c.text[self.text_len :]
-        new_ids = c.token_ids[self.tokens :]
-        if not delta_text and not new_ids and c.finish_reason is None:
-            return None
-        tokens_before, text_before = self.tokens, self.text_len
-        self.text_len, self.tokens = len(c.text), len(c.token_ids)
-        self.finished = c.finish_reason is not None
-        return delta_text, new_ids, tokens_before, text_before
 
 
 class OpenAIRoutes:
@@ -113,6 +74,8 @@ class OpenAIRoutes:
         )
         self.created = int(time.time())
         self.tokens = TokenRoutes(self.requests, self.max_model_len)
+        self.chat = ChatServing(self.tokenizer, settings, metrics)
+        self.completion = CompletionServing(self.tokenizer, settings, metrics)
 
     # ---- entry point -----------------------------------------------------------------------------
     async def dispatch(
@@ -208,21 +171,19 @@ class OpenAIRoutes:
         rid = f"{'chatcmpl' if route == CHAT_ROUTE else 'cmpl'}-{uuid.uuid4().hex}"
         streams = await self._start(rid, request)
         head = {"id": rid, "created": int(time.time()), "model": request.model}
-        lens = [len(p) for p in request.prompts]
-        top_n = request.top_n
+        answer = Answer(streams, head, request, t0)
         if route == CHAT_ROUTE:
             if req.stream:
-                return ChunkStream(self._chat_stream(streams, head, request, lens, t0), streams)
-            return await self._chat_full(streams, head, request, lens, t0)
+                return ChunkStream(self.chat.stream(answer), streams)
+            return await self.chat.full(answer)
         echo = None
         if req.echo:
             echo = request.texts or [
                 self.tokenizer.decode(p, skip_special_tokens=False) for p in request.prompts
             ]
         if req.stream:
-            chunks = self._completion_stream(streams, head, req, lens, top_n, echo, t0)
-            return ChunkStream(chunks, streams)
-        return await self._completion_full(streams, head, req, lens, top_n, echo, t0)
+            return ChunkStream(self.completion.stream(answer, echo), streams)
+        return await self.completion.full(answer, echo)
 
     async def _start(self, request_id: str, request: EngineRequest) -> RequestStreams:
         streams = RequestStreams(self.engine, request_id, request.prompts, request.params)
@@ -231,287 +192,6 @@ class OpenAIRoutes:
         except ValueError as e:
             raise request.engine_error(e) from None
         return streams
-
-    def _usage(self, prompt_lens: list[int], latest: dict[int, Any]) -> dict:
-        prompt = sum(prompt_lens)
-        completion = sum(len(c.token_ids) for out in latest.values() for c in out.outputs)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        }
-
-    def _record(self, t0: float, first_token: float | None, usage: dict) -> None:
-        if self.metrics is None:
-            return
-        self.metrics.record_tokens(usage["prompt_tokens"], usage["completion_tokens"])
-        if first_token is not None:
-            self.metrics.observe_ttft(first_token - t0)
-        self.metrics.observe_latency(time.monotonic() - t0)
-
-    def _token_text(self, position, token_id: int) -> str:
-        lp = position.get(token_id) if position else None
-        if lp is not None and lp.decoded_token is not None:
-            return lp.decoded_token
-        return self.tokenizer.decode_token(token_id)
-
-    # ---- logprobs formats ------------------------------------------------------------------------
-    def _chat_logprobs(self, token_ids: list[int], positions: list, top_n: int) -> list[dict]:
-        content = []
-        for token_id, pos in zip(token_ids, positions):
-            text = self._token_text(pos, token_id)
-            chosen = pos.get(token_id) if pos else None
-            top = sorted(
-                ((tid, lp) for tid, lp in (pos or {}).items() if lp.rank <= top_n),
-                key=lambda t: t[1].rank,
-            )
-            content.append(
-                {
-                    "token": text,
-                    "logprob": _logprob(chosen.logprob) if chosen else MIN_LOGPROB,
-                    "bytes": list(text.encode("utf-8")),
-                    "top_logprobs": [
-                        {
-                            "token": (t := self._token_text(pos, tid)),
-                            "logprob": _logprob(lp.logprob),
-                            "bytes": list(t.encode("utf-8")),
-                        }
-                        for tid, lp in top[:top_n]
-                    ],
-                }
-            )
-        return content
-
-    def _completion_logprobs(
-        self, token_ids: list[int], positions: list, top_n: int, offset: int
-    ) -> dict:
-        out: dict[str, list] = {
-            "tokens": [],
-            "token_logprobs": [],
-            "top_logprobs": [],
-            "text_offset": [],
-        }
-        for token_id, pos in zip(token_ids, positions):
-            text = self._token_text(pos, token_id)
-            chosen = pos.get(token_id) if pos else None
-            out["tokens"].append(text)
-            out["token_logprobs"].append(_logprob(chosen.logprob) if chosen else None)
-            top = sorted(
-                ((tid, lp) for tid, lp in (pos or {}).items() if lp.rank <= top_n),
-                key=lambda t: t[1].rank,
-            )
-            out["top_logprobs"].append(
-                {self._token_text(pos, tid): _logprob(lp.logprob) for tid, lp in top[:top_n]}
-            )
-            out["text_offset"].append(offset)
-            offset += len(text)
-        return out
-
-    # ---- /v1/chat/completions --------------------------------------------------------------------
-    async def _chat_full(
-        self, streams: RequestStreams, head: dict, request: EngineRequest, prompt_lens, t0
-    ) -> dict:
-        req, top_n = request.parsed, request.top_n
-        first_token = await drain(streams)
-        out = streams.latest[0]
-        choices = []
-        role = self.settings.openai_response_role
-        for c in out.outputs:
-            message, finish_reason = whole_reply(request.reply, c.text, role, c.finish_reason)
-            choices.append(
-                {
-                    "index": c.index,
-                    "message": message,
-                    "logprobs": {
-                        "content": self._chat_logprobs(c.token_ids, c.logprobs or [], top_n)
-                    }
-                    if req.logprobs
-                    else None,
-                    "finish_reason": finish_reason,
-                }
-            )
-        usage = self._usage(prompt_lens, streams.latest)
-        self._record(t0, first_token, usage)
-        response = {**head, "object": "chat.completion", "choices": choices, "usage": usage}
-        if req.prompt_logprobs is not None:
-            response["prompt_logprobs"] = prompt_logprobs_entries(out.prompt_logprobs)
-        return response
-
-    async def _chat_stream(
-        self, streams: RequestStreams, head: dict, request: EngineRequest, prompt_lens, t0
-    ) -> AsyncIterator[dict]:
-        req, top_n = request.parsed, request.top_n
-        head = {**head, "object": "chat.completion.chunk"}
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
-        states = [_ChoiceState() for _ in range(req.n)]
-        readers = [ReplyReader(request.reply) for _ in range(req.n)]
-        role = self.settings.openai_response_role
-        first_token = None
-
-        def chunk(choices: list[dict], latest) -> dict:
-            c = {**head, "choices": choices}
-            if include_usage:
-                c["usage"] = self._usage(prompt_lens, latest) if continuous else None
-            return c
-
-        try:
-            yield chunk(
-                [
-                    {
-                        "index": i,
-                        "delta": {"role": role, "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                    for i in range(req.n)
-                ],
-                streams.latest,
-            )
-            async for latest in streams.updates():
-                choices = []
-                for c in latest[0].outputs:
-                    st = states[c.index]
-                    sent = st.advance(c)
-                    if sent is None:
-                        continue
-                    delta_text, new_ids, tokens_before, _ = sent
-                    reader = readers[c.index]
-                    delta = reader.feed(delta_text)
-                    if st.finished:
-                        delta = _joined(delta, reader.finish())
-                    choice: dict[str, Any] = {
-                        "index": c.index,
-                        "delta": delta_fields(reader, delta),
-                        "logprobs": None,
-                        "finish_reason": stream_finish_reason(reader, c.finish_reason),
-                    }
-                    if req.logprobs and new_ids:
-                        choice["logprobs"] = {
-                            "content": self._chat_logprobs(
-                                new_ids, (c.logprobs or [])[tokens_before:], top_n
-                            )
-                        }
-                    if choice["delta"] or st.finished or choice["logprobs"]:
-                        choices.append(choice)
-                if first_token is None and any(st.tokens for st in states):
-                    first_token = time.monotonic()
-                if choices:
-                    yield chunk(choices, latest)
-            usage = self._usage(prompt_lens, streams.latest)
-            self._record(t0, first_token, usage)
-            if include_usage:
-                yield {**head, "choices": [], "usage": usage}
-        finally:
-            await streams.close()
-
-    # ---- /v1/completions -------------------------------------------------------------------------
-    async def _completion_full(
-        self, streams: RequestStreams, head: dict, req, prompt_lens, top_n, echo, t0
-    ) -> dict:
-        first_token = await drain(streams)
-        choices = []
-        for i in range(len(prompt_lens)):
-            for c in streams.latest[i].outputs:
-                prefix = echo[i] if echo else ""
-                choices.append(
-                    {
-                        "index": i * req.n + c.index,
-                        "text": prefix + c.text,
-                        "logprobs": self._completion_logprobs(
-                            c.token_ids, c.logprobs or [], top_n, len(prefix)
-                        )
-                        if req.logprobs is not None
-                        else None,
-                        "finish_reason": c.finish_reason,
-                    }
-                )
-                if req.prompt_logprobs is not None:
-                    choices[-1]["prompt_logprobs"] = prompt_logprobs_entries(
-                        streams.latest[i].prompt_logprobs
-                    )
-        usage = self._usage(prompt_lens, streams.latest)
-        self._record(t0, first_token, usage)
-        return {**head, "object": "text_completion", "choices": choices, "usage": usage}
-
-    async def _completion_stream(
-        self, streams: RequestStreams, head: dict, req, prompt_lens, top_n, echo, t0
-    ) -> AsyncIterator[dict]:
-        head = {**head, "object": "text_completion"}
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
-        states = {(i, j): _ChoiceState() for i in range(len(prompt_lens)) for j in range(req.n)}
-        first_token = None
-        try:
-            if echo:
-                first = [
-                    {
-                        "index": i * req.n + j,
-                        "text": echo[i],
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                    for i in range(len(prompt_lens))
-                    for j in range(req.n)
-                ]
-                yield {**head, "choices": first, **({"usage": None} if include_usage else {})}
-            async for latest in streams.updates():
-                choices = []
-                for i, out in sorted(latest.items()):
-                    for c in out.outputs:
-                        st = states[(i, c.index)]
-                        sent = st.advance(c)
-                        if sent is None:
-                            continue
-                        delta_text, new_ids, tokens_before, text_before = sent
-                        offset = (len(echo[i]) if echo else 0) + text_before
-                        choice = {
-                            "index": i * req.n + c.index,
-                            "text": delta_text,
-                            "logprobs": None,
-                            "finish_reason": c.finish_reason,
-                        }
-                        if req.logprobs is not None and new_ids:
-                            choice["logprobs"] = self._completion_logprobs(
-                                new_ids, (c.logprobs or [])[tokens_before:], top_n, offset
-                            )
-                        if delta_text or st.finished or choice["logprobs"]:
-                            choices.append(choice)
-                if first_token is None and any(st.tokens for st in states.values()):
-                    first_token = time.monotonic()
-                if choices:
-                    c = {**head, "choices": choices}
-                    if include_usage:
-                        c["usage"] = self._usage(prompt_lens, latest) if continuous else None
-                    yield c
-            usage = self._usage(prompt_lens, streams.latest)
-            self._record(t0, first_token, usage)
-            if include_usage:
-                yield {**head, "choices": [], "usage": usage}
-        finally:
-            await streams.close()
-
-
-def prompt_logprobs_entries(positions: list | None) -> list[dict | None]:
-    """vLLM's prompt_logprobs: per prompt token, None for the first, else {token id: {"logprob",
-    "rank", "decoded_token"}} (the prompt's own token and the top candidates)."""
-    return [
-        None
-        if pos is None
-        else {
-            str(tid): {
-                "logprob": _logprob(lp.logprob),
-                "rank": lp.rank,
-                "decoded_token": lp.decoded_token,
-            }
-            for tid, lp in pos.items()
-        }
-        for pos in positions or []
-    ]
-
-
-def _joined(a: ReplyDelta, b: ReplyDelta) -> ReplyDelta:
-    return ReplyDelta(a.reasoning + b.reasoning, a.content + b.content, a.tool_calls + b.tool_calls)
 
 
 def tool_settings(settings: Settings, chat_template: str | None) -> ToolSettings:
