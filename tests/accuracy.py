@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 from conftest import free_gpu_memory
 from engine import LLM, SamplingParams
@@ -74,28 +75,19 @@ def greedy_tokens(llm: LLM, prompts: list[str], max_tokens: int) -> list[list[in
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
-def forced_agreement(model_dir: str, ref: list[list[int]], **engine) -> list[int]:
-    """For each of GREEDY_PROMPTS: of the reference's greedy tokens `ref[i]`, how many this engine
+def forced_agreement(llm: LLM, reference: list[list[int]]) -> list[int]:
+    """For each of GREEDY_PROMPTS: of the reference's greedy tokens `reference[i]`, how many `llm`
     also ranks first when fed the prompt and the reference's tokens before it (teacher-forced
-    top-1 agreement: one early near-tie does not decide the rest). The engine: a float32 one on
-    the CPU, as `measure` makes, with `engine` on top; shut down after."""
-    llm = LLM(
-        model=model_dir, device="cpu", dtype="float32", max_num_batched_tokens=CHUNK, **engine
-    )
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=1)
-        prompts = [o.prompt_token_ids for o in llm.generate(GREEDY_PROMPTS, params)]
-        scored = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-        outs = llm.generate([{"prompt_token_ids": p + r} for p, r in zip(prompts, ref)], scored)
-        counts = []
-        for p, r, out in zip(prompts, ref, outs):
-            entries = out.prompt_logprobs[len(p) : len(p) + len(r)]
-            counts.append(sum(entry[tok].rank == 1 for entry, tok in zip(entries, r)))
-        return counts
-    finally:
-        llm.shutdown()
-        del llm
-        gc.collect()
+    top-1 agreement: one early near-tie does not decide the rest)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    prompts = [o.prompt_token_ids for o in llm.generate(GREEDY_PROMPTS, params)]
+    scored = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p + r} for p, r in zip(prompts, reference)], scored)
+    counts = []
+    for p, r, out in zip(prompts, reference, outs):
+        entries = out.prompt_logprobs[len(p) : len(p) + len(r)]
+        counts.append(sum(entry[tok].rank == 1 for entry, tok in zip(entries, r)))
+    return counts
 
 
 def leading_agreement(a: list[int], b: list[int]) -> int:
@@ -108,18 +100,36 @@ def leading_agreement(a: list[int], b: list[int]) -> int:
     return n
 
 
+class Measured(NamedTuple):
+    ids: list[int]  # the scored text's token ids
+    perplexity: float
+    greedy: list[list[int]]  # greedy tokens of GREEDY_PROMPTS
+    forced: list[int] | None  # teacher-forced agreement with the reference asked for, if any
+
+
 def measure(
-    model_dir: str, ids: list[int] | None, num_tokens: int, greedy: int, **engine
-) -> tuple[list[int], float, list[list[int]]]:
-    """(ids, perplexity over ids, greedy tokens of GREEDY_PROMPTS) from a float32 engine on the CPU
-    prefilling in CHUNK-token chunks, with the `engine` arguments on top; ids default to the fixed
-    text's first num_tokens. The engine is shut down after."""
+    model_dir: str,
+    ids: list[int] | None,
+    num_tokens: int,
+    greedy: int,
+    reference: list[list[int]] | None = None,
+    **engine,
+) -> Measured:
+    """Perplexity over ids, greedy tokens and, given a reference's greedy tokens, the teacher-forced
+    agreement with them (forced_agreement), from one float32 engine on the CPU prefilling in
+    CHUNK-token chunks, with the `engine` arguments on top; ids default to the fixed text's first
+    num_tokens. The engine is shut down after."""
     llm = LLM(
         model=model_dir, device="cpu", dtype="float32", max_num_batched_tokens=CHUNK, **engine
     )
     try:
         ids = ids or fixed_text_ids(llm, num_tokens)
-        return ids, perplexity(llm, ids), greedy_tokens(llm, GREEDY_PROMPTS, greedy)
+        return Measured(
+            ids,
+            perplexity(llm, ids),
+            greedy_tokens(llm, GREEDY_PROMPTS, greedy),
+            forced_agreement(llm, reference) if reference is not None else None,
+        )
     finally:
         llm.shutdown()
         del llm

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import pytest
 
-from accuracy import forced_agreement, leading_agreement, measure
+from accuracy import Measured, leading_agreement, measure
 
 NUM_TOKENS = 2048
 GREEDY_TOKENS = 32
 
 
-def _measure(model_dir: str, ids: list[int] | None, **kw) -> tuple[list[int], float, list]:
+def _measure(model_dir: str, ids: list[int] | None, **kw) -> Measured:
     return measure(
         model_dir,
         ids,
@@ -41,10 +41,11 @@ def _measure(model_dir: str, ids: list[int] | None, **kw) -> tuple[list[int], fl
 
 @pytest.mark.slow
 def test_fp8_weights_and_activations_stay_close_to_fp32(smollm2_dir):
-    ids, ref_ppl, ref_tokens = _measure(smollm2_dir, None)
-    _, fp8_ppl, fp8_tokens = _measure(smollm2_dir, ids, quantization="fp8")
+    ids, ref_ppl, ref_tokens, _ = _measure(smollm2_dir, None)
+    _, fp8_ppl, fp8_tokens, forced = _measure(
+        smollm2_dir, ids, reference=ref_tokens, quantization="fp8"
+    )
     agreement = [leading_agreement(a, b) for a, b in zip(ref_tokens, fp8_tokens)]
-    forced = forced_agreement(smollm2_dir, ref_tokens, max_model_len=4096, quantization="fp8")
     change = fp8_ppl / ref_ppl - 1
     print(
         f"SmolLM2, {len(ids)} tokens: ppl fp32 {ref_ppl:.4f}, fp8 {fp8_ppl:.4f} ({change:+.2%}); "
