@@ -94,7 +94,8 @@ def launch_table(graph: torch.cuda.CUDAGraph, calls: int = 5) -> dict[str, dict]
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))
+        with open(f.name) as exported:
+            trace = json.load(exported)
     groups: dict[str, list[float]] = defaultdict(list)
     for evt in trace["traceEvents"]:
         if evt.get("cat") == "kernel":
