@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from child_process import run_in_triton_interpreter
-from conftest import free_gpu_memory
+from child_process import run_in_triton_interpreter, run_with_triton_cache
+from conftest import free_gpu_memory, triton_nvidia_backend
 from engine import LLM, EngineArgs, SamplingParams
 from engine.attention.kv_quant import dequantize, quantize, resolve_kv_cache_dtype
 from engine.attention.torch_ref import TorchAttentionBackend
@@ -241,6 +241,8 @@ def test_fp32_model_with_fp8_cache_generates_close_to_fp32_cache(tiny_llama):
 # (-0.124 -> -0.0625), so here the cache is written by the reference and the kernels read it
 # (kv_written); the kernels' own write is checked on the GPU below.
 INTERPRETER_SCRIPT = """
+import itertools
+
 import torch
 from tests.test_attention_triton import make_case
 from tests.test_kv_fp8 import SCALES, fp8_case
@@ -248,26 +250,28 @@ from engine.attention.torch_ref import TorchAttentionBackend, write_kv
 from engine.attention.triton_attn import TritonAttentionBackend
 
 worst = 0.0
-for fused in (True, False):
+cases = (
+    ([9, 40, 1, 70], [1, 1, 1, 1], None),
+    ([9, 23, 37, 1, 50], [1, 23, 11, 1, 1], None),
+    ([9, 23, 37, 1, 50], [1, 23, 11, 1, 1], 6),
+)
+# head_dim 16: the kernel's dots over half the dims (the cache's words of two values) pad to 16
+for fused, kv, dtype, (seqs, qlens, window), head_dim in itertools.product(
+    (True, False), (torch.float8_e4m3fn, torch.float8_e5m2), (torch.float32, torch.float16),
+    cases, (24, 16),
+):
     backend = TritonAttentionBackend(programs_per_sm=16, fused_merge=fused)
-    for kv in (torch.float8_e4m3fn, torch.float8_e5m2):
-        for dtype in (torch.float32, torch.float16):
-            for seqs, qlens, window in (
-                ([9, 40, 1, 70], [1, 1, 1, 1], None),
-                ([9, 23, 37, 1, 50], [1, 23, 11, 1, 1], None),
-                ([9, 23, 37, 1, 50], [1, 23, 11, 1, 1], 6),
-            ):
-                case = fp8_case(make_case(seqs, qlens, 2, 3, 24, 4, dtype, "cpu"), kv)
-                write_kv(case.k, case.v, case.cache, case.meta.slot_mapping, SCALES)
-                args = (case.cache, case.meta, case.scale, window, True)
-                out = backend.forward(case.q, case.k, case.v, *args, kv_scale=SCALES)
-                ref = TorchAttentionBackend().forward(
-                    case.q.float(), case.k.float(), case.v.float(), *args, kv_scale=SCALES
-                )
-                err = (out.float() - ref).abs().max().item()
-                bound = 1e-5 if dtype == torch.float32 else 3e-3
-                assert err < bound, (fused, kv, dtype, seqs, window, err)
-                worst = max(worst, err)
+    case = fp8_case(make_case(seqs, qlens, 2, 3, head_dim, 4, dtype, "cpu"), kv)
+    write_kv(case.k, case.v, case.cache, case.meta.slot_mapping, SCALES)
+    args = (case.cache, case.meta, case.scale, window, True)
+    out = backend.forward(case.q, case.k, case.v, *args, kv_scale=SCALES)
+    ref = TorchAttentionBackend().forward(
+        case.q.float(), case.k.float(), case.v.float(), *args, kv_scale=SCALES
+    )
+    err = (out.float() - ref).abs().max().item()
+    bound = 1e-5 if dtype == torch.float32 else 3e-3
+    assert err < bound, (fused, kv, dtype, seqs, window, head_dim, err)
+    worst = max(worst, err)
 print("ok", worst)
 """
 
@@ -277,6 +281,66 @@ def test_fp8_read_path_in_the_triton_interpreter():
     done = run_in_triton_interpreter(textwrap.dedent(INTERPRETER_SCRIPT))
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().startswith("ok")
+
+
+@pytest.mark.skipif(not triton_nvidia_backend(), reason="triton without its CUDA backend (ptxas)")
+def test_fp8_cache_decode_kernel_compiles_for_hopper_in_the_bf16_kernel_s_registers(tmp_path):
+    """The decode attention kernel over an FP8 cache (e4m3, e5m2), compiled for sm_90 at the
+    backend's decode tiles: at Llama-3.1-70B's launch (64 / 8 heads, D 128) it takes no more
+    registers than over a bf16 cache, and a 16-dim head (its dots over half the dims pad to 16)
+    compiles. Read as FP8 bytes, the tiles were widened from shared memory one byte at a time
+    (255 registers against bf16's 226), and a decode took as long as bf16's for half the bytes."""
+    script = textwrap.dedent("""
+        import subprocess
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import get_ptxas
+        from triton.compiler import ASTSource
+        from engine.attention.triton_kernels import paged_attention_kernel as kernel
+
+        def registers(cache_type, head_dim, stages, tmp):
+            const = dict(NUM_HEADS=64, GROUP=8, HEAD_DIM=head_dim, BLOCK_D=max(head_dim, 32),
+                         BLOCK_Q=1, BLOCK_M=16, BLOCK_N=128, PAGE=16, NUM_SPLITS=3,
+                         USE_WINDOW=False, IEEE=False, SOFTCAP=False, FUSED_MERGE=True, BLOCK_S=4,
+                         FP8=cache_type != "bf16", MIN_SPLIT_TILES=2, ROPE=False, QK_NORM=False,
+                         NORM_OFFSET=False, PDL=True)
+            sig, attrs = {}, {}
+            for i, name in enumerate(kernel.arg_names):
+                if name in const:
+                    sig[name] = "constexpr"
+                    continue
+                if name in ("k_cache_ptr", "v_cache_ptr"):
+                    sig[name] = "*" + cache_type
+                elif name in ("part_out_ptr", "part_lse_ptr"):
+                    sig[name] = "*fp32"
+                elif name in ("arrivals_ptr", "qsl_ptr", "seq_lens_ptr", "block_tables_ptr",
+                              "slot_ptr"):
+                    sig[name] = "*i32"
+                elif name.endswith("_ptr"):
+                    sig[name] = "*bf16"
+                else:
+                    sig[name] = "fp32" if name in ("scale_log2", "cap", "v_scale",
+                                                   "norm_eps") else "i32"
+                if name.endswith("_ptr") or name.startswith("stride"):
+                    attrs[(i,)] = [["tt.divisibility", 16]]  # as real launches specialize them
+            source = ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs)
+            options = dict(num_warps=4, num_stages=stages, launch_pdl=True)
+            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+            with open(tmp + "/k.ptx", "w") as f:
+                f.write(compiled.asm["ptx"])
+            done = subprocess.run([get_ptxas(90).path, "-v", "-arch=sm_90a", tmp + "/k.ptx", "-o",
+                                   tmp + "/k.cubin"], capture_output=True, text=True, check=True)
+            return int(done.stderr.split("Used ")[1].split(" registers")[0])
+
+        bf16 = registers("bf16", 128, 3, TMP)  # the backend's decode tiles: (16, 128, 4, 3)
+        for cache_type in ("fp8e4nv", "fp8e5"):
+            fp8 = registers(cache_type, 128, 2, TMP)  # over an FP8 cache: (16, 128, 4, 2)
+            assert fp8 <= bf16, (cache_type, fp8, bf16)
+            registers(cache_type, 16, 2, TMP)
+        print("ok")
+    """).replace("TMP", repr(str(tmp_path)))
+    done = run_with_triton_cache(script, tmp_path / "cache")
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
 # ---- GPU: the Triton kernels and the engine ---------------------------------------------------

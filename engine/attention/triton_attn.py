@@ -214,7 +214,8 @@ class TritonAttentionBackend(AttentionBackend):
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache_layer.shape[3]
         group = num_heads // num_kv_heads
-        block_d = triton.next_power_of_2(head_dim)
+        # an FP8 cache's dots run over half the dims (its words of two values), at least 16 of them
+        block_d = max(triton.next_power_of_2(head_dim), 32 if is_fp8(kv_cache_layer.dtype) else 16)
         block_m, block_n, num_warps, num_stages = tiles
         block_m = max(block_m, triton.next_power_of_2(group))
         if max_query_len == 1:

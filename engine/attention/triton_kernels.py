@@ -3,7 +3,8 @@ split merge.
 
 The attention kernel packs a kv head's whole query-head group into the rows of each tile, so a K/V
 tile is read once for all of them; decode runs it split along the context (flash-decoding), prefill
-one program per query tile.
+one program per query tile. An FP8 cache is read in 16-bit words of two values and widened to fp16
+by moving bits (_widen_pairs).
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ import triton.language as tl
 
 from engine.norm_rounding import weighted_norm
 from engine.pdl import release
+
+# an e4m3 value widened by moving its bits into fp16's places reads as the value / 2**8 (the two
+# formats' exponent biases, 7 and 15, differ by 8)
+E4M3_WIDEN = tl.constexpr(256.0)
 
 
 @triton.jit
@@ -63,12 +68,73 @@ def _tanh(x):
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
+# The widening's bit moves on 32-bit registers of two words (four FP8 values), as PTX; Triton's
+# interpreter (the CPU tests) runs no PTX and takes the same moves per word.
+_E4M3_PAIRS_PTX = tl.constexpr("""{
+.reg .b32 lo, hi;
+shl.b32 lo, $2, 8;
+shl.b32 hi, $2, 7;
+and.b32 lo, lo, 0x80008000;
+and.b32 hi, hi, 0x3F803F80;
+or.b32 $0, lo, hi;
+shr.b32 lo, $2, 1;
+and.b32 lo, lo, 0x3F803F80;
+and.b32 hi, $2, 0x80008000;
+or.b32 $1, lo, hi;
+}""")
+_E5M2_PAIRS_PTX = tl.constexpr("""{
+shl.b32 $0, $2, 8;
+and.b32 $0, $0, 0xFF00FF00;
+and.b32 $1, $2, 0xFF00FF00;
+}""")
+INTERPRETED = tl.constexpr(triton.knobs.runtime.interpret)
+
+
+@triton.jit
+def _widen_pairs(pairs, E5M2: tl.constexpr):
+    """uint16 words holding two FP8 values each (dims 2i and 2i + 1) -> two fp16 tensors (the even
+    dims, the odd), by moving bits: an e5m2 value is the high byte of the fp16 equal to it; an e4m3
+    value's sign, exponent and mantissa are fp16's, shifted 7 lower, so the fp16 they make is the
+    value / E4M3_WIDEN (exact, subnormals too; the kernel puts the factor in its scales)."""
+    if INTERPRETED:
+        if E5M2:
+            even = pairs << 8
+            odd = pairs & 0xFF00
+        else:
+            even = ((pairs & 0x80) << 8) | ((pairs & 0x7F) << 7)
+            odd = (pairs & 0x8000) | ((pairs >> 1) & 0x3F80)
+        return (
+            even.to(tl.uint16).to(tl.float16, bitcast=True),
+            odd.to(tl.uint16).to(tl.float16, bitcast=True),
+        )
+    else:
+        return tl.inline_asm_elementwise(
+            _E5M2_PAIRS_PTX if E5M2 else _E4M3_PAIRS_PTX,
+            "=r,=r,r",
+            [pairs],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=2,
+        )
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b in fp32: exact fp32 products under IEEE (fp32 q), the tensor cores' inputs else."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
 @triton.jit
 def _attend_tile(
     acc,
+    acc_odd,
     m_i,
     l_i,
     q,
+    q_odd,
     start,
     end,
     table_row,
@@ -91,14 +157,18 @@ def _attend_tile(
     IEEE: tl.constexpr,
     SOFTCAP: tl.constexpr,
     FP8: tl.constexpr,
+    E5M2: tl.constexpr,
 ):
     """Fold keys [start, start + BLOCK_N) (those < end) into the running softmax (log2 domain,
     fp32).
 
     MASKED=False is for tiles wholly inside the context and below every row's position: no bounds,
-    no mask. FP8: K and V tiles are read as FP8 and widened to q's dtype (fp16, or fp32 under
-    IEEE; exact) before the dots; their scales are applied outside (K's in scale_log2 and cap, V's
-    to the output).
+    no mask. FP8: the cache is read in uint16 words of two values (k_base and v_base point at
+    words; d, HEAD_DIM and BLOCK_D count words and the strides are in words), widened by moving
+    bits into the even dims and the odd dims (_widen_pairs): q, q_odd and acc, acc_odd hold those
+    halves, and each product is two dots. Read this way a tile takes the 16-bit operand path (the
+    shared-memory matrix loads) that FP8 bytes do not. The scales are applied outside (K's in
+    scale_log2 and cap, V's to the output). Otherwise acc_odd and q_odd are not read.
     """
     n = start + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -112,14 +182,14 @@ def _attend_tile(
     key = tl.load(
         k_base + offs[:, None] + d[None, :],
         mask=kv_mask,
-        other=0.0 if kv_mask is not None else None,
+        other=0 if kv_mask is not None else None,
     )
     if FP8:
-        key = key.to(q.dtype)
-    if IEEE:
-        s = tl.dot(q, tl.trans(key), input_precision="ieee")
+        key, key_odd = _widen_pairs(key, E5M2)
+        s = _dot(q, tl.trans(key.to(q.dtype)), IEEE)
+        s += _dot(q_odd, tl.trans(key_odd.to(q.dtype)), IEEE)
     else:
-        s = tl.dot(q, tl.trans(key))
+        s = _dot(q, tl.trans(key), IEEE)
     if (
         SOFTCAP
     ):  # Gemma 2: s * scale -> softcap * tanh(s * scale / softcap), with cap = softcap / scale
@@ -138,15 +208,16 @@ def _attend_tile(
     value = tl.load(
         v_base + offs[:, None] + d[None, :],
         mask=kv_mask,
-        other=0.0 if kv_mask is not None else None,
+        other=0 if kv_mask is not None else None,
     )
     if FP8:
-        value = value.to(q.dtype)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p.to(value.dtype), value, input_precision="ieee")
+        value, value_odd = _widen_pairs(value, E5M2)
+        p = p.to(q.dtype)
+        acc = acc * alpha[:, None] + _dot(p, value.to(q.dtype), IEEE)
+        acc_odd = acc_odd * alpha[:, None] + _dot(p, value_odd.to(q.dtype), IEEE)
     else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(value.dtype), value)
-    return acc, m_new, l_i
+        acc = acc * alpha[:, None] + _dot(p.to(value.dtype), value, IEEE)
+    return acc, acc_odd, m_new, l_i
 
 
 @triton.jit
@@ -373,72 +444,50 @@ def paged_attention_kernel(
     if not FP8:
         q = q.to(k_cache_ptr.dtype.element_ty)
     elif not IEEE:
-        # bf16/fp16 q over an FP8 cache: the dots run in fp16, the one type FP8 widens to in a
-        # single conversion (to bf16 it takes three); q is clamped to fp16's range
+        # bf16/fp16 q over an FP8 cache: the dots run in fp16, what FP8 widens to by moving bits;
+        # q is clamped to fp16's range
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     table_row = block_tables_ptr + b.to(tl.int64) * stride_bt
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    e5m2: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.float8e5
+    if FP8:  # the cache in words of two values: halves of q and of the output (see _attend_tile)
+        q, q_odd = tl.split(tl.reshape(q, [BLOCK_M, BLOCK_D // 2, 2]))
+        acc = tl.zeros([BLOCK_M, BLOCK_D // 2], dtype=tl.float32)
+        acc_odd = tl.zeros([BLOCK_M, BLOCK_D // 2], dtype=tl.float32)
+        k_base = k_base.to(tl.pointer_type(tl.uint16))
+        v_base = v_base.to(tl.pointer_type(tl.uint16))
+        d = tl.arange(0, BLOCK_D // 2)
+        d_mask = d < HEAD_DIM // 2
+        stride_cb = stride_cb // 2
+        stride_cs = stride_cs // 2
+        if not e5m2:  # e4m3 widens to its value / E4M3_WIDEN (_widen_pairs)
+            scale_log2 = scale_log2 * E4M3_WIDEN
+            cap = cap / E4M3_WIDEN
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        q_odd = q  # not read
+        acc_odd = acc  # not read
     for start in range(lo, tl.minimum(full, hi), BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            acc,
-            m_i,
-            l_i,
-            q,
-            start,
-            hi,
-            table_row,
-            k_base,
-            v_base,
-            q_pos,
-            d,
-            d_mask,
-            scale_log2,
-            window,
-            cap,
-            stride_cb,
-            stride_cs,
-            PAGE,
-            BLOCK_N,
-            HEAD_DIM,
-            BLOCK_D,
-            False,
-            USE_WINDOW,
-            IEEE,
-            SOFTCAP,
-            FP8,
-        )
+        acc, acc_odd, m_i, l_i = _attend_tile(
+            acc, acc_odd, m_i, l_i, q, q_odd, start, hi, table_row, k_base, v_base, q_pos, d,
+            d_mask, scale_log2, window, cap, stride_cb, stride_cs, PAGE, BLOCK_N,
+            HEAD_DIM // 2 if FP8 else HEAD_DIM, BLOCK_D // 2 if FP8 else BLOCK_D, False,
+            USE_WINDOW, IEEE, SOFTCAP, FP8, e5m2,
+        )  # fmt: skip
     for start in range(tl.maximum(full, lo), hi, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            acc,
-            m_i,
-            l_i,
-            q,
-            start,
-            hi,
-            table_row,
-            k_base,
-            v_base,
-            q_pos,
-            d,
-            d_mask,
-            scale_log2,
-            window,
-            cap,
-            stride_cb,
-            stride_cs,
-            PAGE,
-            BLOCK_N,
-            HEAD_DIM,
-            BLOCK_D,
-            True,
-            USE_WINDOW,
-            IEEE,
-            SOFTCAP,
-            FP8,
-        )
+        acc, acc_odd, m_i, l_i = _attend_tile(
+            acc, acc_odd, m_i, l_i, q, q_odd, start, hi, table_row, k_base, v_base, q_pos, d,
+            d_mask, scale_log2, window, cap, stride_cb, stride_cs, PAGE, BLOCK_N,
+            HEAD_DIM // 2 if FP8 else HEAD_DIM, BLOCK_D // 2 if FP8 else BLOCK_D, True,
+            USE_WINDOW, IEEE, SOFTCAP, FP8, e5m2,
+        )  # fmt: skip
+    if FP8:
+        acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, BLOCK_D])
+        d = tl.arange(0, BLOCK_D)
+        if not e5m2:
+            v_scale = v_scale * E4M3_WIDEN
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if FP8:
