@@ -200,7 +200,10 @@ def step_table(steps: list[dict], window_s: float, config: dict) -> dict:
 
 def kernel_table(trace_path: str) -> dict:
     """Kernel seconds by (step kind, kernel group) from a profiler chrome trace: each kernel is
-    matched through its launch's correlation id to the "step/<kind>" range around the launch."""
+    matched through its launch's correlation id to the "step/<kind>" range around the launch. Also
+    the steps of each kind in the window, and the attention launches apart by their query tiles
+    (the grid's third axis): one tile is a decode launch (or a prompt of one tile), several a
+    prompt launch."""
     with open(trace_path) as f:
         events = json.load(f)["traceEvents"]
     ranges = collections.defaultdict(list)  # tid -> [(start, end, kind)]
@@ -217,6 +220,7 @@ def kernel_table(trace_path: str) -> dict:
                 break
     seconds = collections.defaultdict(float)
     names = collections.defaultdict(float)
+    attention = collections.defaultdict(lambda: [0.0, 0])  # (kind, tiles) -> [seconds, launches]
     span = [float("inf"), 0.0]
     for e in events:
         if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
@@ -226,9 +230,20 @@ def kernel_table(trace_path: str) -> dict:
         seconds[(kind, group)] += e["dur"] / 1e6
         names[(group, e["name"][:80])] += e["dur"] / 1e6
         span = [min(span[0], e["ts"]), max(span[1], e["ts"] + e["dur"])]
+        if "paged_attention" in e["name"]:
+            grid = e["args"].get("grid", [1, 1, 1])
+            launch = attention[(kind, "one query tile" if grid[2] == 1 else "query tiles")]
+            launch[0] += e["dur"] / 1e6
+            launch[1] += 1
     top = sorted(names.items(), key=lambda kv: -kv[1])[:25]
+    steps = collections.Counter(kind for spans in ranges.values() for _, _, kind in spans)
     return {
         "by_kind_group": [{"kind": k, "group": g, "s": s} for (k, g), s in sorted(seconds.items())],
+        "steps": dict(steps),
+        "attention_launches": [
+            {"kind": k, "launch": t, "s": s, "launches": n}
+            for (k, t), (s, n) in sorted(attention.items())
+        ],
         "top_kernels": [{"group": g, "name": n, "s": s} for (g, n), s in top],
         "span_s": (span[1] - span[0]) / 1e6 if span[1] else 0.0,
     }
@@ -308,13 +323,28 @@ def render(result: dict) -> str:
         )
     k = result.get("kernels")
     if k:
-        lines.append(f"kernels over {k['span_s']:.2f} s of profiled device time (seconds):")
+        steps = k.get("steps", {})
+        lines.append(
+            f"kernels over {k['span_s']:.2f} s of profiled device time (seconds; ms per step of "
+            f"the kind, steps in the window: {', '.join(f'{n} {c}' for n, c in steps.items())}):"
+        )
         for row in k["by_kind_group"]:
-            lines.append(f"  {row['kind']:>13} | {row['group']:<20} | {row['s']:.3f}")
+            per_step = _per_step_ms(row["s"], steps.get(row["kind"]))
+            lines.append(f"  {row['kind']:>13} | {row['group']:<20} | {row['s']:.3f} | {per_step}")
+        for row in k.get("attention_launches", ()):
+            per_step = _per_step_ms(row["s"], steps.get(row["kind"]))
+            lines.append(
+                f"  {row['kind']:>13} | attention, {row['launch']:<9} | {row['s']:.3f} | {per_step}"
+                f" | {row['launches']} launches, {row['s'] / row['launches'] * 1e6:.1f} us each"
+            )
         lines.append("top kernels:")
         for row in k["top_kernels"]:
             lines.append(f"  {row['s']:.3f} s  {row['group']:<20} {row['name']}")
     return "\n".join(lines)
+
+
+def _per_step_ms(seconds: float, steps: int | None) -> str:
+    return f"{seconds / steps * 1e3:.2f} ms/step" if steps else "-"
 
 
 def mixed_step_fit(files: list[str]) -> dict:

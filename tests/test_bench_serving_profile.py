@@ -15,6 +15,7 @@ from bench.serving_profile import (
     kernel_table,
     linear_params,
     mixed_step_fit,
+    render,
     step_table,
 )
 
@@ -89,7 +90,16 @@ def test_kernels_are_grouped_by_the_step_whose_launch_queued_them(tmp_path):
             "tid": stream,
             "ts": 30,
             "dur": 40,
-            "args": {"correlation": 1},
+            "args": {"correlation": 1, "grid": [2, 8, 24]},  # a prompt launch: 24 query tiles
+        },
+        {
+            "ph": "X",
+            "cat": "kernel",
+            "name": "paged_attention_kernel",
+            "tid": stream,
+            "ts": 175,
+            "dur": 10,
+            "args": {"correlation": 1, "grid": [60, 32, 1]},  # the mixed step's decode launch
         },
         {
             "ph": "X",
@@ -116,7 +126,7 @@ def test_kernels_are_grouped_by_the_step_whose_launch_queued_them(tmp_path):
             "tid": stream,
             "ts": 220,
             "dur": 20,
-            "args": {"correlation": 3},
+            "args": {"correlation": 3, "grid": [64, 24, 1]},
         },
         {
             "ph": "X",
@@ -132,7 +142,7 @@ def test_kernels_are_grouped_by_the_step_whose_launch_queued_them(tmp_path):
     seconds = {(r["kind"], r["group"]): r["s"] for r in out["by_kind_group"]}
     assert seconds == pytest.approx(
         {
-            ("mixed", "attention"): 40e-6,
+            ("mixed", "attention"): 50e-6,
             ("mixed", "linears (cuBLAS)"): 100e-6,
             ("decode", "norm + activation"): 5e-6,
             ("decode", "attention"): 20e-6,
@@ -141,6 +151,24 @@ def test_kernels_are_grouped_by_the_step_whose_launch_queued_them(tmp_path):
     )
     assert out["span_s"] == pytest.approx(215e-6)
     assert out["top_kernels"][0]["name"].startswith("nvjet")
+    assert out["steps"] == {"mixed": 1, "decode": 1}
+    launches = {
+        (r["kind"], r["launch"]): (r["s"], r["launches"]) for r in out["attention_launches"]
+    }
+    assert launches == {
+        ("mixed", "query tiles"): (pytest.approx(40e-6), 1),
+        ("mixed", "one query tile"): (pytest.approx(10e-6), 1),
+        ("decode", "one query tile"): (pytest.approx(20e-6), 1),
+    }
+    assert "0.05 ms/step" in render(
+        {
+            "concurrency": 64,
+            "serving": {"output_tok_s": 1.0},
+            "window_s": 1.0,
+            "steps": {},
+            "kernels": out,
+        }
+    )
 
 
 def test_kernel_names_fall_in_their_groups():
