@@ -193,19 +193,27 @@ def decode_rows(args, bandwidth: float, dtype: torch.dtype, kv_name: str) -> lis
     return rows
 
 
+def prefill_cases(spec: str, prefill: int) -> list[tuple[int, int, int]]:
+    """(sequences, context, new tokens) from "SEQS:CONTEXT:NEW,..."; empty: a fresh prompt of
+    `prefill` tokens, a batch of 8 short prompts, a chunk of a quarter after a cached prefix."""
+    if not spec:
+        return [(1, prefill, prefill), (8, 512, 512), (1, prefill, prefill // 4)]
+    cases = []
+    for case in spec.split(","):
+        seqs, context, new = (int(x) for x in case.split(":"))
+        if not 0 < new <= context or seqs < 1:
+            raise SystemExit(f"--prefill-cases: {case!r} needs SEQS >= 1 and 0 < NEW <= CONTEXT")
+        cases.append((seqs, context, new))
+    return cases
+
+
 def prefill_rows(args, dtype: torch.dtype, kv_name: str) -> list[dict]:
     rows = []
     prefill_configs = [None] + [
         tuple(map(int, c.split(":"))) for c in args.prefill_sweep.split(",") if c
     ]
     group = args.heads // args.kv_heads
-    # (sequences, context, new tokens): a fresh prompt, a batch of short prompts, a chunk after a
-    # cached prefix
-    for batch, context, new in (
-        (1, args.prefill, args.prefill),
-        (8, 512, 512),
-        (1, args.prefill, args.prefill // 4),
-    ):
+    for batch, context, new in prefill_cases(args.prefill_cases, args.prefill):
         q, k, v, cache, meta = make_step(
             batch,
             context,
@@ -320,6 +328,12 @@ def main() -> None:
         "on the conv trace holds them: bench.trace.running_contexts)",
     )
     ap.add_argument("--prefill", type=int, default=4096)
+    ap.add_argument(
+        "--prefill-cases",
+        default="",
+        help="SEQS:CONTEXT:NEW,... (e.g. a mixed step's prompts: 2:1200:384); default: a fresh "
+        "prompt of --prefill tokens, 8 x 512, a quarter of --prefill after the rest cached",
+    )
     ap.add_argument(
         "--programs-per-sm",
         default="8",

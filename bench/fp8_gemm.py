@@ -9,7 +9,8 @@ bandwidth (bench/roofline.py's measure).
 the L2; a tile sweep of the FP8 skinny kernel at --sweep-rows; the error of each path against an
 fp64 product of the same quantized operands; the layers' sum per row count; writes
 DIR/fp8_gemm.json and prints tables.
-`--shapes llama-70b`: Llama-3.1-70B's linears (80 layers) instead of Llama-3.1-8B's (32).
+`--config llama-3.1-70b.json`: another architecture's layer linears (bench/configs/; default
+Llama-3.1-8B's).
 """
 
 from __future__ import annotations
@@ -23,31 +24,25 @@ import torch
 import torch.nn.functional as F
 
 from bench.attention_micro import time_call
+from bench.checkpoint import CONFIGS
 from bench.gemm_micro import Rotating
 from bench.roofline import copy_bandwidth
+from engine.config import ModelConfig
 from engine.layers.skinny_gemm import skinny_gemm
 from engine.quant import fp8_kernels as fk
 
-MODELS = {  # name -> (linears (name, N, K), layers)
-    "llama-8b": (
-        [
-            ("qkv", 6144, 4096),
-            ("o_proj", 4096, 4096),
-            ("gate_up", 28672, 4096),
-            ("down", 4096, 14336),
-        ],
-        32,
-    ),
-    "llama-70b": (
-        [
-            ("qkv", 10240, 8192),
-            ("o_proj", 8192, 8192),
-            ("gate_up", 57344, 8192),
-            ("down", 8192, 28672),
-        ],
-        80,
-    ),
-}
+
+def layer_linears(cfg: ModelConfig) -> list[tuple[str, int, int]]:
+    """(name, N, K) of a decoder layer's linears: qkv and o_proj, then the MLP's gate_up and
+    down, or a mixture of experts' router (its experts are engine/layers/fused_moe*.py's)."""
+    hidden, q = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    attention = [("qkv", q + 2 * cfg.num_kv_heads * cfg.head_dim, hidden), ("o_proj", hidden, q)]
+    if cfg.moe is not None:
+        return attention + [("router", cfg.moe.num_experts, hidden)]
+    inter = cfg.intermediate_size
+    return attention + [("gate_up", 2 * inter, hidden), ("down", hidden, inter)]
+
+
 ROWS = "1,2,4,8,16,32,64,128,256,512,2048,8192"
 UNIT_SCALES_ROWS_MAX = 512  # _scaled_mm with unit scales + the scaling kernel is timed up to here
 GEMV_ROWS_MAX = 1  # the one-row GEMV (bench/results/.../fp8_gemm_few_row_gemv.json tried up to 8)
@@ -202,9 +197,10 @@ def main() -> None:
     ap.add_argument("--rows", default=ROWS)
     ap.add_argument("--sweep-rows", default="1,4", help="rows at which skinny tiles are swept")
     ap.add_argument("--variants", default="", help="skinny variants to time (default all)")
-    ap.add_argument("--shapes", default="llama-8b", choices=sorted(MODELS))
+    ap.add_argument("--config", default="llama-3.1-8b.json", help="bench/configs/ file")
     args = ap.parse_args()
-    shapes, num_layers = MODELS[args.shapes]
+    cfg = ModelConfig.from_dict(json.loads((CONFIGS / args.config).read_text()))
+    shapes, num_layers = layer_linears(cfg), cfg.num_layers
     only = tuple(v for v in args.variants.split(",") if v)
     os.makedirs(args.out, exist_ok=True)
     bandwidth = copy_bandwidth("cuda", 2 << 30)
@@ -226,7 +222,7 @@ def main() -> None:
             ),
             flush=True,
         )
-    # the 32 layers' four linears, per row count
+    # the layers' linears, per row count
     totals = []
     for m in row_counts:
         per = [r for r in rows if r["rows"] == m]
@@ -259,7 +255,7 @@ def main() -> None:
         "engine_skinny_variant": fk.SKINNY_VARIANT,
         "engine_one_row_path": fk.ONE_ROW_PATH,
         "engine_unit_scales_max_rows": fk.UNIT_SCALES_MAX_ROWS,
-        "shapes": args.shapes,
+        "config": args.config,
         "num_layers": num_layers,
         "best_tiles": best_tiles,
         "rows": rows,

@@ -23,30 +23,22 @@ import engine.layers.fused_linears as fl
 import engine.layers.row_gemv as rg
 from bench.attention_micro import time_call
 from bench.checkpoint import CONFIGS
-from bench.fp8_gemm import RotatingFp8
+from bench.fp8_gemm import RotatingFp8, layer_linears
 from bench.gemm_micro import Rotating
 from bench.roofline import copy_bandwidth
 from engine.config import ModelConfig
 from engine.layers import Linear, RMSNorm
 from engine.quant.fp8 import Fp8Linear
 
+# the prologue each linear's one-row kernel runs: the norm before qkv, gate_up and a router, the
+# gate activation before down
+PROLOGUES = {"qkv": rg.NORM, "o_proj": rg.PLAIN, "gate_up": rg.NORM, "down": rg.SILU_MUL,
+             "router": rg.NORM}  # fmt: skip
+
 
 def shapes(cfg: ModelConfig) -> list[tuple[str, int, int, int]]:
-    """(name, N, K, prologue) of a layer's one-row linears: qkv, o_proj (no prologue), and the
-    MLP's gate_up and down, or for a mixture of experts the router (the experts are
-    engine/layers/fused_moe_decode.py's)."""
-    hidden, q = cfg.hidden_size, cfg.num_heads * cfg.head_dim
-    attention = [
-        ("qkv", q + 2 * cfg.num_kv_heads * cfg.head_dim, hidden, rg.NORM),
-        ("o_proj", hidden, q, rg.PLAIN),
-    ]
-    if cfg.moe is not None:
-        return attention + [("router", cfg.moe.num_experts, hidden, rg.NORM)]
-    inter = cfg.intermediate_size
-    return attention + [
-        ("gate_up", 2 * inter, hidden, rg.NORM),
-        ("down", hidden, inter, rg.SILU_MUL),
-    ]
+    """(name, N, K, prologue) of a layer's one-row linears (bench.fp8_gemm.layer_linears)."""
+    return [(name, n, k, PROLOGUES[name]) for name, n, k in layer_linears(cfg)]
 
 
 def candidates(fp8: bool, n: int) -> list[tuple[int, int, int, int]]:
