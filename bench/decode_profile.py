@@ -61,29 +61,8 @@ def replay_seconds(graph: torch.cuda.CUDAGraph, calls: int = 20, repeats: int = 
     return statistics.median(times)
 
 
-def kernel_table(graph: torch.cuda.CUDAGraph, calls: int = 5) -> dict[str, dict]:
-    """Kernel name -> {us per step, launches per step} over `calls` replays, from torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        for _ in range(calls):
-            graph.replay()
-        torch.cuda.synchronize()
-    table: dict[str, dict] = defaultdict(lambda: {"us": 0.0, "launches": 0.0})
-    for evt in prof.key_averages():
-        device_us = getattr(evt, "self_device_time_total", None)
-        if device_us is None:
-            device_us = evt.self_cuda_time_total
-        if device_us > 0 and not evt.key.startswith(("aten::", "cuda", "Memcpy", "Memset")):
-            table[evt.key]["us"] += device_us / calls
-            table[evt.key]["launches"] += evt.count / calls
-    return dict(sorted(table.items(), key=lambda kv: -kv[1]["us"]))
-
-
-def launch_table(graph: torch.cuda.CUDAGraph, calls: int = 5) -> dict[str, dict]:
-    """Kernel name and grid -> {us per launch, launches per step} over `calls` replays, from the
-    profiler's trace: one kernel's launches at different shapes (a layer's qkv, o_proj, gate_up and
-    down GEMVs) apart."""
+def kernel_tables(graph: torch.cuda.CUDAGraph, calls: int = 5) -> tuple[dict, dict]:
+    """One profiler pass over `calls` replays: tables_from_trace's two tables."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
@@ -96,16 +75,33 @@ def launch_table(graph: torch.cuda.CUDAGraph, calls: int = 5) -> dict[str, dict]
         prof.export_chrome_trace(f.name)
         with open(f.name) as exported:
             trace = json.load(exported)
-    groups: dict[str, list[float]] = defaultdict(list)
-    for evt in trace["traceEvents"]:
+    return tables_from_trace(trace["traceEvents"], calls)
+
+
+def tables_from_trace(events: list[dict], calls: int) -> tuple[dict, dict]:
+    """From a chrome trace's kernel events over `calls` steps: kernel name -> {us per step,
+    launches per step}, and kernel name with its launch grid -> {us per launch, launches per step}
+    (one kernel's launches at different shapes, a layer's qkv, o_proj, gate_up and down GEMVs,
+    apart); each sorted by time per step."""
+    by_name: dict[str, list[float]] = defaultdict(list)
+    by_grid: dict[str, list[float]] = defaultdict(list)
+    for evt in events:
         if evt.get("cat") == "kernel":
             grid = "x".join(map(str, evt.get("args", {}).get("grid", [])))
-            groups[f"{evt['name'][:60]} grid {grid}"].append(evt["dur"])
-    table = {
-        key: {"us": statistics.mean(durs), "launches": len(durs) / calls}
-        for key, durs in groups.items()
+            by_name[evt["name"]].append(evt["dur"])
+            by_grid[f"{evt['name'][:60]} grid {grid}"].append(evt["dur"])
+    kernels = {
+        name: {"us": sum(durs) / calls, "launches": len(durs) / calls}
+        for name, durs in by_name.items()
     }
-    return dict(sorted(table.items(), key=lambda kv: -kv[1]["us"] * kv[1]["launches"]))
+    launches = {
+        key: {"us": statistics.mean(durs), "launches": len(durs) / calls}
+        for key, durs in by_grid.items()
+    }
+    return (
+        dict(sorted(kernels.items(), key=lambda kv: -kv[1]["us"])),
+        dict(sorted(launches.items(), key=lambda kv: -kv[1]["us"] * kv[1]["launches"])),
+    )
 
 
 def main() -> None:
@@ -203,8 +199,7 @@ def main() -> None:
                 "of_roofline": floor / seconds,
             }
             if (batch, context) in profile_cases:
-                row["kernels"] = kernel_table(graphs.graphs[size])
-                row["launches"] = launch_table(graphs.graphs[size])
+                row["kernels"], row["launches"] = kernel_tables(graphs.graphs[size])
             rows.append(row)
             print(
                 f"fused={fused} b={batch} ctx={context}: graph {seconds * 1e3:.3f} ms, "
