@@ -283,6 +283,49 @@ def test_fp8_read_path_in_the_triton_interpreter():
     assert done.stdout.strip().startswith("ok")
 
 
+# Every uint16 word of two stored values through the kernels' widening (its per-word twin: Triton's
+# interpreter runs no PTX; the PTX is checked by the GPU tests of the kernels), against torch's own
+# FP8 -> fp32 conversion of each byte. A word's low byte is the even dim (little endian, as the
+# cache's bytes lie). NaN codes are left out: the cache's write clamps, so none is ever stored.
+WIDEN_SCRIPT = """
+import torch
+import triton
+import triton.language as tl
+from engine.attention.triton_kernels import E4M3_WIDEN, _widen_pairs
+
+@triton.jit
+def widen_every_word(words_ptr, even_ptr, odd_ptr, E5M2: tl.constexpr):
+    i = tl.arange(0, 65536)
+    even, odd = _widen_pairs(tl.load(words_ptr.to(tl.pointer_type(tl.uint16)) + i), E5M2)
+    tl.store(even_ptr + i, even)
+    tl.store(odd_ptr + i, odd)
+
+words = torch.arange(65536, dtype=torch.int32).to(torch.int16)
+# (format, its NaN codes among a byte's 256 values, the widening's factor)
+for fmt, e5m2, nans, factor in (
+    (torch.float8_e4m3fn, False, 2, E4M3_WIDEN.value),
+    (torch.float8_e5m2, True, 6, 1.0),
+):
+    even, odd = torch.empty(65536, dtype=torch.float16), torch.empty(65536, dtype=torch.float16)
+    widen_every_word[(1,)](words, even, odd, E5M2=e5m2)
+    stored = words.view(torch.uint8).view(-1, 2)
+    for got, byte in ((even, stored[:, 0]), (odd, stored[:, 1])):
+        want = byte.contiguous().view(fmt).float()
+        kept = ~want.isnan()
+        assert kept.sum() == 65536 - nans * 256, kept.sum()
+        assert torch.equal(got.float()[kept] * factor, want[kept]), fmt
+        assert torch.equal(torch.signbit(got[kept]), torch.signbit(want[kept])), fmt
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_widening_gives_every_fp8_value_exactly():
+    done = run_in_triton_interpreter(WIDEN_SCRIPT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().startswith("ok")
+
+
 @pytest.mark.skipif(not triton_nvidia_backend(), reason="triton without its CUDA backend (ptxas)")
 def test_fp8_cache_decode_kernel_compiles_for_hopper_in_the_bf16_kernel_s_registers(tmp_path):
     """The decode attention kernel over an FP8 cache (e4m3, e5m2), compiled for sm_90 at the
