@@ -169,6 +169,19 @@ def test_overflowing_keys_are_clamped_not_nan():
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_triton_backend_refuses_an_odd_head_dim_over_an_fp8_cache():
+    """The kernels read an FP8 cache in pairs of values: an odd head_dim is refused by name (the
+    kernel would leave out its last dim), before any launch."""
+    from engine.attention.triton_attn import TritonAttentionBackend
+
+    case = fp8_case(make_case([5], [1], 2, 2, 15, 4, torch.float16, "cpu"), torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="head_dim=15 with an FP8 kv cache"):
+        TritonAttentionBackend(programs_per_sm=16).forward(
+            case.q, case.k, case.v, case.cache, case.meta, case.scale
+        )
+
+
 # ---- the engine: settings and KV sizing -------------------------------------------------------
 
 

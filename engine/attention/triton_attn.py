@@ -358,6 +358,11 @@ def _check_inputs(q, k, v, kv_cache_layer, sliding_window, softcap=None) -> None
         raise ValueError(
             f"kv cache dtype {kv_cache_layer.dtype}: the triton backend supports {CACHE_DTYPES}"
         )
+    if is_fp8(kv_cache_layer.dtype) and head_dim % 2:
+        raise ValueError(
+            f"head_dim={head_dim} with an FP8 kv cache: the triton backend reads that cache in "
+            "pairs of values and takes an even head_dim"
+        )
     if is_fp8(kv_cache_layer.dtype) and q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(
             f"q dtype {q.dtype} with an FP8 kv cache: the triton backend takes q in "
