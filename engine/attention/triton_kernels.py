@@ -164,7 +164,8 @@ def _attend_tile(
 
     MASKED=False is for tiles wholly inside the context and below every row's position: no bounds,
     no mask. FP8: the cache is read in uint16 words of two values (k_base and v_base point at
-    words; d, HEAD_DIM and BLOCK_D count words and the strides are in words), widened by moving
+    words; d, d_mask and the strides count words; HEAD_DIM and BLOCK_D count dims, and as both
+    are even they differ in words exactly when they differ in dims), widened by moving
     bits into the even dims and the odd dims (_widen_pairs): q, q_odd and acc, acc_odd hold those
     halves, and each product is two dots. Read this way a tile takes the 16-bit operand path (the
     shared-memory matrix loads) that FP8 bytes do not. The scales are applied outside (K's in
@@ -473,14 +474,14 @@ def paged_attention_kernel(
         acc, acc_odd, m_i, l_i = _attend_tile(
             acc, acc_odd, m_i, l_i, q, q_odd, start, hi, table_row, k_base, v_base, q_pos, d,
             d_mask, scale_log2, window, cap, stride_cb, stride_cs, PAGE, BLOCK_N,
-            HEAD_DIM // 2 if FP8 else HEAD_DIM, BLOCK_D // 2 if FP8 else BLOCK_D, False,
+            HEAD_DIM, BLOCK_D, False,
             USE_WINDOW, IEEE, SOFTCAP, FP8, e5m2,
         )  # fmt: skip
     for start in range(tl.maximum(full, lo), hi, BLOCK_N):
         acc, acc_odd, m_i, l_i = _attend_tile(
             acc, acc_odd, m_i, l_i, q, q_odd, start, hi, table_row, k_base, v_base, q_pos, d,
             d_mask, scale_log2, window, cap, stride_cb, stride_cs, PAGE, BLOCK_N,
-            HEAD_DIM // 2 if FP8 else HEAD_DIM, BLOCK_D // 2 if FP8 else BLOCK_D, True,
+            HEAD_DIM, BLOCK_D, True,
             USE_WINDOW, IEEE, SOFTCAP, FP8, e5m2,
         )  # fmt: skip
     if FP8:
