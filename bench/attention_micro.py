@@ -349,8 +349,12 @@ def main() -> None:
         default="1,0",
         help="decode split merge in the kernel (1) or a second launch (0)",
     )
-    ap.add_argument("--decode-sweep", default="", help="extra decode tiles M:N:warps:stages,...")
-    ap.add_argument("--prefill-sweep", default="", help="extra prefill tiles M:N:warps:stages,...")
+    ap.add_argument(
+        "--decode-sweep", default="", help="extra decode tiles M:N:warps:stages[:registers],..."
+    )
+    ap.add_argument(
+        "--prefill-sweep", default="", help="extra prefill tiles M:N:warps:stages[:registers],..."
+    )
     ap.add_argument(
         "--kv-dtypes",
         default="auto",

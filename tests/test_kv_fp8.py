@@ -340,23 +340,28 @@ def test_widening_gives_every_fp8_value_exactly():
 
 
 @pytest.mark.skipif(not triton_nvidia_backend(), reason="triton without its CUDA backend (ptxas)")
-def test_fp8_cache_decode_kernel_compiles_for_hopper_in_the_bf16_kernel_s_registers(tmp_path):
-    """The decode attention kernel over an FP8 cache (e4m3, e5m2), compiled for sm_90 at the
-    backend's decode tiles: at Llama-3.1-70B's launch (64 / 8 heads, D 128) it takes no more
-    registers than over a bf16 cache, and a 16-dim head (its dots over half the dims pad to 16)
-    compiles. Read as FP8 bytes, the tiles were widened from shared memory one byte at a time
-    (255 registers against bf16's 226), and a decode took as long as bf16's for half the bytes."""
+def test_fp8_cache_decode_kernel_compiles_for_hopper_four_programs_an_sm(tmp_path):
+    """The decode attention kernel over an FP8 cache (e4m3, e5m2), compiled for sm_90 at
+    Llama-3.1-70B's launch (64 / 8 heads, D 128): left to the compiler it takes no more registers
+    than over a bf16 cache (read as FP8 bytes, the tiles were widened from shared memory one byte
+    at a time: 255 registers against bf16's 226, and a decode took as long as bf16's for half the
+    bytes); at the backend's FP8 decode tiles (their register cap) four programs of it fit an SM,
+    in registers and shared memory, spilling at most 64 bytes a thread; a 16-dim head (its dots
+    over half the dims pad to 16) compiles."""
     script = textwrap.dedent("""
+        import re
         import subprocess
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.backends.nvidia.compiler import get_ptxas
         from triton.compiler import ASTSource
+        from engine.attention.triton_attn import DECODE_TILES, FP8_DECODE_TILES
         from engine.attention.triton_kernels import paged_attention_kernel as kernel
 
-        def registers(cache_type, head_dim, stages, tmp):
+        def compiled(cache_type, head_dim, tiles, tmp, cap=True):
+            block_m, block_n, warps, stages, *registers = tiles
             const = dict(NUM_HEADS=64, GROUP=8, HEAD_DIM=head_dim, BLOCK_D=max(head_dim, 32),
-                         BLOCK_Q=1, BLOCK_M=16, BLOCK_N=128, PAGE=16, NUM_SPLITS=3,
+                         BLOCK_Q=1, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=16, NUM_SPLITS=3,
                          USE_WINDOW=False, IEEE=False, SOFTCAP=False, FUSED_MERGE=True, BLOCK_S=4,
                          FP8=cache_type != "bf16", MIN_SPLIT_TILES=2, ROPE=False, QK_NORM=False,
                          NORM_OFFSET=False, PDL=True)
@@ -380,19 +385,26 @@ def test_fp8_cache_decode_kernel_compiles_for_hopper_in_the_bf16_kernel_s_regist
                 if name.endswith("_ptr") or name.startswith("stride"):
                     attrs[(i,)] = [["tt.divisibility", 16]]  # as real launches specialize them
             source = ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs)
-            options = dict(num_warps=4, num_stages=stages, launch_pdl=True)
-            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+            options = dict(num_warps=warps, num_stages=stages, launch_pdl=True)
+            if cap and registers and registers[0]:
+                options["maxnreg"] = registers[0]
+            kernel_bin = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
             with open(tmp + "/k.ptx", "w") as f:
-                f.write(compiled.asm["ptx"])
+                f.write(kernel_bin.asm["ptx"])
             done = subprocess.run([get_ptxas(90).path, "-v", "-arch=sm_90a", tmp + "/k.ptx", "-o",
                                    tmp + "/k.cubin"], capture_output=True, text=True, check=True)
-            return int(done.stderr.split("Used ")[1].split(" registers")[0])
+            used = int(done.stderr.split("Used ")[1].split(" registers")[0])
+            spilled = int(re.search(r"(\\d+) bytes spill stores", done.stderr).group(1))
+            return used, spilled, kernel_bin.metadata.shared, warps * 32
 
-        bf16 = registers("bf16", 128, 3, TMP)  # the backend's decode tiles: (16, 128, 4, 3)
+        bf16, _, _, _ = compiled("bf16", 128, DECODE_TILES, TMP)
         for cache_type in ("fp8e4nv", "fp8e5"):
-            fp8 = registers(cache_type, 128, 2, TMP)  # over an FP8 cache: (16, 128, 4, 2)
-            assert fp8 <= bf16, (cache_type, fp8, bf16)
-            registers(cache_type, 16, 2, TMP)
+            free, _, _, _ = compiled(cache_type, 128, FP8_DECODE_TILES, TMP, cap=False)
+            assert free <= bf16, (cache_type, free, bf16)
+            used, spilled, shared, threads = compiled(cache_type, 128, FP8_DECODE_TILES, TMP)
+            assert 4 * used * threads <= 65536 and 4 * shared <= 227 * 1024, (used, shared)
+            assert spilled <= 64, (cache_type, spilled)
+            compiled(cache_type, 16, FP8_DECODE_TILES, TMP)
         print("ok")
     """).replace("TMP", repr(str(tmp_path)))
     done = run_with_triton_cache(script, tmp_path / "cache")

@@ -42,7 +42,17 @@ LOG2_E = 1.4426950408889634
 # Decode steps rotate q and k (and write the new K/V) inside the attention kernel when the model
 # hands over its RoPE tables (rotates_in_kernel); benchmarks turn it off to compare.
 ROTATE_IN_KERNEL = True
-TileConfig = tuple[int, int, int, int]  # (BLOCK_M rows, BLOCK_N keys, num_warps, num_stages)
+# (BLOCK_M rows, BLOCK_N keys, num_warps, num_stages[, registers a thread at most: 0 the compiler's
+# choice])
+TileConfig = tuple[int, ...]
+# Default tiles, which fit shared memory. An FP8 cache's decode tiles keep two stages in flight and
+# cap a thread at 128 registers, so four programs share an SM (the compiler's choice, 154, fits
+# three; bench/results/2026-11-28-h200-decode-registers). fp32 q or heads over 128 dims: small.
+DECODE_TILES: TileConfig = (16, 128, 4, 3)
+FP8_DECODE_TILES: TileConfig = (16, 128, 4, 2, 128)
+SMALL_DECODE_TILES: TileConfig = (16, 32, 4, 2)
+PREFILL_TILES: TileConfig = (128, 128, 8, 3)
+SMALL_PREFILL_TILES: TileConfig = (64, 32, 4, 2)
 
 
 @dataclass
@@ -171,12 +181,11 @@ class TritonAttentionBackend(AttentionBackend):
         if num_tokens == 0 or num_seqs == 0:
             return out
 
-        # tiles that fit shared memory; an FP8 cache's decode tiles keep two stages in flight
         small = q.dtype == torch.float32 or block_d > 128
         decode_tiles = self.decode_tiles or (
-            (16, 32, 4, 2) if small else (16, 128, 4, 2) if fp8 else (16, 128, 4, 3)
+            SMALL_DECODE_TILES if small else FP8_DECODE_TILES if fp8 else DECODE_TILES
         )
-        prefill_tiles = self.prefill_tiles or ((64, 32, 4, 2) if small else (128, 128, 8, 3))
+        prefill_tiles = self.prefill_tiles or (SMALL_PREFILL_TILES if small else PREFILL_TILES)
         a = _Launch(
             q, kv_cache_layer, out, meta, scale, sliding_window, softcap, k_scale, v_scale,
             rotary, k, v,
@@ -216,7 +225,7 @@ class TritonAttentionBackend(AttentionBackend):
         group = num_heads // num_kv_heads
         # an FP8 cache's dots run over half the dims (its words of two values), at least 16 of them
         block_d = max(triton.next_power_of_2(head_dim), 32 if is_fp8(kv_cache_layer.dtype) else 16)
-        block_m, block_n, num_warps, num_stages = tiles
+        block_m, block_n, num_warps, num_stages, *registers = tiles
         block_m = max(block_m, triton.next_power_of_2(group))
         if max_query_len == 1:
             block_q = num_q_tiles = 1
@@ -305,6 +314,7 @@ class TritonAttentionBackend(AttentionBackend):
             NORM_OFFSET=qk_norm and rope.norm_offset,
             num_warps=num_warps,
             num_stages=num_stages,
+            **({"maxnreg": registers[0]} if registers and registers[0] else {}),
             **launch_options(),
         )
         if num_splits > 1 and not fused_merge:
