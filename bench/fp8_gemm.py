@@ -26,22 +26,11 @@ import torch.nn.functional as F
 from bench.attention_micro import time_call
 from bench.checkpoint import CONFIGS
 from bench.gemm_micro import Rotating
+from bench.layer_shapes import layer_linears
 from bench.roofline import copy_bandwidth
 from engine.config import ModelConfig
 from engine.layers.skinny_gemm import skinny_gemm
 from engine.quant import fp8_kernels as fk
-
-
-def layer_linears(cfg: ModelConfig) -> list[tuple[str, int, int]]:
-    """(name, N, K) of a decoder layer's linears: qkv and o_proj, then the MLP's gate_up and
-    down, or a mixture of experts' router (its experts are engine/layers/fused_moe*.py's)."""
-    hidden, q = cfg.hidden_size, cfg.num_heads * cfg.head_dim
-    attention = [("qkv", q + 2 * cfg.num_kv_heads * cfg.head_dim, hidden), ("o_proj", hidden, q)]
-    if cfg.moe is not None:
-        return attention + [("router", cfg.moe.num_experts, hidden)]
-    inter = cfg.intermediate_size
-    return attention + [("gate_up", 2 * inter, hidden), ("down", hidden, inter)]
-
 
 ROWS = "1,2,4,8,16,32,64,128,256,512,2048,8192"
 UNIT_SCALES_ROWS_MAX = 512  # _scaled_mm with unit scales + the scaling kernel is timed up to here

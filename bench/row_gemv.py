@@ -23,8 +23,9 @@ import engine.layers.fused_linears as fl
 import engine.layers.row_gemv as rg
 from bench.attention_micro import time_call
 from bench.checkpoint import CONFIGS
-from bench.fp8_gemm import RotatingFp8, layer_linears
+from bench.fp8_gemm import RotatingFp8
 from bench.gemm_micro import Rotating
+from bench.layer_shapes import layer_linears
 from bench.roofline import copy_bandwidth
 from engine.config import ModelConfig
 from engine.layers import Linear, RMSNorm
@@ -37,7 +38,7 @@ PROLOGUES = {"qkv": rg.NORM, "o_proj": rg.PLAIN, "gate_up": rg.NORM, "down": rg.
 
 
 def shapes(cfg: ModelConfig) -> list[tuple[str, int, int, int]]:
-    """(name, N, K, prologue) of a layer's one-row linears (bench.fp8_gemm.layer_linears)."""
+    """(name, N, K, prologue) of a layer's one-row linears (bench.layer_shapes.layer_linears)."""
     return [(name, n, k, PROLOGUES[name]) for name, n, k in layer_linears(cfg)]
 
 

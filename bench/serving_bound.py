@@ -20,8 +20,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from bench.checkpoint import CONFIGS
+from bench.layer_shapes import layer_linears
 from bench.roofline import model_bytes
-from bench.serving_profile import layer_linear_shapes, linear_params
+from bench.serving_profile import linear_params
+from engine.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ def gemm_flop_s(config: dict, rows: int, fp8: bool) -> float:
     from bench.attention_micro import time_call
 
     seconds = flops = 0.0
-    for n, k in layer_linear_shapes(config):
+    for _, n, k in layer_linears(ModelConfig.from_dict(config)):
         x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
         w = (0.02 * torch.randn(n, k, device="cuda")).to(torch.bfloat16)
         if fp8:

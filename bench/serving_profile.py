@@ -41,7 +41,9 @@ import torch
 
 from bench import serving
 from bench.drivers import run_online
+from bench.layer_shapes import active_linear_params
 from bench.timing import summarize_window
+from engine.config import ModelConfig
 
 log = logging.getLogger("bench.serving_profile")
 
@@ -150,21 +152,11 @@ class StepClock:
         return out
 
 
-def layer_linear_shapes(config: dict) -> list[tuple[int, int]]:
-    """(N, K) of one decoder layer's linears of a dense Llama-like config: the fused qkv, o_proj,
-    the fused gate_up, down_proj."""
-    h = config["hidden_size"]
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or h // heads
-    kv = config.get("num_key_value_heads", heads)
-    inter = config["intermediate_size"]
-    return [((heads + 2 * kv) * head_dim, h), (h, heads * head_dim), (2 * inter, h), (h, inter)]
-
-
 def linear_params(config: dict) -> tuple[int, int]:
-    """(parameters of the decoder layers' linears, of the lm_head) of a dense Llama-like config."""
-    per_layer = sum(n * k for n, k in layer_linear_shapes(config))
-    return per_layer * config["num_hidden_layers"], config["hidden_size"] * config["vocab_size"]
+    """(parameters of the decoder layers' linears one token multiplies, of the lm_head) of a
+    config.json (bench.layer_shapes)."""
+    cfg = ModelConfig.from_dict(config)
+    return active_linear_params(cfg), cfg.hidden_size * cfg.vocab_size
 
 
 def step_table(steps: list[dict], window_s: float, config: dict) -> dict:

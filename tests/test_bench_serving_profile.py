@@ -182,6 +182,8 @@ def test_kernel_names_fall_in_their_groups():
 
 def test_the_step_table_shares_and_flops():
     config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
         "hidden_size": 64,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
