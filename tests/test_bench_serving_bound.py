@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench.checkpoint import CONFIGS
 from bench.serving_bound import bound, load_of
@@ -60,3 +61,33 @@ def test_bound_terms():
     fast = bound(load, CONFIG, 3.0e12, 2 * 790e12)
     assert fast["prompt_us_per_row"] == pytest.approx(terms["prompt_us_per_row"] / 2)
     assert fast["decode_us_per_row"] == terms["decode_us_per_row"]
+
+
+def test_fixed_lengths_load_bound_and_read_ceiling(tmp_path):
+    """`--fixed` on the H200 ceilings stored with the 70B FP8 run: the load of 64 clients at
+    1,000 / 1,000 tokens, the bound (prompts as steps of their own) below the read ceiling (prompts
+    inside the decode steps' reads), and the ceiling under what the weights' read alone allows."""
+    from bench.roofline import model_bytes
+    from bench.serving_bound import fixed_load, main
+
+    stored = (
+        Path(__file__).resolve().parent.parent
+        / "bench/results/2026-11-27-h200-70b-fp8/serving_bound.json"
+    )
+    out = tmp_path / "bound.json"
+    argv = ["--fixed", "1000:1000:64", "--config", "llama-3.1-70b.json", "--scheme", "fp8kv"]
+    main([*argv, "--ceilings", str(stored), "--out", str(out)])
+    got = json.loads(out.read_text())
+    load = fixed_load(1000, 1000, 64, True, True)
+    assert got["load"] == dataclasses.asdict(load)
+    assert load.mean_context == 1500 and load.decode_rows_per_step == 64
+    assert load.output_per_decode_row == pytest.approx(1000 / 999)
+    assert got["bound_output_tok_s"] < got["ceiling_output_tok_s"]
+    config = json.loads((CONFIGS / "llama-3.1-70b.json").read_text())
+    layer_params, _ = linear_params(config)
+    fp8_weights = model_bytes(config, torch.bfloat16).decode_weights - layer_params
+    weights_only = 64 * (1000 / 999) / (fp8_weights / got["copy_bandwidth"])
+    assert got["ceiling_output_tok_s"] < weights_only
+    assert got["step_read_ms"] > got["step_compute_ms"]  # this load is bound by its reads
+    with pytest.raises(SystemExit, match="OUTPUT >= 2"):
+        main(["--fixed", "1000:1:64", "--ceilings", str(stored), "--out", str(out)])
