@@ -6,24 +6,31 @@ from __future__ import annotations
 from engine.config import ModelConfig
 
 
+def _attention_linears(cfg: ModelConfig) -> list[tuple[str, int, int]]:
+    hidden, q = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    return [("qkv", q + 2 * cfg.num_kv_heads * cfg.head_dim, hidden), ("o_proj", hidden, q)]
+
+
+def _dense_mlp_linears(cfg: ModelConfig) -> list[tuple[str, int, int]]:
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    return [("gate_up", 2 * inter, hidden), ("down", hidden, inter)]
+
+
 def layer_linears(cfg: ModelConfig) -> list[tuple[str, int, int]]:
     """(name, N, K) of a decoder layer's linears: qkv and o_proj, then the MLP's gate_up and
     down, or a mixture of experts' router (its experts are engine/layers/fused_moe*.py's)."""
-    hidden, q = cfg.hidden_size, cfg.num_heads * cfg.head_dim
-    attention = [("qkv", q + 2 * cfg.num_kv_heads * cfg.head_dim, hidden), ("o_proj", hidden, q)]
     if cfg.moe is not None:
-        return attention + [("router", cfg.moe.num_experts, hidden)]
-    inter = cfg.intermediate_size
-    return attention + [("gate_up", 2 * inter, hidden), ("down", hidden, inter)]
+        return _attention_linears(cfg) + [("router", cfg.moe.num_experts, cfg.hidden_size)]
+    return _attention_linears(cfg) + _dense_mlp_linears(cfg)
 
 
 def active_linear_params(cfg: ModelConfig) -> int:
     """Parameters of the decoder layers' linears that one token multiplies: attention's and the
     dense MLP's; in a mixture of experts' sparse layers the router, the top_k experts the token
     selects and the shared expert with its gate."""
-    hidden, q = cfg.hidden_size, cfg.num_heads * cfg.head_dim
-    attention = (q + 2 * cfg.num_kv_heads * cfg.head_dim) * hidden + hidden * q
-    dense_mlp = 3 * cfg.intermediate_size * hidden
+    hidden = cfg.hidden_size
+    attention = sum(n * k for _, n, k in _attention_linears(cfg))
+    dense_mlp = sum(n * k for _, n, k in _dense_mlp_linears(cfg))
     moe = cfg.moe
     total = 0
     for layer in range(cfg.num_layers):

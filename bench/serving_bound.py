@@ -63,12 +63,19 @@ def load_of(result: dict) -> Load:
     )
 
 
-def bound(load: Load, config: dict, copy_bw: float, gemm_flop_s: float) -> dict:
-    """Output tok/s with the decode reads at copy_bw and the prompt linears at gemm_flop_s."""
+def _step_bytes(load: Load, config: dict) -> tuple[int, int, int]:
+    """(parameters of the layers' linears a token multiplies, bytes of the weights a decode step
+    reads, bytes of KV a token holds) under the load's dtypes: FP8 linears and an FP8 cache take
+    one byte a value."""
     layer_params, _ = linear_params(config)
     size = model_bytes(config, torch.bfloat16)
-    weights = size.decode_weights - (layer_params if load.fp8_weights else 0)  # 1 byte each
-    kv_per_token = size.kv_per_token // (2 if load.fp8_kv else 1)
+    weights = size.decode_weights - (layer_params if load.fp8_weights else 0)
+    return layer_params, weights, size.kv_per_token // (2 if load.fp8_kv else 1)
+
+
+def bound(load: Load, config: dict, copy_bw: float, gemm_flop_s: float) -> dict:
+    """Output tok/s with the decode reads at copy_bw and the prompt linears at gemm_flop_s."""
+    layer_params, weights, kv_per_token = _step_bytes(load, config)
     decode_s = (weights / load.decode_rows_per_step + load.mean_context * kv_per_token) / copy_bw
     prompt_s = load.prompt_per_decode_row * 2 * layer_params / gemm_flop_s
     rate = load.output_per_decode_row / (decode_s + prompt_s)
@@ -103,10 +110,7 @@ def read_ceiling(load: Load, config: dict, copy_bw: float, gemm_flop_s: float) -
     decode row and takes at least the longer of its reads (the weights, each row's KV) at copy_bw
     and its rows' and their prompt tokens' linears at gemm_flop_s. No schedule of this load beats
     it at these ceilings; bound() charges the prompts apart, as steps of their own."""
-    layer_params, _ = linear_params(config)
-    size = model_bytes(config, torch.bfloat16)
-    weights = size.decode_weights - (layer_params if load.fp8_weights else 0)
-    kv_per_token = size.kv_per_token // (2 if load.fp8_kv else 1)
+    layer_params, weights, kv_per_token = _step_bytes(load, config)
     rows = load.decode_rows_per_step
     read_s = (weights + rows * load.mean_context * kv_per_token) / copy_bw
     compute_s = rows * (1 + load.prompt_per_decode_row) * 2 * layer_params / gemm_flop_s
