@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from dataclasses import asdict, dataclass
 
 import torch
@@ -159,7 +160,8 @@ SCHEMES = {"bf16": (False, False), "fp8": (True, False), "fp8kv": (True, True)}
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    # whole option names only: main checks which ones were given
+    ap = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
     ap.add_argument("runs", nargs="*", help="bench.serving_profile results (serving_profile.json)")
     ap.add_argument("--rows", type=int, default=1024, help="rows of the timed prompt GEMMs")
     ap.add_argument(
@@ -178,15 +180,27 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out") + "/serving_bound.json")
     a = ap.parse_args(argv)
+    given = argv if argv is not None else sys.argv[1:]
+    fixed_only = [f for f in ("--config", "--scheme", "--ceilings") if _given(given, f)]
+    if a.fixed and a.runs:
+        raise SystemExit("--fixed: give runs or --fixed, not both")
+    if a.fixed and a.ceilings and _given(given, "--rows"):
+        raise SystemExit("--rows: with --ceilings nothing is timed (the stored GEMM rate is used)")
     if a.fixed:
         out = fixed_main(a)
     elif a.runs:
+        if fixed_only:
+            raise SystemExit(f"{', '.join(fixed_only)}: only with --fixed (runs carry their own)")
         out = runs_main(a)
     else:
         raise SystemExit("give serving_profile.json runs, or --fixed PROMPT:OUTPUT:USERS")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
+
+
+def _given(argv: list[str], flag: str) -> bool:
+    return any(arg == flag or arg.startswith(flag + "=") for arg in argv)
 
 
 def fixed_main(a) -> dict:

@@ -91,3 +91,11 @@ def test_fixed_lengths_load_bound_and_read_ceiling(tmp_path):
     assert got["step_read_ms"] > got["step_compute_ms"]  # this load is bound by its reads
     with pytest.raises(SystemExit, match="OUTPUT >= 2"):
         main(["--fixed", "1000:1:64", "--ceilings", str(stored), "--out", str(out)])
+    # the --fixed settings are refused by name where they would be ignored
+    run = str(RUNS / "bf16-b1024-1" / "serving_profile.json")
+    with pytest.raises(SystemExit, match="--scheme: only with --fixed"):
+        main([run, "--scheme", "fp8kv", "--out", str(out)])
+    with pytest.raises(SystemExit, match="--rows: with --ceilings nothing is timed"):
+        main([*argv, "--ceilings", str(stored), "--rows", "512", "--out", str(out)])
+    with pytest.raises(SystemExit, match="not both"):
+        main([run, *argv, "--out", str(out)])
