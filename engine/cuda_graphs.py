@@ -19,7 +19,9 @@ import bisect
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -58,35 +60,44 @@ def log_background_failure(what: str, later: str, exc: Exception) -> None:
     )
 
 
+class CaptureOwner(Protocol):
+    """What a CaptureQueue asks of the graphs it captures for (DecodeGraphs, PiecewiseGraphs)."""
+
+    background: bool  # queued sizes are still wanted (False: the queue drops the rest)
+
+    def capture_queued(self, size: int) -> None:
+        """Capture `size`'s graph, on the queue's thread."""
+
+    def has_graph(self, size: int) -> bool:
+        """Whether `size` has its graph already (nothing to queue)."""
+
+    def capture_failed(self, size: int, exc: Exception) -> None:
+        """`size`'s capture raised `exc`; the owner's steps go on without that graph."""
+
+
 class CaptureQueue:
     """Sizes waiting for a capture thread of their own: started when a size is queued and none
-    runs, ended when the queue is empty or `enabled()` turns false. `capture(size)` runs there, one
-    size at a time; an exception from it goes to `failed(size, exc)`. `captured(size)`: True when
-    there is nothing left to queue for that size."""
+    runs, ended when the queue is empty or the owner's `background` turns false. The owner's
+    `capture_queued(size)` runs there, one size at a time; an exception from it goes to
+    `capture_failed(size, exc)`.
 
-    def __init__(
-        self,
-        name: str,
-        capture: Callable[[int], None],
-        enabled: Callable[[], bool],
-        captured: Callable[[int], bool],
-        failed: Callable[[int, Exception], None],
-    ) -> None:
+    The queue holds its owner weakly. The owner holds the queue, and the engine freezes the cyclic
+    GC's objects at the end of its start (engine/core.py), so a cycle between them would keep the
+    owner, and the model and the KV cache it captures with, on the device after the engine is
+    dropped; the owner goes with its last reference instead, and its queue stops."""
+
+    def __init__(self, name: str, owner: CaptureOwner) -> None:
         self.name = name
-        self._capture, self._enabled, self._captured, self._failed = (
-            capture,
-            enabled,
-            captured,
-            failed,
-        )
+        self._owner = weakref.ref(owner)
         self._lock = threading.Lock()
         self._queue: list[int] = []
         self._worker: threading.Thread | None = None
 
     def request(self, size: int) -> None:
         """Queue `size` (once), starting the thread when none runs."""
+        owner = self._owner()
         with self._lock:
-            if size in self._queue or self._captured(size):
+            if owner is None or size in self._queue or owner.has_graph(size):
                 return
             self._queue.append(size)
             if self._worker is None:
@@ -100,17 +111,19 @@ class CaptureQueue:
 
     def _run(self) -> None:
         while True:
+            owner = self._owner()  # held for one capture at a time
             with self._lock:
-                if not self._queue or not self._enabled():
+                if not self._queue or owner is None or not owner.background:
                     self._queue.clear()
                     self._worker = None
                     return
                 size = self._queue[0]
             try:
-                self._capture(size)
+                owner.capture_queued(size)
             except Exception as exc:  # the caller's steps go on without this size's graph
-                self._failed(size, exc)
+                owner.capture_failed(size, exc)
             finally:
+                del owner
                 with self._lock:
                     self._queue.remove(size)
 
@@ -155,13 +168,7 @@ class DecodeGraphs:
         self._warmed: set[int] = set()  # sizes whose first (eager) step ran (kernels loaded)
         self._lock = threading.Lock()  # the dicts above
         self._capturing = threading.Lock()  # one capture at a time into the shared pool
-        self._captures = CaptureQueue(
-            "coldbrew-graph-capture",
-            self._capture_queued,
-            lambda: self.background,
-            lambda size: size in self.graphs,
-            self._background_failed,
-        )
+        self._captures = CaptureQueue("coldbrew-graph-capture", self)
         # size -> its packed inputs for steps run eagerly
         self._eager_inputs: dict[int, torch.Tensor] = {}
         self._primed = threading.local()
@@ -323,13 +330,17 @@ class DecodeGraphs:
 
     # ---- background capture
     # ------------------------------------------------------------------------------------
-    def _capture_queued(self, size: int) -> None:
+    def capture_queued(self, size: int) -> None:
         """On the capture thread: the size's graph (its kernels are loaded)."""
         with self._capturing:
             if size not in self.graphs:
                 self._capture_background(size)
 
-    def _background_failed(self, size: int, exc: Exception) -> None:
+    def has_graph(self, size: int) -> bool:
+        """Whether batch size `size` has its graph."""
+        return size in self.graphs
+
+    def capture_failed(self, size: int, exc: Exception) -> None:
         """Steps go on eager or from larger graphs; later sizes are captured inline."""
         self.background = False
         later = "sizes not captured yet are captured in their first step"

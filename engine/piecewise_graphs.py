@@ -158,13 +158,7 @@ class PiecewiseGraphs:
         self.pool_bytes = 0  # device memory the captures took (pool and outputs)
         self.background = False  # capture on a thread of its own (see the module's docstring)
         self._capturing = threading.Lock()  # one capture at a time into the pool
-        self._captures = CaptureQueue(
-            "coldbrew-prompt-graphs",
-            self._capture_background,
-            lambda: self.background,
-            lambda size: size in self.captured,
-            self._background_failed,
-        )
+        self._captures = CaptureQueue("coldbrew-prompt-graphs", self)
         self._primed = threading.local()  # each capturing thread's stream, cuBLAS primed on it
 
     @property
@@ -262,14 +256,18 @@ class PiecewiseGraphs:
         """The buckets queued for the capture thread or being captured there."""
         return self._captures.pending()
 
-    def _background_failed(self, size: int, exc: Exception) -> None:
+    def has_graph(self, size: int) -> bool:
+        """Whether bucket `size` has its graphs."""
+        return size in self.captured
+
+    def capture_failed(self, size: int, exc: Exception) -> None:
         """Steps go on eagerly; later buckets are captured in their second step."""
         self.background = False
         later = "buckets not captured yet are captured in their second step"
         log_background_failure(f"{size}-token steps", later, exc)
 
     @torch.inference_mode()
-    def _capture_background(self, size: int) -> None:
+    def capture_queued(self, size: int) -> None:
         """Record bucket `size` on this (non-step) thread. Its pieces read the token sections of the
         shared inputs buffer, whose places depend on the bucket's size alone: they are taken as
         views, not staged (the step loop stages into that buffer meanwhile). No warm-up run: the
