@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from dataclasses import asdict, dataclass
 
 import torch
@@ -157,35 +156,39 @@ def gemm_flop_s(config: dict, rows: int, fp8: bool) -> float:
 
 
 SCHEMES = {"bf16": (False, False), "fp8": (True, False), "fp8kv": (True, True)}
+# the options' values when not given (they default to None, so that main sees which were)
+DEFAULTS = {"rows": 1024, "config": "llama-3.1-8b.json", "scheme": "bf16"}
 
 
 def main(argv: list[str] | None = None) -> None:
-    # whole option names only: main checks which ones were given
     ap = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
     ap.add_argument("runs", nargs="*", help="bench.serving_profile results (serving_profile.json)")
-    ap.add_argument("--rows", type=int, default=1024, help="rows of the timed prompt GEMMs")
+    ap.add_argument("--rows", type=int, help="rows of the timed prompt GEMMs (default 1024)")
     ap.add_argument(
         "--fixed",
         default="",
         help="PROMPT:OUTPUT:USERS: instead of runs, the load of USERS clients at these lengths "
         "(with --config and --scheme), its bound and its read ceiling",
     )
-    ap.add_argument("--config", default="llama-3.1-8b.json", help="--fixed: a bench/configs file")
-    ap.add_argument("--scheme", default="bf16", choices=sorted(SCHEMES), help="--fixed: dtypes")
+    ap.add_argument("--config", help="--fixed: a bench/configs file (default llama-3.1-8b.json)")
+    ap.add_argument("--scheme", choices=sorted(SCHEMES), help="--fixed: dtypes (default bf16)")
     ap.add_argument(
         "--ceilings",
-        default="",
         help="--fixed: a serving_bound.json measured before (its copy bandwidth and GEMM rate) "
         "instead of measuring on this GPU",
     )
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out") + "/serving_bound.json")
     a = ap.parse_args(argv)
-    given = argv if argv is not None else sys.argv[1:]
-    fixed_only = [f for f in ("--config", "--scheme", "--ceilings") if _given(given, f)]
+    fixed_only = [
+        f"--{name}" for name in ("config", "scheme", "ceilings") if getattr(a, name) is not None
+    ]
     if a.fixed and a.runs:
         raise SystemExit("--fixed: give runs or --fixed, not both")
-    if a.fixed and a.ceilings and _given(given, "--rows"):
+    if a.fixed and a.ceilings is not None and a.rows is not None:
         raise SystemExit("--rows: with --ceilings nothing is timed (the stored GEMM rate is used)")
+    for name, value in DEFAULTS.items():
+        if getattr(a, name) is None:
+            setattr(a, name, value)
     if a.fixed:
         out = fixed_main(a)
     elif a.runs:
@@ -197,10 +200,6 @@ def main(argv: list[str] | None = None) -> None:
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
-
-
-def _given(argv: list[str], flag: str) -> bool:
-    return any(arg == flag or arg.startswith(flag + "=") for arg in argv)
 
 
 def fixed_main(a) -> dict:
