@@ -709,7 +709,9 @@ COLUMNS = [
     ("cuda+claim", lambda p: _sum(p, "cuda_context", "preload_start", "cuda_init")),
     (
         "engine_imp",
-        lambda p: _sum(p, "triton_key", "engine_mode", "import_engine", "import_transformers"),
+        lambda p: _sum(
+            p, "triton_key", "engine_mode", "import_engine", "triton_setup", "import_transformers"
+        ),
     ),
     ("build", lambda p: _sum(p, "engine", "weights", "cublas")),
     ("ready", lambda p: p.get("ready")),

@@ -425,7 +425,7 @@ class ModelRunner:
                 return None
             if all_rows:
                 return all_logits
-            return all_logits[torch.tensor(logit_rows).to(self.device, non_blocking=True)]
+            return _take_rows(all_logits, logit_rows)
         if self.pieces is not None and num_rows <= self.pieces.max_tokens:
             hidden = self.pieces.run(ids, positions, starts, plan.lens, tables, pending)
         else:
@@ -434,7 +434,7 @@ class ModelRunner:
         if not logit_rows:
             return None
         if not all_rows:
-            hidden = hidden[torch.tensor(logit_rows).to(self.device, non_blocking=True)]
+            hidden = _take_rows(hidden, logit_rows)
         return self.model.compute_logits(hidden)
 
     # ---- the other ranks' side (and what rank 0 tells them) ----------------------------------
@@ -466,6 +466,16 @@ class ModelRunner:
         """Rank 0: tell the other ranks to stop (they exit once they have)."""
         if self.tp is not None and self.shard.rank == 0:
             self.tp.channel.send(STOP)
+
+
+def _take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The rows `rows` of x: a view where they follow one another (a lone prompt's last token),
+    which leaves the host free to queue the logits and the sampler behind the step's work; else a
+    gather, whose index copied from pageable memory first waits for the stream."""
+    first = rows[0]
+    if all(row == first + i for i, row in enumerate(rows)):
+        return x[first : first + len(rows)]
+    return x[torch.tensor(rows).to(x.device, non_blocking=True)]
 
 
 def _decodes_first(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:

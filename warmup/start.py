@@ -18,9 +18,12 @@ timed:
   preload_start  the engine's load of the pack begins and takes over what is already moving (the
                  one hand-off of the weights); cuBLAS's first-use setup begins on a thread
                  (engine.device_warmup)
-  triton_key     Triton's compiler key, computed meanwhile, handed to Triton
+  triton_key     Triton's compiler key, computed meanwhile, handed to Triton (whose settings
+                 warmup.triton_env chose before its first import); Triton's runtime then sets
+                 itself up on a thread (engine.device_warmup)
   engine_mode    ENGINE_MODE: a compiled engine's kernels and records when one matches, else jit
   import_engine  the engine's modules
+  triton_setup   what is left of Triton's runtime setup (nothing, normally)
   engine         its build (model, KV cache, tokenizer) while the last weights arrive
   cublas         what is left of cuBLAS's setup (nothing, normally: it ended during the build)
 
@@ -48,6 +51,7 @@ from typing import Any
 
 from cache import cuda_driver, early_stream, start_pages
 from cache.device_stream import cancel_early, cuda_ordinal, start_weights
+from warmup import triton_env
 from warmup.ranks import launch as launch_ranks
 
 log = logging.getLogger(__name__)
@@ -252,6 +256,7 @@ class EngineStart:
         )
         from warmup.triton_key import start_triton_key
 
+        triton_env.apply()  # before Triton's first import, here and in the key's interpreter
         triton_key = start_triton_key()
         self._streaming.set()
         # Meanwhile the entry point makes its imports, and the driver makes the GPU's context on a
@@ -266,7 +271,7 @@ class EngineStart:
         import torch  # noqa: F401 - the floor: timed on its own
 
         from engine.config import EngineArgs
-        from engine.device_warmup import begin_cublas
+        from engine.device_warmup import begin_cublas, begin_triton
         from engine.models.weights import preload_weights  # torch and the config, no model code
 
         self.phases["import_torch"] = time.perf_counter() - t_import
@@ -276,16 +281,20 @@ class EngineStart:
         )
         self._timed("preload_start", preload_weights, args)
         cublas = begin_cublas(args)
+        triton_setup = None
         if triton_key is not None:
             self._timed("triton_key", triton_key.install)
             from warmup.compile_log import install as log_compiles
 
             log_compiles()  # a kernel compiled while serving is named in the log
+            triton_setup = begin_triton(args)
         args = self._timed("engine_mode", self._engine_mode, args)
         t_import = time.perf_counter()
         from engine import AsyncLLM
 
         self.phases["import_engine"] = time.perf_counter() - t_import
+        if triton_setup is not None:  # before the build, whose first launches use what it made
+            self._timed("triton_setup", triton_setup.join)
         engine = self._timed("engine", AsyncLLM.from_engine_args, args)
         if cublas is not None:
             self._timed("cublas", cublas.join)
