@@ -46,6 +46,17 @@ def test_in_tree_discovery_finds_the_backends_the_entry_points_name():
     assert found == _backends(in_tree=False)
 
 
+def test_the_settings_leave_tritons_kernel_cache_keys_as_they_were(monkeypatch):
+    """A kernel cache or compiled engine built without them still matches a start that sets them."""
+    pytest.importorskip("triton")
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+
+    monkeypatch.setenv(triton_env.IN_TREE, "1")
+    monkeypatch.setenv(triton_env.LIBCUDA_PATH, "/usr/lib/x86_64-linux-gnu")
+    invalidating = set(get_cache_invalidating_env_vars())
+    assert not {triton_env.IN_TREE, triton_env.LIBCUDA_PATH} & invalidating
+
+
 def test_apply_sets_what_the_environment_leaves_unset(monkeypatch, tmp_path):
     monkeypatch.setattr(cuda_driver, "library_dir", lambda: str(tmp_path))
     env: dict[str, str] = {}
