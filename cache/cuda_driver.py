@@ -9,9 +9,7 @@ CudaError naming the call.
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
-from collections.abc import Iterable
 from typing import Any
 
 # Enum values from cuda.h (stable across CUDA 11.x-13.x)
@@ -69,30 +67,13 @@ def _lib():
     return _LIB
 
 
-def library_dir() -> str | None:
-    """The directory of the CUDA driver library this process loads (read from /proc/self/maps),
-    where it holds `libcuda.so.1`; None without a driver or where /proc is not there."""
+def load() -> bool:
+    """Load the driver library into this process if it is not yet; False where there is none."""
     try:
         _lib()
     except CudaError:
-        return None
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-            return driver_dir_in(f)
-    except OSError:
-        return None
-
-
-def driver_dir_in(maps: Iterable[str]) -> str | None:
-    """The first directory of a mapped `libcuda.so*` file among `maps` (lines of /proc/PID/maps)
-    that holds `libcuda.so.1`."""
-    for line in maps:
-        path = line.rstrip("\n").partition("/")[2]
-        if path and os.path.basename(path).startswith("libcuda.so"):
-            folder = os.path.dirname("/" + path)
-            if os.path.exists(os.path.join(folder, "libcuda.so.1")):
-                return folder
-    return None
+        return False
+    return True
 
 
 def _call(name: str, *args) -> None:

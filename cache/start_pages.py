@@ -96,12 +96,13 @@ def default_path(cache_dir: str, entry: str = "") -> str:
     return os.path.join(cache_dir, "start-pages", f"{key}.json")
 
 
-def _file_mappings() -> list[tuple[int, int, int, str]]:
+def file_mappings(maps: str = "/proc/self/maps") -> list[tuple[int, int, int, str]]:
     """(start address, end address, offset in the file, path) of each of this process's mappings
-    of a named file, in /proc/self/maps order; [] where it can't be read."""
+    of a named file, in /proc/self/maps order (`maps`: another such listing); [] where it can't be
+    read."""
     out = []
     try:
-        with open("/proc/self/maps") as f:
+        with open(maps) as f:
             for line in f:
                 parts = line.split(maxsplit=5)
                 if len(parts) == 6 and parts[5].startswith("/"):
@@ -124,7 +125,7 @@ def touched_pages(page: int) -> dict[str, bytearray]:
     except OSError:
         return {}
     try:
-        for lo, hi, offset, name in _file_mappings():
+        for lo, hi, offset, name in file_mappings():
             try:  # a regular file (not a device's mapping, whose range can span gigabytes)
                 st = os.stat(name)
             except OSError:
@@ -153,7 +154,7 @@ def touched_pages(page: int) -> dict[str, bytearray]:
 def start_files() -> list[str]:
     """Mapped regular files first (in load order), then imported modules' files and their bytecode,
     then the files opened for reading while watch_opens() watched, then those of add_files()."""
-    out: dict[str, None] = {name: None for _, _, _, name in _file_mappings()}
+    out: dict[str, None] = {name: None for _, _, _, name in file_mappings()}
     for mod in list(sys.modules.values()):
         path = getattr(mod, "__file__", None)
         if not path:

@@ -57,8 +57,13 @@ def test_the_settings_leave_tritons_kernel_cache_keys_as_they_were(monkeypatch):
     assert not {triton_env.IN_TREE, triton_env.LIBCUDA_PATH} & invalidating
 
 
+def _driver_at(monkeypatch, folder: str | None) -> None:
+    monkeypatch.setattr(cuda_driver, "load", lambda: folder is not None)
+    monkeypatch.setattr(triton_env, "driver_dir", lambda: folder)
+
+
 def test_apply_sets_what_the_environment_leaves_unset(monkeypatch, tmp_path):
-    monkeypatch.setattr(cuda_driver, "library_dir", lambda: str(tmp_path))
+    _driver_at(monkeypatch, str(tmp_path))
     env: dict[str, str] = {}
     assert triton_env.apply(env) == {
         "TRITON_BACKENDS_IN_TREE": "1",
@@ -68,14 +73,14 @@ def test_apply_sets_what_the_environment_leaves_unset(monkeypatch, tmp_path):
 
 
 def test_apply_leaves_the_users_values(monkeypatch, tmp_path):
-    monkeypatch.setattr(cuda_driver, "library_dir", lambda: str(tmp_path))
+    _driver_at(monkeypatch, str(tmp_path))
     env = {"TRITON_BACKENDS_IN_TREE": "0", "TRITON_LIBCUDA_PATH": "/opt/mine"}
     assert triton_env.apply(env) == {}
     assert env == {"TRITON_BACKENDS_IN_TREE": "0", "TRITON_LIBCUDA_PATH": "/opt/mine"}
 
 
 def test_without_a_driver_only_the_backends_setting_is_chosen(monkeypatch):
-    monkeypatch.setattr(cuda_driver, "library_dir", lambda: None)
+    _driver_at(monkeypatch, None)
     env: dict[str, str] = {}
     assert triton_env.apply(env) == {"TRITON_BACKENDS_IN_TREE": "1"}
 
@@ -88,14 +93,17 @@ def test_the_driver_directory_is_the_mapped_librarys_when_it_holds_libcuda_so_1(
     lone = tmp_path / "lone"
     lone.mkdir()
     (lone / "libcuda.so.570.86.15").write_bytes(b"")
-    maps = [
+    lines = [
         "7f0000000000-7f0000001000 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n",
         f"7f0000002000-7f0000003000 r--p 00000000 08:01 2 {lone}/libcuda.so.570.86.15\n",
         "7f0000004000-7f0000005000 rw-p 00000000 00:00 0 [heap]\n",
         f"7f0000006000-7f0000007000 r-xp 00000000 08:01 3 {real}/libcuda.so.570.86.15\n",
     ]
-    assert cuda_driver.driver_dir_in(maps) == str(real)
-    assert cuda_driver.driver_dir_in(maps[:3]) is None
+    maps = tmp_path / "maps"
+    maps.write_text("".join(lines))
+    assert triton_env.driver_dir(str(maps)) == str(real)
+    maps.write_text("".join(lines[:3]))
+    assert triton_env.driver_dir(str(maps)) is None
 
 
 def test_no_runtime_setup_thread_on_cpu(tmp_path):
