@@ -230,3 +230,12 @@ def test_the_readme_is_short_and_about_the_software_as_it_is():
     assert not words, (
         f"README.md speaks of {sorted(set(words))}: it describes the software as it is"
     )
+    # a figure's history (what the code measured before a change) lives in docs/performance.md and
+    # bench/results/, not in the README's tables
+    history = re.findall(
+        r"\b(the commit before|since then|an hour earlier|earlier code|before the [a-z-]+ (?:split|"
+        r"change|fix))\b",
+        text,
+        re.IGNORECASE,
+    )
+    assert not history, f"README.md tells a figure's history: {sorted(set(history))}"
