@@ -11,11 +11,12 @@ LOCK := constraints.txt
 TORCH_SPEC ?= torch==2.13.0
 
 .DEFAULT_GOAL := help
-.PHONY: help install run serve test test-hub-oldest lock gpu-check bench clean
+.PHONY: help install run serve test test-clients-oldest test-hub-oldest test-runpod-oldest \
+	test-boto3-oldest lock gpu-check bench clean
 
 help: ## list these targets
 	@echo "make TARGET (variables: RUN_HOST, RUN_PORT, the worker's env vars such as MODEL_NAME):"
-	@awk 'BEGIN {FS = ":[^#]*## "} /^[a-z-]+:[^#]*## / {printf "  %-10s %s\n", $$1, $$2}' \
+	@awk 'BEGIN {FS = ":[^#]*## "} /^[a-z0-9-]+:[^#]*## / {printf "  %-19s %s\n", $$1, $$2}' \
 		$(MAKEFILE_LIST)
 
 $(VENV)/.run-installed: pyproject.toml $(LOCK)
@@ -47,21 +48,47 @@ run: $(VENV)/.run-installed ## the RunPod worker's local API on RUN_HOST:RUN_POR
 serve: $(VENV)/.run-installed ## the OpenAI-compatible HTTP server on RUN_HOST:RUN_PORT
 	$(PY) -m handler serve --host $(RUN_HOST) --port $(RUN_PORT)
 
-test: $(VENV)/.test-installed ## ruff check and format check, the CPU test suite, the hub tests on the oldest hub client
+test: $(VENV)/.test-installed ## ruff check and format check, the CPU test suite, the clients' tests on their oldest releases
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q
-	$(MAKE) test-hub-oldest
+	$(MAKE) test-clients-oldest
 
-# The hub tests again with the oldest huggingface_hub pyproject admits, first on PYTHONPATH (its own
-# directory, no other package changes; the lock file does not apply to this one install).
+# The tests that drive each outside service's client again with the oldest release pyproject admits,
+# first on PYTHONPATH: its own directory under .cache, no other package changes (the lock file does
+# not apply to these installs). COLDBREW_<CLIENT>_VERSION names the version that must be the one
+# imported, there and in the children the tests start.
 HF_HUB_OLDEST ?= 0.30.0
-HF_HUB_OLDEST_DIR ?= $(CURDIR)/.cache/huggingface-hub-$(HF_HUB_OLDEST)
+RUNPOD_OLDEST ?= 1.10.1
+BOTO3_OLDEST ?= 1.35.2
+# boto3 requires the botocore of its own number and s3transfer >=0.10.0,<0.11 (1.35.2's metadata)
+BOTO3_OLDEST_SPECS ?= boto3==$(BOTO3_OLDEST) botocore==$(BOTO3_OLDEST) s3transfer==0.10.0
+OLDEST_DIR ?= $(CURDIR)/.cache
+
+# $(call run-oldest,DIR,SPECS,VERSION VARIABLE,TEST FILES): install SPECS into DIR once (.installed
+# marks a complete install), then the tests with DIR first on PYTHONPATH.
+define run-oldest
+	test -f $(1)/.installed || \
+		{ $(PIP) install -q --no-deps --target $(1) $(2) && touch $(1)/.installed; }
+	$(3) PYTHONPATH=$(1) $(PY) -m pytest -q $(4)
+endef
+
+test-clients-oldest: test-hub-oldest test-runpod-oldest test-boto3-oldest ## the three below (make test runs them)
+
 test-hub-oldest: $(VENV)/.test-installed ## the hub tests against the oldest huggingface_hub admitted
-	test -f $(HF_HUB_OLDEST_DIR)/huggingface_hub/__init__.py || \
-		$(PIP) install -q --no-deps --target $(HF_HUB_OLDEST_DIR) "huggingface-hub==$(HF_HUB_OLDEST)"
-	COLDBREW_HF_HUB_VERSION=$(HF_HUB_OLDEST) PYTHONPATH=$(HF_HUB_OLDEST_DIR) \
-		$(PY) -m pytest -q tests/test_cache_hub.py
+	$(call run-oldest,$(OLDEST_DIR)/huggingface-hub-$(HF_HUB_OLDEST),huggingface-hub==$(HF_HUB_OLDEST),\
+		COLDBREW_HF_HUB_VERSION=$(HF_HUB_OLDEST),tests/test_cache_hub.py)
+
+# The SDK's job loop, its local API and --test_input, and the Hub's tests.json cases.
+test-runpod-oldest: $(VENV)/.test-installed ## the RunPod SDK tests against the oldest runpod admitted
+	$(call run-oldest,$(OLDEST_DIR)/runpod-$(RUNPOD_OLDEST),runpod==$(RUNPOD_OLDEST),\
+		COLDBREW_RUNPOD_VERSION=$(RUNPOD_OLDEST),\
+		tests/test_runpod_worker.py tests/test_rp_serve_api.py tests/test_hub_listing.py)
+
+# S3 against moto's server, which runs in the tests' own process on the same boto3 and botocore.
+test-boto3-oldest: $(VENV)/.test-installed ## the S3 tests against the oldest boto3 admitted
+	$(call run-oldest,$(OLDEST_DIR)/boto3-$(BOTO3_OLDEST),$(BOTO3_OLDEST_SPECS),\
+		COLDBREW_BOTO3_VERSION=$(BOTO3_OLDEST),tests/test_cache_s3.py tests/test_warmup_publish.py)
 
 lock: $(VENV)/.test-installed ## rewrite constraints.txt from .venv (after an upgrade and make test)
 	{ grep '^#' $(LOCK); $(PIP) freeze --all --exclude-editable | grep -v -i -E '^(pip|torch)=='; } \

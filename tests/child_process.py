@@ -1,6 +1,6 @@
 """Test helper: end child processes the way the fault and shutdown tests need (a signal, a bounded
 wait, a kill), run a child script until it announces that it is midway, then SIGKILL it there, and
-run a script under triton's CPU interpreter.
+run a script under triton's CPU interpreter, and the PYTHONPATH a child of the repo gets.
 """
 
 from __future__ import annotations
@@ -12,6 +12,13 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def repo_pythonpath() -> str:
+    """PYTHONPATH for a child that runs this checkout: the repo first, then this process's own
+    PYTHONPATH, where `make test-clients-oldest` puts the oldest client a run checks (a child given
+    the repo alone would import the lock's client instead)."""
+    return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
 
 
 def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:

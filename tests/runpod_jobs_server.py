@@ -32,11 +32,15 @@ class JobQueue:
         self.pending: list[dict] = []
         self.taken: dict[str, float] = {}
         self.stops: list[str] = []
+        self.stops_taken: list[str] = []  # the job ids the SDK's job-stop poll took (1.10 on)
         self.streams: dict[str, list] = defaultdict(list)
         self.done: dict[str, list] = defaultdict(list)  # every job-done post, so duplicates show
         self.events: list[tuple[str, str]] = []  # ("stream" | "done", job id) in arrival order
         self.take_batch_sizes: list[int] = []
         self.worker_ids: set[str] = set()
+        # the job-takes' User-Agent headers: the SDK's "RunPod-Python-SDK/<version> (...)" (the
+        # ping's is not always: 1.7.2's says python-requests)
+        self.user_agents: set[str] = set()
 
     def put(self, job_id: str, job_input) -> None:
         with self.cond:
@@ -64,6 +68,7 @@ class JobQueue:
             while not self.stops and time.monotonic() < deadline:
                 self.cond.wait(deadline - time.monotonic())
             stops, self.stops = self.stops, []
+            self.stops_taken += stops
             return stops
 
     def record(self, kind: str, job_id: str, body: dict) -> None:
@@ -105,6 +110,8 @@ def _handler(queue: JobQueue):
             verb = parts[2] if len(parts) > 2 else ""
             if len(parts) > 3:
                 queue.worker_ids.add(parts[3])
+            if verb.startswith("job-take"):
+                queue.user_agents.add(self.headers.get("User-Agent", ""))
             if verb == "job-take":
                 jobs = queue.take(1)
                 return self._send(200, jobs[0]) if jobs else self._send(204)

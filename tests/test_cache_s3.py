@@ -1,12 +1,17 @@
 """S3 through moto's real server on loopback (boto3 with endpoint_url): s3:// sources, push and pull
 of any directory, the fleet cache between hub and workers, an S3 store that is down or silent, and
 no credential in any log line.
+
+`make test` also runs this file with the oldest boto3 we admit first on PYTHONPATH
+(COLDBREW_BOTO3_VERSION names the version that must be the one imported, here and in the CLI's
+processes).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -18,6 +23,7 @@ from cache import remote, resolve
 from cache.remote import RemoteError
 from cache.snapshot import MANIFEST, check_snapshot, read_manifest
 from cache_servers import FakeHub, FakeRepo, S3Server, tiny_model_files, upload_tree
+from child_process import repo_pythonpath
 
 REPO = Path(__file__).resolve().parent.parent
 HF_TOKEN = "hf_AnotherSecretHubToken123"
@@ -51,6 +57,30 @@ def _closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_the_client_under_test_is_the_version_asked_for():
+    """boto3 and botocore, here and in a child started as the CLI tests start theirs: the version
+    COLDBREW_BOTO3_VERSION names (make test-clients-oldest), else the lock's; and make's oldest run
+    checks the floor pyproject.toml admits."""
+    import boto3
+    import botocore
+
+    script = "import boto3, botocore; print(boto3.__version__, botocore.__version__)"
+    child = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": repo_pythonpath()},
+        capture_output=True,
+        text=True,
+    )
+    assert child.stdout.split() == [boto3.__version__, botocore.__version__], child.stderr
+    wanted = os.environ.get("COLDBREW_BOTO3_VERSION")
+    if wanted:  # make installs the botocore of boto3's own number, as the lock pairs them
+        assert (boto3.__version__, botocore.__version__) == (wanted, wanted)
+    floor = re.search(r'"boto3>=([^",;]+)"', (REPO / "pyproject.toml").read_text()).group(1)
+    makefile = (REPO / "Makefile").read_text()
+    assert f"BOTO3_OLDEST ?= {floor}" in makefile, "make tests another floor than pyproject admits"
 
 
 def test_an_s3_source_gives_a_snapshot_of_the_engine_files(s3, model_files, tmp_path, caplog):
@@ -149,7 +179,7 @@ def test_cli_push_pull_ls_fetch(s3, hub, model_files, tmp_path):
     env = {
         **os.environ,
         **s3.env(),
-        "PYTHONPATH": str(REPO),
+        "PYTHONPATH": repo_pythonpath(),
         "HF_ENDPOINT": hub.url,
         "HF_TOKEN": HF_TOKEN,
     }
@@ -269,7 +299,7 @@ def test_a_silent_store_times_out_instead_of_hanging(s3, tmp_path):
         black_hole.bind(("127.0.0.1", 0))
         black_hole.listen(16)
         url = f"http://127.0.0.1:{black_hole.getsockname()[1]}"
-        env = {**os.environ, **s3.env(), "PYTHONPATH": str(REPO)}
+        env = {**os.environ, **s3.env(), "PYTHONPATH": repo_pythonpath()}
         out = subprocess.run(
             [
                 sys.executable,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from child_process import repo_pythonpath
 from engine import LLM, SamplingParams
 from local_api import local_api as worker_local_api, runsync
 
@@ -45,7 +46,7 @@ def local_api(smollm2_dir, cache_dir):
         MODEL_NAME=smollm2_dir,
         MAX_MODEL_LEN="2048",
         DEVICE="cpu",
-        PYTHONPATH=str(REPO),
+        PYTHONPATH=repo_pythonpath(),
         UVICORN_LOG_LEVEL="warning",
     )
     lines: list[str] = []
@@ -178,7 +179,7 @@ def test_test_input_runs_one_job_and_exits(smollm2_dir):
         MODEL_NAME=smollm2_dir,
         MAX_MODEL_LEN="2048",
         DEVICE="cpu",
-        PYTHONPATH=str(REPO),
+        PYTHONPATH=repo_pythonpath(),
         LOG_LEVEL="WARNING",
     )
     job = {

@@ -2,20 +2,25 @@
 queue on loopback: both input shapes, streamed or not, concurrent, cancelled, malformed, SIGTERM;
 outputs equal engine.LLM's greedy ones. Also worker-vllm v2.24+'s route/body/method jobs, tools
 refused, and streams ended with an error past the grace period (exit 0).
+
+`make test` also runs this file with the oldest runpod we admit first on PYTHONPATH
+(COLDBREW_RUNPOD_VERSION names the version the SDK's process must send as its User-Agent).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 
-from child_process import stop
+from child_process import repo_pythonpath, stop
 from engine import LLM, SamplingParams
 from runpod_jobs_server import RunPodJobServer
 
@@ -34,7 +39,7 @@ def _start_worker(
         "MAX_MODEL_LEN": str(MAX_MODEL_LEN),
         "DEVICE": "cpu",
         "MAX_CONCURRENCY": "4",
-        "PYTHONPATH": str(REPO),
+        "PYTHONPATH": repo_pythonpath(),
         **env,
     }
     log = open(log_path, "wb")
@@ -204,6 +209,9 @@ def test_cancelled_job_stops_and_the_worker_goes_on(worker, reference):
     )
     assert worker.wait_for(lambda: len(worker.streams["cancel-me"]) >= 2, WAIT_S)
     worker.stop("cancel-me")
+    # The SDK's job-stop poll takes it (without that poll, runpod < 1.10, the job would run on
+    # unseen here: its next streamed batch is far off)
+    assert worker.wait_for(lambda: "cancel-me" in worker.stops_taken, 30)
     worker.put("after-cancel-1", {"prompt": PROMPT, "sampling_params": _greedy(8)})
     _wait_done(worker, "after-cancel-1")
     posted = len(worker.streams["cancel-me"])
@@ -374,6 +382,19 @@ def test_malformed_jobs_fail_alone_naming_the_field(worker, reference):
     (good,) = _wait_done(worker, "good-after-bad")
     ref = reference.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
     assert good["output"][0]["choices"][0]["tokens"] == [ref]
+
+
+@pytest.mark.slow
+def test_the_sdk_under_test_is_the_version_asked_for(worker):
+    """The SDK's process names its version in its job-takes' User-Agent: the one
+    COLDBREW_RUNPOD_VERSION asks for (make test-clients-oldest), else this interpreter's own; and
+    make's oldest run checks the floor pyproject.toml admits."""
+    wanted = os.environ.get("COLDBREW_RUNPOD_VERSION") or version("runpod")
+    assert worker.user_agents, "no request from the SDK"
+    assert {ua.split(" ")[0] for ua in worker.user_agents} == {f"RunPod-Python-SDK/{wanted}"}
+    floor = re.search(r'"runpod>=([^",;]+)"', (REPO / "pyproject.toml").read_text()).group(1)
+    makefile = (REPO / "Makefile").read_text()
+    assert f"RUNPOD_OLDEST ?= {floor}" in makefile, "make tests another floor than pyproject admits"
 
 
 @pytest.mark.slow

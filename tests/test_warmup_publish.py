@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from child_process import repo_pythonpath
 from warmup.artifacts import (
     ARTIFACT_FILE,
     ENGINES_DIR,
@@ -107,7 +108,7 @@ def race(tmp_path: Path, root: Path, remote: str = "-", env: dict | None = None)
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
-                env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+                env={**os.environ, "PYTHONPATH": repo_pythonpath(), **(env or {})},
             )
         )
     results = []
