@@ -51,6 +51,29 @@ def test_lock_pins_every_dependency_inside_pyproject_range():
     assert "coldbrew" not in pins
 
 
+# each outside service's client and the Makefile variable naming the oldest release its tests rerun
+# with (make test-clients-oldest)
+OLDEST_CLIENTS = {
+    "huggingface-hub": "HF_HUB_OLDEST",
+    "runpod": "RUNPOD_OLDEST",
+    "boto3": "BOTO3_OLDEST",
+}
+
+
+def test_make_reruns_each_clients_tests_with_the_floor_pyproject_admits():
+    floors = {
+        canonicalize_name(req.name): spec.version
+        for req in _requirements()
+        for spec in req.specifier
+        if spec.operator == ">="
+    }
+    makefile = (REPO / "Makefile").read_text()
+    for name, variable in OLDEST_CLIENTS.items():
+        assert f"{variable} ?= {floors[name]}\n" in makefile, (
+            f"make tests {name} at another release than pyproject's floor {floors[name]}"
+        )
+
+
 def test_the_tests_run_with_the_locked_versions():
     """What passes here is what the lock promises: the installed dependencies are the pinned
     ones."""
