@@ -292,10 +292,12 @@ def ready_phases(log: str) -> dict | None:
 
 def start_pages_path(cache_dir: str, entry: str) -> str:
     """The start-page record an entry's first start writes (handler/__main__.py names them: the
-    job queue's loop is "worker", the SDK's local API "worker-api")."""
+    job queue's loop is "worker", the SDK's local API "worker-api", the server's engine process
+    "serve-engine")."""
     from cache.start_pages import default_path
 
-    return default_path(cache_dir, {"queue": "worker", "worker": "worker-api"}.get(entry, entry))
+    records = {"queue": "worker", "worker": "worker-api", "serve": "serve-engine"}
+    return default_path(cache_dir, records.get(entry, entry))
 
 
 def run_entry(

@@ -54,13 +54,20 @@ def fingerprint(names: Iterable[str], env: Mapping[str, str]) -> str:
 
 
 def record(
-    path: str, names: Iterable[str], env: Mapping[str, str], stream: dict[str, object]
+    path: str,
+    names: Iterable[str],
+    env: Mapping[str, str],
+    stream: dict[str, object],
+    tokenizer: dict[str, object] | None = None,
 ) -> None:
     """Write what the next start needs to begin `stream` (start_early's arguments: model_dir, the
     device setting, start_pages, want) early; `names`: the variables whose values chose it (never
-    secrets: only their names and a hash of all values are kept)."""
+    secrets: only their names and a hash of all values are kept). `tokenizer`: the directory and
+    chat template of the start's tokenizer, for the next start to load early (tokenizer_hint)."""
     names = sorted(set(names))
     body = {"names": names, "env": fingerprint(names, env), "stream": stream}
+    if tokenizer is not None:
+        body["tokenizer"] = tokenizer
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -71,11 +78,8 @@ def record(
         pass  # a read-only cache: the next start begins its stream after the settings, as before
 
 
-def begin(entry: str, env: Mapping[str, str] | None = None) -> bool:
-    """Start the stream the last start of `entry` recorded, when the variables that chose it are
-    unchanged and its model directory is still there; True if a stream started. Never raises: a
-    missing or unreadable record starts nothing."""
-    env = os.environ if env is None else env
+def _read(entry: str, env: Mapping[str, str]) -> dict | None:
+    """The last start's record for `entry`, when the variables that chose it are unchanged."""
     upper = {str(k).upper(): v for k, v in env.items()}
     # DOWNLOAD_DIR: worker-vllm's name for CACHE_DIR (handler/worker_vllm_env.json)
     cache_dir = cache_dir_for(
@@ -85,8 +89,35 @@ def begin(entry: str, env: Mapping[str, str] | None = None) -> bool:
     try:
         with open(record_path(cache_dir, entry)) as f:
             body = json.load(f)
-        if body["env"] != fingerprint(body["names"], env):
-            return False
+        return body if body["env"] == fingerprint(body["names"], env) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def tokenizer_hint(
+    entry: str, env: Mapping[str, str] | None = None
+) -> tuple[str, str | None] | None:
+    """(directory, chat template) of the last start's tokenizer, when the variables that chose its
+    stream are unchanged and the directory is still there; a guess to load early, which the start
+    takes only if it resolves the same."""
+    body = _read(entry, os.environ if env is None else env)
+    try:
+        hint = body["tokenizer"]  # type: ignore[index]
+        if os.path.isdir(hint["dir"]):
+            return str(hint["dir"]), hint["chat_template"]
+    except (KeyError, TypeError):
+        pass
+    return None
+
+
+def begin(entry: str, env: Mapping[str, str] | None = None) -> bool:
+    """Start the stream the last start of `entry` recorded, when the variables that chose it are
+    unchanged and its model directory is still there; True if a stream started. Never raises: a
+    missing or unreadable record starts nothing."""
+    body = _read(entry, os.environ if env is None else env)
+    if body is None:
+        return False
+    try:
         stream = body["stream"]
         if not os.path.isdir(stream["model_dir"]):
             return False

@@ -13,7 +13,6 @@ import os
 import random
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Union
 
 import torch
@@ -21,7 +20,13 @@ import torch
 from engine.config import EngineArgs, ModelConfig, resolve_dtype
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv import KVCacheManager
-from engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
+from engine.outputs import (
+    CompletionOutput,
+    EngineStats,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from engine.runner import LaunchedStep, ModelRunner
 from engine.sampling import SamplingRow
 from engine.sampling_params import SamplingParams
@@ -33,18 +38,6 @@ log = logging.getLogger(__name__)
 
 # A prompt: text, token ids, or a dict with "prompt" or "prompt_token_ids" (as vLLM accepts).
 PromptType = Union[str, list[int], dict[str, Any]]
-
-
-@dataclass
-class EngineStats:
-    num_kv_blocks: int
-    num_free_blocks: int
-    peak_used_blocks: int
-    prefix_cache_queried_tokens: int
-    prefix_cache_hit_tokens: int
-    num_preemptions: int
-    num_running: int
-    num_waiting: int
 
 
 class RequestFailed(RuntimeError):

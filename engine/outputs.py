@@ -2,7 +2,7 @@
 the same way.
 
 RequestOutput is cumulative: each streamed update carries the whole text and token ids generated so
-far.
+far. EngineStats: the engine's counters. No torch.
 """
 
 from __future__ import annotations
@@ -53,3 +53,15 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass
+class EngineStats:
+    num_kv_blocks: int
+    num_free_blocks: int
+    peak_used_blocks: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    num_preemptions: int
+    num_running: int
+    num_waiting: int

@@ -86,7 +86,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # token id -> a value added to its logit before sampling (OpenAI's logit_bias)
     logit_bias: dict[int, float] | None = None
-    # an engine.structured.StructuredOutputs: the grammar the output must match
+    # an engine.structured_outputs.StructuredOutputs: the grammar the output must match
     structured_outputs: Any = None
 
     def __post_init__(self) -> None:
@@ -148,11 +148,11 @@ class SamplingParams:
 
         self._validate_logit_bias()
         if self.structured_outputs is not None:
-            from engine.structured import StructuredOutputs  # only a request with a grammar pays
+            from engine.structured_outputs import StructuredOutputs
 
             if not isinstance(self.structured_outputs, StructuredOutputs):
                 raise ValueError(
-                    "structured_outputs: must be an engine.structured.StructuredOutputs, got "
+                    "structured_outputs: must be a StructuredOutputs, got "
                     + _describe(self.structured_outputs)[:200]
                 )
             if self.min_tokens:

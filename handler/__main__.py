@@ -2,12 +2,14 @@
 `chat`: a local chat.
 
 Worker flags are the runpod SDK's own (--rp_serve_api --rp_api_host H --rp_api_port N, --test_input
-JSON, ...). The worker and the server begin the same way: the last start's weight stream, when the
-variables that chose it are unchanged (cache.early_stream), then the settings, then the engine's
-start (the weights moving, or adopting that stream), then their own imports (Starlette and uvicorn;
-the worker's job handling), made while the start makes the GPU's context, which leaves the
-interpreter free, and before it imports torch, which waits for them. The RunPod SDK gets a process
-of its own, started before anything else (handler.sdk_front), so its import runs beside the start.
+JSON, ...). The worker begins with the last start's weight stream, when the variables that chose it
+are unchanged (cache.early_stream), then the settings, then the engine's start (the weights moving,
+or adopting that stream), then its own imports (the job handling), made while the start makes the
+GPU's context, which leaves the interpreter free, and before it imports torch, which waits for
+them. The RunPod SDK gets a process of its own, started before anything else (handler.sdk_front), so
+its import runs beside the start. The server starts its engine's process first thing
+(handler.engine_process: the weights, `import torch` and the engine's build), and reads its
+settings, imports Starlette and uvicorn and loads its tokenizer beside it (handler.engine_link).
 """
 
 from __future__ import annotations
@@ -34,6 +36,31 @@ def begin(entry: str):
         release_gc()  # no start follows to turn the collector back on
         return None
     return begin_boot(settings, entry)
+
+
+def begin_engine_process(process):
+    """`serve`'s start, once its engine's process runs (handler.engine_process: the last start's
+    weights, tokenizer and `import torch` begin there at once): the settings here, sent to it;
+    returns the RemoteBoot, or None when the settings are invalid (the engine's process is told to
+    end, and the server reports them)."""
+    from handler import engine_link
+    from handler.config import SettingsError, load_settings
+    from warmup.start import release_gc
+
+    try:
+        settings = load_settings()
+    except SettingsError:
+        process.close()
+        release_gc()
+        return None
+    import logging
+
+    logging.basicConfig(
+        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    boot = engine_link.RemoteBoot(settings, process)
+    release_gc()  # this process imports no torch: its collector goes back on once it has read them
+    return boot
 
 
 def import_entry(entry: str, boot) -> None:
@@ -91,16 +118,19 @@ def chat(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    helping = bool({"-h", "--help"} & set(argv))
+    process = None
+    if argv[:1] == ["serve"] and not helping:
+        from handler.engine_link import EngineProcess
+
+        process = EngineProcess()  # first thing: the engine's start begins there at once
     from cache import early_stream
     from warmup.start import hold_gc
 
     hold_gc()  # the cyclic GC stays off until the engine's start ends (warmup.start)
-    argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:
-        helping = bool({"-h", "--help"} & set(argv))
-        if not helping:
-            early_stream.begin("serve")  # the last start's weights, before the settings' import
-        boot = None if helping else begin("serve")
+        boot = None if process is None else begin_engine_process(process)
         import_entry("serve", boot)
         from handler.server import main as serve
 

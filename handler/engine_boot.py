@@ -89,7 +89,7 @@ def start_args(settings: Settings, entry: str = "") -> StartArgs:
     )
 
 
-def _load_error(exc: BaseException) -> BaseException:
+def load_error(exc: BaseException) -> BaseException:
     """A resolve failure in the settings' words (the variable that named the reference); others as
     they are."""
     if not isinstance(exc, ResolveError):
@@ -184,7 +184,7 @@ class EngineBoot:
         if exc is None:
             self._future.set_result(done.result())
         else:
-            self._future.set_exception(_load_error(exc))
+            self._future.set_exception(load_error(exc))
 
     def load_blocking(self):
         """Load (starting if need be) and block until done; returns the AsyncLLM or raises the load

@@ -40,7 +40,7 @@ def output_grammar(req: SamplingFields, extra_json: dict | None = None) -> tuple
     """(the StructuredOutputs the request's fields ask for, the field that asked), or (None, None);
     a 400 naming the field when two ask at once or one is invalid. extra_json: a schema a forced
     tool_choice adds."""
-    from engine.structured import StructuredOutputs  # a request with a grammar loads the engine
+    from engine.structured_outputs import StructuredOutputs
 
     asked: list[tuple[str, dict]] = []
     fmt = req.response_format

@@ -392,11 +392,12 @@ async def _watch(boot: EngineBoot, server, app_server: OpenAIServer) -> None:
     while not server.should_exit:
         await asyncio.sleep(WATCH_SECONDS)
         engine = boot.engine_now()
-        if boot.failed is not None or (engine is not None and engine.errored is not None):
-            log.error(
-                "the engine is dead (%s): stopping the server",
-                type(boot.failed or engine.errored).__name__,
-            )
+        if boot.failed is not None:
+            log.error("the model failed to load: %s: stopping the server", boot.failed)
+            server.engine_dead = True
+            server.should_exit = True
+        elif engine is not None and engine.errored is not None:
+            log.error("the engine is dead (%s): stopping the server", type(engine.errored).__name__)
             server.engine_dead = True
             server.should_exit = True
     app_server.begin_drain()

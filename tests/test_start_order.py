@@ -49,6 +49,8 @@ def _hook(event, args):
         _note("stream_process", "")
     elif event == "subprocess.Popen" and "handler.sdk_front" in map(str, args[1] or ()):
         _note("sdk_process", "")
+    elif event == "subprocess.Popen" and "handler.engine_process" in map(str, args[1] or ()):
+        _note("engine_process", "")
     elif (event == "open" and "prefetch" not in _seen
           and threading.current_thread().name == "prefetch"
           and str(args[0]).endswith((".safetensors", ".cbpack"))):
@@ -108,13 +110,24 @@ def _seen(events) -> set[str]:
     }
 
 
+def _engine_pid(log: Path) -> int | None:
+    """The process that imported torch and moved the weights (the entry's own, or the server's
+    engine process), once one has."""
+    pids = (
+        {int(line.split("\t", 1)[0]) for line in log.read_text().splitlines()}
+        if log.exists()
+        else set()
+    )
+    return next((p for p in pids if {"torch", "weights"} <= _seen(_events(log, p))), None)
+
+
 def _run_until(
     argv: list[str], own: str, model_dir: str, tmp_path: Path, cache_dir: Path | None = None
-) -> tuple[list, list]:
-    """Start a real entry point with the audit hook; once it imported torch and read the weights,
-    and it or a child of its imported `own` (or the wait runs out), stop it. Returns its events and
-    those of every process; its output is in tmp_path/entry.log. cache_dir: default
-    tmp_path/cache."""
+) -> tuple[list, list, list]:
+    """Start a real entry point with the audit hook; once a process of it imported torch and read
+    the weights, and it or a child of its imported `own` (or the wait runs out), stop it. Returns
+    the events of the process that imported torch, the entry's own, and every process's; its output
+    is in tmp_path/entry.log. cache_dir: default tmp_path/cache."""
     site = tmp_path / "site"
     site.mkdir(parents=True)
     (site / "sitecustomize.py").write_text(_SITECUSTOMIZE)
@@ -140,16 +153,13 @@ def _run_until(
         )
     try:
         deadline = time.monotonic() + WAIT_S
-        while not (
-            {"torch", "weights"} <= _seen(_events(log, proc.pid))
-            and own in _seen(_events(log, None))
-        ):
+        while not (_engine_pid(log) is not None and own in _seen(_events(log, None))):
             assert proc.poll() is None, output.read_text()[-3000:]
             assert time.monotonic() < deadline, f"not all came: {_events(log, None)}"
             time.sleep(0.05)
     finally:
         stop(proc)
-    return _events(log, proc.pid), _events(log, None)
+    return _events(log, _engine_pid(log)), _events(log, proc.pid), _events(log, None)
 
 
 def test_the_servers_app_and_uvicorn_config_load_no_fastapi_websockets_or_pydantic_v1():
@@ -190,42 +200,57 @@ def test_what_runs_before_the_weights_move_imports_no_asyncio():
     assert _python(code) == "[]"
 
 
-@pytest.mark.parametrize("entry", ["worker", "serve"])
-def test_the_weights_move_before_torch_and_the_entrys_own_imports(entry, smollm2_dir, tmp_path):
+def test_the_worker_moves_its_weights_before_torch_and_runs_the_sdk_in_its_own_process(
+    smollm2_dir, tmp_path
+):
     port = str(free_port())
-    argv = (
-        ["serve", "--host", "127.0.0.1", "--port", port]
-        if entry == "serve"
-        else ["--rp_serve_api", "--rp_api_host", "127.0.0.1", "--rp_api_port", port]
-    )
-    own = "runpod" if entry == "worker" else "starlette"  # the SDK; the HTTP server's framework
-    events, everyone = _run_until(argv, own, smollm2_dir, tmp_path)
-    streams = [(t, e) for t, e, _ in events if e in ("stream_process", "prefetch_thread")]
-    assert streams, events
-    stream_at, kind = streams[0]
-    if kind == "prefetch_thread":  # no GPU here: the page cache is filled from the model's files
-        read = next((d for _, e, d in events if e == "prefetch_read"), None)
-        assert read is not None, events
-        assert Path(read).resolve().is_relative_to(Path(smollm2_dir).resolve()), events
+    argv = ["--rp_serve_api", "--rp_api_host", "127.0.0.1", "--rp_api_port", port]
+    engine, events, everyone = _run_until(argv, "runpod", smollm2_dir, tmp_path)
+    assert engine == events, everyone  # the worker's own process runs the engine
+    stream_at = _stream_start(events, smollm2_dir)
     torch_at = _first(events, "import", "torch")
     settings_at = _first(events, "import", "pydantic")  # the settings' model
     assert settings_at is not None and settings_at < stream_at < torch_at, events
-    if entry == "worker":
-        # the SDK is imported by its own process, started first thing; never by the worker's
-        sdk_at = _first(events, "sdk_process")
-        assert sdk_at is not None and sdk_at < settings_at, events
-        assert "runpod" not in _seen(events), events
-        assert _first(everyone, "import", "runpod") > sdk_at, everyone
-        return
-    own_at = _first(events, "import", own)
-    # the server's own heavy imports come after the stream started and before torch's import
-    assert stream_at < own_at < torch_at, events
+    # the SDK is imported by its own process, started first thing; never by the worker's
+    sdk_at = _first(events, "sdk_process")
+    assert sdk_at is not None and sdk_at < settings_at, events
+    assert "runpod" not in _seen(events), events
+    assert _first(everyone, "import", "runpod") > sdk_at, everyone
+
+
+def test_the_server_runs_its_engine_in_a_process_begun_before_its_settings(smollm2_dir, tmp_path):
+    """`serve`: the engine's process is started before the server reads its settings; it moves the
+    weights before it imports torch and imports neither pydantic nor Starlette; the server's process
+    imports no torch at all, its own imports running beside the engine's."""
+    argv = ["serve", "--host", "127.0.0.1", "--port", str(free_port())]
+    engine, events, everyone = _run_until(argv, "starlette", smollm2_dir, tmp_path)
+    assert engine != events, everyone
+    spawned_at = _first(events, "engine_process")
+    settings_at = _first(events, "import", "pydantic")
+    assert spawned_at is not None and settings_at is not None and spawned_at < settings_at, events
+    assert "torch" not in _seen(events) and "starlette" in _seen(events), events
+    stream_at = _stream_start(engine, smollm2_dir)
+    assert stream_at < _first(engine, "import", "torch"), engine
+    assert not {"pydantic", "starlette", "uvicorn"} & _seen(engine), engine
+
+
+def _stream_start(events, model_dir: str) -> float:
+    """When the weights began to move: the stream process started, or (no GPU) the page-cache
+    prefetch's thread, which then reads the model's files."""
+    streams = [(t, e) for t, e, _ in events if e in ("stream_process", "prefetch_thread")]
+    assert streams, events
+    stream_at, kind = streams[0]
+    if kind == "prefetch_thread":
+        read = next((d for _, e, d in events if e == "prefetch_read"), None)
+        assert read is not None, events
+        assert Path(read).resolve().is_relative_to(Path(model_dir).resolve()), events
+    return stream_at
 
 
 @pytest.mark.gpu
 def test_on_a_gpu_the_stream_process_starts_before_torch(tmp_path):
     """With a GPU and a pack (written by a first start), the weights go to the GPU from the stream
-    process, which the serve process starts before it imports torch."""
+    process, which serve's engine process starts before it imports torch."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -239,19 +264,19 @@ def test_on_a_gpu_the_stream_process_starts_before_torch(tmp_path):
     )
     _python(code)
     argv = ["serve", "--host", "127.0.0.1", "--port", str(free_port())]
-    events, _ = _run_until(argv, "starlette", model_dir, tmp_path)
-    streams = [(t, e) for t, e, _ in events if e in ("stream_process", "prefetch_thread")]
-    assert streams and streams[0][1] == "stream_process", events
-    assert streams[0][0] < _first(events, "import", "torch"), events
-    assert streams[0][0] < _first(events, "import", "starlette"), events
+    engine, _, _ = _run_until(argv, "starlette", model_dir, tmp_path)
+    streams = [(t, e) for t, e, _ in engine if e in ("stream_process", "prefetch_thread")]
+    assert streams and streams[0][1] == "stream_process", engine
+    assert streams[0][0] < _first(engine, "import", "torch"), engine
 
 
 @pytest.mark.gpu
 def test_on_a_gpu_the_last_starts_stream_begins_before_the_settings(tmp_path):
     """A serve start that reached ready records its stream (cache.early_stream); the next start
-    under the same variables spawns that stream, and begins making its own GPU context, before it
-    imports the settings' pydantic, and the start proper adopts the stream (one stream process). A
-    record that names another GPU makes the start stop the early stream and start its own."""
+    under the same variables: its engine process spawns that stream, and begins making its own GPU
+    context, first thing, before its `import torch` (which begins before the server has sent the
+    settings), and the start proper adopts the stream (one stream process). A record that names
+    another GPU makes the start stop the early stream and start its own."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -270,21 +295,21 @@ def test_on_a_gpu_the_last_starts_stream_begins_before_the_settings(tmp_path):
     assert len(records) == 1, first.output()
 
     argv = ["serve", "--host", "127.0.0.1", "--port", str(free_port())]
-    events, _ = _run_until(argv, "starlette", model_dir, tmp_path / "again", cache_dir)
-    spawns = [t for t, e, _ in events if e == "stream_process"]
-    assert len(spawns) == 1 and spawns[0] < _first(events, "import", "pydantic"), events
-    # this process's GPU context is made beside the settings' import, not after it
-    contexts = [t for t, e, _ in events if e == "coldbrew-cuda-context_thread"]
-    assert len(contexts) == 1 and contexts[0] < _first(events, "import", "pydantic"), events
-    assert (
-        "the stream begun at process start is the one wanted"
-        in (tmp_path / "again" / "entry.log").read_text()
-    )
+    engine, _, _ = _run_until(argv, "starlette", model_dir, tmp_path / "again", cache_dir)
+    torch_at = _first(engine, "import", "torch")
+    spawns = [t for t, e, _ in engine if e == "stream_process"]
+    assert len(spawns) == 1 and spawns[0] < torch_at, engine
+    # the engine's GPU context is made beside its imports, not after them
+    contexts = [t for t, e, _ in engine if e == "coldbrew-cuda-context_thread"]
+    assert len(contexts) == 1 and contexts[0] < torch_at, engine
+    # the start proper (once the settings came) adopts it: seen in a start that reaches ready
+    again = ServeProcess({"MODEL_NAME": model_dir, "CACHE_DIR": str(cache_dir)})
+    again.stop()
+    assert "the stream begun at process start is the one wanted" in again.output()
 
     body = json.loads(records[0].read_text())
     body["stream"]["device"] = "cuda:1"  # not what the start proper asks for: a wrong guess
     records[0].write_text(json.dumps(body))
-    events, _ = _run_until(argv, "starlette", model_dir, tmp_path / "wrong", cache_dir)
-    spawns = [t for t, e, _ in events if e == "stream_process"]
-    assert len(spawns) == 2 and spawns[0] < _first(events, "import", "pydantic"), events
-    assert "stopped the early stream" in (tmp_path / "wrong" / "entry.log").read_text()
+    wrong = ServeProcess({"MODEL_NAME": model_dir, "CACHE_DIR": str(cache_dir)})
+    wrong.stop()
+    assert "stopped the early stream" in wrong.output()

@@ -1,6 +1,6 @@
-"""`python -m handler serve` with TENSOR_PARALLEL_SIZE=2 on CPU: the one process starts its other
-rank itself, serves what one process serves, and when that rank dies the request in flight fails and
-the server exits 1."""
+"""`python -m handler serve` with TENSOR_PARALLEL_SIZE=2 on CPU: the server's engine process starts
+its other rank itself, serves what one process serves, and when that rank dies the request in flight
+fails and the server exits 1."""
 
 from __future__ import annotations
 
@@ -72,7 +72,8 @@ def test_serve_starts_its_ranks_and_exits_1_when_one_dies(model_dir, tmp_path):
         }
         out = httpx.post(server.base_url + "/v1/completions", json=body, timeout=120).json()
         assert out["choices"][0]["text"] == ref
-        (rank1,) = _children_running(server.proc.pid, "warmup.ranks")
+        (engine,) = _children_running(server.proc.pid, "handler.engine_process")
+        (rank1,) = _children_running(engine, "warmup.ranks")
 
         # The next step waits for rank 1 inside a collective: the request is in flight for sure.
         os.kill(rank1, signal.SIGSTOP)

@@ -89,10 +89,50 @@ class StartArgs:
     engine_options: dict[str, Any] = field(default_factory=dict)
     engine_mode: str = "auto"  # jit | compiled | auto
     locate: Callable[[], str] | None = None  # finds the model's directory instead of cache.resolve
-    entry: str = ""  # the entry starting ("serve", "worker", "worker-api"): its own start pages
+    # the entry starting ("serve-engine", "worker", "worker-api"): its own start pages
+    entry: str = ""
     # the environment variables whose values chose this start's weight stream (never secrets):
     # with an entry, the stream is recorded for the next start to begin early (cache.early_stream)
     stream_env: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class HeadStart:
+    """What an engine in a process of its own did before its arguments came (head_start)."""
+
+    began: float  # time.perf_counter() when it began
+    age: float | None  # the process's age then (the start's before_boot)
+    phases: dict[str, float]  # its phases, seconds: the start adds its own to them
+    tokenizer: tuple[str, str | None] | None  # the tokenizer it loaded on a guess: (dir, template)
+
+
+def head_start(entry: str) -> HeadStart | None:
+    """The start's first phases, begun before its arguments are known, by an engine whose process
+    starts beside the entry point's own (handler.engine_process): the last start's weight stream
+    begun again (cache.early_stream, with the GPU's context on a thread), its tokenizer loaded on
+    that guess, Triton's key begun, then `import torch`, while the entry point reads its settings.
+    None, having done nothing, when there is no such record (a first start: then the start runs in
+    order once its arguments come, the weights moving before torch)."""
+    began, age = time.perf_counter(), process_age_s()
+    if not early_stream.begin(entry):
+        return None
+    phases: dict[str, float] = {}
+    tokenizer = early_stream.tokenizer_hint(entry)
+    if tokenizer is not None:
+        from engine.tokenizer import preload
+
+        t0 = time.perf_counter()
+        preload(*tokenizer)
+        phases["tokenizer"] = time.perf_counter() - t0
+    from warmup.triton_key import start_triton_key
+
+    triton_env.apply()  # before Triton's first import, here and in the key's interpreter
+    start_triton_key()  # the start proper takes this one
+    t0 = time.perf_counter()
+    import torch  # noqa: F401 - the weights are moving: see the module's docstring
+
+    phases["import_torch"] = time.perf_counter() - t0
+    return HeadStart(began, age, phases, tokenizer)
 
 
 _gc_held = False  # hold_gc() turned the cyclic GC off; the end of the start turns it back on
@@ -136,10 +176,12 @@ class EngineStart:
     """One run of the start sequence. begin() returns at once; `future` gives the AsyncLLM or the
     error."""
 
-    def __init__(self, args: StartArgs):
+    def __init__(self, args: StartArgs, head: HeadStart | None = None):
         self.args = args
+        self.head = head  # what an engine process did before its arguments came (head_start)
         self.phases: dict[str, float] = {}  # phase -> seconds, in the order they ran
         self.model_dir: Path | None = None
+        self.tokenizer_dir: Path | None = None  # the tokenizer's, once resolved
         self.weight_stream: str | None = None  # "device_stream" or "prefetch", once started
         self.selection = None  # warmup.artifacts.Selection: jit or compiled, and why
         self.kernels = None  # warmup.ready.KernelWarmup: what the ready-time warm-up loaded
@@ -158,9 +200,11 @@ class EngineStart:
             self.future.set_running_or_notify_cancel()
             hold_gc()
             start_pages.watch_opens()  # the start's own data files join its start pages
-            age = process_age_s()
+            age = process_age_s() if self.head is None else self.head.age
             if age is not None:
                 self.phases["before_boot"] = age
+            if self.head is not None:
+                self.phases.update(self.head.phases)
             self._thread = threading.Thread(target=self._run, name="coldbrew-start", daemon=True)
             self._thread.start()
         return self
@@ -200,6 +244,10 @@ class EngineStart:
             finally:  # before the future wakes a waiter, which may look for it
                 if self._tokenizer_path is not None:  # the engine took it, or it failed first
                     discard_tokenizer(self._tokenizer_path, self.args)
+                if self.head is not None and self.head.tokenizer is not None:  # a wrong guess
+                    from engine.tokenizer import discard_preload
+
+                    discard_preload(*self.head.tokenizer)
         except BaseException as exc:  # reported to every waiter; the caller decides the rest
             cancel_early()  # a stream begun at process start that the start never took
             release_gc()
@@ -216,8 +264,8 @@ class EngineStart:
         t0 = time.perf_counter()
         try:
             return fn(*args)
-        finally:
-            self.phases[phase] = time.perf_counter() - t0
+        finally:  # added to the head start's time for the same phase, if any
+            self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - t0
 
     def _resolve(self, role: str, ref: str, revision: str | None) -> Path:
         import cache
@@ -239,13 +287,14 @@ class EngineStart:
         """The sequence on the calling thread (begin() runs it on its own thread); returns the
         AsyncLLM or raises."""
         a = self.args
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if self.head is None else self.head.began
         self.model_dir = self._timed("resolve", self._resolve, "model", a.model, a.revision)
         tokenizer_dir = None
         if a.tokenizer:
             tokenizer_dir = self._timed(
                 "resolve_tokenizer", self._resolve, "tokenizer", a.tokenizer, a.tokenizer_revision
             )
+        self.tokenizer_dir = tokenizer_dir or self.model_dir
         pages = start_pages.default_path(a.cache_dir, a.entry)
         # Tensor parallelism: ranks 1..N-1 start now and stream their own shards; this is rank 0.
         tp_size = a.engine_options.get("tensor_parallel_size", 1)
@@ -274,7 +323,9 @@ class EngineStart:
         from engine.device_warmup import begin_cublas, begin_triton
         from engine.models.weights import preload_weights  # torch and the config, no model code
 
-        self.phases["import_torch"] = time.perf_counter() - t_import
+        self.phases["import_torch"] = self.phases.get("import_torch", 0.0) + (
+            time.perf_counter() - t_import
+        )
         tokenizer = str(tokenizer_dir) if tokenizer_dir else None
         args = EngineArgs(
             model=str(self.model_dir), tokenizer=tokenizer, device=a.device, **a.engine_options
@@ -313,7 +364,8 @@ class EngineStart:
                 model_dir=str(self.model_dir), device=a.device, start_pages=pages, want=want
             )
             path = early_stream.record_path(a.cache_dir, a.entry)
-            early_stream.record(path, a.stream_env, os.environ, stream)
+            tokenizer = dict(dir=str(self.tokenizer_dir), chat_template=self._chat_template())
+            early_stream.record(path, a.stream_env, os.environ, stream, tokenizer)
         phases = ", ".join(f"{k} {v:.2f}s" for k, v in self.phases.items() if k != "total")
         log.info(
             "ready: model %s from %s in %.2fs (%s)",
@@ -384,6 +436,9 @@ class EngineStart:
             cuda_driver.primary_context(ordinal)
         except (cuda_driver.CudaError, OSError) as exc:
             log.debug("no CUDA context before torch: %s", exc)
+
+    def _chat_template(self) -> str | None:
+        return self.args.engine_options.get("chat_template")
 
     def _engine_mode(self, args):
         from cache.resolver import make_s3_options

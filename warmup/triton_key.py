@@ -29,18 +29,21 @@ class TritonKey:
             stderr=subprocess.DEVNULL,
             stdin=subprocess.DEVNULL,
         )
+        self._key: str | None = None  # its answer, once read
 
     def install(self, timeout: float = 30.0) -> bool:
         """Give Triton the key computed meanwhile (waits for it if need be); False if there is none
         to give."""
-        try:
-            out, _ = self._proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-            return False
-        key = out.decode().strip()
-        if self._proc.returncode != 0 or not key:
+        if self._key is None:
+            try:
+                out, _ = self._proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+                out = b""
+            self._key = out.decode().strip() if self._proc.returncode == 0 else ""
+        key = self._key
+        if not key:
             return False
         try:
             import triton.runtime.cache as triton_cache
@@ -61,9 +64,14 @@ class TritonKey:
         return True
 
 
+_started: TritonKey | None = None
+
+
 def start_triton_key() -> TritonKey | None:
-    """Begin computing the key; call before `import torch`, and install() before the engine's first
-    kernel. None without an NVIDIA driver: the CPU engine runs no Triton kernel."""
-    if not os.path.exists("/dev/nvidiactl"):
-        return None
-    return TritonKey()
+    """Begin computing the key (once per process: a later call returns the same one); call before
+    `import torch`, and install() before the engine's first kernel. None without an NVIDIA driver:
+    the CPU engine runs no Triton kernel."""
+    global _started
+    if _started is None and os.path.exists("/dev/nvidiactl"):
+        _started = TritonKey()
+    return _started
