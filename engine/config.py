@@ -298,6 +298,10 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     seed: int = 0
     chat_template: str | None = None
+    # No tokenizer at start (vLLM's flag): prompts are token ids and outputs carry token ids only,
+    # no text; stop strings are refused. The caller detokenizes (engine.output_text). A grammar
+    # request loads the tokenizer then, for its token table.
+    skip_tokenizer_init: bool = False
     # Weights: "auto" loads the engine-ready pack when one matches, else safetensors and writes the
     # pack (under pack_dir, default <model>/packs); "pack" fails if the pack can't be written;
     # "safetensors" never uses packs.

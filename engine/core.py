@@ -168,6 +168,11 @@ class EngineCore:
         leave()
 
     def _load_tokenizer(self) -> Tokenizer | None:
+        if self.args.skip_tokenizer_init:
+            return None
+        return self._read_tokenizer()
+
+    def _read_tokenizer(self) -> Tokenizer | None:
         path = self.args.tokenizer or self.args.model
         if not os.path.isfile(os.path.join(path, "tokenizer.json")):
             log.warning(
@@ -185,16 +190,28 @@ class EngineCore:
         ValueError for a model without a tokenizer."""
         with self._grammars_lock:
             if self._grammars is None:
-                if self.tokenizer is None:
+                tokenizer = self.tokenizer
+                if tokenizer is None and self.args.skip_tokenizer_init:
+                    tokenizer = self._read_tokenizer()  # the caller detokenizes: loaded now
+                if tokenizer is None:
                     raise ValueError(
                         "structured_outputs: this model has no tokenizer.json, so it has no grammar"
                     )
                 from engine.structured import GrammarBackend
 
                 self._grammars = GrammarBackend.from_tokenizer(
-                    self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
+                    tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
                 )
             return self._grammars
+
+    def add_eos_token_ids(self, token_ids: list[int]) -> None:
+        """More tokens that end a sequence: the tokenizer's own end-of-sequence token, from a caller
+        that holds the tokenizer (skip_tokenizer_init). Before the first request."""
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"eos_token_ids: token ids must be in [0, {vocab}), got {bad}")
+        self.eos_token_ids.update(token_ids)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """A prompt in any accepted form -> (text or None, token ids), validated against the

@@ -337,6 +337,10 @@ class AsyncLLM:
         async for out in self.generate(request_id, ids, params):
             yield out
 
+    async def add_eos_token_ids(self, token_ids: list[int]) -> None:
+        """EngineCore.add_eos_token_ids, between two steps."""
+        await asyncio.wrap_future(self._call(self.engine.add_eos_token_ids, list(token_ids)))
+
     async def abort(self, request_id: str) -> None:
         """End the request (its stream gets a final output with finish_reason "abort"); blocks are
         free on return."""

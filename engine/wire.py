@@ -76,6 +76,7 @@ class OutputDeltas:
     def __init__(self) -> None:
         self._sent: dict[int, tuple[str, int, int]] = {}  # index -> (text, ids, logprobs) sent
         self._first = True
+        self._prompt_logprobs = 0  # positions sent (a chunked prompt adds them step by step)
 
     def delta(self, out: RequestOutput) -> dict:
         seqs = []
@@ -102,12 +103,14 @@ class OutputDeltas:
             "metrics": dataclasses.asdict(out.metrics) if out.metrics is not None else None,
             "num_cached_tokens": out.num_cached_tokens,
         }
-        if self._first:  # the prompt's fields do not change
+        if self._first:  # the prompt and its ids do not change
             self._first = False
             msg["prompt"] = out.prompt
             msg["prompt_token_ids"] = out.prompt_token_ids
-            plp = out.prompt_logprobs
-            msg["prompt_logprobs"] = None if plp is None else _positions_to_wire(plp)
+        plp = out.prompt_logprobs
+        if plp is not None:
+            msg["prompt_logprobs"] = _positions_to_wire(plp[self._prompt_logprobs :])
+            self._prompt_logprobs = len(plp)
         return msg
 
 
@@ -117,16 +120,16 @@ class OutputAssembly:
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self._prompt: tuple = (None, [], None)
+        self._prompt: tuple = (None, [])
+        self._prompt_logprobs: list[PositionLogprobs | None] | None = None
         self._seqs: dict[int, CompletionOutput] = {}
 
     def apply(self, delta: dict) -> RequestOutput:
         if "prompt_token_ids" in delta:
-            plp = delta["prompt_logprobs"]
-            self._prompt = (
-                delta["prompt"],
-                delta["prompt_token_ids"],
-                None if plp is None else _positions_from_wire(plp),
+            self._prompt = (delta["prompt"], delta["prompt_token_ids"])
+        if delta.get("prompt_logprobs") is not None:
+            self._prompt_logprobs = (self._prompt_logprobs or []) + _positions_from_wire(
+                delta["prompt_logprobs"]
             )
         for d in delta["outputs"]:
             before = self._seqs.get(d["index"])
@@ -147,12 +150,13 @@ class OutputAssembly:
                 stop_reason=d["stop_reason"],
             )
         metrics = delta["metrics"]
-        prompt, prompt_ids, prompt_lps = self._prompt
+        prompt, prompt_ids = self._prompt
+        plp = self._prompt_logprobs
         return RequestOutput(
             request_id=self.request_id,
             prompt=prompt,
             prompt_token_ids=prompt_ids,
-            prompt_logprobs=prompt_lps,
+            prompt_logprobs=list(plp) if plp is not None else None,
             outputs=[self._seqs[d["index"]] for d in delta["outputs"]],
             finished=delta["finished"],
             metrics=RequestMetrics(**metrics) if metrics is not None else None,

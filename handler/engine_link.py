@@ -10,6 +10,7 @@ the server's, from process start. One Unix socket joins them, one JSON object pe
 (handler.front_link's encoding):
 
   server -> engine  {"op": "start", "args": {...}, "log_level": L}     once, first
+                    {"op": "eos", "ids": [...]}              the tokenizer's end token, once
                     {"op": "generate", "id": R, "prompt": P, "params": {...}}  (engine.wire)
                     {"op": "abort", "id": R}                 the request's reader left
                     {"op": "shutdown"}                       the server is done with it
@@ -21,8 +22,10 @@ the server's, from process start. One Unix socket joins them, one JSON object pe
                     {"op": "stats", "stats": {...}}          the engine's counters, as they change
                     {"op": "dead", "type": T, "message": M}  the engine died (a CUDA fault, ...)
 
-The server's process loads the same tokenizer itself (its chat templates, prompts and tool calls);
-the engine detokenizes its own outputs, as in one process.
+The engine runs without its tokenizer (EngineArgs.skip_tokenizer_init): it takes token ids and
+gives token ids, and the server's process, which holds the tokenizer (chat templates, prompts, tool
+calls), makes the outputs' text, stop strings and logprobs' tokens (engine.output_text); so the
+tokenizer's load is off the engine's way to its first token.
 """
 
 from __future__ import annotations
@@ -39,19 +42,26 @@ from handler import front_link
 from handler.engine_process import ENTRY
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHUTDOWN_WAIT_S = 30.0  # the most the server waits for the engine's process to end after shutdown
 
 
 class EngineGone(RuntimeError):
-    """The engine's process died, or its engine did (the message says which and why)."""
+    """The engine's process ended while the server still needed it."""
 
 
 class RemoteError(RuntimeError):
-    """An error the engine's process reported; `kind` is its type's name there."""
+    """An error the engine's process reported, as remote_error() makes it."""
 
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
+
+_REMOTE_ERRORS: dict[str, type[RemoteError]] = {}
+
+
+def remote_error(kind: str, message: str) -> RemoteError:
+    """An error the engine's process reported, under its type's name there (so a request's 500 and
+    the server's log name it as the one-process server does)."""
+    cls = _REMOTE_ERRORS.get(kind)
+    if cls is None:
+        cls = _REMOTE_ERRORS[kind] = type(kind, (RemoteError,), {"__module__": __name__})
+    return cls(message)
 
 
 class EngineProcess:
@@ -115,6 +125,10 @@ class RemoteEngine:
             ),
         )
         self._stats = stats_from_wire(stats)
+        self.eos_token_ids = set(f["eos_token_ids"])
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(tokenizer.eos_token_id)
+            link.send({"op": "eos", "ids": [tokenizer.eos_token_id]})
 
     @property
     def errored(self) -> BaseException | None:
@@ -123,12 +137,23 @@ class RemoteEngine:
     def stats_nowait(self):
         return self._stats
 
+    def take_stats(self, data: dict) -> None:
+        """The engine's latest counters (engine.wire)."""
+        from engine.wire import stats_from_wire
+
+        self._stats = stats_from_wire(data)
+
     async def generate(self, request_id: str, prompt, params=None):
         import asyncio
 
+        from engine.output_text import OutputText, engine_params
         from engine.wire import OutputAssembly, params_to_wire
 
         link = self._link
+        if self.tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer; pass token ids")
+        if isinstance(prompt, str):
+            prompt = await asyncio.to_thread(self.tokenizer.encode, prompt)
         if link.errored is not None:
             raise RuntimeError(f"engine is dead: {link.errored!r}")
         if request_id in link.streams:
@@ -136,14 +161,15 @@ class RemoteEngine:
         queue: asyncio.Queue = asyncio.Queue()
         link.streams[request_id] = queue
         assembly = OutputAssembly(request_id)
-        finished = False
+        text = OutputText(self.tokenizer, params, self.eos_token_ids)
+        engine_done = finished = False
         try:
             link.send(
                 {
                     "op": "generate",
                     "id": request_id,
                     "prompt": prompt,
-                    "params": params_to_wire(params),
+                    "params": params_to_wire(engine_params(params)),
                 }
             )
             while not finished:
@@ -154,17 +180,18 @@ class RemoteEngine:
                 for item in items:
                     if isinstance(item, BaseException):
                         raise item
-                    out = assembly.apply(item)
+                    engine_out = assembly.apply(item)
+                    engine_done = engine_out.finished
+                    out = text.process(engine_out)
+                    if out.finished:  # a stop string can end it before the engine knows
+                        break
                 finished = out.finished
                 yield out
         finally:
             if link.streams.get(request_id) is queue:
                 del link.streams[request_id]
-            if not finished and link.errored is None:
+            if not engine_done and link.errored is None:
                 link.send({"op": "abort", "id": request_id})
-
-    async def abort(self, request_id: str) -> None:
-        self._link.send({"op": "abort", "id": request_id})
 
     def shutdown(self) -> None:
         self._link.shutdown()
@@ -206,12 +233,10 @@ class RemoteLink:
             if queue is not None:
                 kind, message = msg["type"], msg["message"]
                 queue.put_nowait(
-                    ValueError(message) if kind == "ValueError" else RemoteError(kind, message)
+                    ValueError(message) if kind == "ValueError" else remote_error(kind, message)
                 )
         elif op == "stats" and self.engine is not None:
-            from engine.wire import stats_from_wire
-
-            self.engine._stats = stats_from_wire(msg["stats"])
+            self.engine.take_stats(msg["stats"])
         elif op == "resolved":
             self.boot.resolved(msg["model_dir"], msg["tokenizer_dir"])
         elif op == "ready":
@@ -219,7 +244,7 @@ class RemoteLink:
         elif op == "failed":
             self.boot.start_failed(msg["type"], msg["message"])
         elif op == "dead":
-            self._die(EngineGone(f"engine: {msg['type']}: {msg['message']}"))
+            self._die(remote_error(msg["type"], msg["message"]))
 
     def _die(self, exc: BaseException) -> None:
         if self.errored is None:
@@ -249,7 +274,10 @@ class RemoteBoot:
 
         self.settings = settings
         self.process = process
-        self.args = start_args(settings, ENTRY)
+        args = start_args(settings, ENTRY)
+        # the engine gives token ids; this process detokenizes (engine.output_text)
+        options = dict(args.engine_options, skip_tokenizer_init=True)
+        self.args = dataclasses.replace(args, engine_options=options)
         self.phases: dict[str, float] = {}
         self.model_dir: str | None = None
         self._tokenizer = None  # a Future of this process's tokenizer, once resolved
@@ -257,6 +285,8 @@ class RemoteBoot:
         self._failed: BaseException | None = None
         self._engine: RemoteEngine | None = None
         self._link: RemoteLink | None = None
+        self._reading = None  # the task reading the engine's process, once started
+        self._guess = None  # (directory, template) of the tokenizer loaded on a guess, its thread
         process.send_start(self.args, settings.log_level, settings.baked_model_dir)
         self._begin_tokenizer_guess()
 
@@ -275,7 +305,9 @@ class RemoteBoot:
 
                 preload(*hint)
 
-            threading.Thread(target=load, name="coldbrew-tokenizer", daemon=True).start()
+            thread = threading.Thread(target=load, name="coldbrew-tokenizer", daemon=True)
+            thread.start()
+            self._guess = (hint, thread)
 
     # ---- EngineBoot's face -----------------------------------------------------------------------
     def entry_imports(self):
@@ -334,7 +366,7 @@ class RemoteBoot:
         self.model_dir = model_dir
         template = self.args.engine_options.get("chat_template")
         self._tokenizer = asyncio.ensure_future(
-            asyncio.to_thread(_load_tokenizer, tokenizer_dir, template)
+            asyncio.to_thread(_load_tokenizer, tokenizer_dir, template, self._guess)
         )
 
     def engine_ready(self, link: RemoteLink, msg: dict) -> None:
@@ -360,17 +392,26 @@ class RemoteBoot:
 
         if self._failed is None and self._engine is None:
             self._failed = (
-                ModelLoadError(message) if kind == "ModelLoadError" else RemoteError(kind, message)
+                ModelLoadError(message) if kind == "ModelLoadError" else remote_error(kind, message)
             )
             if self._ready is not None and not self._ready.done():
                 self._ready.set_exception(self._failed)
                 self._ready.exception()  # retrieved: a boot nobody awaited logs nothing
 
 
-def _load_tokenizer(path: str, chat_template: str | None):
-    """The tokenizer as the engine loads it (engine.core); None without a tokenizer.json."""
-    from engine.tokenizer import Tokenizer
+def _load_tokenizer(path: str, chat_template: str | None, guess: tuple | None):
+    """The tokenizer as the engine loads it (engine.core), taking the one loaded on `guess` (its
+    arguments, its thread) if that was right and dropping it if not; None without a tokenizer.json.
+    """
+    from engine.tokenizer import Tokenizer, discard_preload
 
-    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-        return None
-    return Tokenizer.from_dir(path, chat_template=chat_template)
+    if guess is not None:
+        guess[1].join()
+        guess = guess[0]
+    try:
+        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+            return None
+        return Tokenizer.from_dir(path, chat_template=chat_template)
+    finally:
+        if guess is not None:
+            discard_preload(*guess)  # nothing, when from_dir took it

@@ -1,5 +1,6 @@
 """The engine's own process under `python -m handler serve`: the start sequence and the AsyncLLM,
-answering the server's process over one socket (handler.engine_link lists the messages).
+answering the server's process over one socket (handler.engine_link lists the messages). It takes
+token ids and gives token ids: the server holds the tokenizer (EngineArgs.skip_tokenizer_init).
 
 `python -m handler.engine_process FD`, FD its end of the socket. It begins before the server has
 read its settings: the last start's weights, tokenizer and `import torch` first
@@ -11,12 +12,15 @@ server's to act on: this process ends when the server says so or its end of the 
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
 import sys
 
 from handler import front_link
+
+log = logging.getLogger(__name__)
 
 # The engine's start's name for its records (its start pages, its weight stream and tokenizer to
 # begin early: cache.early_stream): its own, as the files it opens are not the server's.
@@ -62,7 +66,7 @@ def _facts(engine) -> dict:
         "model": core.args.model,
         "block_size": core.args.block_size,
         "max_num_seqs": core.args.max_num_seqs,
-        "has_tokenizer": engine.tokenizer is not None,
+        "eos_token_ids": sorted(core.eos_token_ids),
     }
 
 
@@ -123,6 +127,11 @@ class Link:
                     self.tasks[rid] = asyncio.ensure_future(
                         self._generate(rid, msg["prompt"], msg["params"])
                     )
+                elif msg["op"] == "eos":  # before any request: the server's tokenizer's
+                    try:
+                        await engine.add_eos_token_ids(msg["ids"])
+                    except ValueError as exc:  # a tokenizer beyond the model's vocabulary
+                        log.warning("the tokenizer's end-of-sequence token is not used: %s", exc)
                 elif msg["op"] == "abort":
                     task = self.tasks.get(msg["id"])
                     if task is not None:
@@ -152,7 +161,8 @@ class Link:
             kind = "ValueError" if isinstance(exc, ValueError | TypeError) else type(exc).__name__
             self.send({"op": "error", "id": rid, "type": kind, "message": str(exc)})
         finally:
-            self.tasks.pop(rid, None)
+            if self.tasks.get(rid) is asyncio.current_task():
+                del self.tasks[rid]
 
     async def _watch(self) -> None:
         """The engine's counters to the server while they change; a dead engine reported once."""
@@ -188,8 +198,6 @@ def main() -> None:
         cancel_early()
         release_gc()
         os._exit(0)
-    import logging
-
     logging.basicConfig(
         level=first["log_level"], format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

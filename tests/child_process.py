@@ -1,6 +1,7 @@
 """Test helper: end child processes the way the fault and shutdown tests need (a signal, a bounded
 wait, a kill), run a child script until it announces that it is midway, then SIGKILL it there, and
-run a script under triton's CPU interpreter, and the PYTHONPATH a child of the repo gets.
+run a script under triton's CPU interpreter, the PYTHONPATH a child of the repo gets, and a
+process's children that run a given module.
 """
 
 from __future__ import annotations
@@ -95,3 +96,18 @@ def run_with_triton_cache(script: str, cache_dir) -> subprocess.CompletedProcess
     return subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
     )
+
+
+def children_running(parent: int, module: str) -> list[int]:
+    """Pids of `parent`'s children whose command line runs `module` (read from Linux's /proc)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        ppid = next(int(ln.split()[1]) for ln in status.splitlines() if ln.startswith("PPid:"))
+        if ppid == parent and module.encode() in cmdline:
+            found.append(int(pid))
+    return found

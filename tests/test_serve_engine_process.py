@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from child_process import repo_pythonpath
+from child_process import children_running, repo_pythonpath
 from serve_process import ServeProcess
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,21 +33,6 @@ def _hook(event, args):
 
 sys.addaudithook(_hook)
 """
-
-
-def _children(parent: int, module: str) -> list[int]:
-    """Pids of `parent`'s children running `module` (Linux's /proc)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            continue
-        ppid = next(int(ln.split()[1]) for ln in status.splitlines() if ln.startswith("PPid:"))
-        if ppid == parent and module.encode() in cmdline:
-            found.append(int(pid))
-    return found
 
 
 def _gone(pid: int, timeout: float) -> bool:
@@ -78,7 +63,7 @@ def test_the_server_answers_every_kind_of_request_without_importing_torch(smollm
         }
     )
     try:
-        (engine,) = _children(server.proc.pid, "handler.engine_process")
+        (engine,) = children_running(server.proc.pid, "handler.engine_process")
         url = server.base_url + "/v1"
         chat = {
             "model": smollm2_dir,
@@ -117,7 +102,7 @@ def test_the_server_answers_every_kind_of_request_without_importing_torch(smollm
 
 def test_the_engine_process_ends_when_the_server_is_killed(smollm2_dir, tmp_path):
     server = ServeProcess({"MODEL_NAME": smollm2_dir, "CACHE_DIR": str(tmp_path / "cache")})
-    (engine,) = _children(server.proc.pid, "handler.engine_process")
+    (engine,) = children_running(server.proc.pid, "handler.engine_process")
     server.proc.send_signal(signal.SIGKILL)
     server.proc.wait(30)
     assert _gone(engine, 30), "the engine's process outlived a killed server"

@@ -8,11 +8,11 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
+from child_process import children_running
 from engine import LLM, SamplingParams
 from serve_process import ServeProcess
 from tiny_models import add_char_tokenizer, make_tiny_model
@@ -26,23 +26,6 @@ def model_dir(tmp_path_factory) -> str:
     make_tiny_model("llama", str(d))
     add_char_tokenizer(str(d))
     return str(d)
-
-
-def _children_running(parent: int, module: str) -> list[int]:
-    """Pids of `parent`'s children whose command line runs `module` (read from Linux's /proc)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            continue
-        ppid = next(
-            int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:")
-        )
-        if ppid == parent and module.encode() in cmdline:
-            found.append(int(pid))
-    return found
 
 
 def test_serve_starts_its_ranks_and_exits_1_when_one_dies(model_dir, tmp_path):
@@ -72,8 +55,8 @@ def test_serve_starts_its_ranks_and_exits_1_when_one_dies(model_dir, tmp_path):
         }
         out = httpx.post(server.base_url + "/v1/completions", json=body, timeout=120).json()
         assert out["choices"][0]["text"] == ref
-        (engine,) = _children_running(server.proc.pid, "handler.engine_process")
-        (rank1,) = _children_running(engine, "warmup.ranks")
+        (engine,) = children_running(server.proc.pid, "handler.engine_process")
+        (rank1,) = children_running(engine, "warmup.ranks")
 
         # The next step waits for rank 1 inside a collective: the request is in flight for sure.
         os.kill(rank1, signal.SIGSTOP)

@@ -1,8 +1,9 @@
 """The one start sequence: a model reference -> a running AsyncLLM, the weights moving before torch.
 
-The RunPod worker, the HTTP server and the cold-start benchmark all run it (the handler through
-EngineBoot, which turns its settings into StartArgs). In order, on a thread of its own, each phase
-timed:
+The RunPod worker, the HTTP server's engine process and the cold-start benchmark all run it (the
+handler through EngineBoot, which turns its settings into StartArgs; the server through
+handler.engine_link, which sends them to its engine's process). In order, on a thread of its own,
+each phase timed:
 
   resolve        the model (and tokenizer) reference -> a local snapshot directory (cache.resolve)
   stream_start   the weights set moving: the pack to the GPU from a second process, else the
@@ -10,7 +11,8 @@ timed:
                  begins in a second interpreter
   tokenizer      the engine's tokenizer loaded (engine.tokenizer.preload), while the GPU's
                  primary context (the one torch then uses) is made on a thread by driver calls that
-                 leave the interpreter free
+                 leave the interpreter free; none for an engine whose caller detokenizes
+                 (skip_tokenizer_init)
   cuda_context   the wait for that context, made current on this thread
   entry_imports  the entry point's own imports (Starlette and uvicorn; the job handling), which it
                  makes meanwhile; the start waits for them to end (EngineStart.entry_imports)
@@ -29,6 +31,9 @@ timed:
 
 After ready, once the first request is served, the rest of the kernel set is loaded (or compiled out
 of process) in the background (warmup.ready) and shared with the next worker (warmup.fleet).
+
+An engine in a process of its own begins before its arguments come (head_start): the last start's
+weight stream and `import torch` first; the sequence then finds them done.
 
 `before_boot` is the time from process start to the start of this sequence (interpreter, settings).
 Module-level imports are the stdlib and cache's stdlib-only start modules: importing this costs no
@@ -103,27 +108,19 @@ class HeadStart:
     began: float  # time.perf_counter() when it began
     age: float | None  # the process's age then (the start's before_boot)
     phases: dict[str, float]  # its phases, seconds: the start adds its own to them
-    tokenizer: tuple[str, str | None] | None  # the tokenizer it loaded on a guess: (dir, template)
 
 
 def head_start(entry: str) -> HeadStart | None:
     """The start's first phases, begun before its arguments are known, by an engine whose process
-    starts beside the entry point's own (handler.engine_process): the last start's weight stream
-    begun again (cache.early_stream, with the GPU's context on a thread), its tokenizer loaded on
-    that guess, Triton's key begun, then `import torch`, while the entry point reads its settings.
-    None, having done nothing, when there is no such record (a first start: then the start runs in
-    order once its arguments come, the weights moving before torch)."""
+    starts beside the entry point's own and detokenizes nothing (handler.engine_process): the last
+    start's weight stream begun again (cache.early_stream, with the GPU's context on a thread),
+    Triton's key begun, then `import torch`, while the entry point reads its settings. None, having
+    done nothing, when there is no such record (a first start: then the start runs in order once its
+    arguments come, the weights moving before torch)."""
     began, age = time.perf_counter(), process_age_s()
     if not early_stream.begin(entry):
         return None
     phases: dict[str, float] = {}
-    tokenizer = early_stream.tokenizer_hint(entry)
-    if tokenizer is not None:
-        from engine.tokenizer import preload
-
-        t0 = time.perf_counter()
-        preload(*tokenizer)
-        phases["tokenizer"] = time.perf_counter() - t0
     from warmup.triton_key import start_triton_key
 
     triton_env.apply()  # before Triton's first import, here and in the key's interpreter
@@ -132,7 +129,7 @@ def head_start(entry: str) -> HeadStart | None:
     import torch  # noqa: F401 - the weights are moving: see the module's docstring
 
     phases["import_torch"] = time.perf_counter() - t0
-    return HeadStart(began, age, phases, tokenizer)
+    return HeadStart(began, age, phases)
 
 
 _gc_held = False  # hold_gc() turned the cyclic GC off; the end of the start turns it back on
@@ -244,10 +241,6 @@ class EngineStart:
             finally:  # before the future wakes a waiter, which may look for it
                 if self._tokenizer_path is not None:  # the engine took it, or it failed first
                     discard_tokenizer(self._tokenizer_path, self.args)
-                if self.head is not None and self.head.tokenizer is not None:  # a wrong guess
-                    from engine.tokenizer import discard_preload
-
-                    discard_preload(*self.head.tokenizer)
         except BaseException as exc:  # reported to every waiter; the caller decides the rest
             cancel_early()  # a stream begun at process start that the start never took
             release_gc()
@@ -311,8 +304,9 @@ class EngineStart:
         # Meanwhile the entry point makes its imports, and the driver makes the GPU's context on a
         # thread that holds no interpreter lock: this one does the start's torch-free work then.
         self._begin_cuda_context()
-        self._tokenizer_path = str(tokenizer_dir or self.model_dir)
-        self._timed("tokenizer", preload_tokenizer, self._tokenizer_path, a)
+        if not a.engine_options.get("skip_tokenizer_init"):  # else the caller detokenizes
+            self._tokenizer_path = str(self.tokenizer_dir)
+            self._timed("tokenizer", preload_tokenizer, self._tokenizer_path, a)
         self._timed("cuda_context", self._cuda_context)
         self._timed("entry_imports", self._entry_imported.wait, ENTRY_IMPORTS_WAIT_S)
 
