@@ -302,21 +302,18 @@ def _preload_key(path: str, chat_template: str | None) -> tuple[str, str | None]
 
 def preload(path: str, chat_template: str | None = None) -> bool:
     """Load `path`'s tokenizer now, for the next Tokenizer.from_dir(path, chat_template) to take;
-    True if one was loaded (or one is already waiting there).
+    True if one was loaded.
 
     The start (warmup.start) calls this before `import torch`, while the GPU's context is being
     made and the interpreter would otherwise wait: `tokenizers` parses tokenizer.json holding the
     interpreter's lock, which inside the engine's build is time on the way to the first token.
     Never raises: where there is nothing to load or the load fails, the engine's own load meets it
     and reports it in its place."""
-    key = _preload_key(path, chat_template)
-    if key in _preloaded:
-        return True
     try:
         tokenizer = Tokenizer._load(path, chat_template)
     except Exception:  # noqa: BLE001 - no tokenizer.json, or a bad one: the engine's load says so
         return False
-    _preloaded[key] = tokenizer
+    _preloaded[_preload_key(path, chat_template)] = tokenizer
     return True
 
 

@@ -23,12 +23,7 @@ from engine.structured_outputs import StructuredOutputs
 def params_to_wire(params: SamplingParams | None) -> dict | None:
     if params is None:
         return None
-    out = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
-    spec = params.structured_outputs
-    if spec is not None:
-        out["structured_outputs"] = {
-            f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
-        }
+    out = dataclasses.asdict(params)  # the grammar's spec, a dataclass too, as a dict
     if params.logit_bias is not None:  # JSON's keys are strings: pairs keep the token ids ints
         out["logit_bias"] = [[int(k), v] for k, v in params.logit_bias.items()]
     return out

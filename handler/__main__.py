@@ -19,45 +19,45 @@ import contextlib
 import sys
 
 
-def begin(entry: str):
-    """The settings from the environment, logging, and the engine's start (warmup.start's sequence,
-    through EngineBoot): returns the started EngineBoot once the weights are moving, or None when
-    the settings are invalid (the entry point then reports them in its own words)."""
+def _settings(abandon):
+    """The settings from the environment, or None when they are invalid (the entry point then
+    reports them in its own words), after `abandon()` undid what began before them and the
+    collector went back on (no start follows to turn it on)."""
     from handler.config import SettingsError, load_settings
-    from handler.engine_boot import begin as begin_boot
     from warmup.start import release_gc
 
     try:
-        settings = load_settings()
+        return load_settings()
     except SettingsError:
-        from cache.device_stream import cancel_early
-
-        cancel_early()  # a stream begun from the last start's record: no start will take it
-        release_gc()  # no start follows to turn the collector back on
+        abandon()
+        release_gc()
         return None
-    return begin_boot(settings, entry)
+
+
+def begin(entry: str):
+    """The settings, logging, and the engine's start (warmup.start's sequence, through EngineBoot):
+    returns the started EngineBoot once the weights are moving, or None when the settings are
+    invalid."""
+    from cache.device_stream import cancel_early
+    from handler.engine_boot import begin as begin_boot
+
+    # a stream begun from the last start's record: no start takes it when the settings are invalid
+    settings = _settings(cancel_early)
+    return None if settings is None else begin_boot(settings, entry)
 
 
 def begin_engine_process(process):
     """`serve`'s start, once its engine's process runs (handler.engine_process: the last start's
-    weights, tokenizer and `import torch` begin there at once): the settings here, sent to it;
-    returns the RemoteBoot, or None when the settings are invalid (the engine's process is told to
-    end, and the server reports them)."""
+    weights and `import torch` begin there at once): the settings here, sent to it; returns the
+    RemoteBoot, or None when the settings are invalid (the engine's process is told to end)."""
     from handler import engine_link
-    from handler.config import SettingsError, load_settings
+    from handler.engine_boot import configure_logging
     from warmup.start import release_gc
 
-    try:
-        settings = load_settings()
-    except SettingsError:
-        process.close()
-        release_gc()
+    settings = _settings(process.close)
+    if settings is None:
         return None
-    import logging
-
-    logging.basicConfig(
-        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(settings)
     boot = engine_link.RemoteBoot(settings, process)
     release_gc()  # this process imports no torch: its collector goes back on once it has read them
     return boot

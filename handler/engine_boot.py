@@ -102,14 +102,30 @@ def load_error(exc: BaseException) -> BaseException:
     return error
 
 
-def begin(settings: Settings, entry: str = "") -> "EngineBoot":
-    """What an entry point does once it has its settings, before its own imports: logging, then the
-    engine's start, returning once the weights move (up to STREAM_HEAD_START_S). With an entry
-    ("serve", "worker", "worker-api"), the start reads that entry's start pages and, before torch's
-    import, waits for the caller's entry_imports() block."""
+def served_names(settings: Settings, model_dir) -> list[str]:
+    """Names the OpenAI routes answer to: the override first (it is what /v1/models lists first),
+    MODEL_NAME, and the local path of the snapshot once resolved (what clients of a baked model
+    send)."""
+    s = settings
+    names = [s.openai_served_model_name_override, s.model_name or EMBEDDED_MODEL_NAME]
+    if model_dir is not None:
+        names.append(str(model_dir))
+    return list(dict.fromkeys(n for n in names if n))
+
+
+def configure_logging(settings: Settings) -> None:
+    """The entry point's log lines: LOG_LEVEL, timestamped, to stderr."""
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+
+
+def begin(settings: Settings, entry: str = "") -> "EngineBoot":
+    """What an entry point does once it has its settings, before its own imports: logging, then the
+    engine's start, returning once the weights move (up to STREAM_HEAD_START_S). With an entry
+    ("worker", "worker-api"), the start reads that entry's start pages and, before torch's import,
+    waits for the caller's entry_imports() block."""
+    configure_logging(settings)
     boot = EngineBoot(settings, entry)
     if entry:
         boot.engine_start.hold_for_entry_imports()
@@ -148,14 +164,7 @@ class EngineBoot:
 
     @property
     def served_names(self) -> list[str]:
-        """Names the OpenAI routes answer to: the override first (it is what /v1/models lists
-        first), MODEL_NAME, and the local path of the snapshot (what clients of a baked model send).
-        """
-        s = self.settings
-        names = [s.openai_served_model_name_override, s.model_name or EMBEDDED_MODEL_NAME]
-        if self.model_dir is not None:
-            names.append(str(self.model_dir))
-        return list(dict.fromkeys(n for n in names if n))
+        return served_names(self.settings, self.model_dir)
 
     # ---- loading ---------------------------------------------------------------------------------
     def start(self, head_start_s: float = 0.0) -> "EngineBoot":

@@ -91,13 +91,12 @@ class EngineProcess:
 def start_message(args, log_level: str, baked_dir: str | None = None) -> dict:
     """warmup.start.StartArgs as JSON: secrets as their text (the socket is this pair's alone), the
     embedded demo model's locate as the two paths it needs."""
-    from cache.redact import secret_value
     from warmup.start import StartArgs
 
     data = {f.name: getattr(args, f.name) for f in dataclasses.fields(StartArgs)}
     locate = data.pop("locate")
     data["resolve_options"] = {
-        k: secret_value(v) if hasattr(v, "get_secret_value") else v
+        k: v.get_secret_value() if hasattr(v, "get_secret_value") else v
         for k, v in args.resolve_options.items()
     }
     if locate is not None:
@@ -111,8 +110,6 @@ class RemoteEngine:
     holds the engine's limits, stats_nowait() its latest counters."""
 
     def __init__(self, link: RemoteLink, tokenizer, facts: dict, stats: dict):
-        from engine.wire import stats_from_wire
-
         self._link = link
         self.tokenizer = tokenizer
         f = facts
@@ -124,7 +121,7 @@ class RemoteEngine:
                 model=f["model"], block_size=f["block_size"], max_num_seqs=f["max_num_seqs"]
             ),
         )
-        self._stats = stats_from_wire(stats)
+        self.take_stats(stats)
         self.eos_token_ids = set(f["eos_token_ids"])
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
@@ -215,10 +212,12 @@ class RemoteLink:
             self.writer.write(front_link.encode(msg))
 
     async def run(self) -> None:
+        import asyncio
+
         reader, self.writer = await front_link.connect(self.process.sock)
         while (msg := await front_link.receive(reader)) is not None:
             self._take(msg)
-        code = await _wait_exit(self.process.proc)
+        code = await asyncio.to_thread(self.process.proc.wait)
         if not self._closing:
             self._die(EngineGone(f"the engine's process exited (code {code})"))
 
@@ -257,12 +256,6 @@ class RemoteLink:
         """Tell the engine's process to stop (its requests end); it then exits."""
         self.send({"op": "shutdown"})
         self._closing = True
-
-
-async def _wait_exit(proc: subprocess.Popen) -> int:
-    import asyncio
-
-    return await asyncio.to_thread(proc.wait)
 
 
 class RemoteBoot:
@@ -343,13 +336,9 @@ class RemoteBoot:
 
     @property
     def served_names(self) -> list[str]:
-        s = self.settings
-        from handler.engine_boot import EMBEDDED_MODEL_NAME
+        from handler.engine_boot import served_names
 
-        names = [s.openai_served_model_name_override, s.model_name or EMBEDDED_MODEL_NAME]
-        if self.model_dir is not None:
-            names.append(self.model_dir)
-        return list(dict.fromkeys(n for n in names if n))
+        return served_names(self.settings, self.model_dir)
 
     def join_background(self, timeout: float) -> bool:
         """After shutdown: the engine's process ended (at most `timeout` s)."""

@@ -3,11 +3,11 @@ answering the server's process over one socket (handler.engine_link lists the me
 token ids and gives token ids: the server holds the tokenizer (EngineArgs.skip_tokenizer_init).
 
 `python -m handler.engine_process FD`, FD its end of the socket. It begins before the server has
-read its settings: the last start's weights, tokenizer and `import torch` first
-(warmup.start.head_start), then the start's arguments from the server, the rest of the start, and
-the requests. It imports no pydantic, no Starlette and no handler module but this one's link: the
-server's process does HTTP, the settings and the OpenAI routes beside it. SIGINT and SIGTERM are the
-server's to act on: this process ends when the server says so or its end of the socket closes.
+read its settings: the last start's weights and `import torch` first (warmup.start.head_start),
+then the start's arguments from the server, the rest of the start, and the requests. It imports no
+pydantic, no Starlette and no handler module but this one's link: the server's process does HTTP,
+the settings and the OpenAI routes beside it. SIGINT and SIGTERM are the server's to act on: this
+process ends when the server says so or its end of the socket closes.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from handler import front_link
 
 log = logging.getLogger(__name__)
 
-# The engine's start's name for its records (its start pages, its weight stream and tokenizer to
-# begin early: cache.early_stream): its own, as the files it opens are not the server's.
+# The engine's start's name for its records (its start pages; the weight stream it begins early and
+# the tokenizer the server loads early: cache.early_stream): its own, as the files it opens are not
+# the server's.
 ENTRY = "serve-engine"
 # how often the counters go to the server (while they change) and a dead engine is looked for
 STATS_EVERY_S = 0.1

@@ -393,13 +393,14 @@ async def _watch(boot: EngineBoot, server, app_server: OpenAIServer) -> None:
         await asyncio.sleep(WATCH_SECONDS)
         engine = boot.engine_now()
         if boot.failed is not None:
-            log.error("the model failed to load: %s: stopping the server", boot.failed)
-            server.engine_dead = True
-            server.should_exit = True
+            dead = f"the model failed to load: {boot.failed}"
         elif engine is not None and engine.errored is not None:
-            log.error("the engine is dead (%s): stopping the server", type(engine.errored).__name__)
-            server.engine_dead = True
-            server.should_exit = True
+            dead = f"the engine is dead ({type(engine.errored).__name__})"
+        else:
+            continue
+        log.error("%s: stopping the server", dead)
+        server.engine_dead = True
+        server.should_exit = True
     app_server.begin_drain()
 
 

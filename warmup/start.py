@@ -253,12 +253,16 @@ class EngineStart:
             self._streaming.set()
             self._entry_imported.set()
 
+    def _add_phase(self, phase: str, since: float) -> None:
+        """The time since `since`, added to `phase` (to the head start's time for it, if any)."""
+        self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - since
+
     def _timed(self, phase: str, fn, *args):
         t0 = time.perf_counter()
         try:
             return fn(*args)
-        finally:  # added to the head start's time for the same phase, if any
-            self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - t0
+        finally:
+            self._add_phase(phase, t0)
 
     def _resolve(self, role: str, ref: str, revision: str | None) -> Path:
         import cache
@@ -317,9 +321,7 @@ class EngineStart:
         from engine.device_warmup import begin_cublas, begin_triton
         from engine.models.weights import preload_weights  # torch and the config, no model code
 
-        self.phases["import_torch"] = self.phases.get("import_torch", 0.0) + (
-            time.perf_counter() - t_import
-        )
+        self._add_phase("import_torch", t_import)
         tokenizer = str(tokenizer_dir) if tokenizer_dir else None
         args = EngineArgs(
             model=str(self.model_dir), tokenizer=tokenizer, device=a.device, **a.engine_options
