@@ -3,9 +3,10 @@ transformers' from_pretrained + a one-token generate. (coldbrew itself is measur
 entry points.)
 
 `python bench/cold_start_child.py MODE MODEL_DIR PROMPT_LEN`, MODE: bare | bare-gc-off (the same
-with Python's cyclic GC off, as coldbrew's start runs) | hf. Prints one line,
-`RESULT {json}`, of wall-clock stamps (time.time()); the parent subtracts the moment it spawned this
-process.
+with Python's cyclic GC off, as coldbrew's start runs) | bare-gc-off-ctx (the same with the GPU's
+primary context begun on a thread before `import torch`, as coldbrew's start does) | hf. Prints
+one line, `RESULT {json}`, of wall-clock stamps (time.time()); the parent subtracts the moment it
+spawned this process.
 """
 
 import sys
@@ -16,17 +17,25 @@ import json  # noqa: E402
 import os  # noqa: E402
 
 MODE, MODEL_DIR, PROMPT_LEN = sys.argv[1], sys.argv[2], int(sys.argv[3])
-if MODE not in ("bare", "bare-gc-off", "hf"):
-    raise SystemExit(f"mode: {MODE!r} is not one of bare, bare-gc-off, hf")
+MODES = ("bare", "bare-gc-off", "bare-gc-off-ctx", "hf")
+if MODE not in MODES:
+    raise SystemExit(f"mode: {MODE!r} is not one of {', '.join(MODES)}")
 stamps: dict = {"main": T_MAIN}
-if MODE == "bare-gc-off":
+if MODE.startswith("bare-gc-off"):
     import gc
 
     gc.disable()
+if MODE == "bare-gc-off-ctx":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from cache import cuda_driver
+
+    cuda_driver.begin_primary_context(0)
 
 import torch  # noqa: E402
 
 stamps["import_torch"] = time.time()
+if MODE == "bare-gc-off-ctx":
+    cuda_driver.primary_context(0)
 torch.zeros(1, device="cuda")
 torch.cuda.synchronize()
 stamps["cuda_init"] = time.time()

@@ -11,6 +11,11 @@ in turn within each round so that drift hits them alike:
   sdk                a second interpreter importing the RunPod SDK (`import runpod`, with its CPU
                      probe), started with the child
   stream 16 + sdk    both
+  GC off             alone, Python's cyclic GC off (as the start holds it)
+  GC off ctx         the same with the GPU's primary context begun on a thread before `import torch`
+                     (as the start does: cache.cuda_driver)
+  GC off ctx stream 16
+                     and the device stream beside it (the engine's process of `serve`)
 
 Prints one table (median and spread per condition) and writes OUT/start_overlap.json.
 """
@@ -32,11 +37,12 @@ REPO = Path(__file__).resolve().parent.parent
 CHILD = REPO / "bench" / "cold_start_child.py"
 
 
-def bare_child() -> dict:
-    """One bare child: its import_torch and cuda_init stamps, seconds from its spawn."""
+def bare_child(mode: str = "bare") -> dict:
+    """One bare child (bench/cold_start_child.py's `mode`): its import_torch and cuda_init stamps,
+    seconds from its spawn."""
     spawned = time.time()
     out = subprocess.run(
-        [sys.executable, str(CHILD), "bare", "-", "1"],
+        [sys.executable, str(CHILD), mode, "-", "1"],
         cwd=REPO,
         env=child_env(),
         capture_output=True,
@@ -57,8 +63,8 @@ def run_condition(name: str, pack: str) -> dict:
     stream = sdk = None
     side: dict = {}
     t0 = time.perf_counter()
-    if name.startswith("stream"):
-        threads = int(name.split()[1])
+    if "stream" in name:
+        threads = int(name.split("stream ")[1].split()[0])
         stream = device_stream.start(pack, "cuda:0", threads=threads)
     if name.endswith("sdk"):
         sdk = subprocess.Popen(
@@ -68,7 +74,8 @@ def run_condition(name: str, pack: str) -> dict:
             stdin=subprocess.DEVNULL,
         )
     try:
-        stamps = bare_child()
+        mode = "bare-gc-off-ctx" if "ctx" in name else "bare-gc-off" if "GC off" in name else "bare"
+        stamps = bare_child(mode)
     finally:
         if stream is not None:
             try:
@@ -91,12 +98,17 @@ def main() -> None:
     )
     ap.add_argument("--pack", required=True, help="a .cbpack file (page cache warmed first)")
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument(
+        "--conditions",
+        default="alone,stream 16,stream 4,sdk,stream 16 + sdk",
+        help="comma-separated, from the list above; the first is the reference",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     args = ap.parse_args()
     with open(args.pack, "rb") as f:  # warm: the conditions compare CPU and memory, not the disk
         while f.read(64 << 20):
             pass
-    conditions = ["alone", "stream 16", "stream 4", "sdk", "stream 16 + sdk"]
+    conditions = args.conditions.split(",")
     runs: dict[str, list[dict]] = {c: [] for c in conditions}
     bare_child()  # the first interpreter of a fresh machine pays for its pages: not counted
     for i in range(args.runs):
@@ -112,11 +124,15 @@ def main() -> None:
             "max_s": max(walls),
             "median_import_torch_s": statistics.median(r["import_torch_s"] for r in rs),
         }
-    base = summary["alone"]["median_to_cuda_s"]
-    print(f"\n{'condition':<18} {'torch+CUDA':>11} {'vs alone':>9} {'min':>7} {'max':>7}")
+    base = summary[conditions[0]]["median_to_cuda_s"]
+    head = f"{'torch':>7} {'torch+CUDA':>11} {'vs first':>9} {'min':>7} {'max':>7}"
+    print(f"\n{'condition':<24} {head}")
     for c, s in summary.items():
-        m = s["median_to_cuda_s"]
-        print(f"{c:<18} {m:>10.2f}s {m - base:>+8.2f}s {s['min_s']:>6.2f}s {s['max_s']:>6.2f}s")
+        m, t = s["median_to_cuda_s"], s["median_import_torch_s"]
+        print(
+            f"{c:<24} {t:>6.2f}s {m:>10.2f}s {m - base:>+8.2f}s {s['min_s']:>6.2f}s "
+            f"{s['max_s']:>6.2f}s"
+        )
     import torch  # only to name the device in the record
 
     os.makedirs(args.out, exist_ok=True)

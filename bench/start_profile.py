@@ -9,7 +9,8 @@
             hide under torch's import (it can where that import gives up the interpreter's lock).
   profiles  warm starts (with --dropped, page cache dropped before each) of the real entry
             points (bench.cold_start.run_entry) under
-            `py-spy record --threads --idle --nonblocking`: each thread's samples summarised as
+            `py-spy record --threads --idle --nonblocking --subprocesses` (serve's engine process
+            and the stream process included): each thread's samples summarised as
             a sequence of segments (the deepest frame of this repo, and the library frame it
             called), so that each phase of the ready line shows what it spent. The speedscope
             files go to OUT/profiles/.
@@ -191,6 +192,7 @@ def profile_runs(args, out_dir: str) -> list[dict]:
 
             def attach(pid: int, path: str = path) -> None:
                 cmd = [spy, "record", "--pid", str(pid), "--threads", "--idle", "--nonblocking"]
+                cmd += ["--subprocesses"]  # serve's engine process, the stream process
                 cmd += ["-r", str(args.rate), "--format", "speedscope", "-o", path]
                 # a session of its own: the entry's group is stopped with SIGTERM, which would end
                 # py-spy before it writes; it stops by itself once the process exits

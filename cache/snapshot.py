@@ -19,9 +19,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
-from filelock import FileLock, Timeout
+if TYPE_CHECKING:
+    from filelock import FileLock
+
 
 log = logging.getLogger(__name__)
 
@@ -236,6 +239,10 @@ class SnapshotStore:
         return None
 
     def lock(self, key: str, revision: str) -> FileLock:
+        """The build's lock of (key, revision); a start that finds its snapshot never imports
+        filelock."""
+        from filelock import FileLock
+
         path = self.root / ".locks" / f"{_safe(key)}@{_safe(revision)}.lock"
         path.parent.mkdir(parents=True, exist_ok=True)
         return FileLock(str(path))
@@ -270,6 +277,8 @@ class SnapshotStore:
         final = self.path(key, revision)
         if check_snapshot(final, verify) is None:
             return final
+        from filelock import Timeout
+
         lock = self.lock(key, revision)
         try:
             lock.acquire(timeout=0)

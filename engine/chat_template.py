@@ -101,6 +101,16 @@ def _compile(source: str) -> jinja2.Template:
         raise ValueError(f"chat template does not compile: {e.message} (line {e.lineno})") from e
 
 
+def prepare(source: str) -> None:
+    """Compile and analyse `source` now, as render_chat's first use would (both kept by source); a
+    template that does not compile is left for render_chat to report."""
+    try:
+        _compile(source)
+        _template_iterates_content(source)
+    except (ValueError, jinja2.TemplateError):
+        pass
+
+
 def _is_content_access(node: jinja2.nodes.Node) -> bool:
     """True for `x['content']` or `x.content`, looking through filters such as
     `x['content'] | selectattr(...)`."""

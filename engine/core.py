@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import random
 import threading
 import time
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
@@ -32,7 +31,9 @@ from engine.sampling import SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Request, Sequence, SequenceStatus
-from engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # the engine without a tokenizer (skip_tokenizer_init) never loads one
+    from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -173,13 +174,15 @@ class EngineCore:
         return self._read_tokenizer()
 
     def _read_tokenizer(self) -> Tokenizer | None:
+        from engine.tokenizer import load_if_present
+
         path = self.args.tokenizer or self.args.model
-        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        tokenizer = load_if_present(path, self.args.chat_template)
+        if tokenizer is None:
             log.warning(
                 "no tokenizer.json in %s: prompts must be token ids and outputs carry no text", path
             )
-            return None
-        return Tokenizer.from_dir(path, chat_template=self.args.chat_template)
+        return tokenizer
 
     # ---- requests
     # ------------------------------------------------------------------------------------------

@@ -4,7 +4,10 @@ strings and never shows part of a stop string or of a character split across byt
 
 from __future__ import annotations
 
-from engine.tokenizer import Tokenizer
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the engine without a tokenizer (skip_tokenizer_init) never loads one
+    from engine.tokenizer import Tokenizer
 
 _REPLACEMENT_CHAR = "\ufffd"  # what an incomplete UTF-8 sequence decodes to
 # A character needs at most 4 byte tokens; tokens held longer than this can only be garbage, and are

@@ -52,7 +52,7 @@ class KVCacheManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks, least recently used first. Cached blocks are evicted from the front when
         # handed out again.
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, int] = {}
         self.queried_tokens = 0
         self.hit_tokens = 0

@@ -16,12 +16,15 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 from engine.config import EngineArgs
 from engine.core import EngineCore, EngineStats, PromptType, RequestFailed
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # the engine without a tokenizer (skip_tokenizer_init) never loads one
+    from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

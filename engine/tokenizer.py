@@ -11,7 +11,13 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer as _RawTokenizer
 
-from engine.chat_template import load_templates, read_json, render_chat, template_from_argument
+from engine.chat_template import (
+    load_templates,
+    prepare,
+    read_json,
+    render_chat,
+    template_from_argument,
+)
 
 # The named special tokens transformers passes to every chat template (its
 # SPECIAL_TOKENS_ATTRIBUTES).
@@ -215,6 +221,12 @@ class Tokenizer:
         """The default chat template source, or None."""
         return self._templates.get("default") if "default" in self._templates else None
 
+    def prepare_chat_templates(self) -> None:
+        """Compile the model's chat templates now (engine.chat_template.prepare), so that the first
+        chat request does not."""
+        for source in self._templates.values():
+            prepare(source)
+
     def get_chat_template(
         self, chat_template: str | None = None, tools: list[dict] | None = None
     ) -> str:
@@ -315,6 +327,14 @@ def preload(path: str, chat_template: str | None = None) -> bool:
         return False
     _preloaded[_preload_key(path, chat_template)] = tokenizer
     return True
+
+
+def load_if_present(path: str, chat_template: str | None = None) -> Tokenizer | None:
+    """Tokenizer.from_dir(path, chat_template), or None where `path` has no tokenizer.json (a model
+    served by token ids alone)."""
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return None
+    return Tokenizer.from_dir(path, chat_template)
 
 
 def discard_preload(path: str, chat_template: str | None = None) -> None:

@@ -42,6 +42,15 @@ from handler import front_link
 from handler.engine_process import ENTRY
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# What the first request would otherwise import here, between the engine's ready and its first
+# token: the wire and the outputs' text (engine.output_text), and Starlette's streaming response's
+# anyio backend. The server's process imports them while the engine's process still starts.
+REQUEST_PATH_MODULES = (
+    "engine.outputs",
+    "engine.wire",
+    "engine.output_text",
+    "anyio._backends._asyncio",
+)
 
 
 class EngineGone(RuntimeError):
@@ -281,25 +290,34 @@ class RemoteBoot:
         self._reading = None  # the task reading the engine's process, once started
         self._guess = None  # (directory, template) of the tokenizer loaded on a guess, its thread
         process.send_start(self.args, settings.log_level, settings.baked_model_dir)
-        self._begin_tokenizer_guess()
+        self._begin_request_path()
 
-    def _begin_tokenizer_guess(self) -> None:
-        """This process's tokenizer loaded on the engine's guess (cache.early_stream), on a thread,
-        while the settings' work goes on; the resolved one takes it if the guess was right."""
+    def _begin_request_path(self) -> None:
+        """On a thread, while the settings' work goes on: this process's tokenizer loaded on the
+        engine's guess (cache.early_stream; the resolved one takes it if the guess was right), then
+        the first request's imports (REQUEST_PATH_MODULES)."""
         import threading
 
         from cache import early_stream
 
         hint = early_stream.tokenizer_hint(ENTRY)
-        if hint is not None:
 
-            def load() -> None:
+        def load() -> None:
+            import importlib
+
+            if hint is not None:
                 from engine.tokenizer import preload
 
                 preload(*hint)
+            for module in REQUEST_PATH_MODULES:
+                try:
+                    importlib.import_module(module)
+                except ImportError:  # another anyio's layout: the first request imports its own
+                    pass
 
-            thread = threading.Thread(target=load, name="coldbrew-tokenizer", daemon=True)
-            thread.start()
+        thread = threading.Thread(target=load, name="coldbrew-tokenizer", daemon=True)
+        thread.start()
+        if hint is not None:
             self._guess = (hint, thread)
 
     # ---- EngineBoot's face -----------------------------------------------------------------------
@@ -390,17 +408,18 @@ class RemoteBoot:
 
 def _load_tokenizer(path: str, chat_template: str | None, guess: tuple | None):
     """The tokenizer as the engine loads it (engine.core), taking the one loaded on `guess` (its
-    arguments, its thread) if that was right and dropping it if not; None without a tokenizer.json.
-    """
-    from engine.tokenizer import Tokenizer, discard_preload
+    arguments, its thread) if that was right and dropping it if not, its chat templates compiled;
+    None without a tokenizer.json."""
+    from engine.tokenizer import discard_preload, load_if_present
 
     if guess is not None:
         guess[1].join()
         guess = guess[0]
     try:
-        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-            return None
-        return Tokenizer.from_dir(path, chat_template=chat_template)
+        tokenizer = load_if_present(path, chat_template)
     finally:
         if guess is not None:
             discard_preload(*guess)  # nothing, when from_dir took it
+    if tokenizer is not None:  # the first chat request's compile, while the engine still starts
+        tokenizer.prepare_chat_templates()
+    return tokenizer

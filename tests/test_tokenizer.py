@@ -533,6 +533,21 @@ def test_parts_template_gets_content_parts(tok, hf):
     assert ours == ref and "(look)(here)" in ours
 
 
+def test_a_template_prepared_ahead_renders_alike_and_a_broken_one_fails_at_render(tok, smollm2_dir):
+    """Tokenizer.prepare_chat_templates compiles ahead (the server does while its engine starts):
+    the rendering is the same, and a template that does not compile still fails only where it is
+    rendered, with the same error."""
+    messages = CONVERSATIONS["user_only"]
+    before = tok.apply_chat_template(messages, add_generation_prompt=True)
+    fresh = Tokenizer.from_dir(smollm2_dir)
+    fresh.prepare_chat_templates()
+    assert fresh.apply_chat_template(messages, add_generation_prompt=True) == before
+    broken = Tokenizer.from_dir(smollm2_dir, chat_template="{% for x in %}")
+    broken.prepare_chat_templates()  # does not raise
+    with pytest.raises(ValueError, match="does not compile"):
+        broken.apply_chat_template(messages)
+
+
 def test_template_errors_become_value_errors(tok):
     with pytest.raises(ValueError, match="does not compile"):
         tok.apply_chat_template(CONVERSATIONS["user_only"], chat_template="{% for x in %}")
