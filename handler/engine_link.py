@@ -31,17 +31,13 @@ tokenizer's load is off the engine's way to its first token.
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
 import subprocess
-import sys
 from contextlib import nullcontext
 from types import SimpleNamespace
 
 from handler import front_link
 from handler.engine_process import ENTRY
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What the first request would otherwise import here, between the engine's ready and its first
 # token: the wire and the outputs' text (engine.output_text), and Starlette's streaming response's
 # anyio backend. The server's process imports them while the engine's process still starts.
@@ -77,17 +73,7 @@ class EngineProcess:
     """The engine's process, started with this process's environment; `sock` is the server's end."""
 
     def __init__(self) -> None:
-        self.sock, theirs = socket.socketpair()
-        env = dict(
-            os.environ,
-            PYTHONPATH=os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")])),
-        )
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "handler.engine_process", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),),
-            env=env,
-        )
-        theirs.close()
+        self.sock, self.proc = front_link.spawn("handler.engine_process")
 
     def send_start(self, args, log_level: str, baked_dir: str | None) -> None:
         self.sock.sendall(front_link.encode(start_message(args, log_level, baked_dir)))

@@ -1,6 +1,7 @@
 """The link between the RunPod worker and the SDK's own process (handler.sdk_front): how the worker
 starts that process, and the messages they exchange. Standard library only: both processes import
-this first thing.
+this first thing. The server and its engine's process (handler.engine_link,
+handler.engine_process) are started and speak the same way (spawn, encode, receive, read_first).
 
 The worker starts the SDK's process at process start, before its settings, so that the SDK's import
 runs beside the engine's start. One Unix socket joins them; each message is one JSON object on one
@@ -66,22 +67,29 @@ def read_first(sock: socket.socket) -> dict | None:
     return json.loads(data)
 
 
+def spawn(module: str, *argv: str) -> tuple[socket.socket, subprocess.Popen]:
+    """`python -m module FD *argv` with this process's environment (this repo first on its path),
+    FD its end of a new socket pair: (this end, the process)."""
+    ours, theirs = socket.socketpair()
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")])),
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, str(theirs.fileno()), *argv],
+        pass_fds=(theirs.fileno(),),
+        stdin=subprocess.DEVNULL,
+        env=env,
+    )
+    theirs.close()
+    return ours, proc
+
+
 class SdkProcess:
     """The SDK's process, started by the worker with its own flags; `sock` is the worker's end."""
 
     def __init__(self, argv: list[str]):
-        self.sock, theirs = socket.socketpair()
-        env = dict(
-            os.environ,
-            PYTHONPATH=os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")])),
-        )
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "handler.sdk_front", str(theirs.fileno()), *argv],
-            pass_fds=(theirs.fileno(),),
-            stdin=subprocess.DEVNULL,
-            env=env,
-        )
-        theirs.close()
+        self.sock, self.proc = spawn("handler.sdk_front", *argv)
         self.configured = False
 
     def configure(self, log_level: str, concurrency: int) -> None:
